@@ -1,0 +1,3 @@
+"""mps-exporter: Prometheus exporter for NVIDIA MPS."""
+
+__version__ = "0.1.0"

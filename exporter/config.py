@@ -1,0 +1,202 @@
+"""All configuration in one place: flags, the YAML config file, defaults.
+
+Flags follow Prometheus exporter conventions (`--web.listen-address`,
+`--collector.<name>` / `--no-collector.<name>`, `--log.level`). A bad flag or
+config file ends the program with one clear line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import yaml
+
+# Port 10138: the 9100-9999 block of Prometheus' default port allocations is
+# full; new exporters are allocated from 10000 up, and 10138 is not listed there.
+DEFAULT_PORT = 10138
+DEFAULT_LISTEN = f":{DEFAULT_PORT}"
+
+DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+DEFAULT_LOG_DIRECTORY = "/var/log/nvidia-mps"
+DEFAULT_DAEMON_NAME = "default"
+
+# DCGM puts its Python bindings here: 3.x, then 4.x (datacenter-gpu-manager-4).
+DEFAULT_DCGM_BINDINGS = (
+    "/usr/local/dcgm/bindings/python3",
+    "/usr/share/datacenter-gpu-manager-4/bindings/python3",
+)
+
+# Collector name -> enabled by default. "auto": on if its library imports.
+COLLECTORS: Dict[str, object] = {
+    "nvml": True,
+    "dcgm": "auto",
+    "control": True,
+    "proc": True,
+    "logs": True,
+}
+
+
+@dataclass
+class DaemonConfig:
+    name: str
+    pipe_directory: str
+    log_directory: str
+
+
+@dataclass
+class Config:
+    listen_address: str = DEFAULT_LISTEN
+    telemetry_path: str = "/metrics"
+    web_config_file: Optional[str] = None
+    collectors: Dict[str, object] = field(default_factory=lambda: dict(COLLECTORS))
+    daemons: List[DaemonConfig] = field(default_factory=list)
+    control_binary: str = "nvidia-cuda-mps-control"
+    command_timeout: float = 2.0
+    # Server facts (thread percentage, pinned limits) and daemon defaults change
+    # only through set_* commands; re-read them at most this often.
+    facts_refresh_seconds: float = 60.0
+    procfs: str = "/proc"
+    dcgm_bindings: Sequence[str] = DEFAULT_DCGM_BINDINGS
+    state_file: Optional[str] = None
+    log_timezone: str = "local"
+    log_level: str = "info"
+    log_format: str = "logfmt"
+
+    def enabled(self, collector: str) -> bool:
+        return self.collectors.get(collector) is not False
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one clear line, exit 2
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+class ConfigError(Exception):
+    pass
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    env_pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY
+    env_log = os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIRECTORY
+    p.add_argument("--mps.pipe-directory", dest="pipe_directory", default=env_pipe,
+                   help=f"pipe directory of the MPS control daemon (default: $CUDA_MPS_PIPE_DIRECTORY or {DEFAULT_PIPE_DIRECTORY})")
+    p.add_argument("--mps.log-directory", dest="log_directory", default=env_log,
+                   help=f"log directory of the MPS control daemon (default: $CUDA_MPS_LOG_DIRECTORY or {DEFAULT_LOG_DIRECTORY})")
+    p.add_argument("--mps.control-binary", dest="control_binary", default="nvidia-cuda-mps-control",
+                   help="the nvidia-cuda-mps-control program")
+    p.add_argument("--mps.command-timeout", dest="command_timeout", type=float, default=2.0,
+                   help="seconds one control command may take before it is killed (default 2)")
+    p.add_argument("--mps.facts-refresh", dest="facts_refresh_seconds", type=float, default=60.0,
+                   help="seconds between re-reads of per-server limits and daemon defaults (default 60)")
+    p.add_argument("--mps.state-file", dest="state_file", default=None,
+                   help="file where the log follower keeps offsets and counters across restarts")
+    p.add_argument("--mps.log-timezone", dest="log_timezone", default="local",
+                   help="time zone of MPS log timestamps, an IANA name or 'local' (default local)")
+    p.add_argument("--config.file", dest="config_file", default=None,
+                   help="YAML file listing several control daemons (name, pipe_directory, log_directory)")
+    p.add_argument("--path.procfs", dest="procfs", default="/proc", help="procfs mount point (default /proc)")
+    p.add_argument("--dcgm.bindings-path", dest="dcgm_bindings", action="append", default=None,
+                   help="directory holding DCGM's Python bindings (repeatable; default: the DCGM 3.x and 4.x install paths)")
+    p.add_argument("--log.level", dest="log_level", default="info", choices=["debug", "info", "warn", "error"])
+    p.add_argument("--log.format", dest="log_format", default="logfmt", choices=["logfmt", "json"])
+    for name, default in COLLECTORS.items():
+        p.add_argument(f"--collector.{name}", dest=f"collector_{name}", action="store_true", default=None,
+                       help=f"enable the {name} collector (default: {'on' if default is True else default})")
+        p.add_argument(f"--no-collector.{name}", dest=f"collector_{name}", action="store_false",
+                       help=f"disable the {name} collector")
+
+
+def _add_web(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--web.listen-address", dest="listen_address", default=DEFAULT_LISTEN,
+                   help=f"address to listen on (default {DEFAULT_LISTEN})")
+    p.add_argument("--web.telemetry-path", dest="telemetry_path", default="/metrics",
+                   help="path under which to expose metrics (default /metrics)")
+    p.add_argument("--web.config.file", dest="web_config_file", default=None,
+                   help="exporter-toolkit web config: TLS and basic auth")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mps-exporter", description="Prometheus exporter for NVIDIA MPS.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    serve = sub.add_parser("serve", help="serve /metrics (the default)")
+    _add_common(serve)
+    _add_web(serve)
+    dump = sub.add_parser("dump", help="run every enabled collector once, print the exposition, exit")
+    _add_common(dump)
+    sub.add_parser("metrics", help="print the metric contract as a Markdown table")
+    return parser
+
+
+def load_daemons_file(path: str) -> List[DaemonConfig]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("daemons"), list) or not doc["daemons"]:
+        raise ConfigError(f"config file {path}: expected a non-empty list under 'daemons'")
+    daemons, seen = [], set()
+    for i, entry in enumerate(doc["daemons"]):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"config file {path}: daemons[{i}] must be a mapping")
+        unknown = set(entry) - {"name", "pipe_directory", "log_directory"}
+        if unknown:
+            raise ConfigError(f"config file {path}: daemons[{i}] has unknown keys {sorted(unknown)}")
+        name = entry.get("name")
+        pipe = entry.get("pipe_directory")
+        if not isinstance(name, str) or not name or not isinstance(pipe, str) or not pipe:
+            raise ConfigError(f"config file {path}: daemons[{i}] needs 'name' and 'pipe_directory'")
+        if name in seen:
+            raise ConfigError(f"config file {path}: daemon name {name!r} appears twice")
+        seen.add(name)
+        daemons.append(DaemonConfig(name, pipe, entry.get("log_directory") or DEFAULT_LOG_DIRECTORY))
+    return daemons
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> "tuple[str, Config]":
+    """Returns (command, config). Exits 2 with one line on any error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "serve")
+    ns = parser.parse_args(argv)
+    command = ns.command
+    cfg = Config()
+    if command == "metrics":
+        return command, cfg
+    for key in ("control_binary", "command_timeout", "facts_refresh_seconds", "state_file",
+                "log_timezone", "procfs", "log_level", "log_format"):
+        setattr(cfg, key, getattr(ns, key))
+    if getattr(ns, "listen_address", None) is not None:
+        cfg.listen_address = ns.listen_address
+        cfg.telemetry_path = ns.telemetry_path
+        cfg.web_config_file = ns.web_config_file
+        if not cfg.telemetry_path.startswith("/"):
+            parser.error(f"--web.telemetry-path must start with '/': {cfg.telemetry_path!r}")
+    if ns.dcgm_bindings:
+        cfg.dcgm_bindings = tuple(ns.dcgm_bindings)
+    for name in COLLECTORS:
+        value = getattr(ns, f"collector_{name}")
+        if value is not None:
+            cfg.collectors[name] = value
+    if cfg.command_timeout <= 0:
+        parser.error("--mps.command-timeout must be positive")
+    try:
+        if ns.config_file:
+            cfg.daemons = load_daemons_file(ns.config_file)
+        else:
+            cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, ns.pipe_directory, ns.log_directory)]
+        if cfg.web_config_file:
+            from .web import load_web_config  # validated at start-up, not at first request
+
+            load_web_config(cfg.web_config_file)
+    except ConfigError as e:
+        parser.error(str(e))
+    return command, cfg

@@ -1,0 +1,90 @@
+"""Build fresh metric families for one scrape, checked against the contract.
+
+Usage in a collector:
+
+    out = FamilyBuilder()
+    out.add("mps_gpu_up", 1, gpu="0", uuid="GPU-...")
+    out.add_histogram("mps_client_queue_wait_seconds", counts, total, daemon="default", reason="user_switch")
+    return out.families()
+
+A family appears in the output only if at least one sample was added. `None`
+values are skipped (the series is absent, never a made-up number).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
+
+from .contract import COUNTER, HISTOGRAM, METRICS, MetricSpec
+
+
+class ContractError(ValueError):
+    """A sample does not match the metric contract (a programming error)."""
+
+
+def _family_name(spec: MetricSpec) -> str:
+    # client_python wants counter families named without the _total suffix.
+    if spec.type == COUNTER and spec.name.endswith("_total"):
+        return spec.name[: -len("_total")]
+    return spec.name
+
+
+def _label_values(spec: MetricSpec, labels: Dict[str, object]) -> Dict[str, str]:
+    if set(labels) != set(spec.labels):
+        raise ContractError(f"{spec.name}: labels {sorted(labels)} != contract {sorted(spec.labels)}")
+    return {k: "" if labels[k] is None else str(labels[k]) for k in spec.labels}
+
+
+class FamilyBuilder:
+    def __init__(self) -> None:
+        self._families: Dict[str, Metric] = {}
+
+    def _family(self, name: str) -> Tuple[MetricSpec, Metric]:
+        spec = METRICS.get(name)
+        if spec is None:
+            raise ContractError(f"{name} is not in the metric contract")
+        fam = self._families.get(name)
+        if fam is None:
+            fam = Metric(_family_name(spec), spec.help, spec.type)
+            self._families[name] = fam
+        return spec, fam
+
+    def add(self, name: str, value: Optional[float], **labels: object) -> None:
+        if value is None:
+            return
+        spec, fam = self._family(name)
+        if spec.type == HISTOGRAM:
+            raise ContractError(f"{name} is a histogram: use add_histogram")
+        value = float(value)
+        if math.isnan(value):
+            return
+        fam.samples.append(Sample(spec.name, _label_values(spec, labels), value, None))
+
+    def add_histogram(self, name: str, bucket_counts: Sequence[Tuple[float, float]], total: float, **labels: object) -> None:
+        """bucket_counts: (upper bound, cumulative count) pairs ending with +Inf."""
+        spec, fam = self._family(name)
+        if spec.type != HISTOGRAM:
+            raise ContractError(f"{name} is not a histogram")
+        base = _label_values(spec, labels)
+        count = 0.0
+        for bound, cumulative in bucket_counts:
+            le = "+Inf" if math.isinf(bound) else _format_le(bound)
+            fam.samples.append(Sample(spec.name + "_bucket", {**base, "le": le}, float(cumulative), None))
+            count = float(cumulative)
+        fam.samples.append(Sample(spec.name + "_count", base, count, None))
+        fam.samples.append(Sample(spec.name + "_sum", base, float(total), None))
+
+    def families(self) -> List[Metric]:
+        return [f for f in self._families.values() if f.samples]
+
+    def names(self) -> Iterable[str]:
+        return [n for n, f in self._families.items() if f.samples]
+
+
+def _format_le(bound: float) -> str:
+    # Same spelling client_python uses for its own histograms ("0.05", "1.0").
+    return repr(float(bound))

@@ -1,0 +1,103 @@
+"""Plain data the sources return and the collector joins.
+
+Sources turn their library's answers into these types; nothing downstream
+touches pynvml, subprocess or /proc. Replay and tests build them from recorded
+data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+# ---------------------------------------------------------------- NVML / DCGM
+@dataclass
+class ProcessMemory:
+    pid: int
+    used_bytes: Optional[int]  # None where NVML cannot tell (NVML_VALUE_NOT_AVAILABLE)
+
+
+@dataclass
+class ProcessUtilization:
+    pid: int
+    sm_ratio: float  # 0..1
+    timestamp_us: int  # NVML sample time, microseconds
+
+
+@dataclass
+class GpuReading:
+    index: int
+    uuid: str
+    up: bool  # False: NVML failed for this GPU in this scrape (the other fields may be empty)
+    name: str = ""
+    compute_mode: str = ""  # default, exclusive_process, prohibited, ...
+    mig_enabled: bool = False
+    memory_total_bytes: Optional[int] = None
+    memory_used_bytes: Optional[int] = None
+    utilization_ratio: Optional[float] = None
+    memory_utilization_ratio: Optional[float] = None
+    power_watts: Optional[float] = None
+    temperature_celsius: Optional[float] = None
+    compute_processes: List[ProcessMemory] = field(default_factory=list)
+    mps_clients: List[ProcessMemory] = field(default_factory=list)
+    process_utilization: List[ProcessUtilization] = field(default_factory=list)
+    # keys: sm_active, sm_occupancy, tensor_active, dram_active (ratios 0..1);
+    # filled from NVML GPM or, when available, DCGM (which wins).
+    activity: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class NvmlReading:
+    driver_version: str
+    gpus: List[GpuReading]
+
+
+# ------------------------------------------------------------- control daemon
+@dataclass
+class PsEntry:
+    """One row of the control daemon's `ps`."""
+
+    pid: int
+    client_id: int
+    server_pid: int
+    device: str  # UUID prefix as `ps` prints it, e.g. GPU-a20825ef-ef8f-4f37
+    namespace: str
+    command: str
+
+
+@dataclass
+class ServerFacts:
+    pid: int
+    status: Optional[str]  # ACTIVE, INITIALIZING, FAULT; None if the daemon did not say
+    active_thread_percentage: Optional[float] = None
+    pinned_limits: Dict[int, int] = field(default_factory=dict)  # MPS device ordinal -> bytes
+
+
+@dataclass
+class DaemonReading:
+    name: str
+    up: bool
+    pipe_directory: str
+    log_directory: str
+    version: str = ""
+    default_active_thread_percentage: Optional[float] = None
+    default_pinned_limits: Dict[int, int] = field(default_factory=dict)
+    servers: List[ServerFacts] = field(default_factory=list)
+    clients: List[PsEntry] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------- /proc
+@dataclass
+class ProcessFacts:
+    pid: int
+    uid: Optional[int] = None
+    user: str = ""
+    command: str = ""
+    start_time_seconds: Optional[float] = None
+    container_id: str = ""
+    pod_uid: str = ""
+    # Only the three MPS variables are ever kept from /proc/PID/environ.
+    env_active_thread_percentage: Optional[float] = None
+    env_pinned_limits: Dict[int, int] = field(default_factory=dict)  # device ordinal -> bytes
+    env_client_priority: Optional[int] = None
