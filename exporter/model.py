@@ -85,6 +85,9 @@ class DaemonReading:
     default_pinned_limits: Dict[int, int] = field(default_factory=dict)
     servers: List[ServerFacts] = field(default_factory=list)
     clients: List[PsEntry] = field(default_factory=list)
+    # Set when the daemon could not be read for a reason other than "not
+    # running" (timeout, missing binary, unparsable reply): the collector fails.
+    error: Optional[str] = None
 
 
 # ------------------------------------------------------------------- /proc

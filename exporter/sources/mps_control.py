@@ -1,0 +1,299 @@
+"""The MPS control daemon: read-only commands through `nvidia-cuda-mps-control`.
+
+Each command is one process (`echo CMD | nvidia-cuda-mps-control`) that costs
+about 2 ms and writes about five lines into control.log, so a scrape sends few:
+`get_server_list`, `ps` and one `get_server_status` per server. Per-server
+limits and the daemon defaults change only through `set_*` commands, so they
+are read when a server first appears and then at most every
+`facts_refresh_seconds`.
+
+The exporter never changes MPS: `ControlClient` sends only the verbs in
+`READ_ONLY_COMMANDS`, with numeric arguments, one command per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..config import DaemonConfig
+from ..model import DaemonReading, PsEntry, ServerFacts
+from ..units import parse_size
+
+log = logging.getLogger(__name__)
+
+# verb -> number of numeric arguments it takes. Nothing else is ever sent.
+READ_ONLY_COMMANDS: Dict[str, int] = {
+    "get_server_list": 0,
+    "ps": 0,
+    "get_server_status": 1,  # <server pid>
+    "get_client_list": 1,  # <server pid>
+    "get_active_thread_percentage": 1,  # <server pid>
+    "get_device_pinned_mem_limit": 2,  # <server pid> <device>
+    "get_default_active_thread_percentage": 0,
+    "get_default_device_pinned_mem_limit": 1,  # <device>
+    "get_device_client_list": 0,
+}
+
+_NUMBER = re.compile(r"^[0-9]{1,10}$")
+NO_DAEMON = "Cannot find MPS control daemon process"
+
+
+class ControlError(Exception):
+    """The daemon could not be asked or gave an answer we cannot read."""
+
+
+class CommandNotAllowed(ControlError):
+    """A command outside the read-only allowlist was about to be sent."""
+
+
+class DaemonNotRunning(ControlError):
+    pass
+
+
+class ServerNotFound(ControlError):
+    """The server named in the command is gone (it exited between two commands)."""
+
+
+# ------------------------------------------------------------------ parsers
+def _lines(text: str) -> List[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def check_reply(text: str) -> str:
+    """Raise on the daemon's error replies; return the text otherwise."""
+    lines = _lines(text)
+    if lines and lines[0] == NO_DAEMON:
+        raise DaemonNotRunning(NO_DAEMON)
+    if lines and re.match(r"^Server \d+ not found$", lines[0]):
+        raise ServerNotFound(lines[0])
+    if lines and lines[0].startswith("Unknown command"):
+        raise ControlError(lines[0])
+    return text
+
+
+def parse_pid_list(text: str) -> List[int]:
+    """`get_server_list` / `get_client_list`: one PID per line, none when empty."""
+    pids = []
+    for line in _lines(check_reply(text)):
+        if not _NUMBER.match(line):
+            raise ControlError(f"unexpected line in PID list: {line[:80]!r}")
+        pids.append(int(line))
+    return pids
+
+
+PS_HEADER = ("PID", "ID", "SERVER", "DEVICE", "NAMESPACE", "COMMAND")
+
+
+def parse_ps(text: str) -> List[PsEntry]:
+    """`ps`: a header, then PID ID SERVER DEVICE NAMESPACE COMMAND per client."""
+    lines = _lines(check_reply(text))
+    if not lines:
+        return []
+    if tuple(lines[0].split()) != PS_HEADER:
+        raise ControlError(f"unexpected ps header: {lines[0][:80]!r}")
+    entries = []
+    for line in lines[1:]:
+        cols = line.split(None, 5)
+        if len(cols) < 5 or not all(_NUMBER.match(c) for c in (cols[0], cols[1], cols[2])):
+            raise ControlError(f"unexpected ps row: {line[:80]!r}")
+        entries.append(PsEntry(pid=int(cols[0]), client_id=int(cols[1]), server_pid=int(cols[2]),
+                               device=cols[3], namespace=cols[4], command=cols[5] if len(cols) > 5 else ""))
+    return entries
+
+
+SERVER_STATES = ("ACTIVE", "INITIALIZING", "FAULT")
+
+
+def parse_server_status(text: str) -> str:
+    lines = _lines(check_reply(text))
+    if len(lines) != 1 or lines[0] not in SERVER_STATES:
+        raise ControlError(f"unexpected server status: {text.strip()[:80]!r}")
+    return lines[0]
+
+
+def parse_percentage(text: str) -> float:
+    lines = _lines(check_reply(text))
+    try:
+        value = float(lines[0]) if len(lines) == 1 else None
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 100:
+        raise ControlError(f"unexpected thread percentage: {text.strip()[:80]!r}")
+    return value
+
+
+def parse_pinned_limit(text: str) -> Optional[int]:
+    """Bytes, or None where no limit is set.
+
+    With no limit set, driver 580 prints nothing (the capture's ctl_idle.txt) and
+    writes "No default pinned memory limit set for the device!" to control.log
+    only; other versions may print that sentence, so it means None too.
+    """
+    lines = _lines(check_reply(text))
+    if not lines or len(lines) == 1 and lines[0].startswith("No ") and "limit" in lines[0]:
+        return None
+    size = parse_size(lines[0]) if len(lines) == 1 else None
+    if size is None:
+        raise ControlError(f"unexpected pinned memory limit: {text.strip()[:80]!r}")
+    return size or None  # MPS treats a limit of 0 as "no limit"
+
+
+def parse_version(text: str) -> str:
+    """`nvidia-cuda-mps-control -v`: "... Binary version: 13000"."""
+    m = re.search(r"[Bb]inary version:\s*(\S+)", text)
+    return m.group(1) if m else ""
+
+
+# ------------------------------------------------------------------ client
+Runner = Callable[[Sequence[str], str, Dict[str, str], float], Tuple[int, str]]
+
+
+def subprocess_runner(argv: Sequence[str], stdin_text: str, env: Dict[str, str], timeout: float) -> Tuple[int, str]:
+    """Run one control process; on timeout kill its whole process group."""
+    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(stdin_text.encode(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise ControlError(f"{argv[0]} did not answer within {timeout:g}s (killed)")
+    return proc.returncode, out.decode("utf-8", "replace")
+
+
+@dataclass
+class ControlClient:
+    pipe_directory: str
+    binary: str = "nvidia-cuda-mps-control"
+    timeout: float = 2.0
+    runner: Runner = subprocess_runner
+    commands_sent: int = 0
+
+    def command_line(self, verb: str, *args: object) -> str:
+        """The exact text sent, after the allowlist check."""
+        if verb not in READ_ONLY_COMMANDS:
+            raise CommandNotAllowed(f"{verb!r} is not a read-only MPS control command")
+        text_args = [str(a) for a in args]
+        if len(text_args) != READ_ONLY_COMMANDS[verb] or not all(_NUMBER.match(a) for a in text_args):
+            raise CommandNotAllowed(f"{verb} takes {READ_ONLY_COMMANDS[verb]} numeric argument(s), got {text_args!r}")
+        return " ".join([verb, *text_args])
+
+    def _env(self) -> Dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+        env["CUDA_MPS_PIPE_DIRECTORY"] = self.pipe_directory
+        return env
+
+    def run(self, verb: str, *args: object) -> str:
+        line = self.command_line(verb, *args)
+        try:
+            rc, out = self.runner([self.binary], line + "\n", self._env(), self.timeout)
+        except FileNotFoundError as e:
+            raise ControlError(f"{self.binary} not found: {e.strerror}") from e
+        self.commands_sent += 1
+        if NO_DAEMON in out:
+            raise DaemonNotRunning(NO_DAEMON)
+        if rc != 0:
+            raise ControlError(f"{line}: exit code {rc}: {out.strip()[:120]!r}")
+        return out
+
+    def version(self) -> str:
+        """Binary version from `-v` (answered by the program itself, not the daemon)."""
+        try:
+            _, out = self.runner([self.binary, "-v"], "", self._env(), self.timeout)
+        except (OSError, ControlError):
+            return ""
+        return parse_version(out)
+
+
+# ------------------------------------------------------------------ source
+@dataclass
+class _Cached:
+    value: object
+    read_at: float
+
+
+@dataclass
+class ControlSource:
+    """Reads one control daemon into a `DaemonReading`."""
+
+    daemon: DaemonConfig
+    client: ControlClient
+    facts_refresh_seconds: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    _cache: Dict[tuple, _Cached] = field(default_factory=dict)
+    _version: Optional[str] = None
+
+    def _cached(self, key: tuple, read: Callable[[], object]) -> object:
+        hit = self._cache.get(key)
+        now = self.clock()
+        if hit is None or now - hit.read_at >= self.facts_refresh_seconds:
+            hit = self._cache[key] = _Cached(read(), now)
+        return hit.value
+
+    def _forget_servers_except(self, live: set) -> None:
+        for key in [k for k in self._cache if k[0] == "server" and k[1] not in live]:
+            del self._cache[key]
+
+    def read(self, devices: Sequence[int]) -> DaemonReading:
+        reading = DaemonReading(name=self.daemon.name, up=False, pipe_directory=self.daemon.pipe_directory,
+                                log_directory=self.daemon.log_directory)
+        try:
+            server_pids = parse_pid_list(self.client.run("get_server_list"))
+        except DaemonNotRunning:
+            self._cache.clear()
+            return reading
+        except ControlError as e:
+            reading.error = str(e)
+            return reading
+        reading.up = True
+        if self._version is None:
+            self._version = self.client.version()
+        reading.version = self._version
+        try:
+            reading.clients = parse_ps(self.client.run("ps"))
+            reading.default_active_thread_percentage = self._cached(
+                ("default_atp",), lambda: parse_percentage(self.client.run("get_default_active_thread_percentage")))
+            for dev in devices:
+                limit = self._cached(("default_pinned", dev), lambda d=dev: parse_pinned_limit(
+                    self.client.run("get_default_device_pinned_mem_limit", d)))
+                if limit is not None:
+                    reading.default_pinned_limits[dev] = limit
+            self._forget_servers_except(set(server_pids))
+            for pid in server_pids:
+                facts = self._read_server(pid, devices)
+                if facts is not None:
+                    reading.servers.append(facts)
+        except DaemonNotRunning:  # quit between two commands
+            reading.up = False
+            reading.clients, reading.servers = [], []
+        except ControlError as e:
+            reading.error = str(e)
+        live = {s.pid for s in reading.servers}
+        reading.clients = [c for c in reading.clients if c.server_pid in live]
+        return reading
+
+    def _read_server(self, pid: int, devices: Sequence[int]) -> Optional[ServerFacts]:
+        try:
+            status = parse_server_status(self.client.run("get_server_status", pid))
+            atp = self._cached(("server", pid, "atp"), lambda: parse_percentage(
+                self.client.run("get_active_thread_percentage", pid)))
+            limits = {}
+            for dev in devices:
+                limit = self._cached(("server", pid, "pinned", dev), lambda d=dev: parse_pinned_limit(
+                    self.client.run("get_device_pinned_mem_limit", pid, d)))
+                if limit is not None:
+                    limits[dev] = limit
+        except ServerNotFound:
+            log.debug("server %d exited during the scrape", pid)
+            return None
+        return ServerFacts(pid=pid, status=status, active_thread_percentage=atp, pinned_limits=limits)
