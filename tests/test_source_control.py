@@ -46,7 +46,8 @@ def test_parsers_on_idle_limits_and_nodaemon_captures():
     assert mc.parse_pinned_limit(idle["get_default_device_pinned_mem_limit 0"]) is None  # empty reply
     limits = outputs("limits.txt")
     assert mc.parse_pinned_limit(limits["get_default_device_pinned_mem_limit 0"]) == 2 * 1024**3
-    assert mc.parse_percentage(limits["get_default_active_thread_percentage"]) == 25.0
+    # limits.txt appends the clients' own output after this command's reply: first line only.
+    assert mc.parse_percentage(limits["get_default_active_thread_percentage"].splitlines()[0]) == 25.0
     nodaemon = outputs("ctl_nodaemon.txt")
     with pytest.raises(mc.DaemonNotRunning):
         mc.parse_pid_list(nodaemon["no daemon: get_server_list"])
