@@ -1,0 +1,183 @@
+"""/proc facts about MPS servers and clients.
+
+Per PID: real uid and user name, command name, start time, container id and pod
+uid from the cgroup path, and from the environment exactly three variables:
+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and
+CUDA_MPS_CLIENT_PRIORITY. Limits a client sets there are invisible to the
+control daemon (the capture shows `get_active_thread_percentage` still saying
+100.0), so this is the only place they can be read. No other variable is kept,
+exported or logged.
+
+PIDs are host PIDs (NVML and the daemon's `ps` report them), so the exporter
+must run in the host PID namespace (`hostPID: true` in Kubernetes). A process
+that exits while it is being read is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+from ..model import ProcessFacts
+from ..units import parse_size
+
+log = logging.getLogger(__name__)
+
+MPS_ENV_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY")
+
+# ------------------------------------------------------------------ parsers
+_POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+_CONTAINER = re.compile(r"(?:^|[/-])([0-9a-f]{64})(?:\.scope)?$")
+
+
+def parse_cgroup(text: str) -> Tuple[str, str]:
+    """(container_id, pod_uid) from /proc/PID/cgroup, "" where absent.
+
+    Handles cgroup v2 ("0::/path") and v1 ("N:controller:/path") with the path
+    shapes of containerd and CRI-O under the systemd and cgroupfs drivers
+    ("cri-containerd-<id>.scope", "crio-<id>.scope", ".../pod<uid>/<id>") and
+    Docker ("docker-<id>.scope", "/docker/<id>").
+    """
+    container_id = pod_uid = ""
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        path = parts[2].strip()
+        for segment in reversed(path.split("/")):
+            m = _CONTAINER.search(segment)
+            if m:
+                container_id = container_id or m.group(1)
+                break
+        m = _POD.search(path)
+        if m:
+            pod_uid = pod_uid or m.group(1).replace("_", "-")
+        if container_id and pod_uid:
+            break
+    return container_id, pod_uid
+
+
+def parse_environ(data: bytes) -> Dict[str, str]:
+    """Only the MPS variables of a NUL-separated environment block."""
+    wanted: Dict[str, str] = {}
+    for entry in data.split(b"\0"):
+        key, sep, value = entry.partition(b"=")
+        if sep and key.decode("ascii", "replace") in MPS_ENV_VARS:
+            wanted[key.decode("ascii")] = value.decode("utf-8", "replace")
+    return wanted
+
+
+def parse_pinned_env(value: str) -> Dict[int, int]:
+    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, e.g. "0=1G,1=512M": device ordinal -> bytes.
+
+    Malformed entries are ignored (the CUDA runtime ignores them too)."""
+    limits: Dict[int, int] = {}
+    for item in value.split(","):
+        dev, sep, size = item.strip().partition("=")
+        if sep and dev.strip().isdigit():
+            parsed = parse_size(size)
+            if parsed:
+                limits[int(dev)] = parsed
+    return limits
+
+
+def parse_float(value: Optional[str]) -> Optional[float]:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def parse_status_uid(text: str) -> Optional[int]:
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            fields = line.split()
+            return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    return None
+
+
+def parse_stat_start_ticks(text: str) -> Optional[int]:
+    """Field 22 (starttime, clock ticks after boot); comm may hold spaces and ')'."""
+    rest = text[text.rfind(")") + 2:].split()
+    return int(rest[19]) if len(rest) > 19 and rest[19].isdigit() else None
+
+
+def parse_boot_time(text: str) -> Optional[float]:
+    m = re.search(r"^btime\s+(\d+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+# ------------------------------------------------------------------ source
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)  # no passwd entry (e.g. a container's user): the number is the name
+
+
+@dataclass
+class ProcSource:
+    root: str = "/proc"
+    user_name: Callable[[int], str] = _user_name
+    clock_ticks: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK"))
+    _boot_time: Optional[float] = None
+    _users: Dict[int, str] = field(default_factory=dict)
+    _environ_denied_logged: bool = False
+
+    def _read(self, pid: int, name: str) -> str:
+        with open(os.path.join(self.root, str(pid), name), encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def boot_time(self) -> Optional[float]:
+        if self._boot_time is None:
+            try:
+                with open(os.path.join(self.root, "stat"), encoding="ascii", errors="replace") as f:
+                    self._boot_time = parse_boot_time(f.read())
+            except OSError:
+                return None
+        return self._boot_time
+
+    def read(self, pids: Iterable[int]) -> Dict[int, ProcessFacts]:
+        facts = {}
+        for pid in set(pids):
+            try:
+                one = self.read_pid(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited while we read it
+            facts[pid] = one
+        return facts
+
+    def read_pid(self, pid: int) -> ProcessFacts:
+        facts = ProcessFacts(pid=pid)
+        facts.uid = parse_status_uid(self._read(pid, "status"))
+        if facts.uid is not None:
+            if facts.uid not in self._users:
+                self._users[facts.uid] = self.user_name(facts.uid)
+            facts.user = self._users[facts.uid]
+        facts.command = self._read(pid, "comm").strip()
+        ticks = parse_stat_start_ticks(self._read(pid, "stat"))
+        boot = self.boot_time()
+        if ticks is not None and boot is not None:
+            facts.start_time_seconds = boot + ticks / self.clock_ticks
+        try:
+            facts.container_id, facts.pod_uid = parse_cgroup(self._read(pid, "cgroup"))
+        except PermissionError:
+            pass
+        try:
+            with open(os.path.join(self.root, str(pid), "environ"), "rb") as f:
+                env = parse_environ(f.read())
+        except PermissionError:
+            if not self._environ_denied_logged:
+                log.warning("cannot read /proc/PID/environ of other users' processes (needs CAP_SYS_PTRACE): "
+                            "client-set MPS limits will be missing")
+                self._environ_denied_logged = True
+            env = {}
+        facts.env_active_thread_percentage = parse_float(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+        facts.env_pinned_limits = parse_pinned_env(env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))
+        priority = parse_float(env.get("CUDA_MPS_CLIENT_PRIORITY"))
+        facts.env_client_priority = int(priority) if priority is not None else None
+        return facts

@@ -1,0 +1,94 @@
+"""The /proc source: cgroup shapes, the three MPS variables and nothing else,
+start times, vanished processes."""
+
+import pytest
+
+from mps_exporter.sources import procfs
+from tests.fakes.fake_procfs import BOOT_TIME, CLK_TCK, FakeProcess, write_proc
+
+CID = "a" * 56 + "0123abcd"
+POD = "1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"
+
+
+@pytest.mark.parametrize("text,expected", [
+    # cgroup v2, systemd driver, containerd
+    (f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n", (CID, POD)),
+    # cgroup v2, systemd driver, CRI-O
+    (f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD.replace('-', '_')}.slice/crio-{CID}.scope\n", (CID, POD)),
+    # cgroup v1, cgroupfs driver (containerd or CRI-O)
+    (f"12:memory:/kubepods/burstable/pod{POD}/{CID}\n11:cpu,cpuacct:/kubepods/burstable/pod{POD}/{CID}\n", (CID, POD)),
+    # Docker, v2 systemd and v1 cgroupfs
+    (f"0::/system.slice/docker-{CID}.scope\n", (CID, "")),
+    (f"4:devices:/docker/{CID}\n", (CID, "")),
+    # a process on the host
+    ("0::/user.slice/user-1000.slice/session-3.scope\n", ("", "")),
+    ("", ("", "")),
+    ("garbage without colons\n", ("", "")),
+])
+def test_parse_cgroup(text, expected):
+    assert procfs.parse_cgroup(text) == expected
+
+
+def test_parse_environ_keeps_only_mps_variables():
+    block = b"PATH=/bin\0CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25\0AWS_SECRET=x\0CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G,1=512M\0CUDA_MPS_PIPE_DIRECTORY=/p\0\xff\xfe=\x00"
+    env = procfs.parse_environ(block)
+    assert env == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G,1=512M"}
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("0=1G,1=512M", {0: 1 << 30, 1: 512 << 20}),
+    ("0=2048M", {0: 2 << 30}),
+    ("0=1G,bogus,x=2G,1=", {0: 1 << 30}),
+    ("", {}),
+])
+def test_parse_pinned_env(value, expected):
+    assert procfs.parse_pinned_env(value) == expected
+
+
+def test_parse_stat_with_awkward_comm():
+    text = "123 (my (odd) prog) S " + " ".join(["0"] * 18 + ["4242"] + ["0"] * 30)
+    assert procfs.parse_stat_start_ticks(text) == 4242
+
+
+def test_read_processes(tmp_path):
+    root = write_proc(tmp_path / "proc", [
+        FakeProcess(1589, uid=0, comm="nvidia-cuda-mps", start_ticks=500),
+        FakeProcess(1647, uid=1500, start_ticks=12345,
+                    cgroup=f"0::/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n",
+                    environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25.0", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G",
+                             "CUDA_MPS_CLIENT_PRIORITY": "1"}),
+    ])
+    src = procfs.ProcSource(root=str(root), user_name=lambda uid: {0: "root"}.get(uid, str(uid)), clock_ticks=CLK_TCK)
+    facts = src.read([1589, 1647, 99999])  # 99999 does not exist: skipped
+    assert sorted(facts) == [1589, 1647]
+    server, client = facts[1589], facts[1647]
+    assert (server.uid, server.user, server.command) == (0, "root", "nvidia-cuda-mps")
+    assert server.start_time_seconds == BOOT_TIME + 5.0
+    assert (client.uid, client.user, client.container_id, client.pod_uid) == (1500, "1500", CID, POD)
+    assert client.env_active_thread_percentage == 25.0
+    assert client.env_pinned_limits == {0: 2 << 30}
+    assert client.env_client_priority == 1
+    assert server.env_active_thread_percentage is None and server.env_pinned_limits == {}
+    # Nothing but the three MPS variables survives anywhere in the facts.
+    assert "do-not-export" not in repr(facts) and "PATH" not in repr(facts)
+
+
+def test_process_vanishing_mid_read_is_skipped(tmp_path):
+    root = write_proc(tmp_path / "proc", [FakeProcess(10), FakeProcess(11)])
+    (root / "11" / "stat").unlink()  # exited after status was read
+    facts = procfs.ProcSource(root=str(root), clock_ticks=CLK_TCK).read([10, 11])
+    assert list(facts) == [10]
+
+
+def test_unreadable_environ_keeps_other_facts(tmp_path, monkeypatch):
+    root = write_proc(tmp_path / "proc", [FakeProcess(10, environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"})])
+    real_open = open
+
+    def deny_environ(path, *a, **k):
+        if str(path).endswith("/environ"):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", deny_environ)
+    facts = procfs.ProcSource(root=str(root), clock_ticks=CLK_TCK).read([10])
+    assert facts[10].command == "python3" and facts[10].env_active_thread_percentage is None
