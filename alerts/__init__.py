@@ -1,0 +1,1 @@
+"""Alert and recording rule definitions for mps-exporter (see generate.py)."""

@@ -1,0 +1,100 @@
+"""Every selector, threshold and duration the alerts use, with the reason for it.
+
+Change a value here, run `make generate`, commit the regenerated files.
+"""
+
+# Prometheus job of the exporter's targets. The Helm chart's ServiceMonitor and
+# the example scrape config both use this job name.
+JOB_SELECTOR = 'job="mps-exporter"'
+
+# Labels that identify one exporter target. Joins between the exporter's own
+# series match on these plus the series' own keys (daemon, pid, gpu, ...).
+# On Kubernetes the scrape may add `node`; joins keep it because group_left
+# keeps every label of the left-hand side.
+TARGET_LABELS = ("job", "instance")
+
+# The label that names the machine in alert descriptions. `instance` always
+# exists; set "node" where relabeling adds a node name.
+NODE_LABEL = "instance"
+
+# Where runbook_url points: the runbook file; each alert adds `#<alertname lower-cased>`.
+# Override when generating: `make generate RUNBOOK_BASE_URL=https://...`.
+RUNBOOK_BASE_URL = "https://github.com/mps-exporter/mps-exporter/blob/main/alerts/runbook.md"
+
+# Prefix of every alert name.
+ALERT_PREFIX = "Mps"
+
+# ---------------------------------------------------------------- contention
+# MPS runs one user's server per GPU at a time; a client of another user waits
+# on the daemon's pending list until the running server has no clients left.
+# Waiting this long means someone's job is stalled behind another user's.
+QUEUED_BEHIND_USER_FOR = "1m"
+
+# p95 of the time a client spends pending before admission, over QUEUE_WAIT_WINDOW.
+# The recorded capture shows a 12.9 s wait for one user switch; half a minute at
+# p95 means users keep waiting for each other's servers to drain.
+QUEUE_WAIT_P95_SECONDS = 30
+QUEUE_WAIT_WINDOW = "10m"
+QUEUE_WAIT_FOR = "5m"
+
+# MPS admits at most 48 client processes per device (Volta and later). Warn
+# before new clients start failing to connect.
+MAX_CLIENTS_PER_DEVICE = 48
+CLIENT_LIMIT_WARNING_RATIO = 0.9
+CLIENT_LIMIT_FOR = "5m"
+
+# A GPU whose SMs are busy most of the time while several clients share it:
+# each client gets less than it would alone. SM active (GPM/DCGM), not NVML
+# "GPU utilization", which saturates with one tiny kernel stream.
+SATURATION_SM_ACTIVE_RATIO = 0.9
+SATURATION_MIN_CLIENTS = 2
+SATURATION_FOR = "15m"
+
+# A server in FAULT refuses new clients until all of its clients have exited.
+SERVER_FAULT_FOR = "1m"
+
+# Any fatal GPU error a server handled in this window alerts.
+FATAL_ERROR_WINDOW = "10m"
+
+# Servers that exit with a non-zero status, or fail to start, more than this
+# many times in SERVER_LOOP_WINDOW are in a loop (a normal user switch exits 0).
+SERVER_LOOP_WINDOW = "15m"
+SERVER_CRASHES_MAX = 2
+SERVER_START_FAILURES_MAX = 2
+
+# The daemon counts as "ran before" if it answered at any time in this window:
+# exporters on machines where MPS was never started stay quiet.
+DAEMON_SEEN_WINDOW = "1d"
+DAEMON_DOWN_FOR = "2m"
+
+# ----------------------------------------------------------------------- OOM
+# Share of a client's pinned device memory limit (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT
+# or its server's) in use: allocations beyond the limit fail with out-of-memory.
+CLIENT_MEMORY_LIMIT_RATIO = 0.9
+CLIENT_MEMORY_FOR = "2m"
+
+# Share of a GPU's memory in use: the next client's allocation may fail.
+GPU_MEMORY_FULL_RATIO = 0.95
+GPU_MEMORY_FULL_FOR = "5m"
+
+# Linear fit of used memory over MEMORY_FILL_WINDOW predicts the GPU full within
+# MEMORY_FILL_HORIZON_SECONDS; below MEMORY_FILL_MIN_RATIO usage, growth is
+# noise (model loading), not a leak.
+MEMORY_FILL_WINDOW = "30m"
+MEMORY_FILL_HORIZON_SECONDS = 4 * 3600
+MEMORY_FILL_MIN_RATIO = 0.5
+MEMORY_FILL_FOR = "10m"
+
+# ------------------------------------------------------------------ exporter
+# A collector that keeps failing leaves the metrics it owns missing, and the
+# alerts on them silent.
+COLLECTOR_FAILING_FOR = "5m"
+TARGET_DOWN_FOR = "5m"
+
+# -------------------------------------------------------------------- Grafana
+# Grafana-managed alert rules: the folder and the UID of the Prometheus data
+# source they query (Grafana expands $VAR / ${VAR} from the environment in
+# provisioning files, so "${PROMETHEUS_DATASOURCE_UID}" would also work).
+GRAFANA_FOLDER = "MPS"
+GRAFANA_DATASOURCE_UID = "prometheus"
+GRAFANA_EVALUATION_INTERVAL = "1m"

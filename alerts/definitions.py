@@ -1,0 +1,220 @@
+"""One definition per recording rule and per alert; generate.py turns them into
+Prometheus rule files, a PrometheusRule and Grafana-managed alert rules.
+
+Descriptions are Go templates (Prometheus and Grafana both use them): `lbl(x)`
+writes `{{ $labels.x }}`, VALUE the alert's value. Thresholds and selectors come
+from config.py only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Tuple
+
+from . import config as C
+
+SEVERITIES = ("critical", "warning", "info")
+
+
+@dataclass(frozen=True)
+class Recording:
+    record: str
+    expr: str
+    why: str  # one line, written as a comment next to the rule
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str  # without the prefix
+    group: str  # contention | oom | exporter
+    expr: str
+    for_: str
+    severity: str
+    summary: str  # static sentence
+    description: str  # Go template
+
+    @property
+    def alertname(self) -> str:
+        return C.ALERT_PREFIX + self.name
+
+    @property
+    def anchor(self) -> str:
+        # GitHub's anchor for the heading "## <alertname>".
+        return self.alertname.lower()
+
+    @property
+    def runbook_url(self) -> str:
+        return f"{C.RUNBOOK_BASE_URL}#{self.anchor}"
+
+
+def lbl(name: str) -> str:
+    return "{{ $labels.%s }}" % name
+
+
+NODE = lbl(C.NODE_LABEL)
+VALUE = "{{ $value }}"
+T = ", ".join(C.TARGET_LABELS)
+
+
+def with_server_user(expr: str) -> str:
+    """Adds the server's `user`/`uid` from mps_server_info; keeps the series
+    when the info is missing (an alert must not vanish with a failed `ps`)."""
+    keys = f"{T}, daemon, server_pid"
+    return (f"({expr})\n  * on({keys}) group_left(user, uid) mps_server_info\n"
+            f"or on({keys})\n  ({expr})")
+
+
+# ---------------------------------------------------------------- recordings
+GPU_MEMORY_USAGE = "mps:gpu_memory_usage:ratio"
+CLIENT_MEMORY_USAGE = "mps:client_pinned_memory_usage:ratio"
+GPU_CLIENTS = "mps:gpu_clients:count"
+QUEUE_WAIT_P95 = "mps:client_queue_wait_seconds:p95"
+
+_client_ratio = (f"mps_client_memory_used_bytes\n  / on({T}, daemon, pid, gpu) group_left\n"
+                 f"  mps_client_pinned_memory_limit_bytes")
+
+RECORDINGS: Tuple[Recording, ...] = (
+    Recording(GPU_MEMORY_USAGE, "mps_gpu_memory_used_bytes / mps_gpu_memory_total_bytes",
+              "share of each GPU's memory in use"),
+    Recording(
+        CLIENT_MEMORY_USAGE,
+        f"(\n  {_client_ratio}\n)\n"
+        f"* on({T}, daemon, pid) group_left(server_pid, uid, user, command, container_id, pod_uid)\n"
+        f"  mps_client_info\n"
+        f"or on({T}, daemon, pid, gpu)\n  {_client_ratio}",
+        "each client's memory against its pinned limit, with the client's user and command "
+        "(kept without them when mps_client_info is missing)"),
+    Recording(GPU_CLIENTS, "count without(daemon, pid) (mps_client_memory_used_bytes)",
+              "MPS clients holding memory on each GPU"),
+    Recording(QUEUE_WAIT_P95,
+              f"histogram_quantile(0.95, rate(mps_client_queue_wait_seconds_bucket[{C.QUEUE_WAIT_WINDOW}]))",
+              f"p95 of the time clients waited on the pending list, over {C.QUEUE_WAIT_WINDOW}, by daemon and reason"),
+)
+
+# -------------------------------------------------------------------- alerts
+_client_limit = math.ceil(C.MAX_CLIENTS_PER_DEVICE * C.CLIENT_LIMIT_WARNING_RATIO)
+
+ALERTS: Tuple[Alert, ...] = (
+    # contention ----------------------------------------------------------
+    Alert(
+        "ClientsQueuedBehindOtherUser", "contention",
+        'mps_queued_clients{reason="user_switch"} > 0', C.QUEUED_BEHIND_USER_FOR, "warning",
+        "MPS clients are waiting for another user's MPS server to drain.",
+        f"{VALUE} client(s) of MPS control daemon {lbl('daemon')} on {NODE} have waited more than "
+        f"{C.QUEUED_BEHIND_USER_FOR} on the pending list: MPS runs one user's server per GPU and "
+        f"admits them only when the other user's clients have all exited."),
+    Alert(
+        "QueueWaitHigh", "contention",
+        f"{QUEUE_WAIT_P95} > {C.QUEUE_WAIT_P95_SECONDS}", C.QUEUE_WAIT_FOR, "warning",
+        "MPS clients wait long before they are admitted.",
+        f"The p95 wait of MPS clients on the pending list (reason {lbl('reason')}) of daemon "
+        f"{lbl('daemon')} on {NODE} is {{{{ $value | humanizeDuration }}}} over the last "
+        f"{C.QUEUE_WAIT_WINDOW} (threshold {C.QUEUE_WAIT_P95_SECONDS}s)."),
+    Alert(
+        "ServerNearClientLimit", "contention",
+        with_server_user(f"mps_server_clients >= {_client_limit}"), C.CLIENT_LIMIT_FOR, "warning",
+        f"An MPS server is close to the limit of {C.MAX_CLIENTS_PER_DEVICE} clients per device.",
+        f"MPS server {lbl('server_pid')} of user {lbl('user')} (daemon {lbl('daemon')}) on {NODE} has "
+        f"{VALUE} clients; MPS admits at most {C.MAX_CLIENTS_PER_DEVICE} per device and new clients "
+        f"beyond that fail to connect."),
+    Alert(
+        "GpuSaturatedShared", "contention",
+        f"mps_gpu_sm_active_ratio > {C.SATURATION_SM_ACTIVE_RATIO}\n"
+        f"and {GPU_CLIENTS} >= {C.SATURATION_MIN_CLIENTS}", C.SATURATION_FOR, "warning",
+        "A GPU shared by several MPS clients is saturated.",
+        f"GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} has had {{{{ $value | humanizePercentage }}}} "
+        f"of its SMs active for {C.SATURATION_FOR} while at least {C.SATURATION_MIN_CLIENTS} MPS clients "
+        f"share it: each client runs slower than it would alone."),
+    Alert(
+        "ServerFault", "contention",
+        with_server_user('mps_server_status{status="FAULT"} == 1'), C.SERVER_FAULT_FOR, "critical",
+        "An MPS server is in FAULT state.",
+        f"MPS server {lbl('server_pid')} of user {lbl('user')} (daemon {lbl('daemon')}) on {NODE} is in "
+        f"FAULT: it refuses new clients until all of its clients have exited."),
+    Alert(
+        "FatalGpuError", "contention",
+        f"increase(mps_fatal_gpu_errors_total[{C.FATAL_ERROR_WINDOW}]) > 0", "0m", "critical",
+        "An MPS server handled a fatal GPU error.",
+        f"MPS control daemon {lbl('daemon')} on {NODE} logged {{{{ $value | printf \"%.0f\" }}}} fatal GPU "
+        f"error(s) in the last {C.FATAL_ERROR_WINDOW}: every client of the affected server lost its work."),
+    Alert(
+        "ServerCrashLooping", "contention",
+        f'sum without(status) (increase(mps_server_exits_total{{status!="0"}}[{C.SERVER_LOOP_WINDOW}])) '
+        f"> {C.SERVER_CRASHES_MAX}", "0m", "warning",
+        "MPS servers keep exiting with an error.",
+        f"MPS servers of daemon {lbl('daemon')} on {NODE} exited {{{{ $value | printf \"%.0f\" }}}} times "
+        f"with a non-zero status in the last {C.SERVER_LOOP_WINDOW}."),
+    Alert(
+        "ServerStartFailing", "contention",
+        f"increase(mps_server_start_failures_total[{C.SERVER_LOOP_WINDOW}]) > {C.SERVER_START_FAILURES_MAX}",
+        "0m", "critical",
+        "MPS servers keep failing to start.",
+        f"MPS control daemon {lbl('daemon')} on {NODE} failed to start a server "
+        f"{{{{ $value | printf \"%.0f\" }}}} times in the last {C.SERVER_LOOP_WINDOW}: its clients cannot run."),
+    Alert(
+        "ControlDaemonDown", "contention",
+        f"mps_control_daemon_up == 0\n"
+        f"and on({T}, daemon) max_over_time(mps_control_daemon_up[{C.DAEMON_SEEN_WINDOW}]) == 1",
+        C.DAEMON_DOWN_FOR, "critical",
+        "An MPS control daemon that was running no longer answers.",
+        f"MPS control daemon {lbl('daemon')} on {NODE} answered within the last {C.DAEMON_SEEN_WINDOW} but "
+        f"has not answered for {C.DAEMON_DOWN_FOR}: new CUDA processes run without MPS or fail."),
+    # OOM -----------------------------------------------------------------
+    Alert(
+        "ClientNearMemoryLimit", "oom",
+        f"{CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}", C.CLIENT_MEMORY_FOR, "warning",
+        "An MPS client is close to its pinned device memory limit.",
+        f"MPS client {lbl('pid')} ({lbl('command')}, user {lbl('user')}) of server {lbl('server_pid')} "
+        f"on GPU {lbl('gpu')} of {NODE} uses {{{{ $value | humanizePercentage }}}} of its pinned device "
+        f"memory limit: its next allocations fail with out-of-memory."),
+    Alert(
+        "GpuMemoryNearFull", "oom",
+        f"{GPU_MEMORY_USAGE} > {C.GPU_MEMORY_FULL_RATIO}", C.GPU_MEMORY_FULL_FOR, "warning",
+        "A GPU's memory is almost full.",
+        f"GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} has {{{{ $value | humanizePercentage }}}} of its "
+        f"memory in use: the next allocation of any client may fail with out-of-memory."),
+    Alert(
+        "GpuMemoryFillingUp", "oom",
+        f"predict_linear(mps_gpu_memory_used_bytes[{C.MEMORY_FILL_WINDOW}], {C.MEMORY_FILL_HORIZON_SECONDS})\n"
+        f"  > mps_gpu_memory_total_bytes\n"
+        f"and {GPU_MEMORY_USAGE} > {C.MEMORY_FILL_MIN_RATIO}", C.MEMORY_FILL_FOR, "warning",
+        "A GPU's memory is predicted to fill up.",
+        f"At the rate of the last {C.MEMORY_FILL_WINDOW}, GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} runs "
+        f"out of memory within {C.MEMORY_FILL_HORIZON_SECONDS // 3600}h (predicted "
+        f"{{{{ $value | humanize1024 }}}}B used)."),
+    # exporter ------------------------------------------------------------
+    Alert(
+        "ExporterCollectorFailing", "exporter",
+        "mps_exporter_collector_success == 0", C.COLLECTOR_FAILING_FOR, "warning",
+        "An mps-exporter collector keeps failing.",
+        f"Collector {lbl('collector')} of the mps-exporter on {NODE} has failed for "
+        f"{C.COLLECTOR_FAILING_FOR}: its metrics are missing and the alerts built on them are silent."),
+    Alert(
+        "GpuUnreachable", "exporter",
+        "mps_gpu_up == 0", C.COLLECTOR_FAILING_FOR, "warning",
+        "NVML does not answer for a GPU.",
+        f"NVML has not answered for GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} for "
+        f"{C.COLLECTOR_FAILING_FOR}: the GPU may have fallen off the bus."),
+    Alert(
+        "ExporterTargetDown", "exporter",
+        f"up{{{C.JOB_SELECTOR}}} == 0", C.TARGET_DOWN_FOR, "warning",
+        "Prometheus cannot scrape an mps-exporter.",
+        f"Prometheus has not scraped the mps-exporter on {NODE} for {C.TARGET_DOWN_FOR}: "
+        f"no MPS alert fires for this machine."),
+)
+
+GROUPS = ("contention", "oom", "exporter")
+
+
+def check() -> None:
+    """Catch definition mistakes before anything is written."""
+    names = [a.alertname for a in ALERTS]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise ValueError(f"duplicate alert names: {sorted(dupes)}")
+    for a in ALERTS:
+        if a.severity not in SEVERITIES:
+            raise ValueError(f"{a.alertname}: severity {a.severity!r} not in {SEVERITIES}")
+        if a.group not in GROUPS:
+            raise ValueError(f"{a.alertname}: group {a.group!r} not in {GROUPS}")
