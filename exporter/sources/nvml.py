@@ -1,0 +1,275 @@
+"""NVML source: one `NvmlReading` per scrape, through the pynvml module.
+
+Only this module touches pynvml (the `nvidia-ml-py` package). It is handed the
+module, so tests and the benchmark pass `tests/fakes/fake_pynvml.FakeNvml`.
+
+What it keeps between scrapes, per GPU index:
+- the last-seen timestamp of `nvmlDeviceGetProcessUtilization`, so each scrape
+  asks only for samples newer than the previous one;
+- the previous NVML GPM sample, so SM activity, occupancy, tensor and DRAM
+  activity are computed over the scrape interval (absent on the first scrape);
+- name and UUID, which cannot change while NVML stays initialised.
+
+Failure scopes: NVML that cannot initialise fails the whole read (retried on the
+next scrape); an error on a required call of one GPU marks that GPU down; an
+error on an optional field (power, temperature, process utilization, GPM) only
+drops that field.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization
+
+log = logging.getLogger(__name__)
+
+# NVML compute modes (nvmlComputeMode_t) as the lowercase names the contract uses.
+COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
+
+# GpuReading.activity key -> name of the pynvml GPM metric constant.
+GPM_METRICS: Tuple[Tuple[str, str], ...] = (
+    ("sm_active", "NVML_GPM_METRIC_SM_UTIL"),
+    ("sm_occupancy", "NVML_GPM_METRIC_SM_OCCUPANCY"),
+    ("tensor_active", "NVML_GPM_METRIC_ANY_TENSOR_UTIL"),
+    ("dram_active", "NVML_GPM_METRIC_DRAM_BW_UTIL"),
+)
+
+# NVML returns this for usedGpuMemory it cannot tell; pynvml maps it to None,
+# but older versions and other wrappers pass it through.
+_VALUE_NOT_AVAILABLE_ULL = 2**64 - 1
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used at all in this scrape (no library, no driver, no GPU)."""
+
+
+def _text(value: Any) -> str:
+    """pynvml returns str since 11.x; older versions returned bytes."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _used_bytes(value: Optional[int]) -> Optional[int]:
+    if value is None or value == _VALUE_NOT_AVAILABLE_ULL:
+        return None
+    return int(value)
+
+
+def _ratio(percent: float) -> float:
+    """Percent (0..100) to a ratio clamped to 0..1: GPM can round a hair past 100."""
+    return min(max(float(percent) / 100.0, 0.0), 1.0)
+
+
+class NvmlSource:
+    """Reads the GPU table, processes, per-process SM utilization and GPM."""
+
+    def __init__(self, nvml: Any = None) -> None:
+        self._nvml = nvml
+        self._initialised = False
+        self._identity: Dict[int, Tuple[str, str]] = {}  # index -> (name, uuid)
+        self._last_seen_us: Dict[int, int] = {}  # index -> newest process-utilization sample
+        self._gpm_prev: Dict[int, Any] = {}  # index -> previous GPM sample (to free later)
+        self._gpm_supported: Dict[int, bool] = {}
+
+    # ------------------------------------------------------------ lifecycle
+    def _module(self) -> Any:
+        if self._nvml is None:
+            try:
+                import pynvml  # the nvidia-ml-py package
+            except ImportError as e:
+                raise NvmlUnavailable(f"cannot import pynvml (install nvidia-ml-py): {e}") from e
+            self._nvml = pynvml
+        return self._nvml
+
+    def _ensure_initialised(self, nvml: Any) -> None:
+        if self._initialised:
+            return
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as e:
+            raise NvmlUnavailable(f"NVML cannot initialise: {e} (no NVIDIA driver or no GPU?)") from e
+        self._forget_state(nvml)
+        self._initialised = True
+
+    def _forget_state(self, nvml: Any) -> None:
+        """Drop per-GPU state: after a re-initialisation handles and samples are stale."""
+        for sample in self._gpm_prev.values():
+            self._free_sample(nvml, sample)
+        self._gpm_prev.clear()
+        self._gpm_supported.clear()
+        self._last_seen_us.clear()
+        self._identity.clear()
+
+    def close(self) -> None:
+        """Free GPM samples and shut NVML down. Safe to call twice."""
+        if not self._initialised:
+            return
+        nvml = self._module()
+        self._forget_state(nvml)
+        self._initialised = False
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError as e:
+            log.debug("nvmlShutdown failed: %s", e)
+
+    # ---------------------------------------------------------------- read
+    def read(self) -> NvmlReading:
+        """One reading of every GPU. Raises NvmlUnavailable when NVML is unusable."""
+        nvml = self._module()
+        self._ensure_initialised(nvml)
+        try:
+            driver = _text(nvml.nvmlSystemGetDriverVersion())
+            count = int(nvml.nvmlDeviceGetCount())
+        except nvml.NVMLError as e:
+            # The driver went away under us (unloaded, GPU lost): start over next time.
+            self._initialised = False
+            raise NvmlUnavailable(f"NVML stopped answering: {e}") from e
+        gpus = [self._read_gpu(nvml, index) for index in range(count)]
+        return NvmlReading(driver_version=driver, gpus=gpus)
+
+    def _read_gpu(self, nvml: Any, index: int) -> GpuReading:
+        uuid = self._identity.get(index, ("", ""))[1]
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            name, uuid = self._identify(nvml, index, handle)
+            gpu = GpuReading(index=index, uuid=uuid, up=True, name=name)
+            self._read_required(nvml, handle, gpu)
+        except nvml.NVMLError as e:
+            log.warning("NVML error on GPU %d: %s", index, e)
+            return GpuReading(index=index, uuid=uuid, up=False)
+        self._read_optional(nvml, handle, gpu)
+        return gpu
+
+    def _identify(self, nvml: Any, index: int, handle: Any) -> Tuple[str, str]:
+        if index not in self._identity:
+            self._identity[index] = (_text(nvml.nvmlDeviceGetName(handle)), _text(nvml.nvmlDeviceGetUUID(handle)))
+        return self._identity[index]
+
+    def _read_required(self, nvml: Any, handle: Any, gpu: GpuReading) -> None:
+        mode = int(nvml.nvmlDeviceGetComputeMode(handle))
+        gpu.compute_mode = COMPUTE_MODES.get(mode, f"unknown_{mode}")
+        gpu.mig_enabled = self._mig_enabled(nvml, handle)
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        gpu.memory_total_bytes = int(memory.total)
+        gpu.memory_used_bytes = int(memory.used)
+        rates = nvml.nvmlDeviceGetUtilizationRates(handle)
+        gpu.utilization_ratio = _ratio(rates.gpu)
+        gpu.memory_utilization_ratio = _ratio(rates.memory)
+        gpu.compute_processes = [
+            ProcessMemory(int(p.pid), _used_bytes(p.usedGpuMemory))
+            for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        ]
+        gpu.mps_clients = [
+            ProcessMemory(int(p.pid), _used_bytes(p.usedGpuMemory))
+            for p in nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
+        ]
+
+    @staticmethod
+    def _mig_enabled(nvml: Any, handle: Any) -> bool:
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        except nvml.NVMLError as e:
+            if e.value == nvml.NVML_ERROR_NOT_SUPPORTED:  # GPU without MIG
+                return False
+            raise
+        return current == nvml.NVML_DEVICE_MIG_ENABLE
+
+    def _read_optional(self, nvml: Any, handle: Any, gpu: GpuReading) -> None:
+        i = gpu.index
+        try:
+            gpu.power_watts = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0  # milliwatts
+        except nvml.NVMLError as e:
+            log.debug("GPU %d: no power reading: %s", i, e)
+        try:
+            gpu.temperature_celsius = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+        except nvml.NVMLError as e:
+            log.debug("GPU %d: no temperature reading: %s", i, e)
+        try:
+            gpu.process_utilization = self._process_utilization(nvml, handle, i)
+        except nvml.NVMLError as e:
+            log.debug("GPU %d: no process utilization: %s", i, e)
+        try:
+            gpu.activity = self._gpm_activity(nvml, handle, i)
+        except nvml.NVMLError as e:
+            log.debug("GPU %d: no GPM activity: %s", i, e)
+
+    # ------------------------------------------------ per-process utilization
+    def _process_utilization(self, nvml: Any, handle: Any, index: int) -> List[ProcessUtilization]:
+        """Samples newer than the last one seen on this GPU; the newest per PID."""
+        try:
+            samples = nvml.nvmlDeviceGetProcessUtilization(handle, self._last_seen_us.get(index, 0))
+        except nvml.NVMLError as e:
+            # NOT_FOUND: no sample since last_seen (an idle GPU always answers this).
+            # pynvml raises NVMLError(SUCCESS) when the size query finds none at all.
+            if e.value in (nvml.NVML_ERROR_NOT_FOUND, nvml.NVML_SUCCESS):
+                return []
+            raise
+        newest: Dict[int, ProcessUtilization] = {}
+        for s in samples:
+            pid, ts = int(s.pid), int(s.timeStamp)
+            if pid not in newest or ts > newest[pid].timestamp_us:
+                newest[pid] = ProcessUtilization(pid, _ratio(s.smUtil), ts)
+        if newest:
+            self._last_seen_us[index] = max(
+                self._last_seen_us.get(index, 0), max(u.timestamp_us for u in newest.values()))
+        return sorted(newest.values(), key=lambda u: u.pid)
+
+    # ------------------------------------------------------------------ GPM
+    def _gpm_activity(self, nvml: Any, handle: Any, index: int) -> Dict[str, float]:
+        """Activity ratios between the previous scrape's GPM sample and a new one."""
+        if not self._gpm_is_supported(nvml, handle, index):
+            return {}
+        sample = nvml.nvmlGpmSampleAlloc()
+        try:
+            nvml.nvmlGpmSampleGet(handle, sample)
+        except nvml.NVMLError:
+            self._free_sample(nvml, sample)
+            raise
+        previous = self._gpm_prev.pop(index, None)
+        self._gpm_prev[index] = sample
+        if previous is None:
+            return {}  # first sample: no interval yet
+        try:
+            return self._gpm_metrics(nvml, previous, sample)
+        finally:
+            self._free_sample(nvml, previous)
+
+    def _gpm_is_supported(self, nvml: Any, handle: Any, index: int) -> bool:
+        if index not in self._gpm_supported:
+            if not hasattr(nvml, "nvmlGpmQueryDeviceSupport"):  # nvidia-ml-py older than 12.520
+                self._gpm_supported[index] = False
+            else:
+                try:
+                    support = nvml.nvmlGpmQueryDeviceSupport(handle)
+                    self._gpm_supported[index] = bool(support.isSupportedDevice)
+                except nvml.NVMLError as e:
+                    if e.value not in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                        raise  # transient: ask again next scrape
+                    self._gpm_supported[index] = False
+        return self._gpm_supported[index]
+
+    @staticmethod
+    def _gpm_metrics(nvml: Any, sample1: Any, sample2: Any) -> Dict[str, float]:
+        request = nvml.c_nvmlGpmMetricsGet_t()
+        request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1 = sample1
+        request.sample2 = sample2
+        for slot, (_key, constant) in enumerate(GPM_METRICS):
+            request.metrics[slot].metricId = getattr(nvml, constant)
+        nvml.nvmlGpmMetricsGet(request)
+        activity: Dict[str, float] = {}
+        for slot, (key, _constant) in enumerate(GPM_METRICS):
+            metric = request.metrics[slot]
+            if metric.nvmlReturn == nvml.NVML_SUCCESS and math.isfinite(metric.value):
+                activity[key] = _ratio(metric.value)
+        return activity
+
+    @staticmethod
+    def _free_sample(nvml: Any, sample: Any) -> None:
+        try:
+            nvml.nvmlGpmSampleFree(sample)
+        except nvml.NVMLError as e:
+            log.debug("nvmlGpmSampleFree failed: %s", e)
