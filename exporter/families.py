@@ -53,7 +53,7 @@ class FamilyBuilder:
             self._families[name] = fam
         return spec, fam
 
-    def add(self, name: str, value: Optional[float], **labels: object) -> None:
+    def add(self, name: str, value: Optional[float], /, **labels: object) -> None:
         if value is None:
             return
         spec, fam = self._family(name)
@@ -64,7 +64,7 @@ class FamilyBuilder:
             return
         fam.samples.append(Sample(spec.name, _label_values(spec, labels), value, None))
 
-    def add_histogram(self, name: str, bucket_counts: Sequence[Tuple[float, float]], total: float, **labels: object) -> None:
+    def add_histogram(self, name: str, bucket_counts: Sequence[Tuple[float, float]], total: float, /, **labels: object) -> None:
         """bucket_counts: (upper bound, cumulative count) pairs ending with +Inf."""
         spec, fam = self._family(name)
         if spec.type != HISTOGRAM:

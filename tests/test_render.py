@@ -1,0 +1,184 @@
+"""The join of sources into the contract's families (render.py), on the busy
+moment of the capture: server 1589, clients 1647/1648/1649 (nvml_busy.json,
+ctl_busy.txt), with limits added the way clients set them in their environment."""
+
+import pytest
+
+from mps_exporter.model import (DaemonReading, GpuReading, NvmlReading, ProcessFacts, ProcessMemory,
+                                ProcessUtilization, PsEntry, ServerFacts)
+from mps_exporter.render import Outcome, Snapshot, render, sharing_mode
+
+UUID = "GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"
+
+
+def busy_gpu(**overrides):
+    # Values from nvml_busy.json.
+    gpu = GpuReading(index=0, uuid=UUID, up=True, name="NVIDIA H200", compute_mode="default",
+                     memory_total_bytes=150754820096, memory_used_bytes=14927462400, utilization_ratio=1.0,
+                     memory_utilization_ratio=0.06, power_watts=699.221, temperature_celsius=60,
+                     compute_processes=[ProcessMemory(1589, 69206016), ProcessMemory(1647, 9437184000),
+                                        ProcessMemory(1649, 1769996288), ProcessMemory(1648, 2994733056)],
+                     mps_clients=[ProcessMemory(1647, 9437184000), ProcessMemory(1649, 1769996288),
+                                  ProcessMemory(1648, 2994733056)],
+                     process_utilization=[ProcessUtilization(1589, 0.93, 1795234905892190)])
+    for k, v in overrides.items():
+        setattr(gpu, k, v)
+    return gpu
+
+
+def busy_daemon(**overrides):
+    dev = "GPU-a20825ef-ef8f-4f37"
+    d = DaemonReading(name="default", up=True, pipe_directory="/tmp/mps/pipe", log_directory="/tmp/mps/log",
+                      version="13000", default_active_thread_percentage=100.0,
+                      servers=[ServerFacts(1589, "ACTIVE", 100.0, {})],
+                      clients=[PsEntry(1649, 7, 1589, dev, "4026531836", "python3"),
+                               PsEntry(1648, 8, 1589, dev, "4026531836", "python3"),
+                               PsEntry(1647, 6, 1589, dev, "4026531836", "python3")])
+    for k, v in overrides.items():
+        setattr(d, k, v)
+    return d
+
+
+def processes():
+    return {
+        1589: ProcessFacts(1589, uid=0, user="root", command="nvidia-cuda-mps", start_time_seconds=1795234884.0),
+        1647: ProcessFacts(1647, uid=0, user="root", command="python3", start_time_seconds=1795234898.0),
+        1648: ProcessFacts(1648, uid=0, user="root", command="python3", start_time_seconds=1795234898.1,
+                           env_active_thread_percentage=25.0, env_pinned_limits={0: 4 << 30},
+                           container_id="c" * 64, pod_uid="1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"),
+        1649: ProcessFacts(1649, uid=0, user="root", command="python3", start_time_seconds=1795234898.2),
+    }
+
+
+def snapshot(**kw):
+    base = dict(now=1795234906.0, nvml=NvmlReading("580.159.04", [busy_gpu()]), daemons=[busy_daemon()],
+                processes=processes(), outcomes={"nvml": Outcome(True, 0.002), "control": Outcome(True, 0.006)})
+    base.update(kw)
+    return Snapshot(**base)
+
+
+def samples(snap):
+    """{(name, frozenset(labels)): value} of the rendered families."""
+    out = {}
+    for fam in render(snap).families():
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(result, name, /, **labels):
+    matches = [v for (n, ls), v in result.items() if n == name and all((k, str(x)) in ls for k, x in labels.items())]
+    assert len(matches) == 1, f"{name} {labels}: {len(matches)} matches"
+    return matches[0]
+
+
+def absent(result, name, /, **labels):
+    return not [1 for (n, ls) in result if n == name and all((k, str(x)) in ls for k, x in labels.items())]
+
+
+def test_gpu_table():
+    r = samples(snapshot())
+    g = dict(gpu="0", uuid=UUID)
+    assert value(r, "mps_gpu_up", **g) == 1
+    assert value(r, "mps_gpu_info", **g, name="NVIDIA H200", driver_version="580.159.04", compute_mode="default", mig_mode="disabled") == 1
+    assert value(r, "mps_gpu_memory_total_bytes", **g) == 150754820096
+    assert value(r, "mps_gpu_memory_used_bytes", **g) == 14927462400
+    assert value(r, "mps_gpu_utilization_ratio", **g) == 1.0
+    assert value(r, "mps_gpu_power_watts", **g) == pytest.approx(699.221)
+    assert value(r, "mps_gpu_sharing_mode", **g, mode="mps") == 1
+    assert value(r, "mps_gpu_compute_processes", **g) == 4
+    # Under MPS there is no per-process SM number: the server has it all.
+    assert absent(r, "mps_process_sm_utilization_ratio")
+    assert absent(r, "mps_gpu_sm_active_ratio")  # no GPM sample yet
+
+
+def test_server_table():
+    r = samples(snapshot())
+    sp = dict(daemon="default", server_pid="1589")
+    assert value(r, "mps_server_info", **sp, uid="0", user="root") == 1
+    assert value(r, "mps_server_status", **sp, status="ACTIVE") == 1
+    assert value(r, "mps_server_clients", **sp) == 3
+    assert value(r, "mps_server_active_thread_ratio", **sp) == 1.0
+    assert value(r, "mps_server_memory_used_bytes", **sp, gpu="0", uuid=UUID) == 69206016
+    assert value(r, "mps_server_sm_utilization_ratio", **sp, gpu="0") == pytest.approx(0.93)
+    assert value(r, "mps_server_start_time_seconds", **sp) == 1795234884.0
+    assert absent(r, "mps_server_pinned_memory_limit_bytes")
+
+
+def test_client_table_and_effective_limits():
+    r = samples(snapshot(daemons=[busy_daemon(servers=[ServerFacts(1589, "ACTIVE", 50.0, {0: 2 << 30})])]))
+    assert value(r, "mps_client_info", pid="1648", server_pid="1589", uid="0", user="root", command="python3",
+                 namespace="4026531836", container_id="c" * 64) == 1
+    assert value(r, "mps_client_memory_used_bytes", pid="1647", gpu="0", uuid=UUID) == 9437184000
+    # 1648 set its own limit (4 GiB) in its env: that one applies, not the server's 2 GiB.
+    assert value(r, "mps_client_pinned_memory_limit_bytes", pid="1648", gpu="0") == 4 << 30
+    assert value(r, "mps_client_pinned_memory_limit_bytes", pid="1647", gpu="0") == 2 << 30
+    # Thread ratio: the smaller of the client's own (25) and the server's (50).
+    assert value(r, "mps_client_active_thread_ratio", pid="1648") == 0.25
+    assert value(r, "mps_client_active_thread_ratio", pid="1647") == 0.5
+    assert value(r, "mps_client_start_time_seconds", pid="1649") == 1795234898.2
+
+
+def test_log_start_times_win_over_proc(monkeypatch):
+    lr = pytest.importorskip("mps_exporter.logs.render")
+    # Only the join is under test here; the log families are the log pipeline's tests.
+    monkeypatch.setattr(lr, "render_log_metrics", lambda *a: None)
+
+    class LogServer:
+        start_time, uid, active_thread_percentage, pinned_limits, running = 1795234880.5, 0, 100.0, {}, True
+
+    class Logs:
+        servers = {1589: LogServer()}
+        client_start_times = {1647: 1795234897.75}
+
+    r = samples(snapshot(logs={"default": Logs()}))
+    assert value(r, "mps_server_start_time_seconds", server_pid="1589") == 1795234880.5
+    assert value(r, "mps_client_start_time_seconds", pid="1647") == 1795234897.75
+    # With the daemon gone silent, the logs' running server still gets its table rows.
+    r = samples(snapshot(logs={"default": Logs()}, daemons=[busy_daemon(up=True, error="timeout", servers=[], clients=[])]))
+    assert value(r, "mps_server_info", server_pid="1589", uid="0") == 1
+    assert value(r, "mps_server_active_thread_ratio", server_pid="1589") == 1.0
+
+
+def test_daemon_down_keeps_gpu_and_client_memory():
+    down = busy_daemon(up=False, servers=[], clients=[], version="", default_active_thread_percentage=None)
+    r = samples(snapshot(daemons=[down]))
+    assert value(r, "mps_control_daemon_up", daemon="default") == 0
+    assert absent(r, "mps_server_info")
+    # NVML still sees the MPS clients: their memory is published under the only daemon.
+    assert value(r, "mps_client_memory_used_bytes", pid="1649", gpu="0") == 1769996288
+    assert value(r, "mps_client_info", pid="1649", server_pid="") == 1
+
+
+def test_failed_gpu_reports_up_zero_only():
+    r = samples(snapshot(nvml=NvmlReading("580.159.04", [busy_gpu(), GpuReading(index=1, uuid="GPU-2", up=False)])))
+    assert value(r, "mps_gpu_up", gpu="1") == 0
+    assert absent(r, "mps_gpu_memory_used_bytes", gpu="1")
+    assert value(r, "mps_gpu_up", gpu="0") == 1
+
+
+def test_collector_outcomes():
+    r = samples(snapshot(outcomes={"nvml": Outcome(False, 0.0001), "control": Outcome(True, 0.006)}))
+    assert value(r, "mps_exporter_collector_success", collector="nvml") == 0
+    assert value(r, "mps_exporter_collector_success", collector="control") == 1
+    assert value(r, "mps_exporter_collector_duration_seconds", collector="control") == 0.006
+
+
+@pytest.mark.parametrize("gpu_kw,mode", [
+    (dict(mig_enabled=True), "mig"),
+    (dict(mps_clients=[], compute_processes=[]), "idle"),
+    (dict(mps_clients=[], compute_processes=[ProcessMemory(5, 1)]), "exclusive"),
+    (dict(mps_clients=[], compute_processes=[ProcessMemory(5, 1), ProcessMemory(6, 1)]), "time_slicing"),
+    (dict(mps_clients=[], compute_processes=[ProcessMemory(1589, 1)]), "mps"),  # a server with no client yet
+])
+def test_sharing_mode(gpu_kw, mode):
+    assert sharing_mode(busy_gpu(**gpu_kw), {1589}, {}) == mode
+
+
+def test_per_process_utilization_without_mps():
+    gpu = busy_gpu(mps_clients=[], compute_processes=[ProcessMemory(5, 1), ProcessMemory(6, 1)],
+                   process_utilization=[ProcessUtilization(5, 0.4, 10), ProcessUtilization(5, 0.6, 20),
+                                        ProcessUtilization(6, 0.3, 15)])
+    r = samples(snapshot(nvml=NvmlReading("580", [gpu]), daemons=[]))
+    assert value(r, "mps_process_sm_utilization_ratio", pid="5") == 0.6  # the newest sample
+    assert value(r, "mps_process_sm_utilization_ratio", pid="6") == 0.3
