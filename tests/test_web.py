@@ -1,0 +1,615 @@
+"""The HTTP side: web config parsing, routes, auth, TLS, concurrency."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import gzip
+import http.client
+import os
+import shutil
+import socket
+import ssl
+import textwrap
+import threading
+
+import bcrypt
+import pytest
+from prometheus_client import CollectorRegistry
+
+from mps_exporter import web
+from mps_exporter.config import ConfigError, parse_args
+from mps_exporter.families import FamilyBuilder
+from tests.support.certs import make_tls_files
+
+# Cost 4 keeps hashing fast in tests; the server accepts any cost 4..31.
+ALICE_PASSWORD = "s3cret-alice"
+ALICE_HASH = bcrypt.hashpw(ALICE_PASSWORD.encode(), bcrypt.gensalt(4)).decode()
+
+
+class GpuCollector:
+    """Two GPUs' worth of contract families."""
+
+    def collect(self):
+        out = FamilyBuilder()
+        for gpu in ("0", "1"):
+            out.add("mps_gpu_up", 1, gpu=gpu, uuid=f"GPU-{gpu}")
+            out.add("mps_gpu_memory_used_bytes", 1024 * (int(gpu) + 1), gpu=gpu, uuid=f"GPU-{gpu}")
+        return out.families()
+
+
+class BrokenCollector:
+    def collect(self):
+        raise RuntimeError("NVML exploded")
+
+
+def registry_with(*collectors) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    for c in collectors:
+        registry.register(c)
+    return registry
+
+
+@contextlib.contextmanager
+def running(registry, config: web.WebConfig | None = None, listen: str = "127.0.0.1:0", path: str = "/metrics"):
+    server = web.make_server(registry, listen, path, config)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def request(server, path="/", headers=None, method="GET", context: ssl.SSLContext | None = None, host=None):
+    """(status, headers, body) of one request to the server."""
+    host = host or "127.0.0.1"
+    port = server.server_port
+    if server.tls is not None:
+        conn = http.client.HTTPSConnection(host, port, timeout=10, context=context)
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        conn.request(method, path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def basic(user: str, password: str) -> dict:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def write_config(tmp_path, text: str) -> str:
+    path = tmp_path / "web.yml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tls_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    return d, make_tls_files(str(d)), make_tls_files(str(d), prefix="other-")
+
+
+def client_context(ca: str, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=ca)
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+# ---------------------------------------------------------------- config file
+
+def test_full_config_parses(tmp_path, tls_dir):
+    d, files, _ = tls_dir
+    # Relative file names are relative to the config file's directory.
+    path = d / "web.yml"
+    path.write_text(textwrap.dedent(f"""\
+        tls_server_config:
+          cert_file: server.pem
+          key_file: server-key.pem
+          client_auth_type: RequireAndVerifyClientCert
+          client_ca_file: ca.pem
+          client_allowed_sans: [scraper.example]
+          min_version: TLS13
+          max_version: TLS13
+          cipher_suites: [TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, TLS_AES_128_GCM_SHA256]
+          prefer_server_cipher_suites: false
+        http_server_config:
+          http2: false
+          headers:
+            X-Frame-Options: deny
+            Strict-Transport-Security: max-age=31536000
+        basic_auth_users:
+          alice: {ALICE_HASH}
+        rate_limit:
+          interval: 250ms
+          burst: 5
+        """))
+    cfg = web.load_web_config(str(path))
+    assert cfg.tls.cert_file == files.server_cert
+    assert cfg.tls.client_ca_file == files.ca_cert
+    assert cfg.tls.verify_mode == ssl.CERT_REQUIRED
+    assert cfg.tls.allowed_sans == ("scraper.example",)
+    assert cfg.tls.min_version == cfg.tls.max_version == ssl.TLSVersion.TLSv1_3
+    # OpenSSL's name for the IANA suite; the TLS 1.3 suite is not configurable, as in Go.
+    assert cfg.tls.ciphers == "ECDHE-RSA-AES128-GCM-SHA256"
+    assert cfg.tls.prefer_server_ciphers is False
+    assert cfg.headers == {"X-Frame-Options": "deny", "Strict-Transport-Security": "max-age=31536000"}
+    assert cfg.users == {"alice": ALICE_HASH.encode()}
+    assert cfg.rate_limit == web.RateLimit(0.25, 5)
+
+
+def test_every_go_cipher_name_maps_to_an_openssl_suite(tmp_path, tls_dir):
+    _, files, _ = tls_dir
+    names = sorted(web._TLS12_CIPHER_IDS)
+    cfg = web.load_web_config(write_config(tmp_path, f"""\
+        tls_server_config:
+          cert_file: {files.server_cert}
+          key_file: {files.server_key}
+          cipher_suites: [{", ".join(names)}]
+        """))
+    assert len(cfg.tls.ciphers.split(":")) == len(names)
+    assert "ECDHE-ECDSA-CHACHA20-POLY1305" in cfg.tls.ciphers.split(":")
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "basic_auth_users:\n"])
+def test_empty_config_means_plain_http_without_auth(tmp_path, text):
+    cfg = web.load_web_config(write_config(tmp_path, text))
+    assert cfg.tls is None and not cfg.users and not cfg.headers and cfg.rate_limit is None
+
+
+def test_inline_certificate_and_key(tmp_path, tls_dir):
+    _, files, _ = tls_dir
+    indent = lambda p: textwrap.indent(open(p).read(), "    ")  # noqa: E731
+    text = (f"tls_server_config:\n  cert: |\n{indent(files.server_cert)}  key: |\n{indent(files.server_key)}"
+            f"  client_auth_type: VerifyClientCertIfGiven\n  client_ca: |\n{indent(files.ca_cert)}")
+    (tmp_path / "web.yml").write_text(text)
+    cfg = web.load_web_config(str(tmp_path / "web.yml"))
+    with running(registry_with(GpuCollector()), cfg) as server:
+        status, _, body = request(server, "/metrics", context=client_context(files.ca_cert))
+    assert status == 200 and b"mps_gpu_up" in body
+
+
+BAD_CONFIGS = {
+    "unknown top-level key": ("tls_config: {{}}\n", "unknown keys in the file: tls_config"),
+    "not a mapping": ("- a\n- b\n", "must be a mapping"),
+    "unknown TLS key": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  keyfile: x\n",
+                        "unknown keys in tls_server_config: keyfile"),
+    "no key": ("tls_server_config:\n  cert_file: {cert}\n", "missing one of key or key_file"),
+    "no cert": ("tls_server_config:\n  key_file: {key}\n", "missing one of cert or cert_file"),
+    "missing cert file": ("tls_server_config:\n  cert_file: /nonexistent/server.pem\n  key_file: {key}\n",
+                          "cannot read cert_file /nonexistent/server.pem"),
+    "garbage certificate": ("tls_server_config:\n  cert_file: {garbage}\n  key_file: {key}\n",
+                            "cannot load the server certificate and key"),
+    "key of another certificate": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {other_key}\n",
+                                   "cannot load the server certificate and key"),
+    "garbage client CA": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                          "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {garbage}\n",
+                          "cannot load the client CA"),
+    "bad client_auth_type": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  client_auth_type: Always\n",
+                             "invalid client_auth_type 'Always'"),
+    "unverified client certs": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                                "  client_auth_type: RequireAnyClientCert\n", "is not supported"),
+    "CA without client auth": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  client_ca_file: {ca}\n",
+                               "client CA is set but client_auth_type is NoClientCert"),
+    "client auth without CA": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                               "  client_auth_type: RequireAndVerifyClientCert\n", "needs client_ca_file"),
+    "SANs without required certs": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                                    "  client_auth_type: VerifyClientCertIfGiven\n  client_ca_file: {ca}\n"
+                                    "  client_allowed_sans: [x]\n", "client_allowed_sans requires"),
+    "curves": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  curve_preferences: [X25519]\n",
+               "curve_preferences is not supported"),
+    "unknown cipher": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  cipher_suites: [RC4]\n",
+                       "unknown cipher 'RC4'"),
+    "unknown TLS version": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  min_version: TLS14\n",
+                            "unknown min_version 'TLS14'"),
+    "min above max": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                      "  min_version: TLS13\n  max_version: TLS12\n", "min_version is above max_version"),
+    "unknown header": ("http_server_config:\n  headers:\n    X-Powered-By: me\n", "X-Powered-By"),
+    "bad header value": ("http_server_config:\n  headers:\n    X-Frame-Options: allow\n",
+                         "invalid value for header X-Frame-Options"),
+    "http2 not a bool": ("http_server_config:\n  http2: yes please\n", "http2 must be true or false"),
+    "plain-text password": ("basic_auth_users:\n  alice: hunter2\n", "password of 'alice' is not a bcrypt hash"),
+    "truncated hash": ("basic_auth_users:\n  alice: '$2y$10$mDwo.lAisC94iLAyP81MCe'\n", "not a bcrypt hash"),
+    "users as a list": ("basic_auth_users:\n  - alice\n", "basic_auth_users must be a mapping"),
+    "bad duration": ("rate_limit:\n  interval: soon\n  burst: 1\n", "invalid duration 'soon'"),
+    "burst zero": ("rate_limit:\n  interval: 1s\n  burst: 0\n", "burst must be at least 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_is_one_clear_line(tmp_path, tls_dir, case):
+    _, files, other = tls_dir
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    text, expected = BAD_CONFIGS[case]
+    path = write_config(tmp_path, text.format(cert=files.server_cert, key=files.server_key, ca=files.ca_cert,
+                                              other_key=other.server_key, garbage=garbage))
+    with pytest.raises(ConfigError) as err:
+        web.load_web_config(path)
+    message = str(err.value)
+    assert expected in message
+    assert message.startswith(f"web config file {path}: ")
+    assert "\n" not in message
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read web config file .*: No such file"):
+        web.load_web_config(str(tmp_path / "absent.yml"))
+    bad = write_config(tmp_path, "basic_auth_users: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        web.load_web_config(bad)
+    assert "is not valid YAML" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_rejects_bad_web_config_with_exit_2(tmp_path, capsys):
+    bad = write_config(tmp_path, "basic_auth_users:\n  alice: hunter2\n")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--web.config.file", bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a bcrypt hash" in err
+
+
+@pytest.mark.parametrize("text,seconds", [("1s", 1.0), ("250ms", 0.25), ("1m30s", 90.0), ("0", 0.0), ("2h", 7200.0)])
+def test_parse_duration(text, seconds):
+    assert web.parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["1", "s", "1x", "1s2", "-1s"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(ConfigError):
+        web.parse_duration(text)
+
+
+@pytest.mark.parametrize("address,expected", [
+    (":10138", ("", 10138)),
+    ("127.0.0.1:10138", ("127.0.0.1", 10138)),
+    ("0.0.0.0:10138", ("0.0.0.0", 10138)),
+    ("[::1]:10138", ("::1", 10138)),
+    ("localhost:0", ("localhost", 0)),
+])
+def test_parse_listen_address(address, expected):
+    assert web.parse_listen_address(address) == expected
+
+
+@pytest.mark.parametrize("address", ["10138", "127.0.0.1", "::1:10138", "[::1:10138", "host:99999", "host:http"])
+def test_parse_listen_address_rejects(address):
+    with pytest.raises(ConfigError, match="invalid listen address"):
+        web.parse_listen_address(address)
+
+
+# ---------------------------------------------------------------- routes
+
+def test_landing_page_links_the_metrics_path():
+    with running(registry_with(GpuCollector()), path="/custom/metrics") as server:
+        status, headers, body = request(server, "/")
+    assert status == 200
+    assert headers["content-type"].startswith("text/html")
+    assert b'href="/custom/metrics"' in body
+
+
+def test_health_and_404():
+    with running(registry_with(GpuCollector())) as server:
+        assert request(server, "/-/healthy")[::2] == (200, b"OK")
+        assert request(server, "/nope")[0] == 404
+        # Metrics live at the configured path only.
+        assert request(server, "/metrics/")[0] == 404
+
+
+def test_metrics_text_format():
+    with running(registry_with(GpuCollector())) as server:
+        status, headers, body = request(server, "/metrics")
+    assert status == 200
+    assert headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert 'mps_gpu_memory_used_bytes{gpu="1",uuid="GPU-1"} 2048.0' in body.decode()
+    assert not body.endswith(b"# EOF\n")
+
+
+def test_openmetrics_negotiation():
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    with running(registry_with(GpuCollector())) as server:
+        status, headers, body = request(server, "/metrics", {"Accept": accept})
+    assert status == 200
+    assert headers["content-type"].startswith("application/openmetrics-text")
+    assert body.endswith(b"# EOF\n")
+    assert b'mps_gpu_up{gpu="0",uuid="GPU-0"} 1.0' in body
+
+
+def test_gzip_when_accepted():
+    with running(registry_with(GpuCollector())) as server:
+        _, plain_headers, plain = request(server, "/metrics")
+        status, headers, body = request(server, "/metrics", {"Accept-Encoding": "gzip"})
+    assert status == 200 and headers["content-encoding"] == "gzip"
+    assert "content-encoding" not in plain_headers
+    assert gzip.decompress(body) == plain
+
+
+def test_name_filter():
+    with running(registry_with(GpuCollector())) as server:
+        _, _, body = request(server, "/metrics?name[]=mps_gpu_up")
+    assert b"mps_gpu_up{" in body and b"mps_gpu_memory_used_bytes" not in body
+
+
+def test_head_sends_headers_only():
+    with running(registry_with(GpuCollector())) as server:
+        status, headers, body = request(server, "/metrics", method="HEAD")
+        _, _, full = request(server, "/metrics")
+    assert status == 200 and body == b""
+    assert int(headers["content-length"]) == len(full)
+
+
+def test_failing_collector_gives_500_and_the_server_keeps_serving():
+    with running(registry_with(BrokenCollector())) as server:
+        status, _, body = request(server, "/metrics")
+        assert status == 500
+        assert b"RuntimeError: NVML exploded" in body
+        assert request(server, "/-/healthy")[0] == 200
+        assert request(server, "/metrics")[0] == 500
+
+
+def test_configured_headers_on_every_response():
+    cfg = web.WebConfig(headers={"X-Content-Type-Options": "nosniff"})
+    with running(registry_with(GpuCollector()), cfg) as server:
+        for path in ("/", "/metrics", "/-/healthy", "/nope"):
+            assert request(server, path)[1]["x-content-type-options"] == "nosniff"
+
+
+# ---------------------------------------------------------------- basic auth
+
+@pytest.fixture
+def auth_server(tmp_path):
+    cfg = web.load_web_config(write_config(tmp_path, f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n"))
+    with running(registry_with(GpuCollector()), cfg) as server:
+        yield server
+
+
+@pytest.mark.parametrize("headers", [
+    {},
+    basic("alice", "wrong"),
+    basic("mallory", ALICE_PASSWORD),
+    basic("alice", ALICE_PASSWORD + "x" * 80),  # over bcrypt's 72-byte limit
+    {"Authorization": "Basic !!!not-base64"},
+    {"Authorization": "Basic " + base64.b64encode(b"no-colon").decode()},
+    {"Authorization": "Bearer abc"},
+])
+def test_auth_rejected(auth_server, headers):
+    for path in ("/metrics", "/", "/-/healthy"):
+        status, resp_headers, _ = request(auth_server, path, headers)
+        assert status == 401
+        assert resp_headers["www-authenticate"] == "Basic"
+
+
+def test_auth_accepted(auth_server):
+    status, _, body = request(auth_server, "/metrics", basic("alice", ALICE_PASSWORD))
+    assert status == 200 and b"mps_gpu_up" in body
+    assert request(auth_server, "/-/healthy", basic("alice", ALICE_PASSWORD))[0] == 200
+
+
+def test_auth_caches_successes_only(monkeypatch):
+    calls = []
+    real = bcrypt.checkpw
+    monkeypatch.setattr(web.bcrypt, "checkpw", lambda pw, h: calls.append(h) or real(pw, h))
+    auth = web.BasicAuth({"alice": ALICE_HASH.encode()})
+    good = basic("alice", ALICE_PASSWORD)["Authorization"]
+    bad = basic("alice", "wrong")["Authorization"]
+    assert auth.check(good) and auth.check(good)
+    assert len(calls) == 1  # the second success came from the cache
+    assert not auth.check(bad) and not auth.check(bad)
+    assert len(calls) == 3  # failures are checked every time
+    # An unknown user still pays for one bcrypt check (against the decoy
+    # hash), so response time does not tell which user names exist.
+    assert not auth.check(basic("mallory", ALICE_PASSWORD)["Authorization"])
+    assert calls[-1] == web._DECOY_HASH
+
+
+def test_auth_cache_expires(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(web.time, "monotonic", lambda: now[0])
+    calls = []
+    real = bcrypt.checkpw
+    monkeypatch.setattr(web.bcrypt, "checkpw", lambda pw, h: calls.append(h) or real(pw, h))
+    auth = web.BasicAuth({"alice": ALICE_HASH.encode()}, cache_seconds=10)
+    good = basic("alice", ALICE_PASSWORD)["Authorization"]
+    assert auth.check(good)
+    now[0] += 11
+    assert auth.check(good)
+    assert len(calls) == 2
+
+
+def test_decoy_hash_is_a_valid_bcrypt_hash():
+    assert web._BCRYPT_HASH.match(web._DECOY_HASH.decode())
+    assert bcrypt.checkpw(b"guess", web._DECOY_HASH) is False
+
+
+# ---------------------------------------------------------------- rate limit
+
+def test_token_bucket():
+    now = [0.0]
+    bucket = web.TokenBucket(web.RateLimit(interval_seconds=2.0, burst=2), clock=lambda: now[0])
+    assert [bucket.allow() for _ in range(3)] == [True, True, False]
+    now[0] += 1.0  # half a token
+    assert not bucket.allow()
+    now[0] += 1.0
+    assert bucket.allow() and not bucket.allow()
+    now[0] += 100.0  # refills up to the burst only
+    assert [bucket.allow() for _ in range(3)] == [True, True, False]
+
+
+def test_rate_limited_requests_get_429():
+    cfg = web.WebConfig(rate_limit=web.RateLimit(interval_seconds=3600, burst=1))
+    with running(registry_with(GpuCollector()), cfg) as server:
+        assert request(server, "/metrics")[0] == 200
+        assert request(server, "/metrics")[0] == 429
+
+
+# ---------------------------------------------------------------- TLS
+
+def tls_config(tmp_path, files, extra: str = "") -> web.WebConfig:
+    return web.load_web_config(write_config(
+        tmp_path, f"tls_server_config:\n  cert_file: {files.server_cert}\n  key_file: {files.server_key}\n{extra}"))
+
+
+def test_tls_serves_https_and_refuses_plain_http(tmp_path, tls_dir):
+    _, files, other = tls_dir
+    with running(registry_with(GpuCollector()), tls_config(tmp_path, files)) as server:
+        status, _, body = request(server, "/metrics", context=client_context(files.ca_cert))
+        assert status == 200 and b"mps_gpu_up" in body
+        # A client trusting another CA refuses the server.
+        with pytest.raises(ssl.SSLCertVerificationError):
+            request(server, "/metrics", context=client_context(other.ca_cert))
+        # Plain HTTP to the TLS port gets no HTTP answer.
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
+        with pytest.raises((http.client.HTTPException, ConnectionError)):
+            conn.request("GET", "/metrics")
+            conn.getresponse()
+        conn.close()
+        assert request(server, "/-/healthy", context=client_context(files.ca_cert))[0] == 200
+
+
+def test_tls_with_basic_auth(tmp_path, tls_dir):
+    _, files, _ = tls_dir
+    cfg = tls_config(tmp_path, files, f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n")
+    ctx = client_context(files.ca_cert)
+    with running(registry_with(GpuCollector()), cfg) as server:
+        assert request(server, "/metrics", context=ctx)[0] == 401
+        assert request(server, "/metrics", basic("alice", ALICE_PASSWORD), context=ctx)[0] == 200
+
+
+CLIENT_AUTH = "  client_auth_type: {mode}\n  client_ca_file: {ca}\n"
+
+
+def test_required_client_certificate(tmp_path, tls_dir):
+    _, files, other = tls_dir
+    cfg = tls_config(tmp_path, files, CLIENT_AUTH.format(mode="RequireAndVerifyClientCert", ca=files.ca_cert))
+    with running(registry_with(GpuCollector()), cfg) as server:
+        good = client_context(files.ca_cert, files.client_cert, files.client_key)
+        assert request(server, "/metrics", context=good)[0] == 200
+        for ctx in (client_context(files.ca_cert),  # no certificate
+                    client_context(files.ca_cert, other.client_cert, other.client_key)):  # foreign CA
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                request(server, "/metrics", context=ctx)
+        assert request(server, "/metrics", context=good)[0] == 200
+
+
+def test_optional_client_certificate(tmp_path, tls_dir):
+    _, files, other = tls_dir
+    cfg = tls_config(tmp_path, files, CLIENT_AUTH.format(mode="VerifyClientCertIfGiven", ca=files.ca_cert))
+    with running(registry_with(GpuCollector()), cfg) as server:
+        assert request(server, "/metrics", context=client_context(files.ca_cert))[0] == 200
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            request(server, "/metrics", context=client_context(files.ca_cert, other.client_cert, other.client_key))
+
+
+def test_client_allowed_sans(tmp_path, tls_dir):
+    _, files, _ = tls_dir
+    mode = CLIENT_AUTH.format(mode="RequireAndVerifyClientCert", ca=files.ca_cert)
+    good = client_context(files.ca_cert, files.client_cert, files.client_key)
+    with running(registry_with(GpuCollector()),
+                 tls_config(tmp_path, files, mode + "  client_allowed_sans: [other.example, scraper.example]\n")) as server:
+        assert request(server, "/metrics", context=good)[0] == 200
+    with running(registry_with(GpuCollector()),
+                 tls_config(tmp_path, files, mode + "  client_allowed_sans: [other.example]\n")) as server:
+        with pytest.raises((http.client.HTTPException, ConnectionError, ssl.SSLError)):
+            request(server, "/metrics", context=good)
+
+
+def test_peer_sans_spell_ip_addresses_like_go():
+    cert = {"subjectAltName": (("DNS", "a.example"), ("IP Address", "0:0:0:0:0:0:0:1\n"), ("IP Address", "10.0.0.1"))}
+    assert web.peer_sans(cert) == ["a.example", "::1", "10.0.0.1"]
+
+
+def test_rotated_certificate_is_picked_up(tmp_path, tls_dir):
+    _, files, other = tls_dir
+    cert, key = tmp_path / "live.pem", tmp_path / "live-key.pem"
+    shutil.copy(files.server_cert, cert)
+    shutil.copy(files.server_key, key)
+    cfg = web.load_web_config(write_config(tmp_path, f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"))
+    with running(registry_with(GpuCollector()), cfg) as server:
+        assert request(server, "/metrics", context=client_context(files.ca_cert))[0] == 200
+        shutil.copy(other.server_cert, cert)
+        shutil.copy(other.server_key, key)
+        os.utime(cert, ns=(0, 1))  # a new stamp even within the file system's time resolution
+        assert request(server, "/metrics", context=client_context(other.ca_cert))[0] == 200
+        # A broken rotation keeps the last good certificate.
+        cert.write_text("half-written")
+        assert request(server, "/metrics", context=client_context(other.ca_cert))[0] == 200
+
+
+# ---------------------------------------------------------------- listening and concurrency
+
+def test_dual_stack_listen_address():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    with running(registry_with(GpuCollector()), listen=":0") as server:
+        assert request(server, "/-/healthy", host="127.0.0.1")[0] == 200
+        try:
+            assert request(server, "/-/healthy", host="::1")[0] == 200
+        except OSError as e:  # IPv6 loopback can be disabled in containers
+            pytest.skip(f"no IPv6 loopback: {e}")
+
+
+def test_ipv6_loopback_listen_address():
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    with running(registry_with(GpuCollector()), listen="[::1]:0") as server:
+        assert server.url.startswith("http://[::1]:")
+        assert request(server, "/-/healthy", host="::1")[0] == 200
+
+
+class RendezvousCollector:
+    """collect() returns only once `parties` scrapes are inside it at the same
+    time: a server handling requests one by one would break the barrier."""
+
+    def __init__(self, parties: int):
+        self.barrier = threading.Barrier(parties, timeout=10)
+
+    def collect(self):
+        self.barrier.wait()
+        return GpuCollector().collect()
+
+
+def test_concurrent_scrapes_are_served_in_parallel():
+    parties = 6
+    with running(registry_with(RendezvousCollector(parties))) as server:
+        # A client that connects and sends nothing must not hold up the others.
+        stalled = socket.create_connection(("127.0.0.1", server.server_port))
+        results = []
+
+        def scrape():
+            results.append(request(server, "/metrics")[0])
+
+        threads = [threading.Thread(target=scrape) for _ in range(parties)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        stalled.close()
+    assert results == [200] * parties
+
+
+def test_serve_until_stopped():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=web.serve, args=(registry_with(GpuCollector()), f"127.0.0.1:{port}", "/metrics", None),
+                              kwargs={"ready": ready, "stop": stop}, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/metrics")
+    assert conn.getresponse().status == 200
+    conn.close()
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
