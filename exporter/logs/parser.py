@@ -1,0 +1,310 @@
+"""One MPS log line -> one event. Pure: no I/O, no state.
+
+Formats (every line: `[YYYY-MM-DD HH:MM:SS.mmm ROLE PID] message`, ROLE one of
+`Control`, `Server`, `Other`, `Legacy Server`):
+
+- CUDA 13.x, as in shared/captures/h200-driver580-a: `Client {PID: P, Context ID: C}
+  connected`, `Client process P disconnected`, `Active Threads Percentage set to 25.0`,
+  `Device pinned memory limit for device 0 set to 0x80000000 bytes`, and the fatal
+  error report (`Client {PID: P, Context: C} encountered a fatal GPU error.`,
+  `Server is handling a fatal GPU error.`, `The following devices will be reset:`
+  followed by bare device numbers, `The following client process have a sticky
+  error set:` followed by bare PIDs).
+- CUDA 11.x/12.x server.log, role `Other`: `Start`, `Volta MPS: Creating server
+  context on device 0`, `activeThreadsPercentage set to 33.000000`, `MPS Server is
+  started`, `Volta MPS Server: Received new client request`, `Volta MPS: Device
+  Tesla T4 (uuid ...) is associated` (once per client process), `Volta MPS: Client
+  disconnected. Number of active client contexts is N` (per context), `Volta MPS:
+  Client process disconnected` (no PID). Control daemon start is a bare `Start`.
+  (Recorded in public issue threads: NVIDIA/nvidia-container-toolkit#277, a
+  CUDA 11.2 docker-compose run.)
+- Pre-Volta (NVIDIA's MPS documentation, "Server Log"): `New client 14781 connected`,
+  `Client 14777 disconnected`, `MPS server failed to start`.
+- Role `Legacy Server`: `Failed to start : invalid argument` (NVIDIA/k8s-device-plugin#685),
+  and `Server encountered a fatal exception. Shutting down` in control.log.
+
+Timestamps carry no zone: they are read in `tz` (None: the machine's local time).
+In control.log the lines a command prints (bare PIDs, `ACTIVE`, `25.0`, the `ps`
+table, `Server 713 not found`, the `set_default_... 2G.` echo) parse as
+CommandOutput, never as events; the state machine also treats any unmatched line
+between `Cmd:` and `UI closed` as output.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone, tzinfo
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .events import (
+    ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    ClientPushed, Command, CommandOutput, DaemonExited, DaemonStarted, DaemonVersion, FatalGpuError,
+    Noise, ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
+    ServerPinnedLimit, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
+    UiClosed, UiOpened, Unrecognized,
+)
+
+# ------------------------------------------------------------------ time
+_ts_cache_key: Tuple[str, Optional[tzinfo]] = ("", None)
+_ts_cache_value = 0.0
+
+
+def _second_epoch(text: str, tz: Optional[tzinfo]) -> float:
+    """'2026-11-21 04:19:21' -> unix seconds. Consecutive lines mostly share the second,
+    so one cached value saves nearly all datetime work."""
+    global _ts_cache_key, _ts_cache_value
+    key = (text, tz)
+    if key == _ts_cache_key:
+        return _ts_cache_value
+    if text[4] != "-" or text[7] != "-" or text[10] != " " or text[13] != ":" or text[16] != ":":
+        raise ValueError(text)
+    dt = datetime(int(text[0:4]), int(text[5:7]), int(text[8:10]),
+                  int(text[11:13]), int(text[14:16]), int(text[17:19]), tzinfo=tz)
+    value = dt.timestamp()  # naive datetime: local time, DST included
+    _ts_cache_key, _ts_cache_value = key, value
+    return value
+
+
+def resolve_timezone(name: str) -> Optional[tzinfo]:
+    """'local' -> None (the machine's zone); 'UTC' or an IANA name -> tzinfo.
+
+    Raises ValueError with one clear line for an unknown name."""
+    if not name or name == "local":
+        return None
+    if name.upper() in ("UTC", "Z"):
+        return timezone.utc
+    try:
+        from zoneinfo import ZoneInfo  # Python 3.9+
+        return ZoneInfo(name)
+    except Exception as e:  # ZoneInfoNotFoundError, ValueError for odd keys
+        raise ValueError(f"unknown time zone {name!r} for MPS log timestamps") from e
+
+
+# --------------------------------------------------------------- helpers
+def _n(ts: float, pid: int, kind: str) -> Noise:
+    return Noise(ts, pid, kind)
+
+
+_Rule = Tuple["re.Pattern[str]", Callable[..., ParseResult]]
+
+
+def _rules(*pairs: Tuple[str, Callable[..., ParseResult]]) -> List[_Rule]:
+    return [(re.compile(p), build) for p, build in pairs]
+
+
+# ---------------------------------------------------------- control.log
+_CONTROL_EXACT: Dict[str, Callable[[float, int], ParseResult]] = {
+    "Accepting connection...": lambda ts, pid: _n(ts, pid, "accepting_connection"),
+    "User did not send valid credentials": lambda ts, pid: _n(ts, pid, "invalid_credentials"),
+    "NEW UI": UiOpened,
+    "UI closed": UiClosed,
+    "Start": DaemonStarted,  # 11.x
+    "Unable to read new connection type information": lambda ts, pid: _n(ts, pid, "bad_connection"),
+    "Server encountered a fatal exception. Shutting down": lambda ts, pid: _n(ts, pid, "server_fatal_exception"),
+    "No default pinned memory limit set for the device!": lambda ts, pid: CommandOutput(ts, pid, "no_default_pinned_limit"),
+}
+
+
+def _new_client(ts: float, pid: int, m: "re.Match[str]") -> ParseResult:
+    client, uid, tail = int(m.group(1)), int(m.group(2)), m.group(3)
+    if tail.startswith("Server already exists"):
+        return ClientAccepted(ts, pid, client, uid)
+    if tail.startswith("Server is not ready"):
+        return ClientPushed(ts, pid, client, uid)
+    return Unrecognized(ts, pid, "NEW CLIENT with an unknown outcome")
+
+
+# Keyed by the message's first word; tried in order.
+_CONTROL_RULES: Dict[str, List[_Rule]] = {
+    "NEW": _rules(
+        (r"NEW CLIENT (-?\d+) from user (\d+): (.*)$", _new_client),
+        (r"NEW SERVER (\d+): Ready$", lambda ts, pid, m: ServerReady(ts, pid, int(m.group(1)))),
+    ),
+    "Starting": _rules(
+        (r"Starting new server (\d+) for user (\d+)$",
+         lambda ts, pid, m: ServerStarting(ts, pid, int(m.group(1)), int(m.group(2)))),
+        (r"Starting control daemon", lambda ts, pid, m: DaemonStarted(ts, pid)),
+    ),
+    "Server": _rules(
+        (r"Server (\d+) exited with status (-?\d+)$",
+         lambda ts, pid, m: ServerExited(ts, pid, int(m.group(1)), int(m.group(2)))),
+        (r"Server (\d+) has (\d+) active worker threads?\. Server will not shutdown\.?$",
+         lambda ts, pid, m: ShutdownDeferred(ts, pid, int(m.group(1)), int(m.group(2)))),
+        (r"Server -?\d+ not found$", lambda ts, pid, m: CommandOutput(ts, pid, m.group(0))),
+    ),
+    "Try": _rules(
+        (r"Try shutting down server (\d+)", lambda ts, pid, m: ShutdownAttempt(ts, pid, int(m.group(1)))),
+    ),
+    "Control": _rules(
+        (r"Control will try shutting down server \d+ again", lambda ts, pid, m: _n(ts, pid, "shutdown_retry")),
+    ),
+    "To": _rules(
+        (r"To connect CUDA applications to this daemon", lambda ts, pid, m: _n(ts, pid, "pipe_hint")),
+    ),
+    "CUDA": _rules(
+        (r"CUDA MPS Control binary version: (\S+)$", lambda ts, pid, m: DaemonVersion(ts, pid, m.group(1))),
+    ),
+    "Exit": _rules(
+        (r"Exit with status (-?\d+)$", lambda ts, pid, m: DaemonExited(ts, pid, int(m.group(1)))),
+    ),
+    "Unknown": _rules(
+        (r'Unknown command "', lambda ts, pid, m: CommandOutput(ts, pid, "unknown_command")),
+    ),
+    "PID": _rules(  # the ps table's heading
+        (r"PID\s+ID\s+SERVER\b", lambda ts, pid, m: CommandOutput(ts, pid, "ps_heading")),
+    ),
+}
+
+# Shapes of command output that have no first word to key on.
+_CONTROL_OUTPUT = re.compile(
+    r"-?\d+(?:\.\d+)?[KMGTP]?"                  # PID, `25.0`, `712.1`, `2G`
+    r"|(?:ACTIVE|INITIALIZING|FAULT)"            # get_server_status
+    r"|\d+\s+\d+\s+\d+\s+\S+.*"                  # a ps row
+    r"|\[\d+\] .*"                               # get_device_client_list heading
+    r"|[a-z_]+ .*\.",                            # `set_default_device_pinned_mem_limit 0 2G.` echo
+)
+
+_COMMAND = re.compile(r"Cmd:\s*(\S*)\s*(.*)$")
+
+
+def _parse_control(ts: float, pid: int, msg: str) -> ParseResult:
+    exact = _CONTROL_EXACT.get(msg)
+    if exact is not None:
+        return exact(ts, pid)
+    if msg.startswith("Cmd:"):
+        m = _COMMAND.match(msg)
+        return Command(ts, pid, m.group(1), m.group(2)) if m else Unrecognized(ts, pid, "bad Cmd line")
+    space = msg.find(" ")
+    for pattern, build in _CONTROL_RULES.get(msg[:space] if space > 0 else msg, ()):
+        m = pattern.match(msg)
+        if m:
+            return build(ts, pid, m)
+    if _CONTROL_OUTPUT.fullmatch(msg.rstrip()):
+        return CommandOutput(ts, pid, msg)
+    return Unrecognized(ts, pid, "no control rule matched")
+
+
+# ----------------------------------------------------------- server.log
+_SERVER_EXACT: Dict[str, Callable[[float, int], ParseResult]] = {}
+for _kind, _texts in {
+    "server_startup": ("Startup", "Start", "Initializing server process", "Server has started",
+                       "MPS Server is started"),
+    "shutdown_request": ("Server has been notified to shutdown", "Waiting for current clients to finish"),
+    "client_request": ("Volta MPS Server: Received new client request", "MPS Server: worker created",
+                       "Volta MPS: Creating worker thread"),
+    "client_context_exit": ("Receive command failed, assuming client exit",),
+}.items():
+    for _text in _texts:
+        _SERVER_EXACT[_text] = (lambda kind: lambda ts, pid: _n(ts, pid, kind))(_kind)
+_SERVER_EXACT.update({
+    "Exiting": ServerExiting,
+    "Server is handling a fatal GPU error.": lambda ts, pid: FatalGpuError(ts, pid, None),
+    "The following devices will be reset:": lambda ts, pid: ReportHeading(ts, pid, "reset_devices"),
+    "The following client process have a sticky error set:": lambda ts, pid: ReportHeading(ts, pid, "sticky_clients"),
+    "Volta MPS: Client process disconnected": lambda ts, pid: ClientProcessDisconnected(ts, pid, None),
+    "MPS server failed to start": lambda ts, pid: ServerStartFailed(ts, pid, "failed to start"),
+})
+
+
+def _limit(text: str) -> int:
+    return int(text, 16) if text.lower().startswith("0x") else int(text)
+
+
+_SERVER_RULES: Dict[str, List[_Rule]] = {
+    "Client": _rules(
+        (r"Client \{PID: (-?\d+), Context ID: \d+\} connected$",
+         lambda ts, pid, m: ClientContextConnected(ts, pid, int(m.group(1)))),
+        (r"Client process (-?\d+) disconnected$",
+         lambda ts, pid, m: ClientProcessDisconnected(ts, pid, int(m.group(1)))),
+        (r"Client \{PID: (-?\d+), Context(?: ID)?: \d+\} encountered a fatal GPU error",
+         lambda ts, pid, m: FatalGpuError(ts, pid, int(m.group(1)))),
+        (r"Client \{PID: -?\d+, Context ID: \d+\} exiting", lambda ts, pid, m: _n(ts, pid, "client_context_exit")),
+        (r"Client \{PID: -?\d+, Context ID: \d+\} on .* to be torn down", lambda ts, pid, m: _n(ts, pid, "fatal_report")),
+        (r"Client (\d+) disconnected$",  # pre-Volta
+         lambda ts, pid, m: ClientProcessDisconnected(ts, pid, int(m.group(1)))),
+    ),
+    "New": _rules(
+        (r"New client (\d+) connected$", lambda ts, pid, m: ClientContextConnected(ts, pid, int(m.group(1)))),
+    ),
+    "Active": _rules(
+        (r"Active Threads Percentage set to (\d+(?:\.\d+)?)$",
+         lambda ts, pid, m: ServerActiveThreads(ts, pid, float(m.group(1)))),
+    ),
+    "activeThreadsPercentage": _rules(
+        (r"activeThreadsPercentage set to (\d+(?:\.\d+)?)$",
+         lambda ts, pid, m: ServerActiveThreads(ts, pid, float(m.group(1)))),
+    ),
+    "Device": _rules(
+        (r"Device pinned memory limit for device (\d+) set to (0x[0-9a-fA-F]+|\d+) bytes$",
+         lambda ts, pid, m: ServerPinnedLimit(ts, pid, int(m.group(1)), _limit(m.group(2)))),
+        (r"Device .* is associated$", lambda ts, pid, m: _n(ts, pid, "device_associated")),
+    ),
+    "Volta": _rules(
+        # 11.x/12.x: logged once per client process, the only place its connection shows.
+        (r"Volta MPS: Device .* is associated$", lambda ts, pid, m: ClientProcessConnected(ts, pid)),
+        (r"Volta MPS: Client disconnected\.", lambda ts, pid, m: _n(ts, pid, "client_context_exit")),
+        (r"Volta MPS: (?:Creating|Destroy) server context", lambda ts, pid, m: _n(ts, pid, "server_context")),
+    ),
+    "Server": _rules(
+        (r"Server failed to rece(?:iv|vi)e command", lambda ts, pid, m: _n(ts, pid, "client_context_exit")),
+        (r"Server was unable to shutdown due to \d+ active clients?$", lambda ts, pid, m: _n(ts, pid, "shutdown_refused")),
+        (r"Server Priority set to", lambda ts, pid, m: _n(ts, pid, "server_config")),
+    ),
+    "Received": _rules((r"Received new client request", lambda ts, pid, m: _n(ts, pid, "client_request")),),
+    "Creating": _rules(
+        (r"Creating (?:worker thread|server context)", lambda ts, pid, m: _n(ts, pid, "client_request")),
+    ),
+    "Created": _rules((r"Created anonymous shared memory region", lambda ts, pid, m: _n(ts, pid, "server_startup")),),
+    "Destroy": _rules((r"Destroy server context", lambda ts, pid, m: _n(ts, pid, "server_context")),),
+    "Status": _rules((r"Status of client .* is \w+$", lambda ts, pid, m: _n(ts, pid, "client_status")),),
+    "CUDA": _rules((r"CUDA MPS Server for Linux/Unix", lambda ts, pid, m: _n(ts, pid, "server_version")),),
+    "Display": _rules((r"Display Driver version", lambda ts, pid, m: _n(ts, pid, "server_version")),),
+    "Connecting": _rules((r"Connecting to control daemon", lambda ts, pid, m: _n(ts, pid, "server_startup")),),
+    "MPS": _rules(
+        (r"MPS Server connecting to control daemon", lambda ts, pid, m: _n(ts, pid, "server_startup")),
+        (r"MPS is only supported on", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
+    ),
+    "All": _rules((r"All clients belonging to error trigg?ing process", lambda ts, pid, m: _n(ts, pid, "fatal_report")),),
+    "Failed": _rules((r"Failed to start\b", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),),
+}
+
+_BARE_NUMBER = re.compile(r"-?\d+")
+
+
+def _parse_server(ts: float, pid: int, msg: str) -> ParseResult:
+    exact = _SERVER_EXACT.get(msg)
+    if exact is not None:
+        return exact(ts, pid)
+    space = msg.find(" ")
+    if space < 0 and _BARE_NUMBER.fullmatch(msg):
+        return ReportItem(ts, pid, int(msg))
+    for pattern, build in _SERVER_RULES.get(msg[:space] if space > 0 else msg, ()):
+        m = pattern.match(msg)
+        if m:
+            return build(ts, pid, m)
+    return Unrecognized(ts, pid, "no server rule matched")
+
+
+# ------------------------------------------------------------ the entry
+def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult:
+    """Parse one line (without its newline) of `file` ("control" or "server").
+
+    Never raises: anything unexpected is Unrecognized."""
+    try:
+        if len(line) < 28 or line[0] != "[" or line[20] != "." or line[24] != " ":
+            return Unrecognized(None, None, "no header")
+        close = line.find("]", 25)
+        if close < 0:
+            return Unrecognized(None, None, "no header")
+        role, _, pid_text = line[25:close].rstrip().rpartition(" ")
+        if not role.strip():
+            return Unrecognized(None, None, "no role in header")
+        ts = _second_epoch(line[1:20], tz) + int(line[21:24]) / 1000.0
+        pid = int(pid_text)
+    except (ValueError, OverflowError, OSError):  # odd digits, year 0, out-of-range dates
+        return Unrecognized(None, None, "bad header")
+    msg = line[close + 2:] if line[close + 1:close + 2] == " " else line[close + 1:]
+    msg = msg.rstrip()
+    if file == "control":
+        return _parse_control(ts, pid, msg)
+    return _parse_server(ts, pid, msg)

@@ -1,0 +1,515 @@
+"""Events in, state out: the queue, lifecycle and fault state the MPS logs describe.
+
+Pure: no I/O and no clock. `LogState.apply(result, file)` takes what `parse_line`
+returned for one line of `file`; `snapshot()` returns a copy the render reads.
+Memory is bounded by what is running (servers, clients, pending clients), never
+by the length of the log: finished things are dropped, and every table that a
+broken log could grow has a cap.
+
+Rules (control.log is the source of truth for lifecycle and queueing, server.log
+for client connections, fatal errors and per-server settings):
+- A client is queued at `NEW CLIENT P ...: push client to pending list`. Its reason
+  is `user_switch` when a server of another user is running (or when the daemon
+  then shuts a server of another user down by itself), else `server_starting`.
+- It is admitted at the next `NEW CLIENT P ...: Server already exists` for the same
+  PID: the wait from push to there goes into the histogram. It stops counting as
+  queued earlier, at `NEW SERVER S: Ready` of a server of its user: the daemon hands
+  its pending clients to that server (tens of ms before the client's next context
+  logs `Server already exists`). If that line never comes (a client with a single
+  context), the wait up to the handover is observed when the server exits.
+- A handoff is a server the daemon shut down on its own (`Try shutting down server S`
+  outside a `Cmd:` block: only a waiting client of another user makes it do that)
+  that then exited. `shutdown_server` and `quit` are commands, not handoffs.
+- A start failure is a server that exited before `NEW SERVER S: Ready`.
+- A client process counts once: on its first `Client {PID: P, Context ID: C}
+  connected` (13.x) / `New client P connected` (pre-Volta); on 11.x/12.x, which
+  log no PID, on `Volta MPS: Device ... is associated` (once per process).
+- One fatal GPU error is one report: `Client ... encountered a fatal GPU error.`
+  and `Server is handling a fatal GPU error.` of the same report count once.
+- Lines between `Cmd:` and `UI closed` that no rule knows are the command's
+  output, not unrecognized lines.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+
+from ..contract import QUEUE_WAIT_BUCKETS
+from .events import (
+    ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    ClientPushed, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
+    ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
+    ServerPinnedLimit, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
+    UiClosed, UiOpened, Unrecognized,
+)
+
+SERVER_STARTING = "server_starting"
+USER_SWITCH = "user_switch"
+REASONS = (SERVER_STARTING, USER_SWITCH)
+
+# Caps: what a broken or hostile log could otherwise grow without bound.
+MAX_PENDING = 1024
+MAX_CLIENTS = 4096
+MAX_SERVERS = 1024
+MAX_EXITED_MEMORY = 4096  # exited server PIDs remembered, so late server.log lines do not revive them
+MAX_ORPHAN_FACTS = 64  # server.log facts of servers control.log has not announced (yet)
+MAX_COMMAND_VERBS = 64
+_VERB = re.compile(r"[a-z][a-z0-9_]{0,47}")
+
+
+@dataclass
+class LogServer:
+    """One MPS server as the logs describe it."""
+
+    pid: int
+    uid: Optional[int] = None  # `Starting new server S for user U`
+    start_time: Optional[float] = None  # `NEW SERVER S: Ready`
+    active_thread_percentage: Optional[float] = None  # logged at server start
+    pinned_limits: Dict[int, int] = field(default_factory=dict)  # device ordinal -> bytes
+    running: bool = True  # False once server.log says `Exiting` (control.log has not yet said `exited`)
+    fatal_errors: int = 0
+    sticky_clients: List[int] = field(default_factory=list)  # of the last fatal error report
+    reset_devices: List[int] = field(default_factory=list)
+    start_failure: Optional[str] = None  # server.log's reason, where it gave one
+    # internal: the daemon itself asked it to shut down (not a Cmd:)
+    daemon_shutdown: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.start_time is not None
+
+    def copy(self) -> "LogServer":
+        return LogServer(self.pid, self.uid, self.start_time, self.active_thread_percentage,
+                         dict(self.pinned_limits), self.running, self.fatal_errors,
+                         list(self.sticky_clients), list(self.reset_devices), self.start_failure,
+                         self.daemon_shutdown)
+
+
+@dataclass
+class PendingClient:
+    pid: int
+    uid: int
+    reason: str
+    pushed_at: float
+    served_at: Optional[float] = None  # a server of its user became ready
+
+
+@dataclass
+class WaitHistogram:
+    """Non-cumulative counts per bucket of QUEUE_WAIT_BUCKETS, the last one +Inf."""
+
+    counts: List[int] = field(default_factory=lambda: [0] * (len(QUEUE_WAIT_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.counts[bisect.bisect_left(QUEUE_WAIT_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> List[Tuple[float, int]]:
+        out, running = [], 0
+        for bound, n in zip(list(QUEUE_WAIT_BUCKETS) + [float("inf")], self.counts):
+            running += n
+            out.append((float(bound), running))
+        return out
+
+    def copy(self) -> "WaitHistogram":
+        return WaitHistogram(list(self.counts), self.total)
+
+
+@dataclass
+class LogSnapshot:
+    """A consistent copy of the state for one scrape. Never shared with the writer."""
+
+    servers: Dict[int, LogServer] = field(default_factory=dict)
+    client_start_times: Dict[int, float] = field(default_factory=dict)
+    client_servers: Dict[int, int] = field(default_factory=dict)  # client pid -> server pid
+    queued: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
+    oldest_queued_since: Optional[float] = None  # unix time of the oldest push still waiting
+    queue_wait: Dict[str, WaitHistogram] = field(default_factory=lambda: {r: WaitHistogram() for r in REASONS})
+    pushes: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
+    handoffs: int = 0
+    shutdown_deferrals: int = 0
+    client_connections: int = 0
+    client_disconnections: int = 0
+    server_starts: int = 0
+    server_exits: Dict[str, int] = field(default_factory=dict)  # exit status -> count
+    server_start_failures: int = 0
+    fatal_gpu_errors: int = 0
+    commands: Dict[str, int] = field(default_factory=dict)
+    lines: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
+    unrecognized: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
+    truncated: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
+    daemon_pid: Optional[int] = None
+    daemon_version: str = ""
+    daemon_running: Optional[bool] = None  # None: the logs have not said
+    last_line_time: Optional[float] = None  # timestamp of the newest line read
+
+    def oldest_queued_wait(self, now: float) -> float:
+        if self.oldest_queued_since is None:
+            return 0.0
+        return max(0.0, now - self.oldest_queued_since)
+
+
+class LogState:
+    """The state machine. Not thread-safe: one writer; readers take snapshot()."""
+
+    def __init__(self) -> None:
+        self.s = LogSnapshot()  # counters and the published parts live here
+        self._servers: Dict[int, LogServer] = {}
+        self._pending: List[PendingClient] = []
+        self._clients: "OrderedDict[int, Tuple[int, float]]" = OrderedDict()  # pid -> (server, since)
+        self._exited: Deque[int] = deque()
+        self._exited_set: Set[int] = set()
+        self._orphans: "OrderedDict[int, LogServer]" = OrderedDict()
+        self._in_command = False
+        self._open_reports: Dict[int, str] = {}  # server pid -> topic of the fatal report being read
+        self._handlers: Dict[type, Callable[[Any], None]] = {
+            DaemonStarted: self._daemon_started, DaemonExited: self._daemon_exited,
+            DaemonVersion: self._daemon_version, ClientPushed: self._client_pushed,
+            ClientAccepted: self._client_accepted, ServerStarting: self._server_starting,
+            ServerReady: self._server_ready, ServerExited: self._server_exited,
+            ShutdownAttempt: self._shutdown_attempt, ShutdownDeferred: self._shutdown_deferred,
+            Command: self._command, UiOpened: self._end_command, UiClosed: self._end_command,
+            ServerActiveThreads: self._active_threads, ServerPinnedLimit: self._pinned_limit,
+            ClientContextConnected: self._context_connected,
+            ClientProcessConnected: self._process_connected,
+            ClientProcessDisconnected: self._process_disconnected,
+            FatalGpuError: self._fatal_error, ReportHeading: self._report_heading,
+            ReportItem: self._report_item, ServerExiting: self._server_exiting,
+            ServerStartFailed: self._start_failed, Noise: self._noise,
+        }
+
+    # --------------------------------------------------------------- input
+    def apply(self, result: ParseResult, file: str) -> None:
+        s = self.s
+        s.lines[file] = s.lines.get(file, 0) + 1
+        if result.ts is not None and (s.last_line_time is None or result.ts > s.last_line_time):
+            s.last_line_time = result.ts
+        if type(result) is Unrecognized:
+            if not (file == "control" and self._in_command and result.ts is not None):
+                s.unrecognized[file] = s.unrecognized.get(file, 0) + 1
+            return
+        if file == "server" and self._open_reports and not _in_report(result):
+            self._open_reports.pop(result.pid, None)
+        handler = self._handlers.get(type(result))
+        if handler is not None:
+            handler(result)
+
+    def count_truncated(self, file: str) -> None:
+        self.s.truncated[file] = self.s.truncated.get(file, 0) + 1
+
+    # ------------------------------------------------------- control.log
+    def _daemon_started(self, ev: DaemonStarted) -> None:
+        # A new daemon: the old one's servers and pending list are gone with it.
+        self._forget_daemon()
+        self.s.daemon_pid, self.s.daemon_running = ev.pid, True
+
+    def _daemon_exited(self, ev: DaemonExited) -> None:
+        self._forget_daemon()
+        self.s.daemon_running = False
+
+    def _forget_daemon(self) -> None:
+        for p in self._pending:
+            if p.served_at is not None:
+                self._observe(p, p.served_at)
+        self._pending.clear()
+        for pid in list(self._servers):
+            self._drop_server(pid)
+        self._in_command = False
+
+    def _daemon_version(self, ev: DaemonVersion) -> None:
+        self.s.daemon_version = ev.version
+
+    def _client_pushed(self, ev: ClientPushed) -> None:
+        other_user = any(srv.uid is not None and srv.uid != ev.uid for srv in self._servers.values())
+        reason = USER_SWITCH if other_user else SERVER_STARTING
+        self.s.pushes[reason] += 1
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.pop(0)
+        self._pending.append(PendingClient(ev.client_pid, ev.uid, reason, ev.ts))
+
+    def _client_accepted(self, ev: ClientAccepted) -> None:
+        for i, p in enumerate(self._pending):
+            if p.pid == ev.client_pid:
+                del self._pending[i]
+                self._observe(p, ev.ts)
+                return
+
+    def _observe(self, p: PendingClient, admitted_at: float) -> None:
+        self.s.queue_wait[p.reason].observe(admitted_at - p.pushed_at)
+
+    def _shutdown_attempt(self, ev: ShutdownAttempt) -> None:
+        srv = self._servers.get(ev.server_pid)
+        if srv is not None:
+            srv.daemon_shutdown = not self._in_command
+        if self._in_command:
+            return
+        # The daemon shuts a server down on its own only for a waiting client of another user.
+        for p in self._pending:
+            if p.reason == SERVER_STARTING and p.served_at is None and (srv is None or srv.uid != p.uid):
+                self.s.pushes[SERVER_STARTING] -= 1
+                self.s.pushes[USER_SWITCH] += 1
+                p.reason = USER_SWITCH
+
+    def _shutdown_deferred(self, ev: ShutdownDeferred) -> None:
+        self.s.shutdown_deferrals += 1
+
+    def _server_starting(self, ev: ServerStarting) -> None:
+        srv = self._server(ev.server_pid, create=True)
+        if srv is not None:
+            srv.uid = ev.uid
+
+    def _server_ready(self, ev: ServerReady) -> None:
+        self.s.server_starts += 1
+        srv = self._server(ev.server_pid, create=True)
+        if srv is None:
+            return
+        srv.start_time = ev.ts
+        for p in self._pending:
+            if p.served_at is None and (srv.uid is None or p.uid == srv.uid):
+                p.served_at = ev.ts
+
+    def _server_exited(self, ev: ServerExited) -> None:
+        s = self.s
+        status = str(ev.status)
+        s.server_exits[status] = s.server_exits.get(status, 0) + 1
+        srv = self._servers.get(ev.server_pid)
+        if srv is not None:
+            if srv.start_time is None:
+                s.server_start_failures += 1
+            elif srv.daemon_shutdown:
+                s.handoffs += 1
+            # Clients it was handed but that never logged `Server already exists`.
+            for p in [p for p in self._pending if p.served_at is not None and p.uid == srv.uid]:
+                self._pending.remove(p)
+                self._observe(p, p.served_at)  # type: ignore[arg-type]
+        self._drop_server(ev.server_pid)
+
+    def _drop_server(self, pid: int) -> None:
+        self._servers.pop(pid, None)
+        self._orphans.pop(pid, None)
+        self._open_reports.pop(pid, None)
+        for client, (server, _) in list(self._clients.items()):
+            if server == pid:
+                del self._clients[client]
+        if pid not in self._exited_set:
+            self._exited.append(pid)
+            self._exited_set.add(pid)
+            if len(self._exited) > MAX_EXITED_MEMORY:
+                self._exited_set.discard(self._exited.popleft())
+
+    def _command(self, ev: Command) -> None:
+        verb = ev.verb if _VERB.fullmatch(ev.verb) else "other"
+        commands = self.s.commands
+        if verb not in commands and len(commands) >= MAX_COMMAND_VERBS:
+            verb = "other"
+        commands[verb] = commands.get(verb, 0) + 1
+        self._in_command = True
+
+    def _end_command(self, ev: Any) -> None:
+        self._in_command = False
+
+    def _noise(self, ev: Noise) -> None:
+        if ev.kind == "accepting_connection":  # a new connection: any command block is over
+            self._in_command = False
+
+    # -------------------------------------------------------- server.log
+    def _server(self, pid: int, create: bool) -> Optional[LogServer]:
+        """The record of a server control.log announced; with create, announce it."""
+        srv = self._servers.get(pid)
+        if srv is not None or not create:
+            return srv
+        if pid in self._exited_set:  # PID reuse: a new server under an old PID
+            self._exited_set.discard(pid)
+        if len(self._servers) >= MAX_SERVERS:
+            self._servers.pop(next(iter(self._servers)))
+        srv = self._orphans.pop(pid, None) or LogServer(pid)
+        self._servers[pid] = srv
+        return srv
+
+    def _facts(self, pid: int) -> Optional[LogServer]:
+        """Where server.log facts about server `pid` go: its record, or, while control.log
+        has not announced it yet, an orphan record; None for a server that has exited."""
+        srv = self._servers.get(pid)
+        if srv is not None:
+            return srv
+        if pid in self._exited_set:
+            return None
+        srv = self._orphans.get(pid)
+        if srv is None:
+            srv = self._orphans[pid] = LogServer(pid)
+            if len(self._orphans) > MAX_ORPHAN_FACTS:
+                self._orphans.popitem(last=False)
+        return srv
+
+    def _active_threads(self, ev: ServerActiveThreads) -> None:
+        srv = self._facts(ev.pid)
+        if srv is not None:
+            srv.active_thread_percentage = ev.percentage
+
+    def _pinned_limit(self, ev: ServerPinnedLimit) -> None:
+        srv = self._facts(ev.pid)
+        if srv is not None:
+            srv.pinned_limits[ev.device] = ev.limit_bytes
+
+    def _context_connected(self, ev: ClientContextConnected) -> None:
+        known = self._clients.get(ev.client_pid)
+        if known is not None and known[0] == ev.pid:
+            return  # another context of a process already counted
+        self.s.client_connections += 1
+        self._clients[ev.client_pid] = (ev.pid, ev.ts)
+        self._clients.move_to_end(ev.client_pid)
+        if len(self._clients) > MAX_CLIENTS:
+            self._clients.popitem(last=False)
+
+    def _process_connected(self, ev: ClientProcessConnected) -> None:
+        self.s.client_connections += 1
+
+    def _process_disconnected(self, ev: ClientProcessDisconnected) -> None:
+        self.s.client_disconnections += 1
+        if ev.client_pid is not None:
+            self._clients.pop(ev.client_pid, None)
+
+    def _fatal_error(self, ev: FatalGpuError) -> None:
+        if ev.pid in self._open_reports:
+            return  # the same report's second line
+        self._open_reports[ev.pid] = ""
+        self.s.fatal_gpu_errors += 1
+        srv = self._servers.get(ev.pid)
+        if srv is not None:
+            srv.fatal_errors += 1
+            srv.sticky_clients, srv.reset_devices = [], []
+
+    def _report_heading(self, ev: ReportHeading) -> None:
+        if ev.pid in self._open_reports:
+            self._open_reports[ev.pid] = ev.topic
+
+    def _report_item(self, ev: ReportItem) -> None:
+        topic = self._open_reports.get(ev.pid)
+        srv = self._servers.get(ev.pid)
+        if not topic or srv is None:
+            return
+        items = srv.sticky_clients if topic == "sticky_clients" else srv.reset_devices
+        if len(items) < 64:
+            items.append(ev.value)
+
+    def _server_exiting(self, ev: ServerExiting) -> None:
+        srv = self._servers.get(ev.pid)
+        if srv is not None:
+            srv.running = False  # control.log's `exited` line removes it
+        self._orphans.pop(ev.pid, None)
+        for client, (server, _) in list(self._clients.items()):
+            if server == ev.pid:
+                del self._clients[client]
+
+    def _start_failed(self, ev: ServerStartFailed) -> None:
+        srv = self._facts(ev.pid)
+        if srv is not None:
+            srv.start_failure = ev.reason[:200]
+
+    # -------------------------------------------------------------- output
+    def snapshot(self) -> LogSnapshot:
+        s = self.s
+        waiting = [p for p in self._pending if p.served_at is None]
+        queued = {r: 0 for r in REASONS}
+        for p in waiting:
+            queued[p.reason] += 1
+        return LogSnapshot(
+            servers={pid: srv.copy() for pid, srv in self._servers.items()},
+            client_start_times={pid: since for pid, (_, since) in self._clients.items()},
+            client_servers={pid: server for pid, (server, _) in self._clients.items()},
+            queued=queued,
+            oldest_queued_since=min((p.pushed_at for p in waiting), default=None),
+            queue_wait={r: h.copy() for r, h in s.queue_wait.items()},
+            pushes=dict(s.pushes), handoffs=s.handoffs, shutdown_deferrals=s.shutdown_deferrals,
+            client_connections=s.client_connections, client_disconnections=s.client_disconnections,
+            server_starts=s.server_starts, server_exits=dict(s.server_exits),
+            server_start_failures=s.server_start_failures, fatal_gpu_errors=s.fatal_gpu_errors,
+            commands=dict(s.commands), lines=dict(s.lines), unrecognized=dict(s.unrecognized),
+            truncated=dict(s.truncated), daemon_pid=s.daemon_pid, daemon_version=s.daemon_version,
+            daemon_running=s.daemon_running, last_line_time=s.last_line_time,
+        )
+
+    # ------------------------------------------------------ persistence
+    _COUNTERS = ("handoffs", "shutdown_deferrals", "client_connections", "client_disconnections",
+                 "server_starts", "server_start_failures", "fatal_gpu_errors")
+    _COUNTER_MAPS = ("pushes", "server_exits", "commands", "lines", "unrecognized", "truncated")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Everything needed to resume: JSON-safe."""
+        s = self.s
+        return {
+            "counters": {k: getattr(s, k) for k in self._COUNTERS},
+            "maps": {k: dict(getattr(s, k)) for k in self._COUNTER_MAPS},
+            "queue_wait": {r: {"counts": h.counts, "sum": h.total} for r, h in s.queue_wait.items()},
+            "daemon": {"pid": s.daemon_pid, "version": s.daemon_version, "running": s.daemon_running,
+                       "last_line_time": s.last_line_time},
+            "servers": [_server_dict(srv) for srv in self._servers.values()],
+            "orphans": [_server_dict(srv) for srv in self._orphans.values()],
+            "pending": [[p.pid, p.uid, p.reason, p.pushed_at, p.served_at] for p in self._pending],
+            "clients": [[pid, server, since] for pid, (server, since) in self._clients.items()],
+            "exited": list(self._exited),
+            "in_command": self._in_command,
+            "open_reports": [[pid, topic] for pid, topic in self._open_reports.items()],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "LogState":
+        """Rebuild from to_dict(). Raises (KeyError, TypeError, ValueError) on a malformed dict."""
+        st = cls()
+        s = st.s
+        for k in cls._COUNTERS:
+            setattr(s, k, int(d["counters"][k]))
+        for k in cls._COUNTER_MAPS:
+            getattr(s, k).update({str(name): int(n) for name, n in d["maps"][k].items()})
+        for r in REASONS:
+            h = d["queue_wait"][r]
+            counts = [int(n) for n in h["counts"]]
+            if len(counts) != len(QUEUE_WAIT_BUCKETS) + 1:
+                raise ValueError("queue_wait buckets changed")
+            s.queue_wait[r] = WaitHistogram(counts, float(h["sum"]))
+        daemon = d["daemon"]
+        s.daemon_pid, s.daemon_version = daemon["pid"], str(daemon["version"])
+        s.daemon_running, s.last_line_time = daemon["running"], daemon["last_line_time"]
+        st._servers = {int(x["pid"]): _server_from(x) for x in d["servers"]}
+        st._orphans = OrderedDict((int(x["pid"]), _server_from(x)) for x in d["orphans"])
+        st._pending = [PendingClient(int(a), int(b), str(c), float(e), None if f is None else float(f))
+                       for a, b, c, e, f in d["pending"] if c in REASONS]
+        st._clients = OrderedDict((int(a), (int(b), float(c))) for a, b, c in d["clients"])
+        st._exited = deque(int(x) for x in d["exited"])
+        st._exited_set = set(st._exited)
+        st._in_command = bool(d["in_command"])
+        st._open_reports = {int(a): str(b) for a, b in d["open_reports"]}
+        return st
+
+
+_REPORT_EVENTS = (FatalGpuError, ReportHeading, ReportItem)
+
+
+def _in_report(ev: ParseResult) -> bool:
+    """Lines that belong to a fatal error report (it stays open while they come)."""
+    return type(ev) in _REPORT_EVENTS or (type(ev) is Noise and ev.kind == "fatal_report")
+
+
+def _server_dict(srv: LogServer) -> Dict[str, Any]:
+    return {"pid": srv.pid, "uid": srv.uid, "start_time": srv.start_time,
+            "atp": srv.active_thread_percentage,
+            "pinned": [[dev, n] for dev, n in srv.pinned_limits.items()], "running": srv.running,
+            "fatal_errors": srv.fatal_errors, "sticky": srv.sticky_clients, "reset": srv.reset_devices,
+            "start_failure": srv.start_failure, "daemon_shutdown": srv.daemon_shutdown}
+
+
+def _server_from(x: Dict[str, Any]) -> LogServer:
+    return LogServer(int(x["pid"]), x["uid"], x["start_time"], x["atp"],
+                     {int(dev): int(n) for dev, n in x["pinned"]}, bool(x["running"]),
+                     int(x["fatal_errors"]), [int(v) for v in x["sticky"]], [int(v) for v in x["reset"]],
+                     x["start_failure"], bool(x["daemon_shutdown"]))
