@@ -1,0 +1,91 @@
+"""Recorded and synthetic scenarios: every source of the exporter, faked at its
+library boundary (pynvml, the control subprocess, /proc), ready to serve.
+
+- `busy`: the capture's busy moment (nvml_busy.json, ctl_busy.txt): server 1589
+  with clients 1647/1648/1649 holding 9000/2856/1688 MiB; client 1648 sets its
+  own limits in its environment the way a user would; logs from the capture.
+- `synthetic(gpus, clients_per_gpu)`: one server per GPU, N clients each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from mps_exporter.cli import build_collector, build_sources
+from mps_exporter.collector import MpsCollector
+from mps_exporter.config import Config, DaemonConfig
+from tests.fakes.fake_control import CAPTURE, FakeClient, FakeControlDaemon, FakeServer
+from tests.fakes.fake_procfs import FakeProcess, write_proc
+from tests.fakes.fake_pynvml import FakeNvml
+
+BUSY_CLIENT_ENV = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4G"}
+POD_UID = "1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"
+CONTAINER_ID = "9c" * 32
+
+
+@dataclass
+class Scenario:
+    cfg: Config
+    nvml: FakeNvml
+    daemon: FakeControlDaemon
+    proc_root: Path
+    log_directory: Optional[Path] = None
+    pipelines: Dict[str, object] = field(default_factory=dict)
+
+    def collector(self, with_logs: bool = True) -> MpsCollector:
+        sources = build_sources(self.cfg, nvml_module=self.nvml, control_runner=self.daemon)
+        if with_logs and self.log_directory is not None and self.cfg.enabled("logs"):
+            from mps_exporter.cli import build_log_pipelines
+
+            self.pipelines = build_log_pipelines(self.cfg)
+            for p in self.pipelines.values():
+                p.read_once()
+        return build_collector(self.cfg, sources, self.pipelines)
+
+
+def _config(pipe: str, log_dir: str, proc_root: Path) -> Config:
+    cfg = Config()
+    cfg.daemons = [DaemonConfig("default", pipe, log_dir)]
+    cfg.procfs = str(proc_root)
+    cfg.collectors["dcgm"] = False  # no DCGM on these machines
+    return cfg
+
+
+def busy(tmp: Path, logs: bool = False) -> Scenario:
+    uuid = "GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"
+    daemon = FakeControlDaemon(servers=[FakeServer(1589)], clients=[
+        FakeClient(1649, 1589, uuid, 7), FakeClient(1648, 1589, uuid, 8), FakeClient(1647, 1589, uuid, 6)])
+    proc_root = write_proc(tmp / "proc", [
+        FakeProcess(1589, uid=0, comm="nvidia-cuda-mps", start_ticks=1000),
+        FakeProcess(1647, uid=0, start_ticks=2000),
+        FakeProcess(1648, uid=0, start_ticks=2001, environ=BUSY_CLIENT_ENV,
+                    cgroup=f"0::/kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice/cri-containerd-{CONTAINER_ID}.scope\n"),
+        FakeProcess(1649, uid=0, start_ticks=2002),
+    ])
+    log_dir = CAPTURE if logs and (CAPTURE / "control.log").exists() else None
+    cfg = _config("/tmp/mps/pipe", str(log_dir or "/var/log/nvidia-mps"), proc_root)
+    if log_dir is None:
+        cfg.collectors["logs"] = False
+    return Scenario(cfg, FakeNvml.from_capture("busy"), daemon, proc_root, log_dir)
+
+
+def synthetic(tmp: Path, gpus: int = 8, clients_per_gpu: int = 6, latency: bool = False) -> Scenario:
+    """One MPS server (pid 4000) on every GPU; client pids as FakeNvml.synthetic numbers them."""
+    nvml = FakeNvml.synthetic(gpus=gpus, clients_per_gpu=clients_per_gpu)
+    if latency:
+        busy_latency = FakeNvml.from_capture("busy", latency=True).latency_us
+        nvml.latency_us = busy_latency
+    clients: List[FakeClient] = []
+    processes = [FakeProcess(4000, uid=0, comm="nvidia-cuda-mps")]
+    for gpu in nvml.gpus:
+        for p in gpu.mps_processes:
+            clients.append(FakeClient(p.pid, 4000, gpu.uuid, len(clients)))
+            processes.append(FakeProcess(p.pid, uid=1000 + p.pid % 7))
+    daemon = FakeControlDaemon(servers=[FakeServer(4000)], clients=clients,
+                               latency_seconds=0.0019 if latency else 0.0)
+    proc_root = write_proc(tmp / "proc", processes)
+    cfg = _config("/tmp/mps/pipe", "/var/log/nvidia-mps", proc_root)
+    cfg.collectors["logs"] = False
+    return Scenario(cfg, nvml, daemon, proc_root)

@@ -1,0 +1,154 @@
+"""The whole collector on recorded and synthetic scenarios: golden exposition,
+promtool, failure isolation, 48 clients on 8 GPUs, single-flight scrapes.
+
+Update the golden file after an intended change with:
+    UPDATE_GOLDEN=1 python3 -m pytest tests/test_collector.py
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.exposition import generate_latest
+
+from mps_exporter.collector import MpsCollector, SingleFlight, build_registry
+from tests.fakes.fake_pynvml import FakeNvml
+from tests.support import scenarios
+
+GOLDEN = Path(__file__).parent / "golden"
+needs_capture = pytest.mark.skipif(not scenarios.CAPTURE.is_dir(), reason="shared/ captures not found")
+
+
+def exposition(collector: MpsCollector) -> str:
+    return generate_latest(build_registry(collector)).decode()
+
+
+def normalized(text: str) -> str:
+    """Mask what legitimately changes between runs: durations and the Python version."""
+    text = re.sub(r'^(mps_exporter_collector_duration_seconds\{[^}]*\}) \S+$', r"\1 <duration>", text, flags=re.M)
+    return re.sub(r'python_version="[^"]*"', 'python_version="<python>"', text)
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(normalized(text))
+    assert normalized(text) == path.read_text(), f"exposition differs from {path}; UPDATE_GOLDEN=1 to accept"
+
+
+def series(text: str, name: str) -> list:
+    return [l for l in text.splitlines() if l.startswith(name + "{") or l.startswith(name + " ")]
+
+
+@needs_capture
+def test_busy_capture_golden(tmp_path):
+    scen = scenarios.busy(tmp_path)
+    text = exposition(scen.collector())
+    check_golden("busy.prom", text)
+
+
+@needs_capture
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_promtool_check_metrics_is_clean(tmp_path):
+    text = exposition(scenarios.busy(tmp_path).collector())
+    res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "" and res.stderr.strip() == "", res.stdout + res.stderr
+
+
+def test_48_clients_on_8_gpus(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=8, clients_per_gpu=6)
+    text = exposition(scen.collector())
+    assert len(series(text, "mps_gpu_up")) == 8
+    assert len(series(text, "mps_client_info")) == 48
+    assert len(series(text, "mps_client_memory_used_bytes")) == 48
+    assert 'mps_server_clients{daemon="default",server_pid="4000"} 48.0' in text
+    # the server runs on every GPU: one memory series per GPU
+    assert len(series(text, "mps_server_memory_used_bytes")) == 8
+    assert len(series(text, 'mps_gpu_sharing_mode')) == 8 and all('mode="mps"' in l for l in series(text, "mps_gpu_sharing_mode"))
+
+
+def test_no_gpu_fails_only_nvml(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    scen.nvml = FakeNvml.no_driver()
+    text = exposition(scen.collector())
+    assert 'mps_exporter_collector_success{collector="nvml"} 0.0' in text
+    assert 'mps_exporter_collector_success{collector="control"} 1.0' in text
+    assert series(text, "mps_gpu_up") == []
+    assert 'mps_control_daemon_up{daemon="default"} 1.0' in text
+    assert len(series(text, "mps_client_info")) == 2
+
+
+def test_hung_daemon_fails_only_control(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    scen.daemon.hang_seconds = 5
+    scen.cfg.command_timeout = 0.05
+    text = exposition(scen.collector())
+    assert 'mps_exporter_collector_success{collector="control"} 0.0' in text
+    assert 'mps_exporter_collector_success{collector="nvml"} 1.0' in text
+    assert 'mps_control_daemon_up{daemon="default"} 0.0' in text
+    assert len(series(text, "mps_client_memory_used_bytes")) == 2  # NVML still answers for the clients
+
+
+def test_nvml_error_on_one_gpu_of_several(tmp_path):
+    from tests.fakes import fake_pynvml
+
+    scen = scenarios.synthetic(tmp_path, gpus=3, clients_per_gpu=1)
+    scen.nvml.gpus[1].errors["nvmlDeviceGetMemoryInfo"] = fake_pynvml.NVML_ERROR_GPU_IS_LOST
+    text = exposition(scen.collector())
+    ups = {re.search(r'gpu="(\d)"', l).group(1): l.split()[-1] for l in series(text, "mps_gpu_up")}
+    assert ups == {"0": "1.0", "1": "0.0", "2": "1.0"}
+    assert len(series(text, "mps_gpu_memory_used_bytes")) == 2
+
+
+def test_concurrent_scrapes_share_one_collection():
+    calls = []
+
+    class SlowNvml:
+        def read(self):
+            calls.append(1)
+            time.sleep(0.3)
+            raise RuntimeError("no GPU")
+
+    collector = MpsCollector(nvml=SlowNvml())
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(list(collector.collect()))) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 5 and len(calls) == 1
+    # and the next scrape after it runs again
+    collector.collect()
+    assert len(calls) == 2
+
+
+def test_single_flight_hands_errors_to_every_waiter():
+    gate = threading.Event()
+
+    def boom():
+        gate.wait(1)
+        raise ValueError("x")
+
+    sf = SingleFlight(boom)
+    errors = []
+
+    def call():
+        try:
+            sf()
+        except ValueError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert len(errors) == 3
