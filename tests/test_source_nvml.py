@@ -1,0 +1,372 @@
+"""The NVML source against the fake pynvml: recorded H200 answers, synthetic
+scenarios and failure injection. Expected values are derived from the capture
+JSON or from the scenario's inputs, never copied from the source's output."""
+
+import inspect
+
+import pynvml
+import pytest
+
+from mps_exporter.sources.nvml import COMPUTE_MODES, NvmlSource, NvmlUnavailable
+from tests.fakes import fake_pynvml as fp
+from tests.fakes.fake_pynvml import CAPTURE, FakeNvml, load_capture
+
+needs_capture = pytest.mark.skipif(not (CAPTURE / "nvml").is_dir(), reason=f"capture not found at {CAPTURE}")
+
+
+def read_twice(fake, seconds=10.0):
+    """A source that has scraped once, then `seconds` later a second time."""
+    source = NvmlSource(fake)
+    first = source.read()
+    fake.advance(seconds)
+    return source, first, source.read()
+
+
+# ------------------------------------------------------ the fake is faithful
+def test_fake_constants_and_error_classes_match_real_pynvml():
+    names = [n for n in vars(fp) if n.startswith("NVML_") and n != "NVML_VALUE_NOT_AVAILABLE_ulonglong"]
+    assert len(names) > 30
+    for name in names:
+        assert getattr(pynvml, name) == getattr(fp, name), name
+    assert fp.NVML_VALUE_NOT_AVAILABLE_ulonglong.value == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+    for name, cls in fp.ERROR_CLASSES.items():
+        real = getattr(pynvml, name)
+        assert real().value == cls().value, name
+        assert type(pynvml.NVMLError(real().value)).__name__ == type(fp.NVMLError(cls().value)).__name__
+    assert str(fp.NVMLError(fp.NVML_ERROR_NOT_FOUND)) == "Not Found"  # the capture's message
+
+
+def test_fake_functions_have_real_names_and_parameters():
+    functions = [n for n in vars(FakeNvml) if n.startswith("nvml")]
+    assert "nvmlGpmMetricsGet" in functions and "nvmlDeviceGetProcessUtilization" in functions
+    for name in functions:
+        real = inspect.signature(getattr(pynvml, name))
+        fake = inspect.signature(getattr(FakeNvml(gpus=[]), name))
+        assert list(fake.parameters) == list(real.parameters), name
+
+
+def test_fake_structs_have_real_field_names():
+    real_metrics_get = [f[0] for f in pynvml.c_nvmlGpmMetricsGet_t._fields_]
+    assert sorted(vars(fp.c_nvmlGpmMetricsGet_t())) == sorted(real_metrics_get)
+    assert sorted(vars(fp.c_nvmlGpmMetric_t())) == sorted(f[0] for f in pynvml.c_nvmlGpmMetric_t._fields_)
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
+    fake.nvmlInit()
+    h = fake.nvmlDeviceGetHandleByIndex(0)
+    cases = [
+        (fake.nvmlDeviceGetMemoryInfo(h), pynvml.c_nvmlMemory_t),
+        (fake.nvmlDeviceGetUtilizationRates(h), pynvml.c_nvmlUtilization_t),
+        (fake.nvmlDeviceGetComputeRunningProcesses(h)[0], pynvml.c_nvmlProcessInfo_v3_t),
+        (fake.nvmlDeviceGetProcessUtilization(h, 0)[0], pynvml.c_nvmlProcessUtilizationSample_t),
+        (fake.nvmlGpmQueryDeviceSupport(h), pynvml.c_nvmlGpmSupport_t),
+    ]
+    for obj, real in cases:
+        assert sorted(vars(obj)) == sorted(f[0] for f in real._fields_), real.__name__
+
+
+def test_fake_requires_init_like_nvml():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=0)
+    with pytest.raises(fp.NVMLError) as e:
+        fake.nvmlDeviceGetCount()
+    assert e.value.value == fp.NVML_ERROR_UNINITIALIZED
+
+
+@needs_capture
+def test_capture_latency_mode_maps_each_call_to_its_measured_us(monkeypatch):
+    doc = load_capture("busy")
+    fake = FakeNvml.from_capture("busy", latency=True)
+    assert fake.latency_us["nvmlDeviceGetPowerUsage"] == doc["power_mw"]["us"]
+    assert fake.latency_us["nvmlDeviceGetUtilizationRates"] == doc["util"]["us"] / 2  # the probe called it twice
+    slept = []
+    monkeypatch.setattr(fp.time, "sleep", slept.append)
+    NvmlSource(fake).read()
+    assert pytest.approx(doc["proc_util"]["us"] / 1e6) in slept
+    assert len(slept) >= len(fp.CAPTURE_LATENCY_KEYS) - 2  # every captured call but mig/uuid-cached ones at most
+
+
+# --------------------------------------------------------- recorded answers
+@needs_capture
+@pytest.mark.parametrize("name", ["idle", "busy", "many"])
+def test_every_gpu_field_from_the_capture(name):
+    doc = load_capture(name)
+    v = {k: e["v"] for k, e in doc.items() if isinstance(e, dict) and "v" in e}
+    reading = NvmlSource(FakeNvml.from_capture(name)).read()
+    assert reading.driver_version == v["driver"] == "580.159.04"
+    assert len(reading.gpus) == v["count"]
+    gpu = reading.gpus[0]
+    assert gpu.up and gpu.index == 0
+    assert gpu.name == v["name"] and gpu.uuid == v["uuid"]
+    assert gpu.compute_mode == "default" and v["compute_mode"] == 0
+    assert gpu.mig_enabled is (v["mig_mode"][0] == 1)
+    assert gpu.memory_total_bytes == v["mem"]["total"]
+    assert gpu.memory_used_bytes == v["mem"]["used"]
+    assert gpu.utilization_ratio == pytest.approx(v["util_gpu"] / 100)
+    assert gpu.memory_utilization_ratio == pytest.approx(v["util_mem"] / 100)
+    assert gpu.power_watts == pytest.approx(v["power_mw"] / 1000)
+    assert gpu.temperature_celsius == v["temp"]
+    assert [(p.pid, p.used_bytes) for p in gpu.compute_processes] == [(p["pid"], p["usedGpuMemory"]) for p in v["compute_procs"]]
+    assert [(p.pid, p.used_bytes) for p in gpu.mps_clients] == [(p["pid"], p["usedGpuMemory"]) for p in v["mps_procs"]]
+    if doc["proc_util"]["ok"]:
+        expected = [(s["pid"], s["smUtil"] / 100, s["timeStamp"]) for s in v["proc_util"]]
+    else:
+        assert "NotFound" in v["proc_util"]  # idle: NVML has no sample, and that is no error
+        expected = []
+    assert [(u.pid, pytest.approx(u.sm_ratio), u.timestamp_us) for u in gpu.process_utilization] == expected
+    assert gpu.activity == {}  # GPM needs a previous sample
+
+
+@needs_capture
+def test_busy_capture_has_the_server_in_compute_processes_but_not_among_clients():
+    gpu = NvmlSource(FakeNvml.from_capture("busy")).read().gpus[0]
+    server = {p.pid for p in gpu.compute_processes} - {p.pid for p in gpu.mps_clients}
+    assert server == {u.pid for u in gpu.process_utilization} == {1589}
+
+
+@needs_capture
+def test_many_capture_lists_every_client():
+    doc = load_capture("many")
+    gpu = NvmlSource(FakeNvml.from_capture("many")).read().gpus[0]
+    assert len(gpu.mps_clients) == len(doc["mps_procs"]["v"]) > 20
+    assert len(gpu.compute_processes) == len(gpu.mps_clients) + 1
+
+
+# ---------------------------------------------------------------- scenarios
+def test_eight_gpus_by_forty_eight_clients():
+    reading = NvmlSource(FakeNvml.synthetic(gpus=8, clients_per_gpu=48)).read()
+    assert [g.index for g in reading.gpus] == list(range(8))
+    assert len({g.uuid for g in reading.gpus}) == 8
+    pids = set()
+    for g in reading.gpus:
+        assert g.up and len(g.mps_clients) == 48 and len(g.compute_processes) == 49
+        assert [c.used_bytes for c in g.mps_clients] == [(k + 1) * (512 << 20) for k in range(48)]
+        assert [u.pid for u in g.process_utilization] == [4000]  # under MPS only the server has utilization
+        pids |= {c.pid for c in g.mps_clients}
+    assert len(pids) == 8 * 48
+
+
+def test_time_sliced_gpu_has_per_process_utilization():
+    gpu = NvmlSource(FakeNvml.synthetic(gpus=1, clients_per_gpu=3, mps=False)).read().gpus[0]
+    assert gpu.mps_clients == []
+    assert {u.pid: u.sm_ratio for u in gpu.process_utilization} == {p.pid: pytest.approx(0.30) for p in gpu.compute_processes}
+
+
+@pytest.mark.parametrize("mode", sorted(COMPUTE_MODES))
+def test_compute_modes_are_lowercase_names(mode):
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=0)
+    fake.gpus[0].compute_mode = mode
+    expected = {fp.NVML_COMPUTEMODE_DEFAULT: "default", fp.NVML_COMPUTEMODE_EXCLUSIVE_THREAD: "exclusive_thread",
+                fp.NVML_COMPUTEMODE_PROHIBITED: "prohibited", fp.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "exclusive_process"}
+    assert NvmlSource(fake).read().gpus[0].compute_mode == expected[mode]
+
+
+@pytest.mark.parametrize("mig, enabled", [((1, 1), True), ((0, 1), False), (None, False)])
+def test_mig_mode(mig, enabled):
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=0)
+    fake.gpus[0].mig_mode = mig  # None: a GPU without MIG answers NOT_SUPPORTED
+    gpu = NvmlSource(fake).read().gpus[0]
+    assert gpu.up and gpu.mig_enabled is enabled
+
+
+def test_used_gpu_memory_none_stays_none():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=2)
+    fake.gpus[0].mps_processes[0].usedGpuMemory = None
+    fake.gpus[0].compute_processes[1].usedGpuMemory = None
+    gpu = NvmlSource(fake).read().gpus[0]
+    assert gpu.mps_clients[0].used_bytes is None and gpu.mps_clients[1].used_bytes == 2 * (512 << 20)
+    assert gpu.compute_processes[1].used_bytes is None
+
+
+def test_raw_value_not_available_becomes_none():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
+    fake.convert_not_available = False  # a wrapper that passes NVML's sentinel through
+    fake.gpus[0].mps_processes[0].usedGpuMemory = fp.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+    assert NvmlSource(fake).read().gpus[0].mps_clients[0].used_bytes is None
+
+
+# ----------------------------------------------------------------- failures
+@pytest.mark.parametrize("failing", ["*", "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetMemoryInfo",
+                                     "nvmlDeviceGetMPSComputeRunningProcesses"])
+def test_error_on_one_gpu_of_several_marks_only_that_gpu_down(failing):
+    fake = FakeNvml.synthetic(gpus=3, clients_per_gpu=2)
+    fake.gpus[1].errors[failing] = fp.NVML_ERROR_GPU_IS_LOST
+    gpus = NvmlSource(fake).read().gpus
+    assert [g.up for g in gpus] == [True, False, True]
+    assert gpus[1].mps_clients == [] and gpus[1].memory_total_bytes is None
+    for i in (0, 2):
+        assert gpus[i].uuid == fake.gpus[i].uuid and len(gpus[i].mps_clients) == 2
+
+
+def test_gpu_down_after_a_good_scrape_keeps_its_identity():
+    fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    source = NvmlSource(fake)
+    source.read()
+    fake.gpus[0].errors["*"] = fp.NVML_ERROR_GPU_IS_LOST
+    gpu = source.read().gpus[0]
+    assert not gpu.up and gpu.uuid == fake.gpus[0].uuid
+
+
+@pytest.mark.parametrize("function, field", [
+    ("nvmlDeviceGetPowerUsage", "power_watts"),
+    ("nvmlDeviceGetTemperature", "temperature_celsius"),
+])
+def test_optional_field_error_drops_only_that_field(function, field):
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=2)
+    fake.gpus[0].errors[function] = fp.NVML_ERROR_NOT_SUPPORTED
+    gpu = NvmlSource(fake).read().gpus[0]
+    assert gpu.up and getattr(gpu, field) is None
+    others = {"power_watts": fake.gpus[0].power_mw / 1000, "temperature_celsius": fake.gpus[0].temperature}
+    others.pop(field)
+    for name, value in others.items():
+        assert getattr(gpu, name) == pytest.approx(value)
+    assert len(gpu.mps_clients) == 2 and gpu.process_utilization
+
+
+def test_process_utilization_error_drops_only_utilization():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=2)
+    fake.gpus[0].errors["nvmlDeviceGetProcessUtilization"] = fp.NVML_ERROR_NO_PERMISSION
+    gpu = NvmlSource(fake).read().gpus[0]
+    assert gpu.up and gpu.process_utilization == [] and gpu.power_watts is not None
+
+
+@pytest.mark.parametrize("code, message", [(fp.NVML_ERROR_DRIVER_NOT_LOADED, "Driver Not Loaded"),
+                                           (fp.NVML_ERROR_LIBRARY_NOT_FOUND, "NVML Shared Library Not Found")])
+def test_no_driver_raises_clearly_and_init_is_retried(code, message):
+    fake = FakeNvml.no_driver(code)
+    source = NvmlSource(fake)
+    for _ in range(2):
+        with pytest.raises(NvmlUnavailable, match=f"NVML cannot initialise: {message}"):
+            source.read()
+    assert fake.calls["nvmlInit"] == 2
+    # The driver comes back (module loaded, GPU attached): the next scrape works.
+    del fake.errors["nvmlInit"]
+    fake.gpus.append(fp.FakeGpu())
+    assert [g.up for g in source.read().gpus] == [True]
+    source.read()
+    assert fake.calls["nvmlInit"] == 3  # initialised once, not per scrape
+
+
+def test_nvml_lost_mid_life_reinitialises_next_scrape():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
+    source = NvmlSource(fake)
+    source.read()
+    fake.errors["nvmlDeviceGetCount"] = fp.NVML_ERROR_UNKNOWN
+    with pytest.raises(NvmlUnavailable, match="Unknown Error"):
+        source.read()
+    del fake.errors["nvmlDeviceGetCount"]
+    assert source.read().gpus[0].up
+    assert fake.calls["nvmlInit"] == 2
+
+
+def test_default_module_is_pynvml_imported_lazily(monkeypatch):
+    fake = FakeNvml.no_driver()
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    source = NvmlSource()
+    assert fake.calls["nvmlInit"] == 0  # nothing happens before the first scrape
+    with pytest.raises(NvmlUnavailable):
+        source.read()
+    assert fake.calls["nvmlInit"] == 1
+
+
+def test_real_pynvml_without_a_gpu_raises_nvml_unavailable():
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("this machine has a working NVML")
+    with pytest.raises(NvmlUnavailable, match="NVML cannot initialise"):
+        NvmlSource().read()
+
+
+# --------------------------------------------------- per-process utilization
+def test_last_seen_timestamp_advances_between_scrapes():
+    fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    asked = []
+    real_call = fake.nvmlDeviceGetProcessUtilization
+    fake.nvmlDeviceGetProcessUtilization = lambda h, ts: asked.append((h.index, ts)) or real_call(h, ts)
+    source = NvmlSource(fake)
+    first = source.read().gpus[0].process_utilization
+    t1 = fake.clock_us
+    assert [u.timestamp_us for u in first] == [t1]
+    # No new sample since: NVML answers NOT_FOUND, which is no error.
+    second = source.read().gpus[0]
+    assert second.up and second.process_utilization == []
+    fake.advance(5)
+    third = source.read().gpus[0].process_utilization
+    assert [u.timestamp_us for u in third] == [t1 + 5_000_000]
+    assert [ts for i, ts in asked if i == 0] == [0, t1, t1]  # each GPU keeps its own last-seen
+    assert [ts for i, ts in asked if i == 1] == [0, t1, t1]
+
+
+def test_newest_sample_per_pid_wins():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
+    source = NvmlSource(fake)
+    source.read()
+    fake.advance(1)
+    fake.gpus[0].sm_util_by_pid[4000] = (40, 1)
+    fake.advance(1)
+    util = source.read().gpus[0].process_utilization
+    assert [(u.pid, u.sm_ratio, u.timestamp_us) for u in util] == [(4000, pytest.approx(0.40), fake.clock_us)]
+
+
+# ---------------------------------------------------------------------- GPM
+def test_gpm_absent_first_then_computed_over_the_interval():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
+    gpu = fake.gpus[0]
+    gpu.gpm_percent = {fp.NVML_GPM_METRIC_SM_UTIL: 20.0, fp.NVML_GPM_METRIC_SM_OCCUPANCY: 10.0,
+                       fp.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 0.0, fp.NVML_GPM_METRIC_DRAM_BW_UTIL: 50.0}
+    source = NvmlSource(fake)
+    assert source.read().gpus[0].activity == {}
+    fake.advance(10)
+    gpu.gpm_percent[fp.NVML_GPM_METRIC_SM_UTIL] = 60.0
+    gpu.gpm_percent[fp.NVML_GPM_METRIC_ANY_TENSOR_UTIL] = 30.0
+    fake.advance(30)
+    activity = source.read().gpus[0].activity
+    # 10 s at 20 % then 30 s at 60 %: (200 + 1800) / 40 = 50 %.
+    assert activity == {"sm_active": pytest.approx(0.50), "sm_occupancy": pytest.approx(0.10),
+                        "tensor_active": pytest.approx(30 * 30 / 40 / 100), "dram_active": pytest.approx(0.50)}
+    fake.advance(5)
+    # The next interval starts at the previous scrape: only the 60 % part.
+    assert source.read().gpus[0].activity["sm_active"] == pytest.approx(0.60)
+
+
+def test_gpm_unsupported_gpu_has_no_activity_and_no_samples():
+    fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    fake.gpus[1].gpm_supported = False
+    source, _, second = read_twice(fake)
+    assert second.gpus[0].activity["sm_active"] == pytest.approx(0.60)
+    assert second.gpus[1].activity == {} and second.gpus[1].up
+    assert fake.calls["nvmlGpmQueryDeviceSupport"] == 2  # asked once per GPU, not per scrape
+    assert fake.calls["nvmlGpmSampleAlloc"] == 2
+
+
+@pytest.mark.parametrize("code", [fp.NVML_ERROR_NOT_SUPPORTED, fp.NVML_ERROR_FUNCTION_NOT_FOUND])
+def test_gpm_query_refused_means_unsupported(code):
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
+    fake.gpus[0].errors["nvmlGpmQueryDeviceSupport"] = code
+    _, _, second = read_twice(fake)
+    assert second.gpus[0].up and second.gpus[0].activity == {}
+    assert fake.live_gpm_samples == []
+
+
+def test_gpm_samples_are_freed():
+    fake = FakeNvml.synthetic(gpus=3, clients_per_gpu=1)
+    source = NvmlSource(fake)
+    for _ in range(5):
+        source.read()
+        fake.advance(15)
+        assert len(fake.live_gpm_samples) == 3  # one kept per GPU for the next interval
+    fake.gpus[2].errors["nvmlGpmSampleGet"] = fp.NVML_ERROR_UNKNOWN
+    assert source.read().gpus[2].activity == {}
+    assert len(fake.live_gpm_samples) == 3  # the failed sample was freed, the previous one kept
+    source.close()
+    assert fake.live_gpm_samples == [] and fake.calls["nvmlShutdown"] == 1
+    assert source.read().gpus[0].activity == {}  # re-initialised: a fresh first sample
+
+
+def test_gpm_metrics_error_drops_activity_but_keeps_the_gpu():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
+    fake.errors["nvmlGpmMetricsGet"] = fp.NVML_ERROR_UNKNOWN
+    _, _, second = read_twice(fake)
+    assert second.gpus[0].up and second.gpus[0].activity == {}
+    assert len(fake.live_gpm_samples) == 1
