@@ -1,0 +1,221 @@
+"""The generated rule files: in sync with definitions.py, accepted by promtool,
+and every alert tested (firing and quiet), documented and routed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from alerts import definitions, generate
+
+ROOT = Path(__file__).resolve().parents[2]
+TEST_FILES = sorted((ROOT / "alerts" / "tests").glob("*.yaml"))
+ALERTNAMES = {a.alertname for a in definitions.ALERTS}
+
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+needs_amtool = pytest.mark.skipif(shutil.which("amtool") is None, reason="amtool not installed")
+
+
+def _rule_tests():
+    """(alertname, exp_alerts) for every alert_rule_test in every test file."""
+    for path in TEST_FILES:
+        for test in yaml.safe_load(path.read_text())["tests"]:
+            for case in test.get("alert_rule_test", []):
+                yield case["alertname"], case.get("exp_alerts") or []
+
+
+def test_generated_files_are_in_sync():
+    stale = generate.write_or_check(generate.outputs(), check_only=True)
+    assert stale == [], f"run `make generate` and commit: {stale}"
+
+
+def test_helm_copy_matches_rule_file():
+    assert (ROOT / generate.HELM_RULES).read_text() == (ROOT / generate.PROMETHEUS_RULES).read_text()
+
+
+@needs_promtool
+def test_promtool_check_rules():
+    out = subprocess.run(["promtool", "check", "rules", str(ROOT / generate.PROMETHEUS_RULES)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    n = len(definitions.ALERTS) + len(definitions.RECORDINGS)
+    assert f"SUCCESS: {n} rules found" in out.stdout
+
+
+@needs_promtool
+def test_promtool_unit_tests():
+    out = subprocess.run(["promtool", "test", "rules", *map(str, TEST_FILES)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_alert_has_a_firing_and_a_quiet_case():
+    firing, quiet = set(), set()
+    for name, expected in _rule_tests():
+        assert name in ALERTNAMES, f"test for unknown alert {name}"
+        (firing if expected else quiet).add(name)
+    assert ALERTNAMES - firing == set(), "alerts without a firing case"
+    assert ALERTNAMES - quiet == set(), "alerts without a case where they must not fire"
+
+
+def test_firing_cases_check_annotations_and_severity():
+    by_name = {a.alertname: a for a in definitions.ALERTS}
+    for name, expected in _rule_tests():
+        for alert in expected:
+            assert alert["exp_labels"]["severity"] == by_name[name].severity
+            assert set(alert["exp_annotations"]) == {"summary", "description", "runbook_url"}
+
+
+def test_descriptions_use_labels_the_alert_has():
+    """A `$labels.x` in a description that no firing case carries renders empty."""
+    seen = {}
+    for name, expected in _rule_tests():
+        for alert in expected:
+            seen.setdefault(name, set()).update(alert["exp_labels"])
+    for a in definitions.ALERTS:
+        used = set(re.findall(r"\$labels\.(\w+)", a.description))
+        assert used <= seen[a.alertname], f"{a.alertname}: {used - seen[a.alertname]} never present"
+
+
+def test_alert_names_and_labels_follow_conventions():
+    for a in definitions.ALERTS:
+        assert re.fullmatch(r"Mps[A-Z][A-Za-z]+", a.alertname)
+        assert a.severity in ("critical", "warning", "info")
+        assert a.summary.endswith(".") and "{{" not in a.summary, "summary: a static sentence"
+        assert "{{" in a.description
+
+
+def test_runbook_has_a_section_per_alert():
+    text = (ROOT / "alerts" / "runbook.md").read_text()
+    sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S))
+    assert set(sections) == ALERTNAMES
+    for name, body in sections.items():
+        for part in ("**Meaning.**", "**Impact.**", "**Diagnose.**", "**Mitigate.**"):
+            assert part in body, f"{name}: no {part}"
+
+
+def test_runbook_urls_point_at_sections():
+    rules = yaml.safe_load((ROOT / generate.PROMETHEUS_RULES).read_text())
+    text = (ROOT / "alerts" / "runbook.md").read_text()
+    anchors = {h.lower() for h in re.findall(r"^## (\w+)$", text, flags=re.M)}
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                url = rule["annotations"]["runbook_url"]
+                assert url.startswith(generate.C.RUNBOOK_BASE_URL + "#")
+                assert url.split("#", 1)[1] in anchors
+
+
+def test_runbook_base_url_is_configurable(monkeypatch):
+    monkeypatch.setenv("RUNBOOK_BASE_URL", "https://wiki.example/mps")
+    text = generate.prometheus_rules()
+    assert "runbook_url: https://wiki.example/mps#mpsserverfault" in text
+    assert generate.C.RUNBOOK_BASE_URL not in text
+
+
+def test_for_override_shortens_only_nonzero_durations():
+    groups = generate.rule_groups(for_override="5s")
+    fors = {r["alert"]: r["for"] for g in groups for r in g["rules"] if "alert" in r}
+    for a in definitions.ALERTS:
+        assert fors[a.alertname] == ("0m" if a.for_ == "0m" else "5s")
+
+
+def test_prometheus_rule_resource():
+    doc = yaml.safe_load((ROOT / generate.PROMETHEUS_RULE_CRD).read_text())
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    assert doc["kind"] == "PrometheusRule"
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
+    file_groups = yaml.safe_load((ROOT / generate.PROMETHEUS_RULES).read_text())["groups"]
+    assert doc["spec"]["groups"] == file_groups
+
+
+def test_inline_recordings_replaces_every_recording():
+    for a in definitions.ALERTS:
+        expr = generate.inline_recordings(a.expr)
+        assert "mps:" not in expr, a.alertname
+    with pytest.raises(ValueError):
+        generate.inline_recordings(definitions.GPU_MEMORY_USAGE + '{gpu="0"} > 1')
+
+
+@needs_promtool
+def test_inlined_grafana_queries_are_valid_promql(tmp_path):
+    """Grafana queries Prometheus with the recordings inlined: promtool parses them."""
+    rules = [{"alert": a.alertname, "expr": generate.inline_recordings(a.expr)} for a in definitions.ALERTS]
+    path = tmp_path / "inlined.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "inlined", "rules": rules}]}))
+    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------- Alertmanager
+AM_CONFIG = ROOT / "alerts" / "alertmanager.example.yml"
+
+
+@needs_amtool
+def test_alertmanager_example_is_valid():
+    out = subprocess.run(["amtool", "check-config", str(AM_CONFIG)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@needs_amtool
+@pytest.mark.parametrize("severity,receiver", [("critical", "pager"), ("warning", "ticket"), ("info", "blackhole")])
+def test_alertmanager_routes(severity, receiver):
+    names = [a.alertname for a in definitions.ALERTS if a.severity == severity] or ["MpsExample"]
+    for name in names:
+        out = subprocess.run(
+            ["amtool", "config", "routes", "test", f"--config.file={AM_CONFIG}", f"--verify.receivers={receiver}",
+             f"alertname={name}", f"severity={severity}", "instance=gpu-node-1:10138", "gpu=0"],
+            capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, f"{name}: {out.stdout}{out.stderr}"
+        assert out.stdout.strip() == receiver
+
+
+def test_alertmanager_groups_by_node_and_gpu():
+    route = yaml.safe_load(AM_CONFIG.read_text())["route"]
+    assert {"node", "instance", "gpu"} <= set(route["group_by"])
+    for child in route["routes"]:
+        assert "group_by" not in child, "children inherit the grouping"
+
+
+# ------------------------------------------------------- Grafana alert rules
+DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+
+
+def test_grafana_rules_are_well_formed_provisioning():
+    """The checks Grafana's file provisioning (AlertRuleGroupV1 / AlertRuleV1) applies."""
+    doc = json.loads((ROOT / generate.GRAFANA_RULES).read_text())
+    assert doc["apiVersion"] == 1
+    uids, titles = set(), set()
+    for group in doc["groups"]:
+        assert group["name"].strip() and group["folder"].strip()
+        assert DURATION.match(group["interval"])
+        assert isinstance(group["orgId"], int)
+        for rule in group["rules"]:
+            assert rule["title"] and rule["title"] not in titles
+            titles.add(rule["title"])
+            assert re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", rule["uid"]) and rule["uid"] not in uids
+            uids.add(rule["uid"])
+            assert DURATION.match(rule["for"])
+            assert rule["noDataState"] in ("Alerting", "NoData", "OK", "KeepLast")
+            assert rule["execErrState"] in ("Alerting", "Error", "OK", "KeepLast")
+            refs = [q["refId"] for q in rule["data"]]
+            assert rule["condition"] in refs and len(set(refs)) == len(refs)
+            for q in rule["data"]:
+                assert q["datasourceUid"] and isinstance(q["model"], dict)
+                assert {"from", "to"} <= set(q["relativeTimeRange"])
+                if q["datasourceUid"] == "-100":  # server-side expression
+                    assert q["model"]["type"] in ("math", "reduce", "resample", "classic_conditions", "threshold")
+                else:
+                    assert q["model"]["expr"] and q["model"]["datasource"]["type"] == "prometheus"
+            assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}
+            # Grafana's $value is a string of every expression's result; only
+            # $values.<ref>.Value is the number the templates format.
+            assert not re.search(r"\$value\b", rule["annotations"]["description"])
+            assert rule["labels"]["severity"] in ("critical", "warning", "info")
+    assert titles == ALERTNAMES
