@@ -109,21 +109,23 @@ def dump(cfg: Config, out=sys.stdout) -> int:
     return 0
 
 
-def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[threading.Event] = None) -> int:
+def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[threading.Event] = None,
+          sources: Optional[Dict[str, object]] = None) -> int:
+    """Serve until SIGTERM/SIGINT or `stop`. `sources` replaces the live ones (replay, tests)."""
     from .web import load_web_config, serve as serve_http
 
     web_config = load_web_config(cfg.web_config_file) if cfg.web_config_file else None
     pipelines = build_log_pipelines(cfg)
     for p in pipelines.values():
         p.start()
-    registry = build_registry(build_collector(cfg, build_sources(cfg), pipelines))
+    collector = build_collector(cfg, build_sources(cfg) if sources is None else sources, pipelines)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     log.info("listening on %s, metrics at %s", cfg.listen_address, cfg.telemetry_path)
     try:
-        serve_http(registry, cfg.listen_address, cfg.telemetry_path, web_config, ready=ready, stop=stop)
+        serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, web_config, ready=ready, stop=stop)
     finally:
         for p in pipelines.values():
             p.stop()
