@@ -45,6 +45,14 @@ class Scenario:
         return build_collector(self.cfg, sources, self.pipelines)
 
 
+def _log_pipeline_built() -> bool:
+    try:
+        import mps_exporter.logs.pipeline  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _config(pipe: str, log_dir: str, proc_root: Path) -> Config:
     cfg = Config()
     cfg.daemons = [DaemonConfig("default", pipe, log_dir)]
@@ -64,7 +72,7 @@ def busy(tmp: Path, logs: bool = False) -> Scenario:
                     cgroup=f"0::/kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice/cri-containerd-{CONTAINER_ID}.scope\n"),
         FakeProcess(1649, uid=0, start_ticks=2002),
     ])
-    log_dir = CAPTURE if logs and (CAPTURE / "control.log").exists() else None
+    log_dir = CAPTURE if logs and (CAPTURE / "control.log").exists() and _log_pipeline_built() else None
     cfg = _config("/tmp/mps/pipe", str(log_dir or "/var/log/nvidia-mps"), proc_root)
     if log_dir is None:
         cfg.collectors["logs"] = False
