@@ -1,0 +1,216 @@
+"""Follow one log file by name, the way `tail -F` does, and hand out complete lines.
+
+`FileFollower.poll()` reads what was appended since the last call and returns the
+complete lines; a partial last line waits for its newline. It survives:
+- the file not existing yet, or disappearing with its whole directory (NVIDIA's
+  device plugin deletes the MPS log directory when its daemon stops): it keeps
+  reading the open file while the name is gone, and starts the new file from its
+  beginning when the name comes back;
+- rotation by rename: the old file is read to its end (its unterminated last line
+  included) before the new one is opened from its beginning;
+- copytruncate: a file shorter than the read offset, or whose first bytes changed,
+  is read again from its beginning;
+- NUL bytes (stripped: a writer that kept its offset across copytruncate leaves a
+  hole of NULs), invalid UTF-8 (replaced), and lines longer than `max_line_bytes`
+  (cut to the cap and counted; memory never holds more than the cap of one line).
+
+`position()` / `resume()` save and restore where it stands: the offset of the first
+byte not yet handed out as a complete line, plus the file's identity (device,
+inode, first bytes), so a restarted exporter neither re-reads nor skips lines.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+DEFAULT_MAX_LINE_BYTES = 64 * 1024
+READ_SIZE = 1 << 20
+HEAD_BYTES = 64  # fingerprint: the file's first bytes (MPS lines start with a ms timestamp)
+
+
+class FileFollower:
+    def __init__(self, path: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+        self.path = path
+        self.max_line_bytes = max_line_bytes
+        self._fd: Optional[int] = None
+        self._identity: Optional[Tuple[int, int]] = None  # (st_dev, st_ino) of the open file
+        self._head = b""
+        self._offset = 0  # file position of the next read
+        self._partial = b""  # bytes of the unterminated last line
+        self._dropping = False  # the partial line hit the cap: drop the rest up to its newline
+        self._line_start = 0  # file position where the partial line starts: what position() saves
+        self._resume: Optional[Dict[str, Any]] = None
+        self.rotations = 0
+        self.truncations = 0
+
+    # ------------------------------------------------------------ state
+    def position(self) -> Dict[str, Any]:
+        """Where to resume: the start of the partial line in the current file."""
+        if self._identity is None:
+            return dict(self._resume) if self._resume else {}
+        return {"dev": self._identity[0], "ino": self._identity[1], "offset": self._line_start,
+                "head": self._head.hex()}
+
+    def resume(self, pos: Dict[str, Any]) -> None:
+        """Use a position() saved by an earlier run (before the first poll)."""
+        try:
+            self._resume = {"dev": int(pos["dev"]), "ino": int(pos["ino"]),
+                            "offset": max(0, int(pos["offset"])), "head": bytes.fromhex(str(pos["head"]))}
+        except (KeyError, TypeError, ValueError):
+            self._resume = None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd, self._identity = None, None
+
+    # ------------------------------------------------------------- read
+    def poll(self, max_bytes: int = 8 * READ_SIZE) -> Tuple[List[str], int]:
+        """(complete lines, how many of them were cut to the cap). Reads at most about
+        max_bytes of the current file per call: call again while it returns lines."""
+        lines: List[str] = []
+        try:
+            st: Optional[os.stat_result] = os.stat(self.path)
+        except OSError:  # missing file or directory, permissions: try again next time
+            st = None
+        if self._fd is None and (st is None or not self._open()):
+            return lines, 0
+        if self._rewritten():
+            self._restart_file()
+        truncated = self._read(lines, max_bytes)
+        if st is not None and (st.st_dev, st.st_ino) != self._identity:
+            # The name now means another file (rotation, or a re-created directory):
+            # finish the old one, its unterminated last line included, then start the new.
+            truncated += self._read(lines, 1 << 62)
+            if self._partial:
+                lines.append(self._decode(self._partial))
+                truncated += self._dropping
+            self.close()
+            self.rotations += 1
+            if self._open():
+                truncated += self._read(lines, max_bytes)
+        return lines, truncated
+
+    def _open(self) -> bool:
+        saved, self._resume = self._resume, None
+        path = self.path
+        if saved:
+            path = self._saved_file(saved) or path
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fst = os.fstat(fd)
+        except OSError:
+            return False
+        self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
+        self._offset = self._line_start = 0
+        self._partial, self._dropping = b"", False
+        self._head = self._read_head()
+        if saved and (saved["dev"], saved["ino"]) == self._identity and fst.st_size >= saved["offset"] \
+                and self._head[: len(saved["head"])] == saved["head"]:
+            self._offset = self._line_start = saved["offset"]
+        return True
+
+    def _saved_file(self, saved: Dict[str, Any]) -> Optional[str]:
+        """The file a saved position belongs to: the name itself, or after a rename
+        rotation while we were down, its new name in the same directory (control.log.1),
+        whose unread tail then comes before the new file."""
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == (saved["dev"], saved["ino"]):
+                return self.path
+        except OSError:
+            pass
+        try:
+            with os.scandir(os.path.dirname(self.path) or ".") as entries:
+                for entry in entries:
+                    est = entry.stat(follow_symlinks=False)
+                    if (est.st_dev, est.st_ino) == (saved["dev"], saved["ino"]):
+                        return entry.path
+        except OSError:
+            pass
+        return None
+
+    def _read_head(self) -> bytes:
+        try:
+            return os.pread(self._fd, HEAD_BYTES, 0) if self._fd is not None else b""
+        except OSError:
+            return b""
+
+    def _rewritten(self) -> bool:
+        """Truncated (copytruncate), or rewritten from the start since we last looked."""
+        try:
+            size = os.fstat(self._fd).st_size  # type: ignore[arg-type]
+        except OSError:
+            return False
+        if size < self._offset:
+            return True
+        head = self._read_head()
+        if head[: len(self._head)] != self._head:
+            return True
+        self._head = head
+        return False
+
+    def _restart_file(self) -> None:
+        self._offset = self._line_start = 0
+        self._partial, self._dropping = b"", False
+        self._head = self._read_head()
+        self.truncations += 1
+
+    def _read(self, lines: List[str], max_bytes: int) -> int:
+        truncated = 0
+        while max_bytes > 0 and self._fd is not None:
+            try:
+                data = os.pread(self._fd, min(READ_SIZE, max_bytes), self._offset)
+            except OSError:
+                break
+            if not data:
+                break
+            self._offset += len(data)
+            max_bytes -= len(data)
+            truncated += self._split(data, lines)
+        return truncated
+
+    def _split(self, data: bytes, lines: List[str]) -> int:
+        last_nl = data.rfind(b"\n")
+        if last_nl >= 0:  # file offsets count the raw bytes, NULs included
+            self._line_start = self._offset - (len(data) - last_nl - 1)
+        if b"\x00" in data:
+            data = data.replace(b"\x00", b"")
+            last_nl = data.rfind(b"\n")
+        if last_nl < 0:
+            self._grow_partial(data)
+            return 0
+        cap, truncated = self.max_line_bytes, 0
+        first_nl = data.find(b"\n")
+        if self._dropping:
+            first, truncated = self._partial, 1
+        else:
+            first = self._partial + data[:first_nl]
+        self._partial, self._dropping = b"", False
+        if len(first) > cap:
+            first, truncated = first[:cap], truncated + 1
+        lines.append(first.decode("utf-8", "replace"))
+        if last_nl > first_nl:
+            for line in data[first_nl + 1:last_nl].decode("utf-8", "replace").split("\n"):
+                if len(line) > cap:
+                    line, truncated = line[:cap], truncated + 1
+                lines.append(line)
+        self._grow_partial(data[last_nl + 1:])
+        return truncated
+
+    def _grow_partial(self, data: bytes) -> None:
+        if self._dropping or not data:
+            return
+        if len(self._partial) + len(data) > self.max_line_bytes:
+            self._partial = (self._partial + data)[: self.max_line_bytes]
+            self._dropping = True
+        else:
+            self._partial += data
+
+    @staticmethod
+    def _decode(data: bytes) -> str:
+        return data.replace(b"\x00", b"").decode("utf-8", "replace")

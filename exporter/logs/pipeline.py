@@ -1,0 +1,165 @@
+"""One MPS daemon's log pipeline: followers -> parser -> state machine -> snapshot.
+
+A background thread polls `control.log` and `server.log` every POLL_SECONDS and
+publishes a fresh `LogSnapshot` after each round that read lines. A scrape calls
+`snapshot()`, which returns the last published copy: it never reads a file and
+never waits for the reader thread.
+
+    pipe = LogPipeline("default", "/var/log/nvidia-mps", timezone="local", state_store=store)
+    pipe.start()            # serve
+    snap = pipe.snapshot()
+    pipe.stop()
+
+    LogPipeline("default", DIR).read_once()   # `dump`: the files from their beginning
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Dict, Optional
+
+from .events import FILES
+from .follower import DEFAULT_MAX_LINE_BYTES, FileFollower
+from .parser import parse_line, resolve_timezone
+from .state import LogSnapshot, LogState
+from .statefile import StateStore
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.25
+SAVE_SECONDS = 5.0  # the state file is written at most this often (and at stop)
+PUBLISH_LINES = 100_000  # while catching up on a long log, publish every this many lines
+
+
+class LogPipeline:
+    def __init__(self, daemon: str, log_directory: str, timezone: str = "local",
+                 state_store: Optional[StateStore] = None,
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+        self.daemon = daemon
+        self.log_directory = log_directory
+        self._tz = resolve_timezone(timezone)  # ValueError for an unknown zone: a config error
+        self._store = state_store
+        self._followers: Dict[str, FileFollower] = {
+            f: FileFollower(os.path.join(log_directory, f + ".log"), max_line_bytes) for f in FILES}
+        self._state = LogState()
+        self._snapshot = LogSnapshot()
+        self._write_lock = threading.Lock()  # read_once and the thread never interleave
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._restored = False
+        self._last_save = 0.0
+        self._dirty = False  # lines applied since the last publish
+        self._unsaved = False  # ... since the last state file write
+        self.errors = 0  # rounds that failed (logged); the thread keeps going
+
+    # ------------------------------------------------------------ public
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"mps-logs-{self.daemon}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self._write_lock:
+            self._save(force=True)
+            for f in self._followers.values():
+                f.close()
+
+    def snapshot(self) -> LogSnapshot:
+        """The last published state: a copy nobody else writes. Cheap; no I/O."""
+        return self._snapshot
+
+    def read_once(self) -> LogSnapshot:
+        """Read both files to their end now (from their beginning, or from the saved
+        offsets when there is a state file), publish and return the snapshot."""
+        with self._write_lock:
+            self._restore()
+            for file in FILES:
+                while self._poll_file(file):
+                    pass
+            self._publish()
+            self._save(force=True)
+        return self._snapshot
+
+    # ---------------------------------------------------------- internal
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = False
+            try:
+                with self._write_lock:
+                    self._restore()
+                    for file in FILES:
+                        busy = self._poll_file(file) or busy
+                    if self._dirty:
+                        self._publish()
+                    self._save(force=False)
+            except Exception:  # a bug must cost freshness, not the exporter
+                self.errors += 1
+                log.exception("log pipeline %s: reading %s failed", self.daemon, self.log_directory)
+            if not busy:
+                self._stop.wait(POLL_SECONDS)
+
+    def _poll_file(self, file: str) -> bool:
+        """Read and apply what is new in one file; True if it read a full batch (more may wait)."""
+        follower, state, tz = self._followers[file], self._state, self._tz
+        total = 0
+        while True:
+            lines, truncated = follower.poll()
+            if not lines:
+                break
+            for _ in range(truncated):
+                state.count_truncated(file)
+            for line in lines:
+                state.apply(parse_line(line, file, tz), file)
+            total += len(lines)
+            self._dirty = self._unsaved = True
+            if total >= PUBLISH_LINES:
+                self._publish()
+                return True
+        return False
+
+    def _publish(self) -> None:
+        self._snapshot = self._state.snapshot()  # one reference assignment: atomic for readers
+        self._dirty = False
+
+    # -------------------------------------------------------- state file
+    def _restore(self) -> None:
+        if self._restored:
+            return
+        self._restored = True
+        if self._store is None:
+            return
+        entry = self._store.load(self.daemon)
+        if entry is None:
+            return
+        try:
+            state = LogState.from_dict(entry["state"])
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("state file %s: entry of daemon %s unusable (%s); starting fresh",
+                        self._store.path, self.daemon, e)
+            return
+        self._state = state
+        for file, follower in self._followers.items():
+            pos = entry.get("files", {}).get(file)
+            if isinstance(pos, dict):
+                follower.resume(pos)
+        self._publish()
+
+    def _save(self, force: bool) -> None:
+        if self._store is None or not self._restored:
+            return
+        now = time.monotonic()
+        if not self._unsaved and self._last_save or not force and now - self._last_save < SAVE_SECONDS:
+            return
+        self._last_save, self._unsaved = now, False
+        entry = {"files": {f: fl.position() for f, fl in self._followers.items()},
+                 "state": self._state.to_dict()}
+        self._store.save(self.daemon, entry)

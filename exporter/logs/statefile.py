@@ -1,0 +1,74 @@
+"""The state file (`--mps.state-file`): where the log pipelines keep offsets, counters
+and pending state across restarts.
+
+One JSON file for all daemons, keyed by daemon name. Written atomically (a
+temporary file in the same directory, fsync, rename), so a crash leaves either the
+old or the new file, never half of one. A missing, unreadable or malformed file
+means "start fresh": it is never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from typing import Any, Dict, Optional
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+class StateStore:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()  # several pipelines (one per daemon) share one file
+
+    def load(self, daemon: str) -> Optional[Dict[str, Any]]:
+        """The saved entry of `daemon`, or None."""
+        with self._lock:
+            entry = self._read().get(daemon)
+        if not isinstance(entry, dict) or entry.get("version") != FORMAT_VERSION:
+            return None
+        return entry
+
+    def save(self, daemon: str, entry: Dict[str, Any]) -> bool:
+        """Replace `daemon`'s entry. False (and a log line) when the file cannot be written."""
+        with self._lock:
+            doc = self._read()
+            doc[daemon] = {**entry, "version": FORMAT_VERSION}
+            try:
+                self._write(doc)
+            except OSError as e:
+                log.warning("cannot write state file %s: %s", self.path, e)
+                return False
+        return True
+
+    def _read(self) -> Dict[str, Any]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable state file %s: %s", self.path, e)
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def _write(self, doc: Dict[str, Any]) -> None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        fd, tmp = tempfile.mkstemp(prefix=".mps-exporter-state.", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(doc, f, separators=(",", ":"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
