@@ -28,6 +28,12 @@ def _container(objects):
     return one(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
 
 
+def _daemon_config(objects):
+    """The text of the exporter's --config.file (the ConfigMap that is no dashboard)."""
+    (text,) = [o["data"]["config.yml"] for o in find(objects, "ConfigMap") if "config.yml" in o.get("data", {})]
+    return text
+
+
 def _pod(objects):
     return one(objects, "DaemonSet")["spec"]["template"]["spec"]
 
@@ -97,7 +103,7 @@ def test_default_daemonset_least_privilege(default_objects):
 
 
 def test_default_watches_the_device_plugin_layout(default_objects):
-    config = load_yaml_text(one(default_objects, "ConfigMap")["data"]["config.yml"])
+    config = load_yaml_text(_daemon_config(default_objects))
     assert config == {"daemons": [{
         "name": "nvidia.com/gpu",
         "pipe_directory": "/run/nvidia/mps/nvidia.com/gpu/pipe",
@@ -123,7 +129,7 @@ def test_exporter_accepts_the_rendered_flags_and_config(values_file, tmp_path):
 
     objects = render(_values(values_file))
     config_file = tmp_path / "config.yml"
-    config_file.write_text(one(objects, "ConfigMap")["data"]["config.yml"])
+    config_file.write_text(_daemon_config(objects))
     args = []
     for arg in _container(objects)["args"]:
         if arg.startswith("--config.file="):
@@ -142,7 +148,7 @@ def test_exporter_accepts_the_rendered_flags_and_config(values_file, tmp_path):
 def test_multi_daemon_variant_mounts_each_outside_directory():
     values = load_yaml(os.path.join(CHART, "ci", "multi-daemon-values.yaml"))
     objects = render(values)
-    daemons = load_yaml_text(one(objects, "ConfigMap")["data"]["config.yml"])["daemons"]
+    daemons = load_yaml_text(_daemon_config(objects))["daemons"]
     assert [d["name"] for d in daemons] == ["nvidia.com/gpu", "nvidia.com/gpu.shared", "batch"]
     assert daemons[1]["pipe_directory"] == "/run/nvidia/mps/nvidia.com/gpu.shared/pipe"
     pod, container = _pod(objects), _container(objects)
@@ -223,7 +229,14 @@ def test_operator_variant_objects():
     # The ServiceMonitor selects the Service, whose port name it scrapes.
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
-    assert monitor["spec"]["endpoints"][0]["relabelings"][0]["targetLabel"] == "node"
+    assert [r["targetLabel"] for r in monitor["spec"]["endpoints"][0]["relabelings"][:2]] == ["node", "instance"]
+    # The alert rules select job="mps-exporter": the job comes from the Service label
+    # that jobLabel names.
+    job_label = monitor["spec"]["jobLabel"]
+    assert service["metadata"]["labels"][job_label] == "mps-exporter"
+    if _rules_source() is not None:
+        exprs = [r["expr"] for g in _rules_source()["groups"] for r in g["rules"]]
+        assert any('job="mps-exporter"' in e for e in exprs)
 
 
 def test_prometheus_rule_carries_the_generated_rules():
