@@ -199,6 +199,11 @@ class Prometheus:
     def rules(self) -> List[dict]:
         return self.api("rules")["groups"]
 
+    def metric_names(self, match: str) -> List[str]:
+        """Names of every series matching `match` stored so far, including
+        series that have since gone stale (unlike an instant query)."""
+        return self.api("label/__name__/values", **{"match[]": match})
+
     def wait_for_target_up(self, job: Optional[str] = None, timeout: float = 30.0) -> List[dict]:
         """Wait until every active target (of `job`, if given) has been scraped
         successfully; returns those targets. On timeout the error names each
