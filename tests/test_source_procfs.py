@@ -92,3 +92,15 @@ def test_unreadable_environ_keeps_other_facts(tmp_path, monkeypatch):
     monkeypatch.setattr("builtins.open", deny_environ)
     facts = procfs.ProcSource(root=str(root), clock_ticks=CLK_TCK).read([10])
     assert facts[10].command == "python3" and facts[10].env_active_thread_percentage is None
+
+
+def test_known_process_is_not_reread_but_a_reused_pid_is(tmp_path):
+    root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0, environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"})])
+    src = procfs.ProcSource(root=str(root), clock_ticks=CLK_TCK)
+    assert src.read([10])[10].env_active_thread_percentage == 10.0
+    (root / "10" / "environ").unlink()  # a second read of environ would now fail
+    assert src.read([10])[10].env_active_thread_percentage == 10.0
+    # PID 10 exits and a new process (another start time, another user) gets the PID.
+    write_proc(root, [FakeProcess(10, uid=1500, start_ticks=99999)])
+    again = src.read([10])[10]
+    assert again.uid == 1500 and again.env_active_thread_percentage is None

@@ -127,6 +127,10 @@ class ProcSource:
     _boot_time: Optional[float] = None
     _users: Dict[int, str] = field(default_factory=dict)
     _environ_denied_logged: bool = False
+    # pid -> (start ticks, facts). Everything read here is fixed for a process's
+    # life (environ is the block it was started with), so a scrape reads only
+    # /proc/PID/stat to tell a known process from a new one that reused its PID.
+    _known: Dict[int, Tuple[int, ProcessFacts]] = field(default_factory=dict)
 
     def _read(self, pid: int, name: str) -> str:
         with open(os.path.join(self.root, str(pid), name), encoding="utf-8", errors="replace") as f:
@@ -145,13 +149,18 @@ class ProcSource:
         facts = {}
         for pid in set(pids):
             try:
-                one = self.read_pid(pid)
+                ticks = parse_stat_start_ticks(self._read(pid, "stat"))
+                known = self._known.get(pid)
+                if known is None or known[0] != ticks:
+                    known = self._known[pid] = (ticks, self.read_pid(pid, ticks))
             except (FileNotFoundError, ProcessLookupError):
                 continue  # exited while we read it
-            facts[pid] = one
+            facts[pid] = known[1]
+        for pid in set(self._known) - set(facts):
+            del self._known[pid]
         return facts
 
-    def read_pid(self, pid: int) -> ProcessFacts:
+    def read_pid(self, pid: int, ticks: Optional[int]) -> ProcessFacts:
         facts = ProcessFacts(pid=pid)
         facts.uid = parse_status_uid(self._read(pid, "status"))
         if facts.uid is not None:
@@ -159,7 +168,6 @@ class ProcSource:
                 self._users[facts.uid] = self.user_name(facts.uid)
             facts.user = self._users[facts.uid]
         facts.command = self._read(pid, "comm").strip()
-        ticks = parse_stat_start_ticks(self._read(pid, "stat"))
         boot = self.boot_time()
         if ticks is not None and boot is not None:
             facts.start_time_seconds = boot + ticks / self.clock_ticks

@@ -1,0 +1,102 @@
+"""Scrape latency and the exporter's own overhead, on a simulated backend.
+
+The backend is the test fakes with the capture's measured call latencies: each
+NVML call sleeps its `us` figure from nvml_busy.json, each control command
+1.9 ms (ctl_latency.txt). Overhead = scrape time minus time inside backend
+calls: what the exporter itself adds (joins, /proc reads, exposition).
+
+    python3 bench/scrape_bench.py [--scrapes 200]
+
+Prints a Markdown table; numbers, not a pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mps_exporter.exposition import generate_text as generate_latest  # noqa: E402
+
+from mps_exporter.collector import build_registry  # noqa: E402
+from tests.support import scenarios  # noqa: E402
+
+
+class TimedModule:
+    """Proxy that adds the wall time of every call into `spent`."""
+
+    def __init__(self, inner, spent):
+        self._inner, self._spent = inner, spent
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return attr(*a, **k)
+            finally:
+                self._spent[0] += time.perf_counter() - t0
+        return timed
+
+
+def run(gpus: int, clients_per_gpu: int, scrapes: int):
+    with tempfile.TemporaryDirectory() as tmp:
+        scen = scenarios.synthetic(Path(tmp), gpus=gpus, clients_per_gpu=clients_per_gpu, latency=True)
+        spent = [0.0]
+        scen.nvml = TimedModule(scen.nvml, spent)
+        daemon = scen.daemon
+
+        def runner(*a):
+            t0 = time.perf_counter()
+            try:
+                return daemon(*a)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        from mps_exporter.cli import build_collector, build_sources
+
+        collector = build_collector(scen.cfg, build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=runner), {})
+        registry = build_registry(collector)
+        totals, overheads = [], []
+        for i in range(scrapes + 5):
+            spent[0] = 0.0
+            t0 = time.perf_counter()
+            body = generate_latest(registry)
+            total = time.perf_counter() - t0
+            if i >= 5:  # the first scrapes also fetch cached server facts and start GPM
+                totals.append(total)
+                overheads.append(total - spent[0])
+        return totals, overheads, len(body)
+
+
+def pct(values, p):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))] * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scrapes", type=int, default=200)
+    args = ap.parse_args()
+    print("| scenario | scrape p50 ms | scrape p99 ms | overhead p50 ms | overhead p99 ms | exposition bytes |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for gpus, per_gpu in ((1, 3), (8, 6)):
+        totals, overheads, size = run(gpus, per_gpu, args.scrapes)
+        print(f"| {gpus} GPU x {gpus * per_gpu} clients | {pct(totals, 50):.2f} | {pct(totals, 99):.2f} | "
+              f"{pct(overheads, 50):.2f} | {pct(overheads, 99):.2f} | {size} |")
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\npeak RSS of the benchmark process (exporter code, fakes, {args.scrapes} scrapes x 2): {rss_mb:.1f} MB")
+    print(f"mean overhead check: {statistics.mean(overheads) * 1000:.2f} ms at 8x48")
+
+
+if __name__ == "__main__":
+    main()
