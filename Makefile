@@ -1,0 +1,23 @@
+# mps-exporter: generated monitoring files (alert rules, dashboards) and checks.
+# Generated files are committed; `make check-generated` (and the pytest suite)
+# fail when regenerating would change them.
+PYTHON ?= python3
+
+.PHONY: all generate check-generated lint test
+all: generate lint test
+
+generate:
+	$(PYTHON) -m alerts.generate
+	$(PYTHON) -m dashboards.generate
+
+check-generated:
+	$(PYTHON) -m alerts.generate --check
+	$(PYTHON) -m dashboards.generate --check
+
+lint:
+	promtool check rules alerts/prometheus/mps-exporter.rules.yml
+	amtool check-config alerts/alertmanager.example.yml
+
+test:
+	promtool test rules alerts/tests/*.yaml
+	$(PYTHON) -m pytest -q

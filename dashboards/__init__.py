@@ -1,0 +1,1 @@
+"""grafanalib dashboards for mps-exporter (see generate.py)."""

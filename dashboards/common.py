@@ -1,0 +1,155 @@
+"""Shared defaults for the mps-exporter dashboards: the data source and the
+job/node/GPU/daemon variables, selectors built from the metric contract, panel
+helpers that insist on a description and a unit, and a flowing grid layout.
+
+A dashboard module builds its panels with these helpers and ends with
+`dashboard = build(title=..., uid=..., description=..., panels=[...])`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import attr
+from grafanalib.core import (
+    Dashboard,
+    GridPos,
+    RowPanel,
+    Stat,
+    Table,
+    Target,
+    Template,
+    Templating,
+    Time,
+    TimeSeries,
+)
+
+from mps_exporter.contract import METRICS
+
+# Grafana's schema version of the JSON model these dashboards are written for
+# (Grafana 10.4 / 11); older Grafana versions refuse newer schemas, newer ones migrate.
+SCHEMA_VERSION = 39
+TAGS = ["mps", "nvidia", "gpu", "mps-exporter"]
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+GRID_WIDTH = 24
+
+# Label -> dashboard variable. The node variable picks Prometheus' `instance`
+# (the exporter adds no host label; the scrape does).
+VARIABLE_OF_LABEL = {"job": "job", "instance": "node", "gpu": "gpu", "daemon": "daemon"}
+
+
+def _query_variable(name: str, label: str, query: str) -> Template:
+    variable = Template(name=name, label=label, query=query, dataSource=DATASOURCE,
+                        includeAll=True, multi=True, allValue=".*", refresh=2, sort=1)
+    # grafanalib writes the default as a plain value; Grafana's "All" of a
+    # multi-value variable is the list ["$__all"].
+    variable._current = {"selected": True, "text": ["All"], "value": ["$__all"]}
+    return variable
+
+
+def _datasource_variable() -> Template:
+    variable = Template(name="datasource", label="Data source", query="prometheus", type="datasource")
+    variable._current = {}  # Grafana picks the default Prometheus data source
+    return variable
+
+
+def templating() -> Templating:
+    return Templating(list=[
+        _datasource_variable(),
+        _query_variable("job", "Job", "label_values(mps_exporter_build_info, job)"),
+        _query_variable("node", "Node", 'label_values(mps_exporter_build_info{job=~"$job"}, instance)'),
+        _query_variable("gpu", "GPU", 'label_values(mps_gpu_info{job=~"$job", instance=~"$node"}, gpu)'),
+        _query_variable("daemon", "MPS daemon",
+                        'label_values(mps_control_daemon_up{job=~"$job", instance=~"$node"}, daemon)'),
+    ])
+
+
+def m(name: str, suffix: str = "", **matchers: str) -> str:
+    """A selector for a contract metric with the dashboard variables that apply
+    to its labels, e.g. m("mps_gpu_power_watts") ->
+    mps_gpu_power_watts{job=~"$job", instance=~"$node", gpu=~"$gpu"}."""
+    if name not in METRICS and name not in ("up", "scrape_duration_seconds", "scrape_samples_scraped"):
+        raise KeyError(f"{name} is not in the metric contract")
+    labels = ("job", "instance") + (METRICS[name].labels if name in METRICS else ())
+    parts = [f'{label}=~"${VARIABLE_OF_LABEL[label]}"' for label in labels if label in VARIABLE_OF_LABEL]
+    parts += [f'{k}={v}' for k, v in matchers.items()]
+    return f"{name}{suffix}{{{', '.join(parts)}}}"
+
+
+# Joins a per-client series with the client's user and command.
+CLIENT_INFO_JOIN = "* on(job, instance, daemon, pid) group_left(user, command, server_pid) " + m("mps_client_info")
+SERVER_INFO_JOIN = "* on(job, instance, daemon, server_pid) group_left(user) " + m("mps_server_info")
+
+
+def target(expr: str, legend: str = "", instant: bool = False, table: bool = False) -> Target:
+    return Target(expr=expr, legendFormat=legend, instant=instant, datasource=DATASOURCE,
+                  format="table" if table else "time_series")
+
+
+def _with_ref_ids(targets: Sequence[Target]) -> List[Target]:
+    return [attr.evolve(t, refId=chr(ord("A") + i)) for i, t in enumerate(targets)]
+
+
+def timeseries(title: str, description: str, unit: str, targets: Sequence[Target],
+               w: int = 12, h: int = 8, stacked: bool = False, max_one: bool = False) -> TimeSeries:
+    return TimeSeries(
+        title=title, description=description, unit=unit, dataSource=DATASOURCE,
+        targets=_with_ref_ids(targets), gridPos=GridPos(h=h, w=w, x=0, y=0),
+        stacking={"mode": "normal", "group": "A"} if stacked else {},
+        fillOpacity=20 if stacked else 10, legendDisplayMode="table", legendPlacement="bottom",
+        legendCalcs=["lastNotNull", "max"], tooltipMode="multi", valueMin=0,
+        valueMax=1 if max_one else None,
+    )
+
+
+def stat(title: str, description: str, unit: str, targets: Sequence[Target], w: int = 6, h: int = 4) -> Stat:
+    return Stat(title=title, description=description, format=unit, dataSource=DATASOURCE,
+                targets=_with_ref_ids(targets), gridPos=GridPos(h=h, w=w, x=0, y=0),
+                reduceCalc="lastNotNull", graphMode="none", noValue="0")
+
+
+def table(title: str, description: str, targets: Sequence[Target], units: Dict[str, str],
+          rename: Dict[str, str], hide: Sequence[str] = (), w: int = 24, h: int = 9) -> Table:
+    """Instant queries in table format, merged on their common labels into one
+    row per entity. units/rename: per value column ("Value #B") its unit and title."""
+    hidden = {"Time": True, "__name__": True, "job": True, **{k: True for k in hide}}
+    overrides = [{"matcher": {"id": "byName", "options": col},
+                  "properties": [{"id": "unit", "value": unit}]} for col, unit in units.items()]
+    return Table(
+        title=title, description=description, dataSource=DATASOURCE, unit="none",
+        targets=_with_ref_ids(targets), gridPos=GridPos(h=h, w=w, x=0, y=0),
+        overrides=overrides, filterable=True,
+        transformations=[
+            {"id": "merge", "options": {}},
+            {"id": "organize", "options": {"excludeByName": hidden, "renameByName": rename}},
+        ],
+    )
+
+
+def row(title: str) -> RowPanel:
+    return RowPanel(title=title, gridPos=GridPos(h=1, w=GRID_WIDTH, x=0, y=0))
+
+
+def _layout(panels: Sequence) -> List:
+    """Flow panels left to right, top to bottom; a row always starts a new line."""
+    out, x, y, line_height = [], 0, 0, 0
+    for panel in panels:
+        w, h = panel.gridPos.w, panel.gridPos.h
+        if x + w > GRID_WIDTH or isinstance(panel, RowPanel) and x > 0:
+            x, y, line_height = 0, y + line_height, 0
+        panel.gridPos = GridPos(h=h, w=w, x=x, y=y)
+        x, line_height = x + w, max(line_height, h)
+        if isinstance(panel, RowPanel):
+            x, y, line_height = 0, y + h, 0
+    return list(panels)
+
+
+def build(title: str, uid: str, description: str, panels: Sequence) -> Dashboard:
+    return Dashboard(
+        title=title, uid=uid, description=description, tags=TAGS, timezone="browser",
+        templating=templating(), panels=_layout(panels), schemaVersion=SCHEMA_VERSION,
+        time=Time("now-3h", "now"), refresh="30s", editable=True,
+        links=[{"type": "dashboards", "tags": ["mps-exporter"], "asDropdown": True, "title": "MPS dashboards",
+                "includeVars": True, "keepTime": True}],
+    ).auto_panel_ids()

@@ -1,0 +1,57 @@
+"""Contention: clients waiting for servers, handoffs between users, saturation."""
+
+from dashboards.common import build, m, row, target, timeseries
+
+DAEMON_LEGEND = "{{instance}} {{daemon}}"
+
+
+def wait_quantile(q: float) -> str:
+    return (f"histogram_quantile({q}, sum by (instance, daemon, reason, le) "
+            f"(rate({m('mps_client_queue_wait_seconds', '_bucket')}[$__rate_interval])))")
+
+
+dashboard = build(
+    title="MPS / Contention",
+    uid="mps-contention",
+    description="Clients queued behind other users' servers, how long they wait, server handoffs and GPU saturation.",
+    panels=[
+        row("Queue"),
+        timeseries("Queued clients",
+                   "Clients on the daemon's pending list: user_switch waits for another user's server to drain, "
+                   "server_starting for its own server to start.",
+                   "none", [target(m("mps_queued_clients"), DAEMON_LEGEND + " {{reason}}")], stacked=True),
+        timeseries("Oldest queued client", "Age of the oldest pending client; 0 when none waits.", "s",
+                   [target(m("mps_queued_client_oldest_wait_seconds"), DAEMON_LEGEND)]),
+        timeseries("Queue wait",
+                   "Time from 'pushed to pending list' to admission, 50th and 95th percentile by reason.",
+                   "s", [target(wait_quantile(0.5), "p50 " + DAEMON_LEGEND + " {{reason}}"),
+                         target(wait_quantile(0.95), "p95 " + DAEMON_LEGEND + " {{reason}}")]),
+        timeseries("Admissions from the queue", "Clients admitted after waiting on the pending list, per second.",
+                   "cps", [target(f"sum by (instance, daemon, reason) "
+                                  f"(rate({m('mps_client_queue_wait_seconds', '_count')}[$__rate_interval]))",
+                                  DAEMON_LEGEND + " {{reason}}")]),
+        row("Handoffs"),
+        timeseries("Server handoffs",
+                   "Servers shut down so that another user's server could start, per second: users taking turns "
+                   "on the same GPUs.",
+                   "cps", [target(f"rate({m('mps_server_handoffs_total')}[$__rate_interval])", DAEMON_LEGEND)]),
+        timeseries("Shutdown deferrals",
+                   "'Server will not shutdown' answers per second: a server still had active clients while another "
+                   "user waited.",
+                   "cps", [target(f"rate({m('mps_server_shutdown_deferrals_total')}[$__rate_interval])",
+                                  DAEMON_LEGEND)]),
+        row("Saturation and faults"),
+        timeseries("SM active", "Share of SMs busy per GPU (NVML GPM or DCGM); compare with the clients sharing it.",
+                   "percentunit", [target(m("mps_gpu_sm_active_ratio"), "{{instance}} GPU {{gpu}}")],
+                   max_one=True, w=8),
+        timeseries("Clients sharing each GPU", "MPS clients holding memory on each GPU.", "none",
+                   [target(f"count by (instance, gpu) ({m('mps_client_memory_used_bytes')})",
+                           "{{instance}} GPU {{gpu}}")], w=8),
+        timeseries("Servers by status", "MPS servers by status: ACTIVE, INITIALIZING, FAULT.", "none",
+                   [target(f"sum by (instance, daemon, status) ({m('mps_server_status')})",
+                           DAEMON_LEGEND + " {{status}}")], w=8, stacked=True),
+        timeseries("Fatal GPU errors", "Fatal GPU errors MPS servers handled, per interval (MPS logs).", "none",
+                   [target(f"increase({m('mps_fatal_gpu_errors_total')}[$__rate_interval])", DAEMON_LEGEND)],
+                   w=24),
+    ],
+)

@@ -1,0 +1,43 @@
+"""Exporter health: is every collector answering, how long do scrapes take."""
+
+from dashboards.common import build, m, row, table, target, timeseries
+
+dashboard = build(
+    title="MPS / Exporter health",
+    uid="mps-exporter-health",
+    description="The mps-exporter itself: targets, collectors, scrape cost, MPS log parsing and control commands.",
+    panels=[
+        row("Targets and collectors"),
+        timeseries("Target up", "1 when Prometheus scraped the exporter successfully.", "none",
+                   [target(m("up"), "{{instance}}")], w=8, max_one=True),
+        timeseries("Collector success", "1 when the collector's source answered in the scrape.", "none",
+                   [target(m("mps_exporter_collector_success"), "{{instance}} {{collector}}")], w=8, max_one=True),
+        timeseries("Collector duration", "Time each collector took in the scrape.", "s",
+                   [target(m("mps_exporter_collector_duration_seconds"), "{{instance}} {{collector}}")], w=8),
+        timeseries("Scrape duration", "How long Prometheus took to scrape each exporter.", "s",
+                   [target(m("scrape_duration_seconds"), "{{instance}}")], w=8),
+        timeseries("Samples per scrape", "Samples Prometheus took from each scrape.", "none",
+                   [target(m("scrape_samples_scraped"), "{{instance}}")], w=8),
+        timeseries("Sources answering", "Watched control daemons and GPUs that answered in the scrape.", "none",
+                   [target(m("mps_control_daemon_up"), "{{instance}} daemon {{daemon}}"),
+                    target(m("mps_gpu_up"), "{{instance}} GPU {{gpu}}")], w=8, max_one=True),
+        row("MPS logs and control commands"),
+        timeseries("Log lines read", "MPS log lines read per second, by file (control or server).", "cps",
+                   [target(f"rate({m('mps_log_lines_total')}[$__rate_interval])", "{{instance}} {{daemon}} {{file}}")],
+                   w=8),
+        timeseries("Log lines not understood",
+                   "Lines no parsing rule matched, and lines cut at the line cap, per second: a new MPS version "
+                   "may log differently.",
+                   "cps", [target(f"rate({m('mps_log_unrecognized_lines_total')}[$__rate_interval])",
+                                  "unrecognized {{instance}} {{daemon}} {{file}}"),
+                           target(f"rate({m('mps_log_truncated_lines_total')}[$__rate_interval])",
+                                  "truncated {{instance}} {{daemon}} {{file}}")], w=8),
+        timeseries("Control commands", "Commands the control daemon received per second, by verb (the exporter's "
+                   "own included).", "cps",
+                   [target(f"sum by (instance, daemon, command) (rate({m('mps_control_commands_total')}"
+                           f"[$__rate_interval]))", "{{instance}} {{daemon}} {{command}}")], w=8),
+        table("Exporter versions", "Version of each exporter and the Python it runs on.",
+              [target(m("mps_exporter_build_info"), instant=True, table=True)],
+              units={"Value": "none"}, rename={}, hide=["Value"], h=6),
+    ],
+)

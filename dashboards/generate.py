@@ -1,0 +1,64 @@
+"""Write dashboards/json/<name>.json (and the Helm chart's copy) from every
+dashboards/<name>.dashboard.py.
+
+    python3 -m dashboards.generate            # write
+    python3 -m dashboards.generate --check    # exit 1 if a committed file is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from grafanalib._gen import DashboardEncoder
+
+from alerts.generate import write_or_check
+
+HERE = Path(__file__).resolve().parent
+JSON_DIR = "dashboards/json"
+HELM_DIR = "deploy/helm/mps-exporter/files/dashboards"
+
+
+def sources() -> Dict[str, Path]:
+    """Dashboard name -> its .dashboard.py file."""
+    return {p.name[: -len(".dashboard.py")]: p for p in sorted(HERE.glob("*.dashboard.py"))}
+
+
+def load(path: Path):
+    """The `dashboard` object a .dashboard.py file defines."""
+    spec = importlib.util.spec_from_file_location(f"dashboards.{path.stem.replace('.', '_').replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.dashboard
+
+
+def model(path: Path) -> dict:
+    """The dashboard's JSON model as plain data."""
+    return json.loads(json.dumps(load(path).to_json_data(), cls=DashboardEncoder))
+
+
+def outputs() -> Dict[str, str]:
+    files = {}
+    for name, path in sources().items():
+        text = json.dumps(model(path), sort_keys=True, indent=2) + "\n"
+        files[f"{JSON_DIR}/{name}.json"] = text
+        files[f"{HELM_DIR}/{name}.json"] = text
+    return files
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report files that regenerating would change")
+    args = parser.parse_args(argv)
+    stale = write_or_check(outputs(), args.check)
+    for rel in stale:
+        print(f"{'stale' if args.check else 'wrote'}: {rel}")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

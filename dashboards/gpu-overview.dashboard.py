@@ -1,0 +1,62 @@
+"""GPU overview: how each GPU is shared, how busy its SMs are, memory, power."""
+
+from dashboards.common import build, m, row, table, target, timeseries
+
+GPU_LEGEND = "{{instance}} GPU {{gpu}}"
+
+dashboard = build(
+    title="MPS / GPU overview",
+    uid="mps-gpu-overview",
+    description="Per GPU: sharing mode, SM activity and occupancy, memory, power and temperature.",
+    panels=[
+        row("Sharing"),
+        table("GPUs",
+              "One row per GPU: model, driver, compute mode, MIG mode and how it is shared now "
+              "(mps, time_slicing, exclusive, mig or idle), with the number of compute processes.",
+              [target(m("mps_gpu_info"), instant=True, table=True),
+               target(m("mps_gpu_sharing_mode"), instant=True, table=True),
+               target(m("mps_gpu_compute_processes"), instant=True, table=True)],
+              units={"Value #C": "none"}, rename={"Value #C": "compute processes"},
+              hide=["Value #A", "Value #B"], h=7),
+        timeseries("Compute processes per GPU",
+                   "Compute processes NVML lists on each GPU. Under MPS this is the server plus its clients.",
+                   "none", [target(m("mps_gpu_compute_processes"), GPU_LEGEND)]),
+        timeseries("MPS clients per GPU",
+                   "MPS client processes holding memory on each GPU (from NVML's MPS process list).",
+                   "none", [target(f"count by (instance, gpu) ({m('mps_client_memory_used_bytes')})", GPU_LEGEND)]),
+        row("Activity"),
+        timeseries("SM active",
+                   "Share of SMs busy over the last interval (NVML GPM on Hopper and later, or DCGM). "
+                   "The contention signal under MPS: near 100 % the clients compete for SMs.",
+                   "percentunit", [target(m("mps_gpu_sm_active_ratio"), GPU_LEGEND)], max_one=True),
+        timeseries("SM occupancy",
+                   "Resident warps against the SMs' maximum (NVML GPM or DCGM): low occupancy with high SM "
+                   "activity means small kernels.",
+                   "percentunit", [target(m("mps_gpu_sm_occupancy_ratio"), GPU_LEGEND)], max_one=True),
+        timeseries("Tensor and DRAM activity",
+                   "Tensor pipe activity and DRAM bandwidth use (NVML GPM or DCGM).",
+                   "percentunit", [target(m("mps_gpu_tensor_active_ratio"), "tensor " + GPU_LEGEND),
+                                   target(m("mps_gpu_dram_active_ratio"), "DRAM " + GPU_LEGEND)], max_one=True),
+        timeseries("NVML utilization",
+                   "NVML 'GPU utilization' (share of time any kernel ran) and memory controller busy ratio. "
+                   "One tiny kernel stream saturates the first: it is no contention signal under MPS.",
+                   "percentunit", [target(m("mps_gpu_utilization_ratio"), "GPU " + GPU_LEGEND),
+                                   target(m("mps_gpu_memory_utilization_ratio"), "memory " + GPU_LEGEND)],
+                   max_one=True),
+        timeseries("SM utilization by process",
+                   "Per-process SM utilization: for MPS servers (NVML attributes all of their clients' SM time "
+                   "to the server) and for processes on GPUs not under MPS.",
+                   "percentunit", [target(m("mps_server_sm_utilization_ratio"), "{{instance}} GPU {{gpu}} MPS server {{server_pid}}"),
+                                   target(m("mps_process_sm_utilization_ratio"), "{{instance}} GPU {{gpu}} pid {{pid}}")],
+                   w=24, max_one=True),
+        row("Memory and power"),
+        timeseries("Memory used",
+                   "Device memory used and total per GPU.",
+                   "bytes", [target(m("mps_gpu_memory_used_bytes"), "used " + GPU_LEGEND),
+                             target(m("mps_gpu_memory_total_bytes"), "total " + GPU_LEGEND)], w=8),
+        timeseries("Power", "Power draw of each GPU (NVML).", "watt",
+                   [target(m("mps_gpu_power_watts"), GPU_LEGEND)], w=8),
+        timeseries("Temperature", "Core temperature of each GPU (NVML).", "celsius",
+                   [target(m("mps_gpu_temperature_celsius"), GPU_LEGEND)], w=8),
+    ],
+)

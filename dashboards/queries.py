@@ -1,0 +1,32 @@
+"""Every query of every generated dashboard, in a form Prometheus can run
+without Grafana: what the tests use to prove the dashboards work."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+JSON_DIR = Path(__file__).resolve().parent / "json"
+
+
+class Query(NamedTuple):
+    dashboard: str
+    panel: str
+    ref_id: str
+    expr: str
+
+
+def queries(json_dir: Path = JSON_DIR) -> Iterator[Query]:
+    for path in sorted(json_dir.glob("*.json")):
+        dash = json.loads(path.read_text())
+        for panel in dash["panels"]:
+            for t in panel.get("targets", []):
+                yield Query(path.stem, panel["title"], t["refId"], t["expr"])
+
+
+def concrete(expr: str, rate_interval: str = "1m") -> str:
+    """Grafana's substitutions for "All" in every variable and a fixed rate interval."""
+    expr = expr.replace("$__rate_interval", rate_interval)
+    return re.sub(r"\$(job|node|gpu|daemon)\b", ".*", expr)

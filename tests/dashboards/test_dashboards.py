@@ -1,0 +1,163 @@
+"""The generated dashboards: in sync with their .dashboard.py, shaped like
+Grafana's dashboard JSON model, every query valid PromQL on contract metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dashboards import common, generate
+from dashboards.queries import concrete, queries
+from mps_exporter.contract import HISTOGRAM, METRICS
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / generate.JSON_DIR).glob("*.json"))}
+PANEL_TYPES = {"row", "timeseries", "stat", "table"}
+SCRAPE_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
+
+# A panel's unit and what each of its queries must then be about.
+UNIT_EVIDENCE = {
+    "bytes": ("_bytes",),
+    "percentunit": ("_ratio", " / "),
+    "s": ("_seconds",),
+    "watt": ("_watts",),
+    "celsius": ("_celsius",),
+    "cps": ("rate(",),
+}
+
+
+def _panels():
+    for name, dash in DASHBOARDS.items():
+        for panel in dash["panels"]:
+            yield name, panel
+
+
+def _metric_names(expr: str):
+    for name in re.findall(r"\b([a-z_]+)(?=\{)", expr):
+        base = re.sub(r"_(bucket|count|sum)$", "", name)
+        yield name, base if base in METRICS and METRICS[base].type == HISTOGRAM else name
+
+
+def test_generated_json_is_in_sync():
+    assert generate.write_or_check(generate.outputs(), check_only=True) == [], "run `make generate` and commit"
+
+
+def test_helm_copies_match():
+    for name in DASHBOARDS:
+        assert (ROOT / generate.HELM_DIR / f"{name}.json").read_text() == \
+               (ROOT / generate.JSON_DIR / f"{name}.json").read_text()
+
+
+def test_one_json_per_dashboard_source():
+    assert set(DASHBOARDS) == set(generate.sources()) and len(DASHBOARDS) >= 5
+
+
+def test_json_keys_are_sorted():
+    for name in DASHBOARDS:
+        text = (ROOT / generate.JSON_DIR / f"{name}.json").read_text()
+        assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n"
+
+
+def test_dashboard_level_model():
+    uids = set()
+    for name, dash in DASHBOARDS.items():
+        assert dash["title"].startswith("MPS / ")
+        assert re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", dash["uid"]) and dash["uid"] not in uids, name
+        uids.add(dash["uid"])
+        assert dash["id"] is None, "provisioned dashboards carry no database id"
+        assert dash["schemaVersion"] == common.SCHEMA_VERSION >= 36
+        assert "mps-exporter" in dash["tags"]
+        assert dash["time"] == {"from": "now-3h", "to": "now"}
+        assert dash["description"]
+
+
+def test_variables():
+    for name, dash in DASHBOARDS.items():
+        variables = {v["name"]: v for v in dash["templating"]["list"]}
+        assert set(variables) == {"datasource", "job", "node", "gpu", "daemon"}, name
+        ds = variables.pop("datasource")
+        assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+        for v in variables.values():
+            assert v["type"] == "query" and v["datasource"] == common.DATASOURCE
+            assert v["query"].startswith("label_values(")
+            assert v["multi"] and v["includeAll"] and v["current"]["value"] == ["$__all"]
+        assert variables["node"]["query"].endswith(", instance)")
+
+
+def test_panel_ids_unique_and_grid_without_overlap():
+    for name, dash in DASHBOARDS.items():
+        ids = [p["id"] for p in dash["panels"]]
+        assert all(isinstance(i, int) for i in ids) and len(set(ids)) == len(ids), name
+        cells = set()
+        for p in dash["panels"]:
+            g = p["gridPos"]
+            assert g["w"] > 0 and g["h"] > 0 and g["x"] >= 0 and g["x"] + g["w"] <= 24, (name, p["title"])
+            mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+            assert not cells & mine, f"{name}: {p['title']} overlaps another panel"
+            cells |= mine
+
+
+def test_panels_have_datasource_description_unit_and_targets():
+    for name, panel in _panels():
+        assert panel["type"] in PANEL_TYPES, (name, panel["type"])
+        if panel["type"] == "row":
+            continue
+        where = f"{name}: {panel['title']}"
+        assert panel["datasource"] == common.DATASOURCE, where
+        assert panel["description"] and len(panel["description"]) > 20, where
+        assert panel["targets"], where
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(set(refs)) == len(refs), where
+        for t in panel["targets"]:
+            assert t["datasource"] == common.DATASOURCE and t["expr"], where
+        unit = panel["fieldConfig"]["defaults"]["unit"]
+        assert unit, where
+        if panel["type"] == "table":
+            # Tables: each visible value column has its own unit.
+            hidden = next(t for t in panel["transformations"] if t["id"] == "organize")["options"]["excludeByName"]
+            columns = ["Value"] if len(refs) == 1 else [f"Value #{r}" for r in refs]
+            units = {o["matcher"]["options"] for o in panel["fieldConfig"]["overrides"]
+                     if any(p["id"] == "unit" for p in o["properties"])}
+            assert {c for c in columns if not hidden.get(c)} <= units, where
+        elif unit in UNIT_EVIDENCE:
+            for t in panel["targets"]:
+                assert any(s in t["expr"] for s in UNIT_EVIDENCE[unit]), f"{where}: unit {unit} for {t['expr']}"
+
+
+def test_queries_use_contract_metrics_and_the_variables():
+    for q in queries(ROOT / generate.JSON_DIR):
+        for series, metric in _metric_names(q.expr):
+            assert metric in METRICS or metric in SCRAPE_SERIES, f"{q.dashboard}/{q.panel}: {metric}"
+            selector = re.search(re.escape(series) + r"\{([^}]*)\}", q.expr).group(1)
+            assert 'instance=~"$node"' in selector and 'job=~"$job"' in selector, q
+            labels = METRICS[metric].labels if metric in METRICS else ()
+            for label, var in (("gpu", "$gpu"), ("daemon", "$daemon")):
+                assert (f'{label}=~"{var}"' in selector) == (label in labels), (q, label)
+
+
+def test_every_contract_metric_is_on_a_dashboard():
+    shown = {metric for q in queries(ROOT / generate.JSON_DIR) for _, metric in _metric_names(q.expr)}
+    assert set(METRICS) - shown == set()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_every_query_is_valid_promql(tmp_path):
+    rules = [{"record": f"dashboard:query_{i}:check", "expr": concrete(q.expr)}
+             for i, q in enumerate(queries(ROOT / generate.JSON_DIR))]
+    path = tmp_path / "queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard-queries", "rules": rules}]}))
+    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in out.stdout
+
+
+def test_selector_helper_refuses_unknown_metrics():
+    with pytest.raises(KeyError):
+        common.m("mps_gpu_made_up_metric")
+    assert common.m("mps_server_clients") == 'mps_server_clients{job=~"$job", instance=~"$node", daemon=~"$daemon"}'
