@@ -30,6 +30,7 @@ def exposition(collector: MpsCollector) -> str:
 
 def normalized(text: str) -> str:
     """Mask what legitimately changes between runs: durations and the Python version."""
+    text = text.replace(str(scenarios.CAPTURE), "<capture>")
     text = re.sub(r'^(mps_exporter_collector_duration_seconds\{[^}]*\}) \S+$', r"\1 <duration>", text, flags=re.M)
     return re.sub(r'python_version="[^"]*"', 'python_version="<python>"', text)
 

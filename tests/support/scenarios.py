@@ -58,10 +58,11 @@ def _config(pipe: str, log_dir: str, proc_root: Path) -> Config:
     cfg.daemons = [DaemonConfig("default", pipe, log_dir)]
     cfg.procfs = str(proc_root)
     cfg.collectors["dcgm"] = False  # no DCGM on these machines
+    cfg.log_timezone = "UTC"  # the capture's machine wrote its logs in UTC
     return cfg
 
 
-def busy(tmp: Path, logs: bool = False) -> Scenario:
+def busy(tmp: Path, logs: bool = True) -> Scenario:
     uuid = "GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"
     daemon = FakeControlDaemon(servers=[FakeServer(1589)], clients=[
         FakeClient(1649, 1589, uuid, 7), FakeClient(1648, 1589, uuid, 8), FakeClient(1647, 1589, uuid, 6)])
