@@ -1,0 +1,188 @@
+"""deploy/compose: the compose file parses, references only files that exist, and the
+Prometheus and Alertmanager configurations it mounts pass their own tools' checks."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.deploy.helpers import DEPLOY, ROOT, load_yaml
+
+COMPOSE_DIR = os.path.join(DEPLOY, "compose")
+COMPOSE = load_yaml(os.path.join(COMPOSE_DIR, "compose.yaml"))
+SERVICES = COMPOSE["services"]
+# Paths other parts of the project generate; until they exist the checks that need
+# them skip (with a reason) rather than fail.
+GENERATED = ("alerts/prometheus/", "alerts/grafana", "dashboards/json")
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def _interpolate(text: str) -> str:
+    """Compose's ${VAR:-default} with an empty environment: the default."""
+    return _VAR.sub(lambda m: m.group(2) or "", text)
+
+
+def _bind_mounts():
+    """(service, host path, container path) of every bind mount, host path resolved."""
+    for name, service in SERVICES.items():
+        for volume in service.get("volumes", []):
+            source, target = _interpolate(volume).split(":")[:2]
+            if source.startswith((".", "/")):
+                host = os.path.normpath(os.path.join(COMPOSE_DIR, source))
+                yield name, host, target
+
+
+def _mount_target(service: str, host_path: str) -> str:
+    for name, host, target in _bind_mounts():
+        if name == service and host == os.path.normpath(host_path):
+            return target
+    raise AssertionError(f"{service} does not mount {host_path}")
+
+
+def _needs(path: str):
+    if not os.path.exists(path):
+        rel = os.path.relpath(path, ROOT)
+        if rel.startswith(GENERATED):
+            pytest.skip(f"{rel} is not generated yet")
+    return path
+
+
+def test_compose_file_parses_with_the_expected_services():
+    assert set(SERVICES) == {"exporter", "exporter-demo", "prometheus", "alertmanager", "grafana"}
+    assert SERVICES["exporter"]["profiles"] == ["gpu"]
+    assert SERVICES["exporter-demo"]["profiles"] == ["demo"]
+    # Both exporter variants answer to the name Prometheus scrapes.
+    for name in ("exporter", "exporter-demo"):
+        assert "mps-exporter" in SERVICES[name]["networks"]["default"]["aliases"]
+    assert set(COMPOSE["volumes"]) >= {v.split(":")[0] for s in SERVICES.values()
+                                       for v in s.get("volumes", []) if not v.startswith((".", "/", "$"))}
+
+
+def test_compose_references_only_existing_files():
+    host_only = []  # paths on the GPU host (pipe and log directories), not in the repo
+    for service, host, _ in _bind_mounts():
+        if not host.startswith(ROOT):
+            host_only.append(host)
+            continue
+        rel = os.path.relpath(host, ROOT)
+        if rel.startswith(GENERATED) and not os.path.exists(host):
+            continue  # checked by the tests that skip until it is generated
+        assert os.path.exists(host), f"{service} mounts {rel}, which does not exist"
+    assert sorted(host_only) == ["/run/nvidia-mps", "/var/log/nvidia-mps"]
+    build = SERVICES["exporter"]["build"]
+    assert os.path.isfile(os.path.join(COMPOSE_DIR, build["context"], build["dockerfile"]))
+    for generated in ("alerts/prometheus/mps-exporter.rules.yml", "alerts/grafana", "dashboards/json"):
+        _needs(os.path.join(ROOT, generated))
+
+
+def test_images_are_pinned():
+    for name, service in SERVICES.items():
+        if "build" in service:
+            continue  # built here from the repository's Dockerfile
+        image = service["image"]
+        repo, _, tag = image.rpartition(":")
+        assert repo and tag and tag != "latest" and re.search(r"\d", tag), f"{name}: {image} is not pinned"
+
+
+def test_gpu_exporter_least_privilege():
+    exporter = SERVICES["exporter"]
+    assert exporter["runtime"] == "nvidia" and exporter["pid"] == "host"
+    assert exporter["cap_drop"] == ["ALL"]
+    assert exporter["cap_add"] == ["SYS_PTRACE", "DAC_READ_SEARCH"]
+    assert exporter["read_only"] is True
+    assert "no-new-privileges:true" in exporter["security_opt"]
+    for volume in exporter["volumes"]:
+        if _interpolate(volume).startswith("/"):
+            assert volume.endswith(":ro"), volume
+
+
+def test_gpu_exporter_flags_parse():
+    from mps_exporter import config as exporter_config
+
+    command, cfg = exporter_config.parse_args([_interpolate(a) for a in SERVICES["exporter"]["command"]])
+    assert command == "serve"
+    assert [(d.pipe_directory, d.log_directory) for d in cfg.daemons] == [("/run/nvidia-mps", "/var/log/nvidia-mps")]
+    # The mounts follow the flags.
+    mounted = {target for _, _, target in _bind_mounts()}
+    assert {"/run/nvidia-mps", "/var/log/nvidia-mps"} <= mounted
+
+
+def test_demo_runs_replay():
+    command = SERVICES["exporter-demo"]["command"]
+    assert command[0] == "replay"
+    from mps_exporter.config import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    if "replay" not in commands:
+        pytest.skip("`mps-exporter replay` is not implemented yet")
+    result = subprocess.run(["mps-exporter", *command, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_prometheus_config_passes_promtool(tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    # Lay the files out as the container sees them, rules included, so that
+    # promtool also checks the rule files the config names.
+    config = os.path.join(COMPOSE_DIR, "prometheus", "prometheus.yml")
+    rules = _needs(os.path.join(ROOT, "alerts", "prometheus", "mps-exporter.rules.yml"))
+    etc = tmp_path / "etc-prometheus"
+    (etc / "rules").mkdir(parents=True)
+    shutil.copy(config, etc / "prometheus.yml")
+    assert _mount_target("prometheus", config) == "/etc/prometheus/prometheus.yml"
+    target = _mount_target("prometheus", rules)
+    assert os.path.dirname(target) == "/etc/prometheus/rules"
+    shutil.copy(rules, etc / "rules" / os.path.basename(target))
+    result = subprocess.run([promtool, "check", "config", str(etc / "prometheus.yml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 1 rules found" not in result.stdout  # the real file has many
+    assert re.search(r"SUCCESS: \d+ rules found", result.stdout), result.stdout
+
+
+def test_prometheus_scrapes_the_exporter_as_the_rules_expect():
+    config = load_yaml(os.path.join(COMPOSE_DIR, "prometheus", "prometheus.yml"))
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "mps-exporter"]
+    assert job["static_configs"][0]["targets"] == ["mps-exporter:10138"]
+    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+    assert "alertmanager" in SERVICES and "9093:9093" in SERVICES["alertmanager"]["ports"]
+
+
+def test_alertmanager_config_passes_amtool():
+    amtool = shutil.which("amtool")
+    if amtool is None:
+        pytest.skip("amtool not installed (Debian package prometheus-alertmanager)")
+    config = os.path.join(COMPOSE_DIR, "alertmanager", "alertmanager.yml")
+    assert _mount_target("alertmanager", config) == "/etc/alertmanager/alertmanager.yml"
+    result = subprocess.run([amtool, "check-config", config], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_provisioning_matches_what_it_loads():
+    datasources = load_yaml(os.path.join(COMPOSE_DIR, "grafana", "provisioning", "datasources", "prometheus.yml"))
+    (datasource,) = datasources["datasources"]
+    assert datasource["url"] == "http://prometheus:9090"
+    providers = load_yaml(os.path.join(COMPOSE_DIR, "grafana", "provisioning", "dashboards", "mps-exporter.yml"))
+    (provider,) = providers["providers"]
+    dashboards = _needs(os.path.join(ROOT, "dashboards", "json"))
+    assert provider["options"]["path"] == _mount_target("grafana", dashboards)
+    assert _mount_target("grafana", _needs(os.path.join(ROOT, "alerts", "grafana"))) == "/etc/grafana/provisioning/alerting"
+    assert glob.glob(os.path.join(dashboards, "*.json")), "dashboards/json holds no dashboard"
+    # Every Grafana alert query names the provisioned data source.
+    used = set()
+    for path in glob.glob(os.path.join(ROOT, "alerts", "grafana", "*.json")):
+        with open(path, encoding="utf-8") as f:
+            for group in json.load(f)["groups"]:
+                for rule in group["rules"]:
+                    used |= {q["datasourceUid"] for q in rule["data"] if q["datasourceUid"] != "-100"}
+    if not used:
+        pytest.skip("no Grafana alert rules generated yet")
+    assert used == {datasource["uid"]}
