@@ -1,0 +1,183 @@
+"""FileFollower with real files in a temporary directory: every fault the issue lists."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import List
+
+from mps_exporter.logs.follower import FileFollower
+
+
+def lines(n: int, tag: str = "a") -> List[str]:
+    return [f"[2026-11-21 04:19:{i % 60:02d}.{i % 1000:03d} Control   546] {tag} line {i}" for i in range(n)]
+
+
+def write(path: Path, text: str, mode: str = "a") -> None:
+    with open(path, mode, encoding="utf-8") as f:
+        f.write(text)
+
+
+def drain(f: FileFollower) -> List[str]:
+    out: List[str] = []
+    while True:
+        got, _ = f.poll()
+        if not got:
+            return out
+        out += got
+
+
+def test_file_that_does_not_exist_yet(tmp_path):
+    path = tmp_path / "logs" / "control.log"
+    f = FileFollower(str(path))
+    assert f.poll() == ([], 0)
+    path.parent.mkdir()
+    assert f.poll() == ([], 0)
+    write(path, "\n".join(lines(3)) + "\n")
+    assert drain(f) == lines(3)
+
+
+def test_partial_line_waits_for_its_newline(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "first\nsec")
+    f = FileFollower(str(path))
+    assert drain(f) == ["first"]
+    write(path, "ond")
+    assert drain(f) == []
+    write(path, "\nthird\n")
+    assert drain(f) == ["second", "third"]
+
+
+def test_rename_rotation_finishes_the_old_file_first(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(5, "old")) + "\n")
+    f = FileFollower(str(path))
+    assert drain(f) == lines(5, "old")
+    os.rename(path, tmp_path / "control.log.1")
+    write(tmp_path / "control.log.1", "old tail\nold unterminated")  # written after the rename
+    write(path, "\n".join(lines(3, "new")) + "\n")
+    assert drain(f) == ["old tail", "old unterminated"] + lines(3, "new")
+    write(path, "more\n")
+    assert drain(f) == ["more"]
+    assert f.rotations == 1
+
+
+def test_copytruncate_starts_again_from_the_beginning(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(50)) + "\n")
+    f = FileFollower(str(path))
+    assert len(drain(f)) == 50
+    shutil.copy(path, tmp_path / "control.log.1")
+    with open(path, "r+") as fh:
+        fh.truncate(0)
+    write(path, "after truncate\n")
+    assert drain(f) == ["after truncate"]
+    assert f.truncations == 1
+
+
+def test_copytruncate_then_regrown_past_the_old_offset(tmp_path):
+    # Between two polls the file is truncated and grows beyond where we were:
+    # its size does not shrink, its first bytes change.
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(2, "x")) + "\n")
+    f = FileFollower(str(path))
+    assert drain(f) == lines(2, "x")
+    write(path, "\n".join(lines(10, "y")) + "\n", mode="w")
+    assert drain(f) == lines(10, "y")
+
+
+def test_writer_keeping_its_offset_leaves_a_nul_hole(tmp_path):
+    # copytruncate while MPS writes without O_APPEND: the next write lands at its old
+    # offset, the file starts with a hole of NUL bytes. The line after it must survive.
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(2000)) + "\n")
+    f = FileFollower(str(path), max_line_bytes=4096)
+    assert len(drain(f)) == 2000
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.truncate(0)
+        fh.seek(size)
+        fh.write(b"[2026-11-21 04:20:00.000 Control   546] after the hole\n")
+    got, truncated = f.poll()
+    assert got == ["[2026-11-21 04:20:00.000 Control   546] after the hole"] and truncated == 0
+
+
+def test_directory_deleted_and_created_again(tmp_path):
+    directory = tmp_path / "mps-log"
+    directory.mkdir()
+    path = directory / "server.log"
+    write(path, "one\ntwo\n")
+    f = FileFollower(str(path))
+    assert drain(f) == ["one", "two"]
+    shutil.rmtree(directory)
+    assert f.poll() == ([], 0)
+    assert f.poll() == ([], 0)
+    directory.mkdir()
+    write(path, "three\n")
+    assert drain(f) == ["three"]
+    write(path, "four\n")
+    assert drain(f) == ["four"]
+
+
+def test_non_utf8_and_nul_bytes(tmp_path):
+    path = tmp_path / "control.log"
+    path.write_bytes(b"caf\xe9 \xff\xfe\nN\x00U\x00L\n\x00\x00\x00\n")
+    f = FileFollower(str(path))
+    assert drain(f) == ["caf\ufffd \ufffd\ufffd", "NUL", ""]
+
+
+def test_absurdly_long_line_is_capped_and_counted(tmp_path):
+    path = tmp_path / "control.log"
+    f = FileFollower(str(path), max_line_bytes=1000)
+    write(path, "x" * 5_000_000)  # no newline yet: memory holds at most the cap
+    assert f.poll() == ([], 0)
+    assert len(f._partial) <= 1000
+    write(path, "y" * 10 + "\nshort\n" + "z" * 3000 + "\n")
+    got, truncated = f.poll()
+    assert got == ["x" * 1000, "short", "z" * 1000] and truncated == 2
+
+
+def test_position_and_resume_neither_skip_nor_repeat(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(10)) + "\nhalf a li")
+    f = FileFollower(str(path))
+    first = drain(f)
+    saved = f.position()
+    f.close()
+    write(path, "ne\n" + "\n".join(lines(4, "b")) + "\n")
+    g = FileFollower(str(path))
+    g.resume(saved)
+    assert first + drain(g) == lines(10) + ["half a line"] + lines(4, "b")
+
+
+def test_resume_after_rotation_while_down_reads_the_rotated_tail(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "a\nb\n")
+    f = FileFollower(str(path))
+    assert drain(f) == ["a", "b"]
+    saved = f.position()
+    f.close()
+    write(path, "c\n")  # written while the exporter was down, then rotated away
+    os.rename(path, tmp_path / "control.log.1")
+    write(path, "d\n")
+    g = FileFollower(str(path))
+    g.resume(saved)
+    assert drain(g) == ["c", "d"]
+
+
+def test_resume_with_a_different_file_reads_it_whole(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "a\nb\n")
+    f = FileFollower(str(path))
+    drain(f)
+    saved = f.position()
+    f.close()
+    path.unlink()
+    write(path, "new 1\nnew 2\nnew 3\n")
+    g = FileFollower(str(path))
+    g.resume(saved)
+    assert drain(g) == ["new 1", "new 2", "new 3"]
+    h = FileFollower(str(path))
+    h.resume({"garbage": True})
+    assert drain(h) == ["new 1", "new 2", "new 3"]

@@ -1,0 +1,150 @@
+"""LogPipeline: the follower thread, the state file across restarts, and the render."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+
+from mps_exporter.contract import METRICS, QUEUE_WAIT_BUCKETS
+from mps_exporter.families import FamilyBuilder
+from mps_exporter.logs import LogPipeline, StateStore, render_log_metrics
+
+from .helpers import at, replay
+
+
+def append(path: Path, rows: List[str]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(r + "\n" for r in rows))
+
+
+def wait_until(check: Callable[[], bool], limit: float = 10.0) -> bool:
+    """Poll a condition; bounded, so a broken thread fails the test instead of hanging it."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.02)
+    return check()
+
+
+def split_at(rows: List[str], text: str) -> int:
+    return next(i for i, r in enumerate(rows) if text in r)
+
+
+def test_thread_follows_appends_off_the_scrape_path(tmp_path, capture_lines):
+    control = capture_lines["control"]
+    push = split_at(control, "NEW CLIENT 2483 from user 1500: Server is not ready")
+    admit = split_at(control, "NEW CLIENT 2483 from user 1500: Server already exists")
+    append(tmp_path / "control.log", control[:push])
+    pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
+    pipe.start()
+    try:
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == push)  # existing lines read at start
+        before = pipe.snapshot()
+        assert before.queued["user_switch"] == 0 and before.servers.keys() == {1589}
+        append(tmp_path / "control.log", control[push:push + 1])
+        assert wait_until(lambda: pipe.snapshot().queued["user_switch"] == 1)
+        assert pipe.snapshot().oldest_queued_since == pytest.approx(at("04:22:16.630"))
+        append(tmp_path / "control.log", control[push + 1:admit + 1])
+        waited = before.queue_wait["user_switch"]  # run 1's two user switches
+        assert wait_until(lambda: pipe.snapshot().queue_wait["user_switch"].count == waited.count + 1)
+        assert pipe.snapshot().queue_wait["user_switch"].total - waited.total == pytest.approx(12.982, abs=1e-6)
+        assert pipe.snapshot().queued["user_switch"] == 0
+        assert before.queued["user_switch"] == 0  # published snapshots never change afterwards
+    finally:
+        pipe.stop()
+    assert pipe.errors == 0
+
+
+def test_restart_with_state_file_neither_loses_nor_double_counts(tmp_path, capture_lines):
+    logs, store_path = tmp_path / "logs", tmp_path / "state.json"
+    logs.mkdir()
+    control, server = capture_lines["control"], capture_lines["server"]
+    cut_c, cut_s = split_at(control, "04:22:18.034"), split_at(server, "04:22:17.232")
+    append(logs / "control.log", control[:cut_c])
+    append(logs / "server.log", server[:cut_s])
+    with open(logs / "control.log", "a") as f:
+        f.write(control[cut_c][:30])  # a partial line at the moment of the save
+    first = LogPipeline("default", str(logs), "UTC", StateStore(str(store_path))).read_once()
+    assert first.queued["user_switch"] == 1  # uid 1500's client is waiting at the restart
+    with open(logs / "control.log", "a") as f:
+        f.write(control[cut_c][30:] + "\n")
+    append(logs / "control.log", control[cut_c + 1:])
+    append(logs / "server.log", server[cut_s:])
+    second = LogPipeline("default", str(logs), "UTC", StateStore(str(store_path))).read_once()
+    whole = replay(capture_lines).snapshot()
+    assert second.lines == whole.lines == {"control": 1071, "server": 935}
+    assert second == whole  # every counter, the histogram (the 12.98 s wait spans the restart) and the state
+    for name in ("handoffs", "shutdown_deferrals", "client_connections", "server_starts"):
+        assert getattr(second, name) >= getattr(first, name)  # counters never go backwards
+    third = LogPipeline("default", str(logs), "UTC", StateStore(str(store_path))).read_once()
+    assert third == whole  # nothing new: nothing counted again
+
+
+def test_state_file_is_shared_by_daemons_and_written_atomically(tmp_path, capture_dir):
+    store = StateStore(str(tmp_path / "state.json"))
+    LogPipeline("a", str(capture_dir), "UTC", store).read_once()
+    LogPipeline("b", str(tmp_path / "nowhere"), "UTC", store).read_once()
+    doc = json.loads((tmp_path / "state.json").read_text())
+    assert set(doc) == {"a", "b"} and doc["a"]["state"]["counters"]["server_starts"] == 10
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"default": {"version": 1, "state": {"x": 1}}}',
+                                     '{"default": "text"}'])
+def test_broken_state_file_means_starting_fresh(tmp_path, capture_dir, content):
+    (tmp_path / "state.json").write_text(content)
+    snap = LogPipeline("default", str(capture_dir), "UTC", StateStore(str(tmp_path / "state.json"))).read_once()
+    assert snap.server_starts == 10
+    assert json.loads((tmp_path / "state.json").read_text())["default"]["state"]["counters"]["server_starts"] == 10
+
+
+def test_unwritable_state_file_is_not_fatal(tmp_path, capture_dir):
+    store = StateStore(str(tmp_path / "missing-dir" / "state.json"))
+    assert LogPipeline("default", str(capture_dir), "UTC", store).read_once().server_starts == 10
+
+
+def test_missing_directory_gives_zeros_not_errors(tmp_path):
+    pipe = LogPipeline("default", str(tmp_path / "absent"), "UTC")
+    snap = pipe.read_once()
+    assert snap.lines == {"control": 0, "server": 0}
+    pipe.start()
+    pipe.stop()
+
+
+def test_bad_timezone_is_a_config_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown time zone"):
+        LogPipeline("default", str(tmp_path), timezone="Nowhere/Land")
+
+
+def test_render_follows_the_contract(capture_lines):
+    snap = replay(capture_lines, until="04:22:20.000").snapshot()
+    out = FamilyBuilder()
+    render_log_metrics(out, "gpu0", snap, now=at("04:22:21.630"))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in out.families() for s in fam.samples}
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted({"daemon": "gpu0", **labels}.items())))]
+
+    assert value("mps_queued_clients", reason="user_switch") == 1
+    assert value("mps_queued_clients", reason="server_starting") == 0
+    assert value("mps_queued_client_oldest_wait_seconds") == pytest.approx(5.0)  # pushed 04:22:16.630
+    assert value("mps_server_handoffs_total") == 2  # run 1's two; run 2's are still ahead
+    assert value("mps_log_lines_total", file="control") == split_at(capture_lines["control"], "04:22:22.838")
+    assert value("mps_control_commands_total", command="get_server_list") > 0
+    # Histogram: one bucket per QUEUE_WAIT_BUCKETS bound plus +Inf, cumulative, _count == +Inf.
+    buckets = [(k, v) for k, v in samples.items()
+               if k[0] == "mps_client_queue_wait_seconds_bucket" and ("reason", "user_switch") in k[1]]
+    assert len(buckets) == len(QUEUE_WAIT_BUCKETS) + 1
+    assert value("mps_client_queue_wait_seconds_count", reason="user_switch") == 2  # run 1's two
+    assert value("mps_client_queue_wait_seconds_bucket", reason="user_switch", le="+Inf") == 2
+    names = {fam.name for fam in out.families()}
+    for name in names:
+        spec = METRICS.get(name) or METRICS.get(name + "_total")
+        assert spec is not None and spec.table in ("Queueing and contention", "From the MPS logs")
+    assert not any(math.isnan(v) for v in samples.values())
