@@ -1,0 +1,147 @@
+"""deploy/systemd: the units pass `systemd-analyze verify`, the flags file parses with
+the exporter's own parser, and logrotate rotates the MPS logs by copytruncate."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from tests.deploy.helpers import DEPLOY
+
+SYSTEMD = os.path.join(DEPLOY, "systemd")
+UNITS = ["mps-exporter.service", "nvidia-mps.service"]
+SYSTEM_UNITS = "/usr/lib/systemd/system"
+
+
+def _unit(name: str) -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    parser.optionxform = str  # keys are case-sensitive
+    with open(os.path.join(SYSTEMD, name), encoding="utf-8") as f:
+        parser.read_file(f)
+    return parser
+
+
+def _executables(unit_text: str):
+    """Absolute paths of the programs the unit's Exec*= lines run."""
+    for line in unit_text.splitlines():
+        m = re.match(r"Exec\w+=[-@:+!]*(/\S+)", line)
+        if m:
+            yield m.group(1)
+            # `sh -c '... | /usr/bin/x'`: the program inside runs too.
+            yield from re.findall(r"\| (/\S+)'", line)
+
+
+@pytest.fixture
+def fake_root(tmp_path):
+    """A root for `systemd-analyze verify --root`: the units, the system's own units
+    (targets they depend on), and stub executables where the unit's programs go.
+    Stubs, because the real programs (the exporter's venv, the NVIDIA driver) are
+    not installed in CI: verify checks that each ExecStart= program exists and is
+    executable, not what it does."""
+    if shutil.which("systemd-analyze") is None or not os.path.isdir(SYSTEM_UNITS):
+        pytest.skip("systemd-analyze not installed (Debian package systemd)")
+    root = tmp_path / "root"
+    shutil.copytree(SYSTEM_UNITS, root / SYSTEM_UNITS.lstrip("/"), symlinks=True)
+    etc = root / "etc" / "systemd" / "system"
+    etc.mkdir(parents=True)
+    for name in UNITS:
+        shutil.copy(os.path.join(SYSTEMD, name), etc / name)
+        with open(os.path.join(SYSTEMD, name), encoding="utf-8") as f:
+            for program in _executables(f.read()):
+                stub = root / program.lstrip("/")
+                stub.parent.mkdir(parents=True, exist_ok=True)
+                stub.write_text("#!/bin/sh\nexit 0\n")
+                stub.chmod(0o755)
+    return root
+
+
+def _verify(root, *units):
+    paths = [str(root / "etc" / "systemd" / "system" / u) for u in units]
+    return subprocess.run(["systemd-analyze", "verify", "--man=no", f"--root={root}", *paths],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_systemd_analyze_verify_accepts_the_units(fake_root):
+    result = _verify(fake_root, *UNITS)
+    # Unknown keys are only warnings (exit 0): any output counts as a failure.
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stdout + result.stderr
+
+
+def test_verify_would_catch_mistakes(fake_root):
+    unit = fake_root / "etc" / "systemd" / "system" / "nvidia-mps.service"
+    unit.write_text(unit.read_text().replace("RuntimeDirectory=", "RuntimeDirectroy="))
+    assert "Unknown key" in _verify(fake_root, "nvidia-mps.service").stderr
+    (fake_root / "usr" / "bin" / "nvidia-cuda-mps-control").unlink()
+    assert _verify(fake_root, "nvidia-mps.service").returncode != 0
+
+
+def test_exporter_unit_hardening():
+    service = _unit("mps-exporter.service")["Service"]
+    assert service["NoNewPrivileges"] == "yes"
+    assert service["ProtectSystem"] == "strict" and service["ProtectHome"] == "yes"
+    assert service["DynamicUser"] == "yes"
+    capabilities = {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"}
+    assert set(service["AmbientCapabilities"].split()) == capabilities
+    assert set(service["CapabilityBoundingSet"].split()) == capabilities
+    # Settings that would blind the exporter must stay off.
+    assert service.get("ProtectProc", "default") == "default"
+    assert service.get("ProcSubset", "all") == "all"
+    assert service.get("PrivateDevices", "no") == "no" and "ProtectClock" not in service
+    assert service["StateDirectory"] == "mps-exporter"
+
+
+def test_flags_file_matches_the_units():
+    from mps_exporter import config as exporter_config
+
+    values = {}
+    with open(os.path.join(SYSTEMD, "mps-exporter.default"), encoding="utf-8") as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                key, _, value = line.strip().partition("=")
+                values[key] = shlex.split(value)[0]
+    exec_start = _unit("mps-exporter.service")["Service"]["ExecStart"]
+    assert "$MPS_EXPORTER_ARGS" in exec_start.split()
+    command, cfg = exporter_config.parse_args(shlex.split(values["MPS_EXPORTER_ARGS"]))
+    assert command == "serve"
+    mps = _unit("nvidia-mps.service")["Service"]
+    # configparser keeps only the last of repeated keys: read the Environment= lines directly.
+    with open(os.path.join(SYSTEMD, "nvidia-mps.service"), encoding="utf-8") as f:
+        env = dict(re.findall(r"^Environment=(CUDA_MPS_\w+)=(\S+)$", f.read(), re.M))
+    (daemon,) = cfg.daemons
+    assert daemon.pipe_directory == env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/" + mps["RuntimeDirectory"]
+    assert daemon.log_directory == env["CUDA_MPS_LOG_DIRECTORY"] == "/var/log/" + mps["LogsDirectory"]
+    assert cfg.state_file.startswith("/var/lib/" + _unit("mps-exporter.service")["Service"]["StateDirectory"] + "/")
+
+
+def test_logrotate_copies_and_truncates_the_mps_logs(tmp_path):
+    logrotate = shutil.which("logrotate") or ("/usr/sbin/logrotate" if os.path.exists("/usr/sbin/logrotate") else None)
+    if logrotate is None:
+        pytest.skip("logrotate not installed (Debian package logrotate)")
+    with open(os.path.join(SYSTEMD, "nvidia-mps.logrotate"), encoding="utf-8") as f:
+        config = f.read()
+    assert "copytruncate" in config.split()
+    logs = tmp_path / "log"
+    logs.mkdir()
+    config = config.replace("/var/log/nvidia-mps/", f"{logs}/")
+    if os.geteuid() != 0:
+        config = re.sub(r"^\s*su .*$", "", config, flags=re.M)
+    conf = tmp_path / "nvidia-mps.conf"
+    conf.write_text(config)
+    lines = "[2026-11-21 04:21:26.123 Control  1419] Starting control daemon\n"
+    control = logs / "control.log"
+    control.write_text(lines)
+    # The writer keeps its descriptor, as MPS does: after rotation it must still
+    # write into control.log, not into the rotated copy.
+    with open(control, "a", encoding="utf-8") as writer:
+        result = subprocess.run([logrotate, "--force", "--state", str(tmp_path / "state"), str(conf)],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        writer.write("after rotation\n")
+    assert (logs / "control.log.1").read_text() == lines  # delaycompress: plain text
+    assert control.read_text().lstrip("\0") == "after rotation\n"
