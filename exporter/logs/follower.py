@@ -70,8 +70,9 @@ class FileFollower:
 
     # ------------------------------------------------------------- read
     def poll(self, max_bytes: int = 8 * READ_SIZE) -> Tuple[List[str], int]:
-        """(complete lines, how many of them were cut to the cap). Reads at most about
-        max_bytes of the current file per call: call again while it returns lines."""
+        """(complete lines, how many of them were cut to the cap). Reads about max_bytes
+        of the current file per call (more while no complete line came out): call again
+        while it returns lines; an empty list means the end of the file."""
         lines: List[str] = []
         try:
             st: Optional[os.stat_result] = os.stat(self.path)
@@ -162,9 +163,10 @@ class FileFollower:
 
     def _read(self, lines: List[str], max_bytes: int) -> int:
         truncated = 0
-        while max_bytes > 0 and self._fd is not None:
+        # Past max_bytes only while no line came out: one long line must not look like EOF.
+        while (max_bytes > 0 or not lines) and self._fd is not None:
             try:
-                data = os.pread(self._fd, min(READ_SIZE, max_bytes), self._offset)
+                data = os.pread(self._fd, min(READ_SIZE, max_bytes) if max_bytes > 0 else READ_SIZE, self._offset)
             except OSError:
                 break
             if not data:

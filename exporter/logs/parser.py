@@ -56,8 +56,6 @@ def _second_epoch(text: str, tz: Optional[tzinfo]) -> float:
     key = (text, tz)
     if key == _ts_cache_key:
         return _ts_cache_value
-    if text[4] != "-" or text[7] != "-" or text[10] != " " or text[13] != ":" or text[16] != ":":
-        raise ValueError(text)
     dt = datetime(int(text[0:4]), int(text[5:7]), int(text[8:10]),
                   int(text[11:13]), int(text[14:16]), int(text[17:19]), tzinfo=tz)
     value = dt.timestamp()  # naive datetime: local time, DST included
@@ -286,25 +284,27 @@ def _parse_server(ts: float, pid: int, msg: str) -> ParseResult:
 
 
 # ------------------------------------------------------------ the entry
+# `[2026-11-21 04:19:24.641 Control   546] message`: second, milliseconds, role and PID.
+_HEADER = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) ([^\]]*)\] ?").match
+
+
 def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult:
     """Parse one line (without its newline) of `file` ("control" or "server").
 
     Never raises: anything unexpected is Unrecognized."""
+    m = _HEADER(line)
+    if m is None:
+        return Unrecognized(None, None, "no header")
+    second, millis, head = m.groups()
+    role, _, pid_text = head.rstrip().rpartition(" ")
     try:
-        if len(line) < 28 or line[0] != "[" or line[20] != "." or line[24] != " ":
-            return Unrecognized(None, None, "no header")
-        close = line.find("]", 25)
-        if close < 0:
-            return Unrecognized(None, None, "no header")
-        role, _, pid_text = line[25:close].rstrip().rpartition(" ")
         if not role.strip():
             return Unrecognized(None, None, "no role in header")
-        ts = _second_epoch(line[1:20], tz) + int(line[21:24]) / 1000.0
         pid = int(pid_text)
+        ts = _second_epoch(second, tz) + int(millis) * 0.001
     except (ValueError, OverflowError, OSError):  # odd digits, year 0, out-of-range dates
         return Unrecognized(None, None, "bad header")
-    msg = line[close + 2:] if line[close + 1:close + 2] == " " else line[close + 1:]
-    msg = msg.rstrip()
+    msg = line[m.end():].rstrip()
     if file == "control":
         return _parse_control(ts, pid, msg)
     return _parse_server(ts, pid, msg)

@@ -160,6 +160,9 @@ class LogPipeline:
         if not self._unsaved and self._last_save or not force and now - self._last_save < SAVE_SECONDS:
             return
         self._last_save, self._unsaved = now, False
-        entry = {"files": {f: fl.position() for f, fl in self._followers.items()},
-                 "state": self._state.to_dict()}
-        self._store.save(self.daemon, entry)
+        self._store.save(self.daemon, self.state_entry())
+
+    def state_entry(self) -> dict:
+        """What the state file holds for this daemon: file positions and the state machine."""
+        return {"files": {f: fl.position() for f, fl in self._followers.items()},
+                "state": self._state.to_dict()}
