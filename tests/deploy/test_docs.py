@@ -1,0 +1,80 @@
+"""docs/deploy.md: its configuration examples pass the tools they are written for."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.deploy.helpers import ROOT
+
+with open(os.path.join(ROOT, "docs", "deploy.md"), encoding="utf-8") as _f:
+    DOC = _f.read()
+YAML_BLOCKS = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", DOC, re.S)]
+
+
+def _blocks_with(key):
+    return [b for b in YAML_BLOCKS if isinstance(b, dict) and key in b]
+
+
+@pytest.mark.parametrize("index", range(len(_blocks_with("scrape_configs"))))
+def test_scrape_config_examples_pass_promtool(index, tmp_path):
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed")
+    example = dict(_blocks_with("scrape_configs")[index])
+    # The documented rule file is the generated one: check it for real.
+    rules = os.path.join(ROOT, "alerts", "prometheus", "mps-exporter.rules.yml")
+    if example.get("rule_files"):
+        assert [os.path.basename(r) for r in example["rule_files"]] == [os.path.basename(rules)]
+        if not os.path.exists(rules):
+            pytest.skip("alerts/prometheus/mps-exporter.rules.yml not generated yet")
+        example["rule_files"] = [rules]
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump(example))
+    result = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+    if "field kubernetes_sd_configs not found" in result.stderr:
+        pytest.skip("this promtool is built without Kubernetes service discovery (Debian's is)")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (job,) = _blocks_with("scrape_configs")[index]["scrape_configs"]
+    assert job["job_name"] == "mps-exporter"  # what the alert rules select
+
+
+def test_alertmanager_example_passes_amtool(tmp_path):
+    if shutil.which("amtool") is None:
+        pytest.skip("amtool not installed")
+    (config,) = _blocks_with("route")
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run(["amtool", "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # A critical MPS alert reaches the pager, a warning the team channel.
+    for labels, receiver in ((["alertname=MpsServerFault", "severity=critical"], "gpu-platform-pager"),
+                             (["alertname=MpsQueueWaitHigh", "severity=warning"], "gpu-platform"),
+                             (["alertname=NodeDown", "severity=critical"], "default")):
+        result = subprocess.run(["amtool", "config", "routes", "test", f"--config.file={path}", *labels],
+                                capture_output=True, text=True, timeout=60)
+        assert result.stdout.strip() == receiver, (labels, result.stdout, result.stderr)
+
+
+def test_helm_values_example_is_accepted_by_the_chart():
+    pytest.importorskip("helm_python")
+    from tests.deploy.helpers import find, render
+
+    (text,) = re.findall(r"cat > mps-values.yaml <<'EOF'\n(.*?)\nEOF\n", DOC, re.S)
+    values = yaml.safe_load(text)
+    objects = render(values, namespace="mps-exporter")
+    assert find(objects, "ServiceMonitor") and find(objects, "PrometheusRule")
+    dashboards = [o for o in find(objects, "ConfigMap") if o["metadata"]["namespace"] == "monitoring"]
+    if os.listdir(os.path.join(ROOT, "deploy", "helm", "mps-exporter", "files", "dashboards")):
+        assert dashboards
+
+
+def test_documented_paths_exist():
+    for path in re.findall(r"`((?:deploy|alerts|dashboards|docs)/[\w./-]+)`", DOC):
+        if "<" in path or "*" in path:
+            continue
+        assert os.path.exists(os.path.join(ROOT, path)), path
