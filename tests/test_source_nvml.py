@@ -370,3 +370,13 @@ def test_gpm_metrics_error_drops_activity_but_keeps_the_gpu():
     _, _, second = read_twice(fake)
     assert second.gpus[0].up and second.gpus[0].activity == {}
     assert len(fake.live_gpm_samples) == 1
+
+
+def test_driver_before_r510_falls_back_to_v2_process_calls():
+    fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=2)
+    fake.driver_before_r510 = True
+    gpus = NvmlSource(fake).read().gpus
+    assert all(g.up and len(g.mps_clients) == 2 and len(g.compute_processes) == 3 for g in gpus)
+    assert fake.calls["nvmlDeviceGetMPSComputeRunningProcesses_v2"] == 2
+    assert issubclass(pynvml.NVMLLibraryMismatchError, Exception)
+    assert not issubclass(pynvml.NVMLLibraryMismatchError, pynvml.NVMLError)  # why the source catches it apart

@@ -157,14 +157,18 @@ class NvmlSource:
         rates = nvml.nvmlDeviceGetUtilizationRates(handle)
         gpu.utilization_ratio = _ratio(rates.gpu)
         gpu.memory_utilization_ratio = _ratio(rates.memory)
-        gpu.compute_processes = [
-            ProcessMemory(int(p.pid), _used_bytes(p.usedGpuMemory))
-            for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        ]
-        gpu.mps_clients = [
-            ProcessMemory(int(p.pid), _used_bytes(p.usedGpuMemory))
-            for p in nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
-        ]
+        gpu.compute_processes = self._processes(nvml, "nvmlDeviceGetComputeRunningProcesses", handle)
+        gpu.mps_clients = self._processes(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", handle)
+
+    @staticmethod
+    def _processes(nvml: Any, function: str, handle: Any) -> List[ProcessMemory]:
+        try:
+            processes = getattr(nvml, function)(handle)
+        except getattr(nvml, "NVMLLibraryMismatchError", ()):
+            # pynvml calls the _v3 entry point, which drivers before R510 lack;
+            # it then raises this (no NVMLError) and names _v2 as the way out.
+            processes = getattr(nvml, function + "_v2")(handle)
+        return [ProcessMemory(int(p.pid), _used_bytes(p.usedGpuMemory)) for p in processes]
 
     @staticmethod
     def _mig_enabled(nvml: Any, handle: Any) -> bool:

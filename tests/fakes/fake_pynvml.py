@@ -20,6 +20,7 @@ Scenario knobs (plain attributes, change them between reads):
     fake.gpus[i].errors   {"nvmlDeviceGetPowerUsage": NVML_ERROR_NOT_SUPPORTED} or {"*": NVML_ERROR_GPU_IS_LOST}
     fake.errors           system calls: {"nvmlInit": NVML_ERROR_LIBRARY_NOT_FOUND}
     fake.latency_us       {"nvmlDeviceGetPowerUsage": 1596.0, ...}: sleep per call
+    fake.driver_before_r510  unversioned process calls raise NVMLLibraryMismatchError, _v2 work
     fake.advance(seconds) time passes: GPM counters integrate each GPU's `gpm_percent`,
                           and every PID in `sm_util_by_pid` gets a new utilization sample
     fake.calls            Counter of calls by function name
@@ -146,6 +147,10 @@ def _error_classes() -> Dict[str, type]:
         NVMLError._valClassMapping[code] = cls
         classes[class_name] = cls
     return classes
+
+
+class NVMLLibraryMismatchError(Exception):
+    """pynvml raises this (no NVMLError) when an unversioned call finds no _v3 in the driver."""
 
 
 ERROR_CLASSES = _error_classes()
@@ -302,6 +307,7 @@ class FakeNvml:
     """Module-like stand-in for pynvml. See the module docstring."""
 
     NVMLError = NVMLError
+    NVMLLibraryMismatchError = NVMLLibraryMismatchError
     c_nvmlGpmMetricsGet_t = c_nvmlGpmMetricsGet_t
     c_nvmlGpmMetric_t = c_nvmlGpmMetric_t
 
@@ -317,6 +323,8 @@ class FakeNvml:
         self.live_gpm_samples: List[FakeGpmSample] = []
         # pynvml turns NVML_VALUE_NOT_AVAILABLE into None; False passes the raw value on.
         self.convert_not_available = True
+        # A driver before R510: no _v3 process calls, so pynvml's unversioned ones fail.
+        self.driver_before_r510 = False
         self._init_count = 0
 
     # ---------------------------------------------------------- scenarios
@@ -483,11 +491,28 @@ class FakeNvml:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         return gpu.temperature
 
+    def _versioned(self, fn: str, handle: FakeHandle, unversioned: bool) -> FakeGpu:
+        gpu = self._enter(fn, handle)
+        if unversioned and self.driver_before_r510:
+            raise NVMLLibraryMismatchError("Unversioned function called and the pyNVML version does not match "
+                                           f"the NVML lib version. ... use a versioned function such as {fn}_v2")
+        return gpu
+
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> List[_Struct]:
-        return self._process_list(self._enter("nvmlDeviceGetComputeRunningProcesses", handle).compute_processes)
+        gpu = self._versioned("nvmlDeviceGetComputeRunningProcesses", handle, True)
+        return self._process_list(gpu.compute_processes)
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: FakeHandle) -> List[_Struct]:
+        gpu = self._versioned("nvmlDeviceGetComputeRunningProcesses_v2", handle, False)
+        return self._process_list(gpu.compute_processes)
 
     def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: FakeHandle) -> List[_Struct]:
-        return self._process_list(self._enter("nvmlDeviceGetMPSComputeRunningProcesses", handle).mps_processes)
+        gpu = self._versioned("nvmlDeviceGetMPSComputeRunningProcesses", handle, True)
+        return self._process_list(gpu.mps_processes)
+
+    def nvmlDeviceGetMPSComputeRunningProcesses_v2(self, handle: FakeHandle) -> List[_Struct]:
+        gpu = self._versioned("nvmlDeviceGetMPSComputeRunningProcesses_v2", handle, False)
+        return self._process_list(gpu.mps_processes)
 
     def nvmlDeviceGetProcessUtilization(self, handle: FakeHandle, timeStamp: int) -> List[_Struct]:
         gpu = self._enter("nvmlDeviceGetProcessUtilization", handle)
