@@ -13,8 +13,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-import yaml
-
 # Port 10138: the 9100-9999 block of Prometheus' default port allocations is
 # full; new exporters are allocated from 10000 up, and 10138 is not listed there.
 DEFAULT_PORT = 10138
@@ -48,6 +46,20 @@ class DaemonConfig:
 
 
 @dataclass
+class CaptureOptions:
+    out: str = ""  # a bundle file, or a directory to put one in
+    duration_seconds: float = 60.0
+    interval_seconds: float = 1.0
+
+
+@dataclass
+class ReplayOptions:
+    bundle: Optional[str] = None  # None: the bundle shipped inside the package
+    speed: float = 1.0
+    loop: bool = False
+
+
+@dataclass
 class Config:
     listen_address: str = DEFAULT_LISTEN
     telemetry_path: str = "/metrics"
@@ -65,6 +77,8 @@ class Config:
     log_timezone: str = "local"
     log_level: str = "info"
     log_format: str = "logfmt"
+    capture: CaptureOptions = field(default_factory=CaptureOptions)
+    replay: ReplayOptions = field(default_factory=ReplayOptions)
 
     def enabled(self, collector: str) -> bool:
         return self.collectors.get(collector) is not False
@@ -102,13 +116,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--path.procfs", dest="procfs", default="/proc", help="procfs mount point (default /proc)")
     p.add_argument("--dcgm.bindings-path", dest="dcgm_bindings", action="append", default=None,
                    help="directory holding DCGM's Python bindings (repeatable; default: the DCGM 3.x and 4.x install paths)")
-    p.add_argument("--log.level", dest="log_level", default="info", choices=["debug", "info", "warn", "error"])
-    p.add_argument("--log.format", dest="log_format", default="logfmt", choices=["logfmt", "json"])
+    _add_logging(p)
     for name, default in COLLECTORS.items():
         p.add_argument(f"--collector.{name}", dest=f"collector_{name}", action="store_true", default=None,
                        help=f"enable the {name} collector (default: {'on' if default is True else default})")
         p.add_argument(f"--no-collector.{name}", dest=f"collector_{name}", action="store_false",
                        help=f"disable the {name} collector")
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log.level", dest="log_level", default="info", choices=["debug", "info", "warn", "error"])
+    p.add_argument("--log.format", dest="log_format", default="logfmt", choices=["logfmt", "json"])
 
 
 def _add_web(p: argparse.ArgumentParser) -> None:
@@ -129,10 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("dump", help="run every enabled collector once, print the exposition, exit")
     _add_common(dump)
     sub.add_parser("metrics", help="print the metric contract as a Markdown table")
+    capture = sub.add_parser("capture", help="record what every source returns, and the MPS logs as they grow, "
+                             "into one bundle file (docs/capture-format.md)")
+    _add_common(capture)
+    capture.add_argument("--out", required=True,
+                         help="bundle file to write (.jsonl.gz), or an existing directory to write one into")
+    capture.add_argument("--duration", type=float, default=60.0, help="seconds to record (default 60)")
+    capture.add_argument("--interval", type=float, default=1.0,
+                         help="seconds between two readings of the sources (default 1)")
+    replay = sub.add_parser("replay", help="serve /metrics from a capture bundle as if it were live")
+    replay.add_argument("bundle", nargs="?", default=None,
+                        help="bundle written by `capture` (default: the recorded session shipped with mps-exporter)")
+    replay.add_argument("--speed", type=float, default=1.0, help="replay this many times faster (default 1)")
+    replay.add_argument("--loop", action="store_true", help="start over at the end of the bundle")
+    _add_web(replay)
+    _add_logging(replay)
     return parser
 
 
 def load_daemons_file(path: str) -> List[DaemonConfig]:
+    import yaml  # here, not at the top: `capture` must run where PyYAML is not installed
+
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f) or {}
@@ -171,6 +206,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> "tuple[str, Config]":
     cfg = Config()
     if command == "metrics":
         return command, cfg
+    if command == "replay":
+        return command, _replay_config(ns, parser)
     for key in ("control_binary", "command_timeout", "facts_refresh_seconds", "state_file",
                 "log_timezone", "procfs", "log_level", "log_format"):
         setattr(cfg, key, getattr(ns, key))
@@ -188,11 +225,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> "tuple[str, Config]":
             cfg.collectors[name] = value
     if cfg.command_timeout <= 0:
         parser.error("--mps.command-timeout must be positive")
+    if command == "capture":
+        if ns.duration <= 0 or ns.interval <= 0:
+            parser.error("--duration and --interval must be positive")
+        cfg.capture = CaptureOptions(ns.out, ns.duration, ns.interval)
     try:
         if ns.config_file:
             cfg.daemons = load_daemons_file(ns.config_file)
         else:
             cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, ns.pipe_directory, ns.log_directory)]
+        if command == "serve":
+            from .web import parse_listen_address
+
+            parse_listen_address(cfg.listen_address)
         if cfg.web_config_file:
             from .web import load_web_config  # validated at start-up, not at first request
 
@@ -200,3 +245,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> "tuple[str, Config]":
     except ConfigError as e:
         parser.error(str(e))
     return command, cfg
+
+
+def _replay_config(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
+    """Replay takes web and logging flags; daemons and collectors come from the bundle."""
+    if ns.speed <= 0:
+        parser.error(f"--speed must be positive, not {ns.speed}")
+    cfg = Config(listen_address=ns.listen_address, telemetry_path=ns.telemetry_path,
+                 web_config_file=ns.web_config_file, log_level=ns.log_level, log_format=ns.log_format,
+                 replay=ReplayOptions(ns.bundle, ns.speed, ns.loop))
+    if not cfg.telemetry_path.startswith("/"):
+        parser.error(f"--web.telemetry-path must start with '/': {cfg.telemetry_path!r}")
+    if cfg.web_config_file:
+        from .web import load_web_config
+
+        try:
+            load_web_config(cfg.web_config_file)
+        except ConfigError as e:
+            parser.error(str(e))
+    return cfg

@@ -613,3 +613,11 @@ def test_serve_until_stopped():
     assert not thread.is_alive()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=2)
+
+
+def test_cli_rejects_bad_listen_address_with_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--web.listen-address", "::1:10138"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "put an IPv6 address in brackets" in err
