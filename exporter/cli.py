@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from prometheus_client.exposition import generate_latest
 
@@ -94,9 +94,17 @@ def build_log_pipelines(cfg: Config) -> Dict[str, object]:
             for d in cfg.daemons}
 
 
-def build_collector(cfg: Config, sources: Dict[str, object], pipelines: Dict[str, object]) -> MpsCollector:
+def build_collector(cfg: Config, sources: Dict[str, object], pipelines: Dict[str, object],
+                    clock: Callable[[], float] = time.time) -> MpsCollector:
     return MpsCollector(nvml=sources.get("nvml"), dcgm=sources.get("dcgm"), controls=sources.get("control", ()),
-                        proc=sources.get("proc"), logs=pipelines)
+                        proc=sources.get("proc"), logs=pipelines, clock=clock)
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set `stop` (only the main thread may install handlers)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
 
 
 # ---------------------------------------------------------------- commands
@@ -110,19 +118,18 @@ def dump(cfg: Config, out=sys.stdout) -> int:
 
 
 def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[threading.Event] = None,
-          sources: Optional[Dict[str, object]] = None) -> int:
-    """Serve until SIGTERM/SIGINT or `stop`. `sources` replaces the live ones (replay, tests)."""
+          sources: Optional[Dict[str, object]] = None, clock: Callable[[], float] = time.time) -> int:
+    """Serve until SIGTERM/SIGINT or `stop`. `sources` replaces the live ones and `clock`
+    the collector's time (replay, tests)."""
     from .web import load_web_config, serve as serve_http
 
     web_config = load_web_config(cfg.web_config_file) if cfg.web_config_file else None
     pipelines = build_log_pipelines(cfg)
     for p in pipelines.values():
         p.start()
-    collector = build_collector(cfg, build_sources(cfg) if sources is None else sources, pipelines)
+    collector = build_collector(cfg, build_sources(cfg) if sources is None else sources, pipelines, clock)
     stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     log.info("listening on %s, metrics at %s", cfg.listen_address, cfg.telemetry_path)
     try:
         serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, web_config, ready=ready, stop=stop)
@@ -151,6 +158,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_logging(cfg.log_level, cfg.log_format)
     if command == "dump":
         return dump(cfg)
+    if command == "capture":
+        from .capture import capture
+
+        return capture(cfg)
+    if command == "replay":
+        from .replay import replay
+
+        return replay(cfg)
     return serve(cfg)
 
 

@@ -1,0 +1,257 @@
+"""`mps-exporter capture`: record what the exporter sees into one bundle file.
+
+At every interval the real collector reads the real sources, each wrapped so
+that what it returned (or the error it raised) goes into the bundle as JSON.
+Between readings the MPS log files are tapped as bytes: whatever was appended
+since the last look, byte-exact, with the time it was seen; a file that was
+replaced or truncated starts over with a `new_file` chunk. Content already in
+the files when the capture starts is recorded at t=0, the way the live
+exporter reads it at start. Format: docs/capture-format.md.
+
+Runs with the standard library, prometheus-client and nvidia-ml-py only (no
+web server, no YAML unless --config.file is given).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import __version__
+from .bundle import SUFFIX, BundleWriter, LogChunk, encode, log_record
+from .cli import build_collector, build_sources, stop_on_signals
+from .config import Config
+from .logs.events import FILES
+from .logs.parser import resolve_timezone
+from .logs.pipeline import POLL_SECONDS
+from .render import Snapshot
+
+log = logging.getLogger(__name__)
+
+LOG_FILES = tuple(f + ".log" for f in FILES)
+
+
+class LogTap:
+    """The bytes appended to one log file since the last poll.
+
+    Holds the file open, so bytes written just before a rotation are still
+    read from the old file before the new one is opened."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = None
+        self._identity: Optional[Tuple[int, int]] = None
+
+    def poll(self) -> List[Tuple[bool, bytes]]:
+        """[(new_file, data)]: new_file says the file was replaced or truncated before data."""
+        out: List[Tuple[bool, bytes]] = []
+        if self._file is not None:
+            data = self._file.read()
+            if data:
+                out.append((False, data))
+        try:
+            st = os.stat(self.path)
+        except OSError:  # not there (yet, or its directory was deleted): keep what we hold
+            return out
+        if self._file is not None and (st.st_dev, st.st_ino) == self._identity and st.st_size >= self._file.tell():
+            return out
+        replaced = self._file is not None
+        self.close()
+        try:
+            self._file = open(self.path, "rb")
+        except OSError as e:
+            log.warning("capture: cannot read %s: %s", self.path, e.strerror)
+            return out
+        st = os.fstat(self._file.fileno())
+        self._identity = (st.st_dev, st.st_ino)
+        data = self._file.read()
+        if replaced or data:
+            out.append((replaced, data))
+        return out
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class _Recording:
+    """Hands the collector what a source returned and keeps a JSON copy for the bundle."""
+
+    def __init__(self, source: Any, results: Dict[str, Any], name: str, per_daemon: bool = False) -> None:
+        self._source, self._results, self._name, self._per_daemon = source, results, name, per_daemon
+
+    def read(self, *args: Any) -> Any:
+        try:
+            value = self._source.read(*args)
+        except Exception as e:
+            self._keep({"error": f"{type(e).__name__}: {e}"})
+            raise
+        self._keep({"value": encode(value)})  # now: the collector adds DCGM activity to NVML's GPUs later
+        return value
+
+    def _keep(self, entry: Dict[str, Any]) -> None:
+        if self._per_daemon:  # the collector reads the daemons in order, one entry each
+            self._results.setdefault(self._name, []).append(entry)
+        else:
+            self._results[self._name] = entry
+
+    def __getattr__(self, attr: str) -> Any:  # close(), available(), ...
+        return getattr(self._source, attr)
+
+
+class Recorder:
+    """Drives the collector over recording sources and writes every event.
+
+    `poll_logs()` and `scrape()` are one step each; `run()` repeats them on the
+    clock. Tests call the steps themselves on recorded scenarios."""
+
+    def __init__(self, cfg: Config, sources: Dict[str, Any], writer: BundleWriter,
+                 pipelines: Optional[Dict[str, Any]] = None, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.writer = writer
+        self._monotonic = monotonic
+        self._start = monotonic()
+        self._results: Dict[str, Any] = {}
+        wrapped: Dict[str, Any] = {}
+        for name, source in sources.items():
+            if name == "control":
+                wrapped[name] = [_Recording(s, self._results, name, per_daemon=True) for s in source]
+            else:
+                wrapped[name] = _Recording(source, self._results, name)
+        self.collector = build_collector(cfg, wrapped, pipelines or {}, clock=clock)
+        self._taps = [(d.name, f, LogTap(os.path.join(d.log_directory, f)))
+                      for d in cfg.daemons for f in LOG_FILES] if cfg.enabled("logs") else []
+        self.scrapes = self.log_chunks = self.log_bytes = 0
+        self._nvml: Optional[Dict[str, Any]] = None  # the last NVML reading: driver and GPUs for the end record
+
+    def elapsed(self) -> float:
+        return self._monotonic() - self._start
+
+    def poll_logs(self) -> None:
+        t = self.elapsed()
+        for daemon, file, tap in self._taps:
+            for new_file, data in tap.poll():
+                self.writer.write(log_record(LogChunk(t, daemon, file, data, new_file)))
+                self.log_chunks += 1
+                self.log_bytes += len(data)
+
+    def scrape(self) -> Snapshot:
+        self._results.clear()
+        t = self.elapsed()
+        snap = self.collector.snapshot()
+        self.writer.write({"kind": "scrape", "t": t, "now": snap.now, "sources": dict(self._results),
+                           "durations": {k: round(o.duration_seconds, 6) for k, o in snap.outcomes.items()}})
+        self.scrapes += 1
+        nvml = self._results.get("nvml", {}).get("value")
+        if nvml is not None:
+            self._nvml = nvml
+        return snap
+
+    def run(self, duration: float, interval: float, stop: threading.Event) -> None:
+        """Read the sources every `interval` and the logs every POLL_SECONDS, for `duration`
+        seconds or until `stop`; one last look at everything at the end."""
+        next_scrape = 0.0
+        while not stop.is_set() and self.elapsed() < duration:
+            self.poll_logs()
+            if self.elapsed() >= next_scrape:
+                self.scrape()
+                while next_scrape <= self.elapsed():  # a slow reading skips ticks, never bunches them
+                    next_scrape += interval
+            stop.wait(max(0.0, min(POLL_SECONDS, next_scrape - self.elapsed(), duration - self.elapsed())))
+        self.poll_logs()
+        self.scrape()
+
+    def end_record(self) -> Dict[str, Any]:
+        gpus = [{k: g.get(k) for k in ("index", "uuid", "name", "memory_total_bytes")}
+                for g in (self._nvml or {}).get("gpus", [])]
+        return {"t": self.elapsed(), "scrapes": self.scrapes, "log_chunks": self.log_chunks,
+                "log_bytes": self.log_bytes, "driver_version": (self._nvml or {}).get("driver_version", ""),
+                "gpus": gpus}
+
+    def close(self) -> None:
+        for _, _, tap in self._taps:
+            tap.close()
+
+
+def concrete_timezone(name: str) -> str:
+    """The logs' time zone as a name replay resolves the same way on any machine:
+    'local' is looked up now (TZ, /etc/localtime, else the current UTC offset)."""
+    if name and name != "local":
+        return name
+    candidates = [os.environ.get("TZ", "").lstrip(":")]
+    try:
+        link = os.readlink("/etc/localtime")
+        candidates.append(link.split("zoneinfo/", 1)[1] if "zoneinfo/" in link else "")
+    except OSError:
+        pass
+    for key in filter(None, candidates):
+        try:
+            if resolve_timezone(key) is not None:
+                return key
+        except ValueError:
+            continue
+    offset = time.localtime().tm_gmtoff
+    if offset % 3600 == 0:
+        return "UTC" if offset == 0 else f"Etc/GMT{-offset // 3600:+d}"  # Etc/GMT signs are inverted
+    log.warning("capture: local time zone has no name and a UTC offset of %d s; replay will read "
+                "log times in the replaying machine's zone", offset)
+    return "local"
+
+
+def bundle_path(out: str, started: float) -> str:
+    if os.path.isdir(out):
+        return os.path.join(out, time.strftime("mps-capture-%Y%m%dT%H%M%SZ", time.gmtime(started)) + SUFFIX)
+    return out
+
+
+def header(cfg: Config, sources: Dict[str, Any], started: float) -> Dict[str, Any]:
+    return {
+        "exporter_version": __version__,
+        "python_version": platform.python_version(),
+        "kernel": platform.release(),
+        "started_at": started,
+        "interval_seconds": cfg.capture.interval_seconds,
+        "sources": sorted(sources),
+        "logs": cfg.enabled("logs"),
+        "log_files": list(LOG_FILES),
+        "log_timezone": concrete_timezone(cfg.log_timezone),
+        "daemons": [{"name": d.name, "pipe_directory": d.pipe_directory, "log_directory": d.log_directory}
+                    for d in cfg.daemons],
+    }
+
+
+def capture(cfg: Config, stop: Optional[threading.Event] = None, sources: Optional[Dict[str, Any]] = None) -> int:
+    """The `capture` command. `sources` replaces the live ones (tests)."""
+    started = time.time()
+    path = bundle_path(cfg.capture.out, started)
+    sources = build_sources(cfg) if sources is None else sources
+    stop = stop or threading.Event()
+    stop_on_signals(stop)  # Ctrl-C ends the capture early and still writes the bundle
+    try:
+        writer = BundleWriter(path, header(cfg, sources, started))
+    except OSError as e:
+        log.error("cannot write the bundle %s: %s", path, e.strerror or e)
+        return 2
+    recorder = Recorder(cfg, sources, writer)
+    log.info("capturing for %g s, sources every %g s, into %s", cfg.capture.duration_seconds,
+             cfg.capture.interval_seconds, path)
+    try:
+        recorder.run(cfg.capture.duration_seconds, cfg.capture.interval_seconds, stop)
+        writer.close(recorder.end_record())
+    except OSError as e:
+        log.error("writing the bundle %s failed: %s", path, e.strerror or e)
+        return 2
+    finally:
+        recorder.close()
+        nvml = sources.get("nvml")
+        if hasattr(nvml, "close"):
+            nvml.close()  # frees GPM samples, shuts NVML down
+    log.info("wrote %s: %d readings, %d log bytes in %d chunks, %.1f s (%d bytes)", path, recorder.scrapes,
+             recorder.log_bytes, recorder.log_chunks, recorder.elapsed(), os.path.getsize(path))
+    print(path)
+    return 0

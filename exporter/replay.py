@@ -1,0 +1,214 @@
+"""`mps-exporter replay [BUNDLE] [--speed X] [--loop]`: serve a capture as if it were live.
+
+The real web server, collector and log pipeline run; only the sources are
+replaced. A `Player` walks the bundle on a virtual timeline (bundle seconds =
+real seconds x speed):
+- the collector's clock is the recorded time of that moment, and each source
+  answers what it returned at the last reading recorded before it (or raises
+  the error it raised then);
+- a feeder thread appends the recorded log chunks, byte for byte, to a private
+  temporary log directory when they are due, and the real LogPipeline follows
+  those files as it follows /var/log/nvidia-mps;
+- past the end the last moment stays; with --loop the bundle starts over: the
+  log files are rotated (renamed to *.1, as logrotate does) and written again,
+  so the log counters keep growing and the recorded times repeat.
+
+With no BUNDLE the session shipped in the package (exporter/data/) is played.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import dataclasses
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from .bundle import SUFFIX, Bundle, BundleError, LogChunk, RecordedFailure, Scrape, load
+from .config import COLLECTORS, Config, DaemonConfig
+from .logs.parser import resolve_timezone
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+FEED_SECONDS = 0.05  # how often the feeder looks for due log chunks (real seconds)
+
+
+def shipped_bundle() -> str:
+    found = sorted(DATA_DIR.glob("*" + SUFFIX)) if DATA_DIR.is_dir() else []
+    if not found:
+        raise BundleError("no recorded session is shipped with this mps-exporter yet; "
+                          "give a bundle written by `mps-exporter capture`: mps-exporter replay BUNDLE")
+    return str(found[0])
+
+
+class Player:
+    """One bundle on a virtual timeline; `monotonic` is injectable so tests step time."""
+
+    def __init__(self, bundle: Bundle, log_root: str, speed: float = 1.0, loop: bool = False,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.bundle = bundle
+        self.speed = speed
+        self.loop = loop and bundle.duration > 0
+        self._monotonic = monotonic
+        self._start = monotonic()
+        self._times = [s.t for s in bundle.scrapes]
+        self._scrape = bundle.scrapes[0]
+        self.log_dirs: Dict[str, str] = {}
+        for i, d in enumerate(bundle.header["daemons"]):  # by position: daemon names are not file names
+            self.log_dirs[d["name"]] = os.path.join(log_root, str(i))
+            os.makedirs(self.log_dirs[d["name"]], exist_ok=True)
+        self.lap = 0
+        self._next_chunk = 0
+        self._feed_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._told_end = False
+
+    # ------------------------------------------------------------ timeline
+    def position(self) -> Tuple[int, float]:
+        """(lap, seconds into the bundle) now."""
+        t = (self._monotonic() - self._start) * self.speed
+        if self.loop:
+            lap = int(t // self.bundle.duration)
+            return lap, t - lap * self.bundle.duration
+        return 0, t
+
+    def scrape_at(self, t: float) -> Scrape:
+        """The last reading recorded at or before t (the first one before it)."""
+        return self.bundle.scrapes[max(bisect.bisect_right(self._times, t) - 1, 0)]
+
+    def clock(self) -> float:
+        """The collector's clock. The collector calls it once as a reading starts, so every
+        source of that reading answers from the same recorded moment."""
+        _, t = self.position()
+        scrape = self._scrape = self.scrape_at(t)
+        return scrape.now + (t - scrape.t)
+
+    def result(self, name: str, index: Optional[int] = None) -> Any:
+        value = self._scrape.results.get(name)
+        if index is not None:
+            value = value[index] if isinstance(value, list) and index < len(value) else None
+        if value is None:
+            raise RecordedFailure(f"{name} was not read at this moment of the capture")
+        if isinstance(value, RecordedFailure):
+            raise RecordedFailure(str(value))
+        return copy.deepcopy(value)  # the collector changes what it is given (DCGM into NVML's GPUs)
+
+    def sources(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for name in self.bundle.header["sources"]:
+            if name == "control":
+                out[name] = [_ReplaySource(self, name, i) for i in range(len(self.bundle.header["daemons"]))]
+            else:
+                out[name] = _ReplaySource(self, name)
+        return out
+
+    # ------------------------------------------------------------ log files
+    def feed(self) -> None:
+        """Append the log chunks that are due; at a new lap finish the old one and rotate."""
+        with self._feed_lock:
+            lap, t = self.position()
+            if lap != self.lap:
+                self._write_until(float("inf"))
+                for directory in self.log_dirs.values():
+                    for name in os.listdir(directory):
+                        if name.endswith(".log"):
+                            _rotate(os.path.join(directory, name))
+                self.lap, self._next_chunk = lap, 0
+                log.debug("replay: starting over (lap %d)", lap + 1)
+            self._write_until(t)
+            if not self.loop and t >= self.bundle.duration and not self._told_end:
+                self._told_end = True
+                log.info("replay: reached the end of the bundle (%.1f s); serving its last moment "
+                         "(--loop starts over)", self.bundle.duration)
+
+    def _write_until(self, t: float) -> None:
+        chunks = self.bundle.logs
+        while self._next_chunk < len(chunks) and chunks[self._next_chunk].t <= t:
+            self._append(chunks[self._next_chunk])
+            self._next_chunk += 1
+
+    def _append(self, chunk: LogChunk) -> None:
+        path = os.path.join(self.log_dirs[chunk.daemon], chunk.file)
+        if chunk.new_file:
+            _rotate(path)
+        with open(path, "ab") as f:
+            f.write(chunk.data)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mps-replay-feeder", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.feed()
+            except OSError as e:  # the temp directory went away: nothing more to feed
+                log.error("replay: cannot write the log files: %s", e)
+                return
+            self._stop.wait(FEED_SECONDS)
+
+
+def _rotate(path: str) -> None:
+    """A rename, as logrotate does: the follower reads the old file to its end, then
+    the new one from its beginning (a new inode: deleting could hand back the old one)."""
+    if os.path.exists(path):
+        os.replace(path, path + ".1")
+
+
+class _ReplaySource:
+    def __init__(self, player: Player, name: str, index: Optional[int] = None) -> None:
+        self._player, self._name, self._index = player, name, index
+
+    def read(self, *_args: Any) -> Any:
+        return self._player.result(self._name, self._index)
+
+
+def replay_config(cfg: Config, bundle: Bundle, log_dirs: Dict[str, str]) -> Config:
+    """The flags' web and logging settings; daemons, collectors and log time zone from the bundle."""
+    h = bundle.header
+    play = dataclasses.replace(cfg, collectors=dict(cfg.collectors), state_file=None)
+    play.daemons = [DaemonConfig(d["name"], d["pipe_directory"], log_dirs[d["name"]]) for d in h["daemons"]]
+    play.collectors.update({name: name in h["sources"] for name in COLLECTORS})
+    play.collectors["logs"] = bool(h.get("logs")) and bool(play.daemons)
+    play.log_timezone = str(h.get("log_timezone") or "UTC")
+    try:
+        resolve_timezone(play.log_timezone)
+    except ValueError as e:
+        raise BundleError(f"{bundle.path}: {e}; install the tzdata package to replay it") from e
+    return play
+
+
+def replay(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[threading.Event] = None) -> int:
+    """The `replay` command: one error line and exit 2 for a bundle that cannot be played."""
+    from .cli import serve
+
+    try:
+        bundle = load(cfg.replay.bundle or shipped_bundle())
+        with tempfile.TemporaryDirectory(prefix="mps-exporter-replay-") as root:
+            player = Player(bundle, root, cfg.replay.speed, cfg.replay.loop)
+            play_cfg = replay_config(cfg, bundle, player.log_dirs)
+            log.info("replaying %s: %d readings over %.1f s recorded from %s, at %gx speed%s", bundle.path,
+                     len(bundle.scrapes), bundle.duration, bundle.end.get("driver_version") or "no NVIDIA driver",
+                     cfg.replay.speed, ", looping" if player.loop else "")
+            player.start()
+            try:
+                return serve(play_cfg, stop, ready, sources=player.sources(), clock=player.clock)
+            finally:
+                player.stop()
+    except BundleError as e:
+        sys.stderr.write(f"mps-exporter: error: {e}\n")
+        return 2
