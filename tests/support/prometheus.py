@@ -110,8 +110,9 @@ def build_config(targets: Sequence[Target], rule_files: Sequence[str] = (), aler
 class Prometheus:
     """A started Prometheus; use `running_prometheus()` to get one."""
 
-    def __init__(self, workdir: str, config: dict):
+    def __init__(self, workdir: str, config: dict, extra_flags: Sequence[str] = ()):
         self.workdir = workdir
+        self.extra_flags = list(extra_flags)
         self.config_file = os.path.join(workdir, "prometheus.yml")
         self.log_file = os.path.join(workdir, "prometheus.log")
         with open(self.config_file, "w", encoding="utf-8") as f:
@@ -138,7 +139,7 @@ class Prometheus:
             with open(self.log_file, "ab") as log:
                 self.process = subprocess.Popen(
                     [binary, f"--config.file={self.config_file}", f"--storage.tsdb.path={data}",
-                     f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=info"],
+                     f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=info", *self.extra_flags],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir)
             if self._wait_ready(timeout):
                 return
@@ -232,10 +233,11 @@ class Prometheus:
 @contextlib.contextmanager
 def running_prometheus(workdir, targets: Sequence[Target] = (), *, rule_files: Sequence[str] = (),
                        alertmanager_url: Optional[str] = None, scrape_interval: float = 1.0,
-                       evaluation_interval: float = 1.0) -> Iterator[Prometheus]:
-    """Start Prometheus in `workdir` (e.g. pytest's tmp_path); stop it on exit."""
+                       evaluation_interval: float = 1.0, extra_flags: Sequence[str] = ()) -> Iterator[Prometheus]:
+    """Start Prometheus in `workdir` (e.g. pytest's tmp_path); stop it on exit.
+    extra_flags go to the command line, e.g. "--rules.alert.resend-delay=1s"."""
     prom = Prometheus(str(workdir), build_config(targets, rule_files, alertmanager_url,
-                                                 scrape_interval, evaluation_interval))
+                                                 scrape_interval, evaluation_interval), extra_flags)
     try:
         prom.start()
         yield prom
