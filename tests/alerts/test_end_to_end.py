@@ -1,0 +1,301 @@
+"""End to end: the real exporter on a recorded scenario -> a real Prometheus with
+our rule file -> a real Alertmanager routed by alerts/alertmanager.example.yml ->
+a webhook receiver in this test.
+
+The exporter runs in a thread on the capture's busy moment (tests/support/
+scenarios.py: faked NVML, control daemon and /proc) with a live MPS log directory
+this test appends to, so queueing comes out of the real log pipeline:
+
+1. queued client: a client of uid 1500 is pushed to the pending list while uid 0's
+   server 1589 refuses to shut down (the capture's 04:22:16 lines) ->
+   MpsClientsQueuedBehindOtherUser arrives; the server exits, the client is
+   admitted -> it resolves.
+2. OOM risk: client 1648 (own limit CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4G) grows
+   from 2856 MiB to 3900 MiB (95 %) -> MpsClientNearMemoryLimit arrives with the
+   client's labels; it shrinks back -> it resolves.
+
+Then every query of every dashboard must return data from this Prometheus.
+`for:` durations are shortened to FOR in a copy of the rule file; scrape and rule
+evaluation run every second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List
+
+import pytest
+import yaml
+
+from alerts import generate
+from dashboards.queries import concrete, queries
+from mps_exporter.cli import build_sources, serve
+from tests.fakes.fake_pynvml import (
+    NVML_GPM_METRIC_SM_UTIL,
+    FakeGpu,
+    FakeNvml,
+    FakeProcess,
+)
+from tests.support import scenarios
+from tests.support.prometheus import Target, free_port, running_prometheus
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+FOR = "2s"
+WAIT = 30.0  # seconds any one step may take
+MIB = 1 << 20
+QUEUED = "MpsClientsQueuedBehindOtherUser"
+OOM = "MpsClientNearMemoryLimit"
+
+
+# ----------------------------------------------------------------- webhook
+class Webhook:
+    """Collects Alertmanager's webhook notifications: (receiver path, alert)."""
+
+    def __init__(self) -> None:
+        self.alerts: List[tuple] = []
+        self._lock = threading.Lock()
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with hook._lock:
+                    hook.alerts += [(self.path.strip("/"), a) for a in body["alerts"]]
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait_for(self, receiver: str, alertname: str, status: str, timeout: float = WAIT) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                for path, alert in self.alerts:
+                    if path == receiver and alert["labels"]["alertname"] == alertname and alert["status"] == status:
+                        return alert
+            time.sleep(0.2)
+        raise AssertionError(f"no {status} {alertname} at {receiver} within {timeout}s; got {self.summary()}")
+
+    def summary(self) -> List[str]:
+        with self._lock:
+            return [f"{p}:{a['labels']['alertname']}:{a['status']}" for p, a in self.alerts]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ------------------------------------------------------------ alertmanager
+def alertmanager_config(webhook_url: str) -> dict:
+    """The example configuration with each receiver replaced by a webhook to
+    /<receiver name>, and notification delays cut to a second."""
+    config = yaml.safe_load((ROOT / "alerts" / "alertmanager.example.yml").read_text())
+    config["receivers"] = [{"name": r["name"], "webhook_configs": [
+        {"url": f"{webhook_url}/{r['name']}", "send_resolved": True}]} for r in config["receivers"]]
+    config["route"].update(group_wait="1s", group_interval="1s", repeat_interval="1h")
+    return config
+
+
+@contextlib.contextmanager
+def running_alertmanager(workdir: Path, config: dict) -> Iterator[str]:
+    binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("alertmanager is not installed (apt-get install prometheus-alertmanager)")
+        pytest.skip("alertmanager is not installed")
+    (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = open(workdir / "alertmanager.log", "wb")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={workdir / 'alertmanager.yml'}", f"--storage.path={workdir / 'am-data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(f"{url}/-/ready", proc, workdir / "alertmanager.log")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} not ready; log:\n{log_path.read_text(errors='replace')[-3000:]}")
+
+
+# ------------------------------------------------------------ the exporter
+class TickingNvml(FakeNvml):
+    """The capture's NVML view, with time passing at each scrape: GPM counters and
+    per-process utilization samples advance as they would on a live GPU."""
+
+    def nvmlDeviceGetCount(self) -> int:
+        now = time.monotonic()
+        self.advance(now - getattr(self, "_last_tick", now - 1.0))
+        self._last_tick = now
+        return super().nvmlDeviceGetCount()
+
+
+class RecordedNode:
+    """The exporter side: the capture's busy moment served by the real exporter,
+    with an MPS log directory the scenario steps append to."""
+
+    def __init__(self, tmp: Path) -> None:
+        scen = scenarios.busy(tmp, logs=False)
+        self.nvml = TickingNvml(scen.nvml.gpus, driver_version=scen.nvml.driver_version, clock_us=scen.nvml.clock_us)
+        busy_gpu = self.nvml.gpus[0]
+        busy_gpu.gpm_percent = {NVML_GPM_METRIC_SM_UTIL: 70.0}
+        # A second GPU, time-sliced between two processes without MPS.
+        self.nvml.gpus.append(FakeGpu(
+            uuid="GPU-0000abcd-0000-4000-8000-00000000abcd", memory_used=4 << 30,
+            compute_processes=[FakeProcess(7001, 1 << 30), FakeProcess(7002, 2 << 30)],
+            sm_util_by_pid={7001: (40, 2), 7002: (30, 1)}, util_gpu=90, power_mw=300000, temperature=55))
+        self.daemon = scen.daemon
+        self.daemon.servers[0].pinned_limits = {0: "16G"}
+        self.daemon.default_pinned_limits = {0: "16G"}
+        self.log_dir = tmp / "mps-log"
+        self.log_dir.mkdir()
+        (self.log_dir / "server.log").write_text("")
+        self.cfg = scen.cfg
+        self.cfg.collectors["logs"] = True
+        self.cfg.daemons[0].log_directory = str(self.log_dir)
+        self.cfg.log_timezone = "UTC"
+        self.cfg.listen_address = f"127.0.0.1:{free_port()}"
+        self._stop, self._ready = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=serve, daemon=True, kwargs=dict(
+            cfg=self.cfg, stop=self._stop, ready=self._ready,
+            sources=build_sources(self.cfg, nvml_module=self.nvml, control_runner=self.daemon)))
+        # The daemon as the capture's run 2 began: uid 0's server 1589 serving the busy clients.
+        self.control("Starting control daemon using socket /tmp/mps/pipe/control",
+                     "CUDA MPS Control binary version: 13000",
+                     # Every control command is logged, the exporter's own included.
+                     "Accepting connection...", "NEW UI", "Cmd:get_server_list", "UI closed")
+        self.control("Starting new server 1589 for user 0", pid=1589)
+        self.control("NEW SERVER 1589: Ready",
+                     *(f"NEW CLIENT {pid} from user 0: Server already exists" for pid in (1647, 1648, 1649)))
+
+    @property
+    def address(self) -> str:
+        return self.cfg.listen_address
+
+    def __enter__(self) -> "RecordedNode":
+        self._thread.start()
+        assert self._ready.wait(WAIT), "the exporter did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(WAIT)
+
+    def control(self, *messages: str, pid: int = 1419) -> None:
+        """Append lines to control.log as the daemon writes them, stamped now (UTC)."""
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        with open(self.log_dir / "control.log", "a", encoding="utf-8") as f:
+            f.writelines(f"[{stamp} Control {pid:>5}] {m}\n" for m in messages)
+
+    def set_client_memory(self, pid: int, used: int) -> None:
+        gpu = self.nvml.gpus[0]
+        for p in gpu.mps_processes + gpu.compute_processes:
+            if p.pid == pid:
+                gpu.memory_used += used - p.usedGpuMemory
+                p.usedGpuMemory = used
+
+
+# ------------------------------------------------------------------ the test
+def _wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_alerts_reach_the_receiver_and_dashboards_have_data(tmp_path):
+    rules = tmp_path / "rules.yml"
+    rules.write_text(generate.prometheus_rules(for_override=FOR))
+    webhook = Webhook()
+    try:
+        with running_alertmanager(tmp_path, alertmanager_config(webhook.url)) as am_url, \
+                RecordedNode(tmp_path) as node, \
+                running_prometheus(tmp_path, [Target(node.address, job="mps-exporter")], rule_files=[str(rules)],
+                                   alertmanager_url=am_url) as prom:
+            prom.wait_for_target_up()
+            instance = node.address
+
+            # 1. A client of another user queues behind server 1589.
+            node.control("NEW CLIENT 2483 from user 1500: Server is not ready, push client to pending list",
+                         "Try shutting down server 1589, backoff is disabled",
+                         "Server 1589 has 2 active worker threads. Server will not shutdown.")
+            alert = webhook.wait_for("ticket", QUEUED, "firing")
+            assert alert["labels"] == {
+                "alertname": QUEUED, "severity": "warning", "job": "mps-exporter", "instance": instance,
+                "daemon": "default", "reason": "user_switch"}
+            assert alert["annotations"]["description"].startswith(
+                f"1 client(s) of MPS control daemon default on {instance} have waited")
+            assert alert["annotations"]["runbook_url"].endswith("#mpsclientsqueuedbehindotheruser")
+
+            # ... until the server drains and the client is admitted by uid 1500's new server.
+            node.control("Try shutting down server 1589, backoff is enabled", "Server 1589 exited with status 0")
+            node.control("Starting new server 2521 for user 1500", pid=2521)
+            node.control("NEW SERVER 2521: Ready", "NEW CLIENT 2483 from user 1500: Server already exists")
+            resolved = webhook.wait_for("ticket", QUEUED, "resolved")
+            assert resolved["labels"] == alert["labels"]
+
+            # 2. Client 1648 nears its own 4 GiB pinned limit.
+            node.set_client_memory(1648, 3900 * MIB)
+            alert = webhook.wait_for("ticket", OOM, "firing")
+            labels = alert["labels"]
+            assert {k: labels[k] for k in ("alertname", "severity", "instance", "daemon", "pid", "gpu",
+                                           "server_pid", "user", "command")} == {
+                "alertname": OOM, "severity": "warning", "instance": instance, "daemon": "default",
+                "pid": "1648", "gpu": "0", "server_pid": "1589", "user": "root", "command": "python3"}
+            # The busy scenario runs 1648 in a Kubernetes pod: the alert names it.
+            assert labels["pod_uid"] == scenarios.POD_UID and labels["container_id"] == scenarios.CONTAINER_ID
+            # 3900 MiB of 4096 MiB.
+            assert "uses 95.21% of its pinned device memory limit" in alert["annotations"]["description"]
+
+            node.set_client_memory(1648, 2856 * MIB)
+            assert webhook.wait_for("ticket", OOM, "resolved")["labels"] == labels
+
+            # Nothing else fired on this healthy node, and nothing paged.
+            names = {s.split(":")[1] for s in webhook.summary()}
+            assert names == {QUEUED, OOM}, webhook.summary()
+
+            # Every dashboard query returns data from this scenario.
+            empty = []
+            for q in queries():
+                if not prom.query(concrete(q.expr, rate_interval="10s")):
+                    empty.append(f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}")
+            assert empty == []
+    finally:
+        webhook.close()
