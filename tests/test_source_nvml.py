@@ -381,3 +381,18 @@ def test_driver_before_r510_falls_back_to_v2_process_calls():
     assert fake.calls["nvmlDeviceGetMPSComputeRunningProcesses_v2"] == 2
     assert issubclass(pynvml.NVMLLibraryMismatchError, Exception)
     assert not issubclass(pynvml.NVMLLibraryMismatchError, pynvml.NVMLError)  # why the source catches it apart
+
+
+def test_a_gpu_that_stays_down_is_warned_about_once(caplog):
+    fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    fake.gpus[1].errors["*"] = fp.NVML_ERROR_GPU_IS_LOST
+    source = NvmlSource(fake)
+    with caplog.at_level("WARNING", logger="mps_exporter.sources.nvml"):
+        for _ in range(3):
+            source.read()
+        del fake.gpus[1].errors["*"]
+        assert source.read().gpus[1].up
+        fake.gpus[1].errors["*"] = fp.NVML_ERROR_GPU_IS_LOST
+        source.read()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["NVML error on GPU 1: GPU is lost"] * 2  # down, up again, down again

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization
 
@@ -72,6 +72,7 @@ class NvmlSource:
         self._last_seen_us: Dict[int, int] = {}  # index -> newest process-utilization sample
         self._gpm_prev: Dict[int, Any] = {}  # index -> previous GPM sample (to free later)
         self._gpm_supported: Dict[int, bool] = {}
+        self._down: Set[int] = set()  # GPUs whose last read failed
 
     # ------------------------------------------------------------ lifecycle
     def _module(self) -> Any:
@@ -137,8 +138,11 @@ class NvmlSource:
             gpu = GpuReading(index=index, uuid=uuid, up=True, name=name)
             self._read_required(nvml, handle, gpu)
         except nvml.NVMLError as e:
-            log.warning("NVML error on GPU %d: %s", index, e)
+            # Warn when a GPU goes down, not at every scrape while it stays down.
+            (log.debug if index in self._down else log.warning)("NVML error on GPU %d: %s", index, e)
+            self._down.add(index)
             return GpuReading(index=index, uuid=uuid, up=False)
+        self._down.discard(index)
         self._read_optional(nvml, handle, gpu)
         return gpu
 
