@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timezone, tzinfo
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
@@ -45,21 +45,20 @@ from .events import (
 )
 
 # ------------------------------------------------------------------ time
-_ts_cache_key: Tuple[str, Optional[tzinfo]] = ("", None)
-_ts_cache_value = 0.0
+# Consecutive lines mostly share their second: one cached conversion saves nearly
+# all datetime work (parse_line checks the cache inline).
+_cached_second = ""
+_cached_tz: Optional[tzinfo] = None
+_cached_epoch = 0.0
 
 
 def _second_epoch(text: str, tz: Optional[tzinfo]) -> float:
-    """'2026-11-21 04:19:21' -> unix seconds. Consecutive lines mostly share the second,
-    so one cached value saves nearly all datetime work."""
-    global _ts_cache_key, _ts_cache_value
-    key = (text, tz)
-    if key == _ts_cache_key:
-        return _ts_cache_value
+    """'2026-11-21 04:19:21' -> unix seconds, read in tz (None: local time, DST included)."""
+    global _cached_second, _cached_tz, _cached_epoch
     dt = datetime(int(text[0:4]), int(text[5:7]), int(text[8:10]),
                   int(text[11:13]), int(text[14:16]), int(text[17:19]), tzinfo=tz)
-    value = dt.timestamp()  # naive datetime: local time, DST included
-    _ts_cache_key, _ts_cache_value = key, value
+    value = dt.timestamp()
+    _cached_second, _cached_tz, _cached_epoch = text, tz, value
     return value
 
 
@@ -79,26 +78,49 @@ def resolve_timezone(name: str) -> Optional[tzinfo]:
 
 
 # --------------------------------------------------------------- helpers
-def _n(ts: float, pid: int, kind: str) -> Noise:
-    return Noise(ts, pid, kind)
+_new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (hot path)
+
+# A rule: (pattern, build). A pattern without regex syntax is a plain prefix
+# (str.startswith: cheaper than a regex); a build that is a str is the kind of a
+# Noise event, else build(ts, pid, match) makes the event.
+_Rule = Tuple[Union[str, "re.Pattern[str]"], Union[str, Callable[..., ParseResult]]]
 
 
-_Rule = Tuple["re.Pattern[str]", Callable[..., ParseResult]]
+def _rules(*pairs: Tuple[str, Union[str, Callable[..., ParseResult]]]) -> List[_Rule]:
+    return [(p if re.escape(p) == p else re.compile(p), build) for p, build in pairs]
 
 
-def _rules(*pairs: Tuple[str, Callable[..., ParseResult]]) -> List[_Rule]:
-    return [(re.compile(p), build) for p, build in pairs]
+def _apply_rules(rules: List[_Rule], ts: float, pid: int, msg: str) -> Optional[ParseResult]:
+    for pattern, build in rules:
+        if type(pattern) is str:
+            if not msg.startswith(pattern):
+                continue
+            m = None
+        else:
+            m = pattern.match(msg)
+            if m is None:
+                continue
+        return _new(Noise, (ts, pid, build)) if type(build) is str else build(ts, pid, m)
+    return None
+
+
+def _exact(kinds: Dict[str, Union[str, Callable[[float, int], ParseResult]]], ts: float, pid: int,
+           msg: str) -> Optional[ParseResult]:
+    build = kinds.get(msg)
+    if build is None:
+        return None
+    return _new(Noise, (ts, pid, build)) if type(build) is str else build(ts, pid)
 
 
 # ---------------------------------------------------------- control.log
-_CONTROL_EXACT: Dict[str, Callable[[float, int], ParseResult]] = {
-    "Accepting connection...": lambda ts, pid: _n(ts, pid, "accepting_connection"),
-    "User did not send valid credentials": lambda ts, pid: _n(ts, pid, "invalid_credentials"),
+_CONTROL_EXACT: Dict[str, Union[str, Callable[[float, int], ParseResult]]] = {
+    "Accepting connection...": "accepting_connection",
+    "User did not send valid credentials": "invalid_credentials",
     "NEW UI": UiOpened,
     "UI closed": UiClosed,
     "Start": DaemonStarted,  # 11.x
-    "Unable to read new connection type information": lambda ts, pid: _n(ts, pid, "bad_connection"),
-    "Server encountered a fatal exception. Shutting down": lambda ts, pid: _n(ts, pid, "server_fatal_exception"),
+    "Unable to read new connection type information": "bad_connection",
+    "Server encountered a fatal exception. Shutting down": "server_fatal_exception",
     "No default pinned memory limit set for the device!": lambda ts, pid: CommandOutput(ts, pid, "no_default_pinned_limit"),
 }
 
@@ -134,10 +156,10 @@ _CONTROL_RULES: Dict[str, List[_Rule]] = {
         (r"Try shutting down server (\d+)", lambda ts, pid, m: ShutdownAttempt(ts, pid, int(m.group(1)))),
     ),
     "Control": _rules(
-        (r"Control will try shutting down server \d+ again", lambda ts, pid, m: _n(ts, pid, "shutdown_retry")),
+        ("Control will try shutting down server ", "shutdown_retry"),
     ),
     "To": _rules(
-        (r"To connect CUDA applications to this daemon", lambda ts, pid, m: _n(ts, pid, "pipe_hint")),
+        (r"To connect CUDA applications to this daemon", "pipe_hint"),
     ),
     "CUDA": _rules(
         (r"CUDA MPS Control binary version: (\S+)$", lambda ts, pid, m: DaemonVersion(ts, pid, m.group(1))),
@@ -166,24 +188,24 @@ _COMMAND = re.compile(r"Cmd:\s*(\S*)\s*(.*)$")
 
 
 def _parse_control(ts: float, pid: int, msg: str) -> ParseResult:
-    exact = _CONTROL_EXACT.get(msg)
-    if exact is not None:
-        return exact(ts, pid)
+    event = _exact(_CONTROL_EXACT, ts, pid, msg)
+    if event is not None:
+        return event
     if msg.startswith("Cmd:"):
         m = _COMMAND.match(msg)
         return Command(ts, pid, m.group(1), m.group(2)) if m else Unrecognized(ts, pid, "bad Cmd line")
     space = msg.find(" ")
-    for pattern, build in _CONTROL_RULES.get(msg[:space] if space > 0 else msg, ()):
-        m = pattern.match(msg)
-        if m:
-            return build(ts, pid, m)
+    rules = _CONTROL_RULES.get(msg[:space] if space > 0 else msg)
+    event = _apply_rules(rules, ts, pid, msg) if rules else None
+    if event is not None:
+        return event
     if _CONTROL_OUTPUT.fullmatch(msg.rstrip()):
         return CommandOutput(ts, pid, msg)
     return Unrecognized(ts, pid, "no control rule matched")
 
 
 # ----------------------------------------------------------- server.log
-_SERVER_EXACT: Dict[str, Callable[[float, int], ParseResult]] = {}
+_SERVER_EXACT: Dict[str, Union[str, Callable[[float, int], ParseResult]]] = {}
 for _kind, _texts in {
     "server_startup": ("Startup", "Start", "Initializing server process", "Server has started",
                        "MPS Server is started"),
@@ -193,7 +215,7 @@ for _kind, _texts in {
     "client_context_exit": ("Receive command failed, assuming client exit",),
 }.items():
     for _text in _texts:
-        _SERVER_EXACT[_text] = (lambda kind: lambda ts, pid: _n(ts, pid, kind))(_kind)
+        _SERVER_EXACT[_text] = _kind
 _SERVER_EXACT.update({
     "Exiting": ServerExiting,
     "Server is handling a fatal GPU error.": lambda ts, pid: FatalGpuError(ts, pid, None),
@@ -216,8 +238,8 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
          lambda ts, pid, m: ClientProcessDisconnected(ts, pid, int(m.group(1)))),
         (r"Client \{PID: (-?\d+), Context(?: ID)?: \d+\} encountered a fatal GPU error",
          lambda ts, pid, m: FatalGpuError(ts, pid, int(m.group(1)))),
-        (r"Client \{PID: -?\d+, Context ID: \d+\} exiting", lambda ts, pid, m: _n(ts, pid, "client_context_exit")),
-        (r"Client \{PID: -?\d+, Context ID: \d+\} on .* to be torn down", lambda ts, pid, m: _n(ts, pid, "fatal_report")),
+        (r"Client \{PID: -?\d+, Context ID: \d+\} exiting", "client_context_exit"),
+        (r"Client \{PID: -?\d+, Context ID: \d+\} on .* to be torn down", "fatal_report"),
         (r"Client (\d+) disconnected$",  # pre-Volta
          lambda ts, pid, m: ClientProcessDisconnected(ts, pid, int(m.group(1)))),
     ),
@@ -235,34 +257,35 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     "Device": _rules(
         (r"Device pinned memory limit for device (\d+) set to (0x[0-9a-fA-F]+|\d+) bytes$",
          lambda ts, pid, m: ServerPinnedLimit(ts, pid, int(m.group(1)), _limit(m.group(2)))),
-        (r"Device .* is associated$", lambda ts, pid, m: _n(ts, pid, "device_associated")),
+        (r"Device .* is associated$", "device_associated"),
     ),
     "Volta": _rules(
         # 11.x/12.x: logged once per client process, the only place its connection shows.
         (r"Volta MPS: Device .* is associated$", lambda ts, pid, m: ClientProcessConnected(ts, pid)),
-        (r"Volta MPS: Client disconnected\.", lambda ts, pid, m: _n(ts, pid, "client_context_exit")),
-        (r"Volta MPS: (?:Creating|Destroy) server context", lambda ts, pid, m: _n(ts, pid, "server_context")),
+        (r"Volta MPS: Client disconnected\.", "client_context_exit"),
+        (r"Volta MPS: (?:Creating|Destroy) server context", "server_context"),
     ),
     "Server": _rules(
-        (r"Server failed to rece(?:iv|vi)e command", lambda ts, pid, m: _n(ts, pid, "client_context_exit")),
-        (r"Server was unable to shutdown due to \d+ active clients?$", lambda ts, pid, m: _n(ts, pid, "shutdown_refused")),
-        (r"Server Priority set to", lambda ts, pid, m: _n(ts, pid, "server_config")),
+        ("Server failed to rece", "client_context_exit"),
+        ("Server was unable to shutdown due to ", "shutdown_refused"),
+        (r"Server Priority set to", "server_config"),
     ),
-    "Received": _rules((r"Received new client request", lambda ts, pid, m: _n(ts, pid, "client_request")),),
+    "Received": _rules((r"Received new client request", "client_request"),),
     "Creating": _rules(
-        (r"Creating (?:worker thread|server context)", lambda ts, pid, m: _n(ts, pid, "client_request")),
+        ("Creating worker thread", "client_request"),
+        ("Creating server context", "server_context"),
     ),
-    "Created": _rules((r"Created anonymous shared memory region", lambda ts, pid, m: _n(ts, pid, "server_startup")),),
-    "Destroy": _rules((r"Destroy server context", lambda ts, pid, m: _n(ts, pid, "server_context")),),
-    "Status": _rules((r"Status of client .* is \w+$", lambda ts, pid, m: _n(ts, pid, "client_status")),),
-    "CUDA": _rules((r"CUDA MPS Server for Linux/Unix", lambda ts, pid, m: _n(ts, pid, "server_version")),),
-    "Display": _rules((r"Display Driver version", lambda ts, pid, m: _n(ts, pid, "server_version")),),
-    "Connecting": _rules((r"Connecting to control daemon", lambda ts, pid, m: _n(ts, pid, "server_startup")),),
+    "Created": _rules((r"Created anonymous shared memory region", "server_startup"),),
+    "Destroy": _rules((r"Destroy server context", "server_context"),),
+    "Status": _rules((r"Status of client .* is \w+$", "client_status"),),
+    "CUDA": _rules((r"CUDA MPS Server for Linux/Unix", "server_version"),),
+    "Display": _rules((r"Display Driver version", "server_version"),),
+    "Connecting": _rules((r"Connecting to control daemon", "server_startup"),),
     "MPS": _rules(
-        (r"MPS Server connecting to control daemon", lambda ts, pid, m: _n(ts, pid, "server_startup")),
+        (r"MPS Server connecting to control daemon", "server_startup"),
         (r"MPS is only supported on", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
     ),
-    "All": _rules((r"All clients belonging to error trigg?ing process", lambda ts, pid, m: _n(ts, pid, "fatal_report")),),
+    "All": _rules((r"All clients belonging to error trigg?ing process", "fatal_report"),),
     "Failed": _rules((r"Failed to start\b", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),),
 }
 
@@ -270,22 +293,23 @@ _BARE_NUMBER = re.compile(r"-?\d+")
 
 
 def _parse_server(ts: float, pid: int, msg: str) -> ParseResult:
-    exact = _SERVER_EXACT.get(msg)
-    if exact is not None:
-        return exact(ts, pid)
+    event = _exact(_SERVER_EXACT, ts, pid, msg)
+    if event is not None:
+        return event
     space = msg.find(" ")
     if space < 0 and _BARE_NUMBER.fullmatch(msg):
         return ReportItem(ts, pid, int(msg))
-    for pattern, build in _SERVER_RULES.get(msg[:space] if space > 0 else msg, ()):
-        m = pattern.match(msg)
-        if m:
-            return build(ts, pid, m)
+    rules = _SERVER_RULES.get(msg[:space] if space > 0 else msg)
+    event = _apply_rules(rules, ts, pid, msg) if rules else None
+    if event is not None:
+        return event
     return Unrecognized(ts, pid, "no server rule matched")
 
 
 # ------------------------------------------------------------ the entry
-# `[2026-11-21 04:19:24.641 Control   546] message`: second, milliseconds, role and PID.
-_HEADER = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) ([^\]]*)\] ?").match
+# `[2026-11-21 04:19:24.641 Control   546] message`: second, milliseconds and PID; the
+# role (`Control`, `Server`, `Other`, `Legacy Server`) only has to be there.
+_HEADER = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) +[A-Za-z ]*[A-Za-z] +(-?\d+)\] ?").match
 
 
 def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult:
@@ -295,13 +319,13 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
     m = _HEADER(line)
     if m is None:
         return Unrecognized(None, None, "no header")
-    second, millis, head = m.groups()
-    role, _, pid_text = head.rstrip().rpartition(" ")
+    second, millis, pid_text = m.groups()
     try:
-        if not role.strip():
-            return Unrecognized(None, None, "no role in header")
         pid = int(pid_text)
-        ts = _second_epoch(second, tz) + int(millis) * 0.001
+        if second == _cached_second and tz is _cached_tz:
+            ts = _cached_epoch + int(millis) * 0.001
+        else:
+            ts = _second_epoch(second, tz) + int(millis) * 0.001
     except (ValueError, OverflowError, OSError):  # odd digits, year 0, out-of-range dates
         return Unrecognized(None, None, "bad header")
     msg = line[m.end():].rstrip()

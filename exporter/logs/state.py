@@ -171,6 +171,7 @@ class LogState:
         self._exited_set: Set[int] = set()
         self._orphans: "OrderedDict[int, LogServer]" = OrderedDict()
         self._in_command = False
+        self._last_ts = 0.0  # newest line timestamp (published as last_line_time)
         self._open_reports: Dict[int, str] = {}  # server pid -> topic of the fatal report being read
         self._handlers: Dict[type, Callable[[Any], None]] = {
             DaemonStarted: self._daemon_started, DaemonExited: self._daemon_exited,
@@ -185,22 +186,29 @@ class LogState:
             ClientProcessDisconnected: self._process_disconnected,
             FatalGpuError: self._fatal_error, ReportHeading: self._report_heading,
             ReportItem: self._report_item, ServerExiting: self._server_exiting,
-            ServerStartFailed: self._start_failed, Noise: self._noise,
+            ServerStartFailed: self._start_failed,
         }
 
     # --------------------------------------------------------------- input
     def apply(self, result: ParseResult, file: str) -> None:
+        # The hot path (every line): plain lookups, Noise handled inline.
         s = self.s
         s.lines[file] = s.lines.get(file, 0) + 1
-        if result.ts is not None and (s.last_line_time is None or result.ts > s.last_line_time):
-            s.last_line_time = result.ts
-        if type(result) is Unrecognized:
-            if not (file == "control" and self._in_command and result.ts is not None):
+        kind = type(result)
+        ts = result[0]
+        if kind is Unrecognized:
+            if not (file == "control" and self._in_command and ts is not None):
                 s.unrecognized[file] = s.unrecognized.get(file, 0) + 1
             return
-        if file == "server" and self._open_reports and not _in_report(result):
-            self._open_reports.pop(result.pid, None)
-        handler = self._handlers.get(type(result))
+        if ts > self._last_ts:
+            self._last_ts = ts
+        if self._open_reports and file == "server" and not _in_report(result):
+            self._open_reports.pop(result[1], None)
+        if kind is Noise:
+            if result[2] == "accepting_connection":  # a new connection: any command block is over
+                self._in_command = False
+            return
+        handler = self._handlers.get(kind)
         if handler is not None:
             handler(result)
 
@@ -318,10 +326,6 @@ class LogState:
     def _end_command(self, ev: Any) -> None:
         self._in_command = False
 
-    def _noise(self, ev: Noise) -> None:
-        if ev.kind == "accepting_connection":  # a new connection: any command block is over
-            self._in_command = False
-
     # -------------------------------------------------------- server.log
     def _server(self, pid: int, create: bool) -> Optional[LogServer]:
         """The record of a server control.log announced; with create, announce it."""
@@ -436,7 +440,7 @@ class LogState:
             server_start_failures=s.server_start_failures, fatal_gpu_errors=s.fatal_gpu_errors,
             commands=dict(s.commands), lines=dict(s.lines), unrecognized=dict(s.unrecognized),
             truncated=dict(s.truncated), daemon_pid=s.daemon_pid, daemon_version=s.daemon_version,
-            daemon_running=s.daemon_running, last_line_time=s.last_line_time,
+            daemon_running=s.daemon_running, last_line_time=self._last_ts or None,
         )
 
     # ------------------------------------------------------ persistence
@@ -452,7 +456,7 @@ class LogState:
             "maps": {k: dict(getattr(s, k)) for k in self._COUNTER_MAPS},
             "queue_wait": {r: {"counts": h.counts, "sum": h.total} for r, h in s.queue_wait.items()},
             "daemon": {"pid": s.daemon_pid, "version": s.daemon_version, "running": s.daemon_running,
-                       "last_line_time": s.last_line_time},
+                       "last_line_time": self._last_ts or None},
             "servers": [_server_dict(srv) for srv in self._servers.values()],
             "orphans": [_server_dict(srv) for srv in self._orphans.values()],
             "pending": [[p.pid, p.uid, p.reason, p.pushed_at, p.served_at] for p in self._pending],
@@ -479,7 +483,7 @@ class LogState:
             s.queue_wait[r] = WaitHistogram(counts, float(h["sum"]))
         daemon = d["daemon"]
         s.daemon_pid, s.daemon_version = daemon["pid"], str(daemon["version"])
-        s.daemon_running, s.last_line_time = daemon["running"], daemon["last_line_time"]
+        s.daemon_running, st._last_ts = daemon["running"], float(daemon["last_line_time"] or 0.0)
         st._servers = {int(x["pid"]): _server_from(x) for x in d["servers"]}
         st._orphans = OrderedDict((int(x["pid"]), _server_from(x)) for x in d["orphans"])
         st._pending = [PendingClient(int(a), int(b), str(c), float(e), None if f is None else float(f))
