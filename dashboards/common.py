@@ -87,6 +87,11 @@ def target(expr: str, legend: str = "", instant: bool = False, table: bool = Fal
                   format="table" if table else "time_series")
 
 
+def row_query(expr: str) -> Target:
+    """An instant query in table format: one table row per series."""
+    return target(expr, instant=True, table=True)
+
+
 def _with_ref_ids(targets: Sequence[Target]) -> List[Target]:
     return [attr.evolve(t, refId=chr(ord("A") + i)) for i, t in enumerate(targets)]
 
@@ -133,7 +138,7 @@ def row(title: str) -> RowPanel:
 
 def _layout(panels: Sequence) -> List:
     """Flow panels left to right, top to bottom; a row always starts a new line."""
-    out, x, y, line_height = [], 0, 0, 0
+    x, y, line_height = 0, 0, 0
     for panel in panels:
         w, h = panel.gridPos.w, panel.gridPos.h
         if x + w > GRID_WIDTH or isinstance(panel, RowPanel) and x > 0:

@@ -1,6 +1,6 @@
 """Exporter health: is every collector answering, how long do scrapes take."""
 
-from dashboards.common import build, m, row, table, target, timeseries
+from dashboards.common import build, m, row, row_query, table, target, timeseries
 
 dashboard = build(
     title="MPS / Exporter health",
@@ -37,7 +37,7 @@ dashboard = build(
                    [target(f"sum by (instance, daemon, command) (rate({m('mps_control_commands_total')}"
                            f"[$__rate_interval]))", "{{instance}} {{daemon}} {{command}}")], w=8),
         table("Exporter versions", "Version of each exporter and the Python it runs on.",
-              [target(m("mps_exporter_build_info"), instant=True, table=True)],
+              [row_query(m("mps_exporter_build_info"))],
               units={"Value": "none"}, rename={}, hide=["Value"], h=6),
     ],
 )

@@ -1,6 +1,6 @@
 """GPU overview: how each GPU is shared, how busy its SMs are, memory, power."""
 
-from dashboards.common import build, m, row, table, target, timeseries
+from dashboards.common import build, m, row, row_query, table, target, timeseries
 
 GPU_LEGEND = "{{instance}} GPU {{gpu}}"
 
@@ -13,9 +13,9 @@ dashboard = build(
         table("GPUs",
               "One row per GPU: model, driver, compute mode, MIG mode and how it is shared now "
               "(mps, time_slicing, exclusive, mig or idle), with the number of compute processes.",
-              [target(m("mps_gpu_info"), instant=True, table=True),
-               target(m("mps_gpu_sharing_mode"), instant=True, table=True),
-               target(m("mps_gpu_compute_processes"), instant=True, table=True)],
+              [row_query(m("mps_gpu_info")),
+               row_query(m("mps_gpu_sharing_mode")),
+               row_query(m("mps_gpu_compute_processes"))],
               units={"Value #C": "none"}, rename={"Value #C": "compute processes"},
               hide=["Value #A", "Value #B"], h=7),
         timeseries("Compute processes per GPU",
@@ -46,8 +46,9 @@ dashboard = build(
         timeseries("SM utilization by process",
                    "Per-process SM utilization: for MPS servers (NVML attributes all of their clients' SM time "
                    "to the server) and for processes on GPUs not under MPS.",
-                   "percentunit", [target(m("mps_server_sm_utilization_ratio"), "{{instance}} GPU {{gpu}} MPS server {{server_pid}}"),
-                                   target(m("mps_process_sm_utilization_ratio"), "{{instance}} GPU {{gpu}} pid {{pid}}")],
+                   "percentunit",
+                   [target(m("mps_server_sm_utilization_ratio"), GPU_LEGEND + " MPS server {{server_pid}}"),
+                    target(m("mps_process_sm_utilization_ratio"), GPU_LEGEND + " pid {{pid}}")],
                    w=24, max_one=True),
         row("Memory and power"),
         timeseries("Memory used",

@@ -1,6 +1,7 @@
 """MPS servers and clients: who runs what, with which limits."""
 
-from dashboards.common import CLIENT_INFO_JOIN, SERVER_INFO_JOIN, build, m, row, stat, table, target, timeseries
+from dashboards.common import (CLIENT_INFO_JOIN, SERVER_INFO_JOIN, build, m, row, row_query, stat, table, target,
+                               timeseries)
 
 SERVER_LEGEND = "{{instance}} {{daemon}} server {{server_pid}} ({{user}})"
 
@@ -13,16 +14,18 @@ dashboard = build(
         row("Control daemons"),
         stat("Daemons up", "Watched MPS control daemons that answered a control command in the last scrape.",
              "none", [target(f"sum({m('mps_control_daemon_up')})")]),
-        stat("Servers", "MPS servers running now, over the selected daemons.", "none", [target(f"count({m('mps_server_info')})")]),
-        stat("Clients", "MPS client processes connected now, over the selected daemons.", "none", [target(f"count({m('mps_client_info')})")]),
+        stat("Servers", "MPS servers running now, over the selected daemons.", "none",
+             [target(f"count({m('mps_server_info')})")]),
+        stat("Clients", "MPS client processes connected now, over the selected daemons.", "none",
+             [target(f"count({m('mps_client_info')})")]),
         stat("Default active thread share",
              "get_default_active_thread_percentage / 100: the SM share new servers give each client.",
              "percentunit", [target(m("mps_default_active_thread_ratio"))]),
         table("Daemons",
               "One row per watched control daemon: MPS version, pipe and log directories, default limits.",
-              [target(m("mps_control_daemon_info"), instant=True, table=True),
-               target(m("mps_default_active_thread_ratio"), instant=True, table=True),
-               target(m("mps_default_pinned_memory_limit_bytes"), instant=True, table=True)],
+              [row_query(m("mps_control_daemon_info")),
+               row_query(m("mps_default_active_thread_ratio")),
+               row_query(m("mps_default_pinned_memory_limit_bytes"))],
               units={"Value #B": "percentunit", "Value #C": "bytes"},
               rename={"Value #B": "default thread share", "Value #C": "default pinned limit"},
               hide=["Value #A"], h=5),
@@ -30,12 +33,12 @@ dashboard = build(
         table("Servers",
               "One row per MPS server: its user, status (ACTIVE, INITIALIZING, FAULT), clients, active thread "
               "share, own device memory and uptime.",
-              [target(m("mps_server_info"), instant=True, table=True),
-               target(m("mps_server_status"), instant=True, table=True),
-               target(m("mps_server_clients"), instant=True, table=True),
-               target(m("mps_server_active_thread_ratio"), instant=True, table=True),
-               target(f"sum without(gpu, uuid) ({m('mps_server_memory_used_bytes')})", instant=True, table=True),
-               target(f"time() - {m('mps_server_start_time_seconds')}", instant=True, table=True)],
+              [row_query(m("mps_server_info")),
+               row_query(m("mps_server_status")),
+               row_query(m("mps_server_clients")),
+               row_query(m("mps_server_active_thread_ratio")),
+               row_query(f"sum without(gpu, uuid) ({m('mps_server_memory_used_bytes')})"),
+               row_query(f"time() - {m('mps_server_start_time_seconds')}")],
               units={"Value #C": "none", "Value #D": "percentunit", "Value #E": "bytes", "Value #F": "s"},
               rename={"Value #C": "clients", "Value #D": "thread share", "Value #E": "server memory",
                       "Value #F": "uptime"},
@@ -50,13 +53,13 @@ dashboard = build(
         table("Clients",
               "One row per MPS client and GPU: user, command, container and pod, device memory against the "
               "pinned limit that applies to it, and its active thread share.",
-              [target(m("mps_client_info"), instant=True, table=True),
-               target(m("mps_client_memory_used_bytes"), instant=True, table=True),
-               target(m("mps_client_pinned_memory_limit_bytes"), instant=True, table=True),
-               target(f"{m('mps_client_memory_used_bytes')} / on(job, instance, daemon, pid, gpu) group_left "
-                      f"{m('mps_client_pinned_memory_limit_bytes')}", instant=True, table=True),
-               target(m("mps_client_active_thread_ratio"), instant=True, table=True),
-               target(f"time() - {m('mps_client_start_time_seconds')}", instant=True, table=True)],
+              [row_query(m("mps_client_info")),
+               row_query(m("mps_client_memory_used_bytes")),
+               row_query(m("mps_client_pinned_memory_limit_bytes")),
+               row_query(f"{m('mps_client_memory_used_bytes')} / on(job, instance, daemon, pid, gpu) group_left "
+                      f"{m('mps_client_pinned_memory_limit_bytes')}"),
+               row_query(m("mps_client_active_thread_ratio")),
+               row_query(f"time() - {m('mps_client_start_time_seconds')}")],
               units={"Value #B": "bytes", "Value #C": "bytes", "Value #D": "percentunit", "Value #E": "percentunit",
                      "Value #F": "s"},
               rename={"Value #B": "memory", "Value #C": "pinned limit", "Value #D": "memory / limit",

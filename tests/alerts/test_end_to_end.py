@@ -32,7 +32,7 @@ import urllib.request
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List
+from typing import Iterator, List
 
 import pytest
 import yaml
@@ -231,15 +231,6 @@ class RecordedNode:
 
 
 # ------------------------------------------------------------------ the test
-def _wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_alerts_reach_the_receiver_and_dashboards_have_data(tmp_path):
     rules = tmp_path / "rules.yml"
     rules.write_text(generate.prometheus_rules(for_override=FOR))
