@@ -103,16 +103,24 @@ def _render_gpu(out: FamilyBuilder, gpu: GpuReading, driver: str, server_pids: s
     out.add("mps_gpu_sharing_mode", 1, **g, mode=mode)
     out.add("mps_gpu_compute_processes", len(gpu.compute_processes), **g)
     if mode != "mps":  # under MPS NVML gives all SM time to the server: no per-client number
-        for sample in _latest_utilization(gpu).values():
-            out.add("mps_process_sm_utilization_ratio", sample.sm_ratio, **g, pid=str(sample.pid))
+        for pid, ratio in sm_utilization(gpu).items():
+            out.add("mps_process_sm_utilization_ratio", ratio, **g, pid=str(pid))
 
 
-def _latest_utilization(gpu: GpuReading) -> Dict[int, Any]:
+def sm_utilization(gpu: GpuReading) -> Dict[int, float]:
+    """Per compute process: its newest SM utilization sample since the last scrape.
+
+    NVML returns samples only for processes that used the SMs, so a process on
+    the GPU without a new sample was idle over the interval: 0, not absent
+    (absent would make its series flap between scrapes).
+    """
     latest: Dict[int, Any] = {}
     for s in gpu.process_utilization:
         if s.pid not in latest or s.timestamp_us > latest[s.pid].timestamp_us:
             latest[s.pid] = s
-    return latest
+    ratios = {p.pid: 0.0 for p in gpu.compute_processes}
+    ratios.update({pid: s.sm_ratio for pid, s in latest.items()})
+    return ratios
 
 
 # ---------------------------------------------------------------- daemons
@@ -140,6 +148,7 @@ def _render_daemon(out: FamilyBuilder, d: DaemonReading, gpus: List[GpuReading],
         for pid, ls in log_servers.items():
             if getattr(ls, "running", False) and pid not in servers:
                 servers[pid] = ServerFacts(pid=pid, status=None)
+    utilization = {gpu.index: sm_utilization(gpu) for gpu in gpus}
     server_atp: Dict[int, Optional[float]] = {}
     server_limits: Dict[int, Dict[int, int]] = {}
     for pid, s in sorted(servers.items()):
@@ -168,9 +177,7 @@ def _render_daemon(out: FamilyBuilder, d: DaemonReading, gpus: List[GpuReading],
             for p in gpu.compute_processes:
                 if p.pid == pid:
                     out.add("mps_server_memory_used_bytes", p.used_bytes, **sp, **g)
-            util = _latest_utilization(gpu).get(pid)
-            if util is not None:
-                out.add("mps_server_sm_utilization_ratio", util.sm_ratio, **sp, **g)
+            out.add("mps_server_sm_utilization_ratio", utilization[gpu.index].get(pid), **sp, **g)
 
     # Clients: rows of `ps`, plus NVML MPS clients no daemon listed when this is the only daemon.
     ps_rows = {c.pid: c for c in d.clients}

@@ -182,3 +182,14 @@ def test_per_process_utilization_without_mps():
     r = samples(snapshot(nvml=NvmlReading("580", [gpu]), daemons=[]))
     assert value(r, "mps_process_sm_utilization_ratio", pid="5") == 0.6  # the newest sample
     assert value(r, "mps_process_sm_utilization_ratio", pid="6") == 0.3
+
+
+def test_process_without_a_new_sample_was_idle():
+    # 6 has no sample since the last scrape: NVML lists only processes that used the SMs.
+    gpu = busy_gpu(mps_clients=[], compute_processes=[ProcessMemory(5, 1), ProcessMemory(6, 1)],
+                   process_utilization=[ProcessUtilization(5, 0.4, 10)])
+    r = samples(snapshot(nvml=NvmlReading("580", [gpu]), daemons=[]))
+    assert value(r, "mps_process_sm_utilization_ratio", pid="6") == 0.0
+    # the same for the MPS server: an idle server reads 0, its series does not vanish
+    r = samples(snapshot(nvml=NvmlReading("580", [busy_gpu(process_utilization=[])])))
+    assert value(r, "mps_server_sm_utilization_ratio", server_pid="1589", gpu="0") == 0.0
