@@ -155,7 +155,7 @@ class NvmlSource:
         mode = int(nvml.nvmlDeviceGetComputeMode(handle))
         gpu.compute_mode = COMPUTE_MODES.get(mode, f"unknown_{mode}")
         gpu.mig_enabled = self._mig_enabled(nvml, handle)
-        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        memory = self._memory_info(nvml, handle)
         gpu.memory_total_bytes = int(memory.total)
         gpu.memory_used_bytes = int(memory.used)
         rates = nvml.nvmlDeviceGetUtilizationRates(handle)
@@ -163,6 +163,22 @@ class NvmlSource:
         gpu.memory_utilization_ratio = _ratio(rates.memory)
         gpu.compute_processes = self._processes(nvml, "nvmlDeviceGetComputeRunningProcesses", handle)
         gpu.mps_clients = self._processes(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", handle)
+
+    @staticmethod
+    def _memory_info(nvml: Any, handle: Any) -> Any:
+        """Memory as nvidia-smi shows it: the v2 call, whose `used` leaves out what the
+        driver reserves. On the H200 (driver 580) v1 said 14236 MiB used where v2 and
+        nvidia-smi said 13621 (shared/captures, nvml_busy.json); v1 where v2 is missing."""
+        version = getattr(nvml, "nvmlMemory_v2", None)
+        if version is not None:
+            try:
+                return nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            except nvml.NVMLError as e:
+                fallback = [getattr(nvml, name, None) for name in (
+                    "NVML_ERROR_FUNCTION_NOT_FOUND", "NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_ARGUMENT_VERSION_MISMATCH")]
+                if e.value not in fallback:
+                    raise
+        return nvml.nvmlDeviceGetMemoryInfo(handle)
 
     @staticmethod
     def _processes(nvml: Any, function: str, handle: Any) -> List[ProcessMemory]:

@@ -1,0 +1,111 @@
+"""Record the shipped replay bundle: `mps-exporter capture` during a scripted MPS session.
+
+    python3 tests/gpu/record_bundle.py --work /tmp/bundle --out DIR [--duration 75]
+
+On a GPU machine (root, PyTorch, MPS binaries, `mps_exporter` importable). The
+capture starts before the control daemon, so the bundle shows it coming up.
+Scenarios, in order: MPS starts with its own pipe and log directories; three
+clients with 2, 8 and 1 GiB; a client of uid 1500 queued behind uid 0's server
+and admitted once that drains; a client near its own pinned memory limit
+beside one without; a fatal GPU error beside a bystander; quit. The timeline
+(wall clock, same clock as the logs) is written next to the bundle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import oracles  # noqa: E402
+from truth_check import SECOND_UID, Session, run, wait_for  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default="/tmp/mps-bundle")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--duration", type=float, default=90)
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    s = Session(work, len(run(["nvidia-smi", "-L"]).strip().splitlines()))
+    capture = subprocess.Popen(
+        [sys.executable, "-m", "mps_exporter.cli", "capture", "--out", str(out), "--duration", str(args.duration),
+         "--interval", "1", "--mps.pipe-directory", str(s.pipe), "--mps.log-directory", str(s.logdir)],
+        stdout=open(work / "capture.log", "w"), stderr=subprocess.STDOUT, cwd="/tmp",
+        env={k: v for k, v in s.env.items() if not k.startswith("CUDA_MPS_")})
+    started = time.time()
+    try:
+        s.mark("capture started (no control daemon yet)")
+        time.sleep(3)
+        s.mark("nvidia-cuda-mps-control -d")
+        s.start_daemon()
+        time.sleep(2)
+        s.mark("three clients: 2, 8 and 1 GiB (uid 0)")
+        mixed = [s.client("a", 2), s.client("b", 8), s.client("c", 1, n=4096)]
+        s.wait_ready(mixed, 60)
+        s.mark("three clients ready")
+        time.sleep(4)
+        s.mark("clients a, b stop; c holds the uid 0 server")
+        s.stop(mixed[:2])
+        s.mark("uid 1500 client arrives: queued behind uid 0's server")
+        second = s.client("q_user", 0.5, uid=SECOND_UID)
+        wait_for(lambda: any(w.client_pid == second.pid for w in oracles.queue_waits(s.control_log())), 60)
+        s.mark(f"uid 1500 client {second.pid} pushed to the pending list")
+        time.sleep(5)
+        s.mark("client c stops: the uid 0 server drains, uid 1500's server starts")
+        s.stop(mixed[2:])
+        s.wait_ready([second], 60)
+        s.mark("uid 1500 client admitted and ready")
+        time.sleep(2)
+        s.stop([second])
+        s.mark("uid 1500 client done; shutdown_server of its server")
+        s.shutdown_servers()
+        s.mark("client near its own pinned limit (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2G, holds 1.25 GiB) "
+               "and one without a limit (1 GiB)")
+        near = s.client("near", 1.25, env={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G",
+                                            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"})
+        plain = s.client("plain", 1)
+        s.wait_ready([near, plain], 60)
+        s.mark("near-limit and plain clients ready")
+        time.sleep(4)
+        s.stop([near, plain])
+        s.mark("fault: bystander (1 GiB) and fault.py")
+        bystander = s.client("bystander", 1)
+        s.wait_ready([bystander], 60)
+        fault = s.run_script("fault", "fault.py")
+        fault.proc.wait(60)
+        s.mark("fault.py exited")
+        time.sleep(3)
+        s.stop([bystander])
+        s.mark("quit")
+        s.quit()
+        s.mark("daemon gone")
+        capture.wait(max(5, args.duration - (time.time() - started) + 30))
+    finally:
+        s.kill_all()
+        s.quit()
+        if capture.poll() is None:
+            capture.terminate()  # SIGTERM: capture writes what it has
+            capture.wait(20)
+        (out / "timeline.json").write_text(json.dumps({
+            "timeline": s.timeline,
+            "client outputs": {c.tag: c.text().strip()[-300:] for c in s.clients},
+            "client pids": {c.tag: c.pid for c in s.clients},
+        }, indent=1))
+        shutil.copy(work / "capture.log", out / "capture.log")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/bin/bash
+# On the lent GPU machine, from the repository root:
+#   bash tests/gpu/run_device.sh NAME "TITLE" [bundle]
+# Runs the truth check (and, with "bundle", records the replay bundle after it),
+# then packs everything into $OUT/results.tgz (one file: at most 8 come back).
+# Whatever happens, every MPS control daemon this script started is told to quit.
+set -u
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+NAME=${1:-single-h200}; TITLE=${2:-Truth check on one NVIDIA H200}; BUNDLE=${3:-}
+R=/tmp/results; rm -rf $R; mkdir -p $R
+quit_all() {
+  for d in /tmp/mps-truth/pipe /tmp/mps-bundle/pipe; do
+    [ -d $d ] && echo quit | CUDA_MPS_PIPE_DIRECTORY=$d timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1
+  done
+  for w in /tmp/mps-truth /tmp/mps-bundle; do
+    [ -d $w ] && mkdir -p $R/$(basename $w) && cp -r $w/log $w/clients $w/*.log $R/$(basename $w)/ 2>/dev/null
+  done
+  tar czf ${OUT:-/tmp}/results.tgz -C /tmp results
+}
+trap quit_all EXIT
+# mps_exporter importable from the checkout; wheels the image lacks (bcrypt) from .whl/
+mkdir -p /tmp/pkg && ln -sfn $REPO/exporter /tmp/pkg/mps_exporter
+if ls $REPO/.whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $REPO/.whl/*.whl
+fi
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
+id mpsuser >/dev/null 2>&1 || useradd -M -u 1500 mpsuser
+{ nvidia-smi; nvidia-smi -q -d COMPUTE | grep -i mode; python3 -c 'import sys, pynvml, prometheus_client, yaml, bcrypt, torch; print(sys.version, pynvml.__file__, torch.__version__)'; } > $R/env.txt 2>&1
+cat $R/env.txt
+python3 $REPO/tests/gpu/truth_check.py --work /tmp/mps-truth --report-dir $R/reports --name "$NAME" --title "$TITLE" 2>&1 | tee $R/truth_check.out
+if [ "$BUNDLE" = bundle ]; then
+  python3 $REPO/tests/gpu/record_bundle.py --work /tmp/mps-bundle --out $R/bundle --duration 90 2>&1 | tee $R/bundle.out
+  ls -la $R/bundle
+fi

@@ -1,0 +1,768 @@
+"""The truth check: the exporter against live MPS on a real GPU, every number
+compared with its oracle while it happens.
+
+    python3 tests/gpu/truth_check.py --work /tmp/tc --report-dir DIR [--title ...]
+
+Needs root, NVIDIA GPUs, the MPS binaries, PyTorch and `mps_exporter`
+importable (see run_device.sh). It starts its own MPS control daemon (pipe and
+log directories under --work), the exporter pointed at it on a local port, and
+CUDA clients (workloads/); it quits MPS at the end whatever failed. Phases:
+
+  idle      daemon up, no server; scrape latency with 0 clients
+  mixed     clients of 2, 8 and 1 GiB (spread over the GPUs); 3 busy clients
+  many      32 clients at once; 30 busy clients
+  queue     a uid-1500 client queued behind the root server, then admitted
+  limits    daemon defaults, per-server limits, clients' own env limits,
+            a client near its limit, clients over their limit
+  fault     a client that hits a fatal GPU error beside a bystander
+  quit      the daemon quits; the log counters against the whole logs
+
+Each comparison goes into the report (name, expected, actual, passed); the
+JSON and a Markdown summary are written to --report-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import oracles  # noqa: E402
+from oracles import MIB, Samples  # noqa: E402
+from report import Report  # noqa: E402
+from scrape import Exposition, scrape  # noqa: E402
+
+WORKLOADS = HERE / "workloads"
+SECOND_UID = 1500
+FACTS_REFRESH = 5.0  # --mps.facts-refresh of the exporter: defaults set mid-run show up after this
+LOG_SETTLE = 1.0  # the log pipeline polls every 0.25 s; wait this long before comparing log numbers
+GiB = 2**30
+
+
+# ====================================================================== machine side
+@dataclass
+class Client:
+    tag: str
+    proc: subprocess.Popen
+    ready: Path
+    stop: Path
+    output: Path
+    device: int
+    mem_gib: float
+    env: Dict[str, str] = field(default_factory=dict)
+    uid: int = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def is_ready(self) -> bool:
+        return self.ready.exists() and self.ready.stat().st_size > 0
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace") if self.output.exists() else ""
+
+
+class Session:
+    def __init__(self, work: Path, gpus: int) -> None:
+        self.work = work
+        self.gpus = gpus
+        self.pipe, self.logdir = work / "pipe", work / "log"
+        self.ready_dir, self.out_dir, self.scripts = work / "ready", work / "clients", work / "workloads"
+        for d in (self.pipe, self.logdir, self.ready_dir, self.out_dir):
+            d.mkdir(parents=True, exist_ok=True)
+            d.chmod(0o777)
+        work.chmod(0o755)
+        # The second user must read the scripts: copy them out of the (maybe private) checkout.
+        shutil.copytree(WORKLOADS, self.scripts, dirs_exist_ok=True)
+        for p in [self.scripts, *self.scripts.iterdir()]:
+            p.chmod(0o755)
+        self.env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(self.pipe), CUDA_MPS_LOG_DIRECTORY=str(self.logdir),
+                        PYTHONUNBUFFERED="1")
+        self.clients: List[Client] = []
+        self.timeline: List[str] = []
+
+    def mark(self, text: str) -> None:
+        line = f"{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')[:-3]} {text}"
+        self.timeline.append(line)
+        print(f"### {line}", flush=True)
+
+    # ------------------------------------------------------------- control
+    def ctl(self, command: str, timeout: float = 10) -> str:
+        r = subprocess.run(["nvidia-cuda-mps-control"], input=command + "\n", capture_output=True, text=True,
+                           env=self.env, timeout=timeout)
+        return r.stdout + r.stderr
+
+    def servers(self) -> List[int]:
+        return oracles.parse_pids(self.ctl("get_server_list"))
+
+    def client_lists(self) -> Dict[int, List[int]]:
+        return {s: oracles.parse_pids(self.ctl(f"get_client_list {s}")) for s in self.servers()}
+
+    def start_daemon(self) -> str:
+        r = subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True, text=True, env=self.env, timeout=20)
+        wait_for(lambda: (self.logdir / "control.log").exists(), 10)
+        return r.stdout + r.stderr + f"rc={r.returncode}"
+
+    def daemon_running(self) -> bool:
+        for comm, args in processes():
+            if comm.startswith("nvidia-cuda-mps") and "-d" in args and "control" in args:
+                return True
+        return False
+
+    def quit(self) -> str:
+        out = self.ctl("quit") if self.daemon_running() else "(no daemon)"
+        wait_for(lambda: not self.daemon_running(), 20)
+        return out
+
+    def shutdown_servers(self) -> None:
+        for s in self.servers():
+            self.ctl(f"shutdown_server {s}")
+        wait_for(lambda: not self.servers(), 30)
+
+    # -------------------------------------------------------------- clients
+    def client(self, tag: str, mem_gib: float, device: int = 0, env: Optional[Dict[str, str]] = None,
+               uid: int = 0, n: int = 2048, idle: bool = False) -> Client:
+        ready, stop, output = self.ready_dir / f"{tag}.ready", self.ready_dir / f"{tag}.stop", self.out_dir / f"{tag}.txt"
+        for p in (ready, stop):
+            p.unlink(missing_ok=True)
+        argv = [sys.executable, str(self.scripts / "gpu_client.py"), str(mem_gib), "--ready", str(ready),
+                "--stop", str(stop), "--device", str(device), "--n", str(n), "--max-seconds", "240"]
+        if idle:
+            argv.append("--idle")
+        if uid:
+            argv = [sys.executable, str(self.scripts / "runas.py"), str(uid), *argv]
+        full_env = dict(self.env, TAG=tag, **(env or {}))
+        with open(output, "w") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd="/tmp")
+        c = Client(tag, proc, ready, stop, output, device, mem_gib, dict(env or {}), uid)
+        self.clients.append(c)
+        return c
+
+    def run_script(self, tag: str, script: str, env: Optional[Dict[str, str]] = None) -> Client:
+        output = self.out_dir / f"{tag}.txt"
+        with open(output, "w") as f:
+            proc = subprocess.Popen([sys.executable, str(self.scripts / script)], stdout=f, stderr=subprocess.STDOUT,
+                                    env=dict(self.env, TAG=tag, **(env or {})), cwd="/tmp")
+        c = Client(tag, proc, Path("/nonexistent"), Path("/nonexistent"), output, 0, 0.0)
+        self.clients.append(c)
+        return c
+
+    def wait_ready(self, clients: List[Client], timeout: float) -> List[Client]:
+        """Clients that neither said ready nor exited within `timeout`."""
+        wait_for(lambda: all(c.is_ready() or c.proc.poll() is not None for c in clients), timeout)
+        return [c for c in clients if not c.is_ready()]
+
+    def stop(self, clients: List[Client], timeout: float = 60) -> None:
+        for c in clients:
+            c.stop.touch()
+        deadline = time.time() + timeout
+        for c in clients:
+            try:
+                c.proc.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+    def kill_all(self) -> None:
+        for c in self.clients:
+            if c.proc.poll() is None:
+                c.proc.kill()
+        for c in self.clients:
+            try:
+                c.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # -------------------------------------------------------------- oracles
+    def smi_gpus(self) -> List[oracles.SmiGpu]:
+        return oracles.parse_smi_gpus(run(["nvidia-smi", "--query-gpu=index,uuid,memory.total,memory.used",
+                                           "--format=csv,noheader,nounits"]))
+
+    def smi_apps(self) -> Dict[tuple, int]:
+        return oracles.parse_smi_apps(run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory",
+                                           "--format=csv,noheader,nounits"]))
+
+    def control_log(self) -> List[oracles.LogLine]:
+        return oracles.parse_log(read(self.logdir / "control.log"))
+
+    def server_log(self) -> List[oracles.LogLine]:
+        return oracles.parse_log(read(self.logdir / "server.log"))
+
+
+def run(argv: List[str], timeout: float = 30) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout).stdout
+
+
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+def processes():
+    """(comm, cmdline) of every process, from /proc."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                comm = read(Path("/proc", entry, "comm")).strip()
+                args = Path("/proc", entry, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            yield comm, args
+
+
+def ps_uid_user(pid: int) -> tuple:
+    """(uid, user) from the owner of /proc/PID and the passwd database: an oracle apart
+    from the exporter's /proc/PID/status reader."""
+    import pwd
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return ("", "")
+    try:
+        return (str(uid), pwd.getpwuid(uid).pw_name)
+    except KeyError:
+        return (str(uid), str(uid))
+
+
+def cpu_seconds(pid: int) -> Dict[str, float]:
+    """utime+stime of the process and of its reaped children (its control processes)."""
+    fields = read(Path(f"/proc/{pid}/stat")).rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return {"self": (int(fields[11]) + int(fields[12])) / tick, "children": (int(fields[13]) + int(fields[14])) / tick}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ====================================================================== the check
+class TruthCheck:
+    def __init__(self, s: Session, report: Report) -> None:
+        self.s, self.r = s, report
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self.exporter: Optional[subprocess.Popen] = None
+        self.raw = None  # rawcost.RawScrape, made once NVML is known to work
+        self.perf: Dict[str, dict] = {}
+        self.idle_cpu_rate: Dict[str, float] = {}
+
+    # ------------------------------------------------------------ helpers
+    def phase(self, name: str) -> None:
+        self.r.phase = name
+        self.s.mark(f"phase {name}")
+
+    def start_exporter(self) -> None:
+        log = open(self.s.work / "exporter.log", "w")
+        argv = [sys.executable, "-m", "mps_exporter.cli", "serve", "--mps.pipe-directory", str(self.s.pipe),
+                "--mps.log-directory", str(self.s.logdir), "--web.listen-address", f"127.0.0.1:{self.port}",
+                "--mps.facts-refresh", str(FACTS_REFRESH), "--log.level", "info"]
+        env = {k: v for k, v in self.s.env.items() if not k.startswith("CUDA_MPS_")}
+        self.exporter = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/tmp")
+
+        def answers() -> bool:
+            try:
+                scrape(self.url, timeout=5)
+                return True
+            except OSError:
+                return False
+        if not wait_for(answers, 30, 0.2):
+            raise RuntimeError("exporter did not answer: " + read(self.s.work / "exporter.log")[-2000:])
+
+    def scrape(self) -> Exposition:
+        return scrape(self.url)
+
+    def stable_state(self, attempts: int = 4):
+        """Oracles, a scrape, oracles again; retried until the oracles agree before and after."""
+        for _ in range(attempts):
+            before = (self.s.client_lists(), self.s.smi_apps(), self.s.smi_gpus())
+            e = self.scrape()
+            after = (self.s.client_lists(), self.s.smi_apps(), self.s.smi_gpus())
+            same_gpu_mem = all(abs(a.memory_used_mib - b.memory_used_mib) <= 1 for a, b in zip(before[2], after[2]))
+            if before[0] == after[0] and before[1] == after[1] and same_gpu_mem:
+                return before[0], before[1], before[2], e, True
+            time.sleep(1)
+        return after[0], after[1], after[2], e, False
+
+    # ----------------------------------------------- state comparisons
+    def compare_state(self, label: str, expect_clients: List[Client] = ()) -> Exposition:
+        lists, apps, gpus, e, stable = self.stable_state()
+        r = self.r
+        if not stable:
+            r.facts.setdefault("unstable", []).append(label)
+        servers = set(lists)
+        clients = {c for cs in lists.values() for c in cs}
+        r.check(f"{label}: server set = get_server_list", sorted(servers),
+                sorted(int(p) for p in e.label_set("mps_server_info", "server_pid")))
+        r.check(f"{label}: client set = union of get_client_list", sorted(clients),
+                sorted(int(p) for p in e.label_set("mps_client_info", "pid")))
+        if expect_clients:
+            r.check_true(f"{label}: every launched client is listed by the daemon", sorted(c.pid for c in expect_clients),
+                         sorted(clients), {c.pid for c in expect_clients} <= clients)
+        r.check(f"{label}: mps_server_clients = len(get_client_list) per server",
+                {str(s): len(cs) for s, cs in lists.items()},
+                {x.labels["server_pid"]: int(x.value) for x in e.series("mps_server_clients")})
+        owner = {str(c): str(s) for s, cs in lists.items() for c in cs}
+        r.check(f"{label}: client -> server (mps_client_info server_pid)", owner,
+                {x.labels["pid"]: x.labels["server_pid"] for x in e.series("mps_client_info")})
+        status = {str(s): self.s.ctl(f"get_server_status {s}").strip() for s in servers}
+        r.check(f"{label}: mps_server_status = get_server_status", status,
+                {x.labels["server_pid"]: x.labels["status"] for x in e.series("mps_server_status")})
+        # memory: clients and servers against nvidia-smi --query-compute-apps, by (GPU uuid, pid)
+        exp_mem = {f"{pid}@{uuid[:12]}": mib for (uuid, pid), mib in apps.items() if pid in clients}
+        act_mem = {f"{x.labels['pid']}@{x.labels['uuid'][:12]}": x.value / MIB
+                   for x in e.series("mps_client_memory_used_bytes")}
+        worst = max([abs(exp_mem[k] - act_mem.get(k, float("inf"))) for k in exp_mem] or [0.0])
+        r.check_true(f"{label}: per-client memory = nvidia-smi compute-apps (within 1 MiB, {len(exp_mem)} clients)",
+                     exp_mem, act_mem, set(exp_mem) == set(act_mem) and worst <= 1.0, note=f"largest difference {worst:.2f} MiB")
+        exp_srv = {f"{pid}@{uuid[:12]}": mib for (uuid, pid), mib in apps.items() if pid in servers}
+        act_srv = {f"{x.labels['server_pid']}@{x.labels['uuid'][:12]}": x.value / MIB
+                   for x in e.series("mps_server_memory_used_bytes")}
+        worst = max([abs(exp_srv[k] - act_srv.get(k, float("inf"))) for k in exp_srv] or [0.0])
+        r.check_true(f"{label}: per-server memory = nvidia-smi compute-apps (within 1 MiB)", exp_srv, act_srv,
+                     set(exp_srv) == set(act_srv) and worst <= 1.0, note=f"largest difference {worst:.2f} MiB")
+        self.compare_gpus(label, e, gpus, apps)
+        uids = {str(c): ps_uid_user(c)[0] for c in sorted(clients)}
+        r.check(f"{label}: client uid = owner of /proc/PID", uids, {x.labels["pid"]: x.labels["uid"] for x in e.series("mps_client_info")})
+        suids = {str(sv): ps_uid_user(sv)[0] for sv in sorted(servers)}
+        r.check(f"{label}: server uid = owner of /proc/PID", suids,
+                {x.labels["server_pid"]: x.labels["uid"] for x in e.series("mps_server_info")})
+        return e
+
+    def compare_gpus(self, label: str, e: Exposition, gpus: List[oracles.SmiGpu], apps: Dict[tuple, int]) -> None:
+        r = self.r
+        r.check(f"{label}: GPU set = nvidia-smi", sorted(g.uuid for g in gpus), sorted(e.label_set("mps_gpu_up", "uuid")))
+        for g in gpus:
+            lab = {"gpu": str(g.index), "uuid": g.uuid}
+            r.check(f"{label}: GPU {g.index} memory total (MiB) = nvidia-smi", g.memory_total_mib,
+                    _mib(e.value("mps_gpu_memory_total_bytes", **lab)), tolerance=1.0)
+            r.check(f"{label}: GPU {g.index} memory used (MiB) = nvidia-smi", g.memory_used_mib,
+                    _mib(e.value("mps_gpu_memory_used_bytes", **lab)), tolerance=1.0)
+            r.check(f"{label}: GPU {g.index} compute processes = nvidia-smi compute-apps rows",
+                    sum(1 for (uuid, _pid) in apps if uuid == g.uuid), e.value("mps_gpu_compute_processes", **lab))
+
+    # ---------------------------------------------------------- performance
+    def measure(self, level: str, rounds: int = 80) -> None:
+        """Scrape latency against the raw cost of the same NVML and control calls, interleaved."""
+        if self.raw is None:
+            import rawcost
+            self.raw = rawcost.RawScrape(str(self.s.pipe), str(self.s.logdir), FACTS_REFRESH)
+            self.raw.once()  # first read: GPM has no interval yet, version asked once
+        scrapes, raws, raw_nvml, raw_ctl = Samples(), Samples(), Samples(), Samples()
+        durations: Dict[str, Samples] = {}
+        cpu0, t0 = cpu_seconds(self.exporter.pid), time.time()
+        for _ in range(rounds):
+            cost = self.raw.once()
+            raws.add(cost["total"])
+            raw_nvml.add(cost["nvml"])
+            raw_ctl.add(cost["control"])
+            e = self.scrape()
+            scrapes.add(e.seconds)
+            for x in e.series("mps_exporter_collector_duration_seconds"):
+                durations.setdefault(x.labels["collector"], Samples()).add(x.value)
+            time.sleep(0.05)
+        cpu1, elapsed = cpu_seconds(self.exporter.pid), time.time() - t0
+        background = self.idle_cpu_rate.get("self", 0.0) * elapsed
+        result = {
+            "rounds": rounds, "clients": len([c for c in self.s.clients if c.proc.poll() is None]),
+            "scrape_p50_ms": 1e3 * scrapes.p(50), "scrape_p99_ms": 1e3 * scrapes.p(99),
+            "raw_p50_ms": 1e3 * raws.p(50), "raw_p99_ms": 1e3 * raws.p(99),
+            "raw_nvml_p50_ms": 1e3 * raw_nvml.p(50), "raw_control_p50_ms": 1e3 * raw_ctl.p(50),
+            "raw_nvml_calls": cost["nvml_calls"], "raw_control_calls": cost["control_calls"],
+            "cpu_ms_per_scrape": 1e3 * (cpu1["self"] - cpu0["self"]) / rounds,
+            "cpu_ms_per_scrape_minus_idle": 1e3 * (cpu1["self"] - cpu0["self"] - background) / rounds,
+            "children_cpu_ms_per_scrape": 1e3 * (cpu1["children"] - cpu0["children"]) / rounds,
+            "collector_p50_ms": {k: 1e3 * v.p(50) for k, v in durations.items()},
+        }
+        result["ratio_p50"] = result["scrape_p50_ms"] / result["raw_p50_ms"]
+        result["ratio_p99"] = result["scrape_p99_ms"] / result["raw_p99_ms"]
+        goal = result["raw_p99_ms"] * 1.2 + 5
+        self.perf[level] = result
+        self.r.check_true(f"perf {level}: scrape p99 <= raw p99 x 1.2 + 5 ms", round(goal, 2),
+                          round(result["scrape_p99_ms"], 2), result["scrape_p99_ms"] <= goal,
+                          note=f"p50 {result['scrape_p50_ms']:.2f} ms vs raw {result['raw_p50_ms']:.2f} ms")
+
+    def measure_idle_cpu(self, seconds: float = 4.0) -> None:
+        c0 = cpu_seconds(self.exporter.pid)
+        time.sleep(seconds)
+        c1 = cpu_seconds(self.exporter.pid)
+        self.idle_cpu_rate = {k: (c1[k] - c0[k]) / seconds for k in c0}
+        self.r.facts["exporter_idle_cpu_seconds_per_second"] = self.idle_cpu_rate
+
+    # ------------------------------------------------------------------ phases
+    def phase_idle(self) -> None:
+        self.phase("idle")
+        s, r = self.s, self.r
+        e = self.scrape()
+        r.check("daemon up (get_server_list answers)", 1, e.value("mps_control_daemon_up", daemon="default"))
+        r.check("idle: server set = get_server_list", s.servers(),
+                sorted(int(p) for p in e.label_set("mps_server_info", "server_pid")))
+        atp = s.ctl("get_default_active_thread_percentage")
+        r.facts["reply get_default_active_thread_percentage (none set)"] = atp
+        r.facts["reply get_default_device_pinned_mem_limit 0 (none set)"] = s.ctl("get_default_device_pinned_mem_limit 0")
+        r.check("idle: mps_default_active_thread_ratio = get_default_active_thread_percentage / 100",
+                float(atp.strip()) / 100, e.value("mps_default_active_thread_ratio", daemon="default"), tolerance=1e-9)
+        r.check("idle: no default pinned limit series (none set)", [],
+                [x.labels for x in e.series("mps_default_pinned_memory_limit_bytes")])
+        r.check("idle: sharing mode idle on every GPU", {str(i): "idle" for i in range(s.gpus)},
+                {x.labels["gpu"]: x.labels["mode"] for x in e.series("mps_gpu_sharing_mode")})
+        self.compare_gpus("idle", e, s.smi_gpus(), s.smi_apps())
+        version = run(["nvidia-cuda-mps-control", "-v"])
+        r.facts["nvidia-cuda-mps-control -v"] = version
+        r.check("idle: mps_control_daemon_info version = nvidia-cuda-mps-control -v", oracles_version(version),
+                next(iter(e.label_set("mps_control_daemon_info", "version")), None))
+        self.measure_idle_cpu()
+        self.measure("0 clients")
+
+    def phase_mixed(self) -> None:
+        self.phase("mixed")
+        s, r = self.s, self.r
+        clients = [s.client("a", 2, device=0 % s.gpus), s.client("b", 8, device=1 % s.gpus),
+                   s.client("c", 1, device=2 % s.gpus, n=4096)]
+        late = s.wait_ready(clients, 90)
+        r.check("mixed: clients ready", [], [c.tag for c in late])
+        e = self.compare_state("mixed", clients)
+        if s.gpus > 1:
+            # per-GPU attribution: each client's memory only on the GPU it was placed on
+            uuid_of = {g.index: g.uuid for g in s.smi_gpus()}
+            r.check("mixed: per-GPU attribution of client memory = placement",
+                    {str(c.pid): [uuid_of[c.device]] for c in clients},
+                    {str(c.pid): sorted(x.labels["uuid"] for x in e.series("mps_client_memory_used_bytes", pid=str(c.pid)))
+                     for c in clients})
+        modes = {x.labels["gpu"]: x.labels["mode"] for x in e.series("mps_gpu_sharing_mode")}
+        r.check("mixed: sharing mode mps on GPUs with clients", {str(c.device): "mps" for c in clients},
+                {k: v for k, v in modes.items() if k in {str(c.device) for c in clients}})
+        for srv in s.servers():  # exact replies when no limit is set (for the report)
+            r.facts["reply get_device_pinned_mem_limit <server> 0 (none set)"] = s.ctl(f"get_device_pinned_mem_limit {srv} 0")
+            r.facts["reply get_active_thread_percentage <server> (none set)"] = s.ctl(f"get_active_thread_percentage {srv}")
+            r.facts["reply get_server_status <server> (busy)"] = s.ctl(f"get_server_status {srv}")
+            r.facts["reply ps (3 clients)"] = s.ctl("ps")
+            r.check("mixed: no server pinned limit series (none set)", [],
+                    [x.labels for x in e.series("mps_server_pinned_memory_limit_bytes")])
+            r.check("mixed: client active thread ratio = server's get_active_thread_percentage / 100",
+                    {str(c.pid): float(s.ctl(f"get_active_thread_percentage {srv}")) / 100 for c in clients},
+                    {str(c.pid): e.value("mps_client_active_thread_ratio", pid=str(c.pid)) for c in clients})
+        self.measure("3 busy clients")
+        s.stop(clients)
+
+    def phase_many(self, count: int = 32) -> None:
+        self.phase("many")
+        s, r = self.s, self.r
+        clients = [s.client(f"m{i}", 0.25, device=i % s.gpus, n=1024) for i in range(count)]
+        late = s.wait_ready(clients, 150)
+        r.check(f"many: {count} clients ready", [], [c.tag for c in late])
+        e = self.compare_state(f"many ({count})", clients)
+        r.check(f"many: mps_server_clients sum = {count} launched", count,
+                sum(x.value for x in e.series("mps_server_clients")))
+        self.measure("30 busy clients", rounds=60)
+        s.stop(clients)
+
+    def phase_queue(self) -> None:
+        self.phase("queue")
+        s, r = self.s, self.r
+        e0 = self.scrape()
+        h0 = (e0.value("mps_client_queue_wait_seconds_count", reason="user_switch") or 0,
+              e0.value("mps_client_queue_wait_seconds_sum", reason="user_switch") or 0)
+        handoffs0 = e0.value("mps_server_handoffs_total") or 0
+        first = s.client("q_root", 0.5)
+        s.wait_ready([first], 60)
+        second = s.client("q_user", 0.5, uid=SECOND_UID)
+        pushed = wait_for(lambda: any(w.client_pid == second.pid for w in oracles.queue_waits(s.control_log())), 60)
+        r.check("queue: uid 1500 client pushed to the pending list (control.log)", True, pushed)
+        time.sleep(2.0)
+        e = self.scrape()
+        waits = oracles.queue_waits(s.control_log())
+        pending = [w for w in waits if w.admitted is None]
+        r.check("queue: mps_queued_clients{user_switch} = pending user-switch pushes in control.log",
+                sum(1 for w in pending if w.user_switch), e.value("mps_queued_clients", reason="user_switch"))
+        r.check("queue: mps_queued_clients{server_starting} = pending same-user pushes in control.log",
+                sum(1 for w in pending if not w.user_switch), e.value("mps_queued_clients", reason="server_starting"))
+        oldest = max((e.at - w.pushed.timestamp() for w in pending), default=0.0)
+        r.check("queue: oldest wait = scrape time - push time in control.log (within 1 s)", round(oldest, 3),
+                e.value("mps_queued_client_oldest_wait_seconds"), tolerance=1.0)
+        listed = {c for cs in s.client_lists().values() for c in cs}
+        r.check("queue: the queued client is in no get_client_list and no mps_client_info", [False, False],
+                [second.pid in listed, str(second.pid) in e.label_set("mps_client_info", "pid")])
+        s.stop([first])
+        s.wait_ready([second], 60)
+        time.sleep(LOG_SETTLE + 0.5)
+        e2 = self.scrape()
+        mine = [w for w in oracles.queue_waits(s.control_log()) if w.client_pid == second.pid]
+        wait_s = mine[0].seconds if mine and mine[0].seconds is not None else None
+        r.facts["queue wait of the uid 1500 client, control.log (s)"] = wait_s
+        r.check("queue: histogram count delta {user_switch} = 1 admission", 1,
+                (e2.value("mps_client_queue_wait_seconds_count", reason="user_switch") or 0) - h0[0])
+        r.check("queue: histogram sum delta {user_switch} = wait from control.log timestamps (within 2 ms)",
+                wait_s, (e2.value("mps_client_queue_wait_seconds_sum", reason="user_switch") or 0) - h0[1],
+                tolerance=0.002)
+        attempts = oracles.count_text(s.control_log(), r"^Try shutting down server \d+, backoff is disabled")
+        r.facts["daemon-initiated shutdowns (backoff is disabled lines) so far"] = attempts
+        r.check("queue: handoffs delta = 1 (root server drained for uid 1500)", 1,
+                (e2.value("mps_server_handoffs_total") or 0) - handoffs0)
+        r.check("queue: deferrals = 'Server will not shutdown' lines in control.log",
+                oracles.count_text(s.control_log(), r"Server will not shutdown"),
+                e2.value("mps_server_shutdown_deferrals_total"))
+        e3 = self.compare_state("queue (uid 1500 admitted)", [second])
+        uid, user = ps_uid_user(second.pid)
+        r.check("queue: client user label = passwd name of the /proc/PID owner", user,
+                next(iter(e3.label_set("mps_client_info", "user", pid=str(second.pid))), None))
+        s.stop([second])
+
+    def phase_limits(self) -> None:
+        self.phase("limits")
+        s, r = self.s, self.r
+        s.shutdown_servers()
+        default_limit = {0: "4G", 1: "6G"}
+        for dev in range(s.gpus):
+            r.facts[f"reply set_default_device_pinned_mem_limit {dev} {default_limit[dev]}"] = \
+                s.ctl(f"set_default_device_pinned_mem_limit {dev} {default_limit[dev]}")
+        r.facts["reply set_default_active_thread_percentage 50"] = s.ctl("set_default_active_thread_percentage 50")
+        time.sleep(FACTS_REFRESH + 1)
+        plain = s.client("l_plain", 1)
+        own = s.client("l_env", 1.5, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
+                                          "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3G"})
+        near = s.client("l_near", 1.25, env={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G"})
+        over_env = s.client("l_over_env", 2, env={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G"})
+        over_default = s.client("l_over_default", 5)
+        running = [plain, own, near]
+        s.wait_ready(running, 90)
+        for c in (over_env, over_default):
+            try:
+                c.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        e = self.compare_state("limits", [c for c in running if c.is_ready()])
+        dflt_atp = s.ctl("get_default_active_thread_percentage")
+        r.check("limits: mps_default_active_thread_ratio = get_default_active_thread_percentage / 100",
+                float(dflt_atp) / 100, e.value("mps_default_active_thread_ratio"), tolerance=1e-9)
+        for dev in range(s.gpus):
+            text = s.ctl(f"get_default_device_pinned_mem_limit {dev}")
+            r.facts[f"reply get_default_device_pinned_mem_limit {dev} (set)"] = text
+            r.check(f"limits: mps_default_pinned_memory_limit_bytes{{gpu={dev}}} = get_default_device_pinned_mem_limit",
+                    oracles.parse_size_text(text), e.value("mps_default_pinned_memory_limit_bytes", gpu=str(dev)))
+        servers = s.servers()
+        server_limit, server_atp = {}, {}
+        for srv in servers:
+            atp_text = s.ctl(f"get_active_thread_percentage {srv}")
+            r.facts["reply get_active_thread_percentage <server> (default 50 set)"] = atp_text
+            server_atp[srv] = float(atp_text)
+            r.check("limits: mps_server_active_thread_ratio = get_active_thread_percentage <server> / 100",
+                    server_atp[srv] / 100, e.value("mps_server_active_thread_ratio", server_pid=str(srv)), tolerance=1e-9)
+            for dev in range(s.gpus):
+                text = s.ctl(f"get_device_pinned_mem_limit {srv} {dev}")
+                r.facts[f"reply get_device_pinned_mem_limit <server> {dev} (default set)"] = text
+                server_limit[(srv, dev)] = oracles.parse_size_text(text)
+                r.check(f"limits: mps_server_pinned_memory_limit_bytes{{gpu={dev}}} = get_device_pinned_mem_limit <server> {dev}",
+                        server_limit[(srv, dev)],
+                        e.value("mps_server_pinned_memory_limit_bytes", server_pid=str(srv), gpu=str(dev)))
+        owner = {c: srv for srv, cs in s.client_lists().items() for c in cs}
+        exp_pinned, act_pinned, exp_atp, act_atp = {}, {}, {}, {}
+        for c in running:
+            srv = owner.get(c.pid)
+            env_limit = oracles.env_pinned_limit(c.env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""), 0)
+            exp_pinned[c.tag] = env_limit if env_limit is not None else server_limit.get((srv, 0))
+            act_pinned[c.tag] = e.value("mps_client_pinned_memory_limit_bytes", pid=str(c.pid), gpu="0")
+            own_atp = c.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+            candidates = [v for v in (float(own_atp) if own_atp else None, server_atp.get(srv)) if v is not None]
+            exp_atp[c.tag] = min(candidates) / 100 if candidates else None
+            act_atp[c.tag] = e.value("mps_client_active_thread_ratio", pid=str(c.pid))
+        r.check("limits: effective pinned limit per client = own env, else server's", exp_pinned, act_pinned)
+        r.check("limits: effective active thread ratio = min(own env, server's) / 100", exp_atp, act_atp)
+        used = e.value("mps_client_memory_used_bytes", pid=str(near.pid), gpu="0")
+        r.check_true("limits: client near its 2 GiB limit stays under it (exporter memory <= exporter limit)",
+                     act_pinned.get("l_near"), used, used is not None and act_pinned.get("l_near") is not None
+                     and used <= act_pinned["l_near"], note=f"used {_mib(used)} MiB")
+        for c, why in ((over_env, "own env limit 0=1G, asks 2 GiB"), (over_default, "server limit 4G, asks 5 GiB")):
+            text = c.text()
+            r.facts[f"output of {c.tag} ({why})"] = text.strip()[:600]
+            r.check(f"limits: client over its limit is refused ({why})", [3, True],
+                    [c.proc.returncode, "ALLOC_FAIL" in text])
+        s.stop(running)
+        s.shutdown_servers()
+        for dev in range(s.gpus):
+            s.ctl(f"set_default_device_pinned_mem_limit {dev} 0")
+        s.ctl("set_default_active_thread_percentage 100")
+
+    def phase_fault(self) -> None:
+        self.phase("fault")
+        s, r = self.s, self.r
+        bystander = s.client("f_bystander", 1)
+        s.wait_ready([bystander], 60)
+        time.sleep(LOG_SETTLE)
+        e0 = self.scrape()
+        f0 = e0.value("mps_fatal_gpu_errors_total") or 0
+        reports0 = oracles.fatal_error_reports(s.server_log())
+        fault = s.run_script("f_fault", "fault.py")
+        seen_ctl, seen_exp = [], []
+        deadline = time.time() + 45
+        while time.time() < deadline and (fault.proc.poll() is None or len(seen_ctl) < 30):
+            for srv in s.servers():
+                seen_ctl.append(f"{srv} {s.ctl(f'get_server_status {srv}').strip()}")
+            seen_exp += [f"{x.labels['server_pid']} {x.labels['status']}" for x in self.scrape().series("mps_server_status")]
+            time.sleep(0.1)
+        r.facts["get_server_status during the fault (distinct replies, in order)"] = _distinct(seen_ctl)
+        r.facts["mps_server_status during the fault (distinct, in order)"] = _distinct(seen_exp)
+        r.facts["output of fault.py"] = fault.text().strip()[:600]
+        time.sleep(LOG_SETTLE)
+        e = self.scrape()
+        reports = oracles.fatal_error_reports(s.server_log())
+        r.check("fault: fatal GPU error reports in server.log during the fault >= 1", True, reports - reports0 >= 1)
+        r.check("fault: mps_fatal_gpu_errors_total delta = fatal error reports in server.log", reports - reports0,
+                (e.value("mps_fatal_gpu_errors_total") or 0) - f0)
+        fault_statuses = {x.split()[1] for x in seen_ctl}
+        exporter_statuses = {x.split()[1] for x in seen_exp}
+        r.check_true("fault: every status get_server_status gave also appeared in mps_server_status",
+                     sorted(fault_statuses), sorted(exporter_statuses), fault_statuses <= exporter_statuses,
+                     note="polled every ~0.1 s while the fault ran")
+        s.stop([bystander])
+        r.facts["output of f_bystander"] = bystander.text().strip()[:600]
+
+    def phase_quit(self) -> None:
+        self.phase("quit")
+        s, r = self.s, self.r
+        r.facts["reply quit"] = s.quit()
+        time.sleep(LOG_SETTLE + 0.5)
+        e = self.scrape()
+        r.check("quit: mps_control_daemon_up = 0 (no control daemon process)", 0 if not s.daemon_running() else 1,
+                e.value("mps_control_daemon_up"))
+        r.check("quit: no server series", [], sorted(e.label_set("mps_server_info", "server_pid")))
+        r.check("quit: no client series", [], sorted(e.label_set("mps_client_info", "pid")))
+        ctl_log, srv_log = s.control_log(), s.server_log()
+        r.check("logs: mps_server_starts_total = 'NEW SERVER N: Ready' lines",
+                oracles.count_text(ctl_log, r"^NEW SERVER \d+: Ready"), e.value("mps_server_starts_total"))
+        r.check("logs: mps_server_exits_total by status = 'Server N exited with status S' lines",
+                oracles.server_exit_statuses(ctl_log),
+                {x.labels["status"]: int(x.value) for x in e.series("mps_server_exits_total")})
+        r.check("logs: mps_client_connections_total = distinct client PIDs connected in server.log",
+                len(oracles.connected_client_pids(srv_log)), e.value("mps_client_connections_total"))
+        r.check("logs: mps_fatal_gpu_errors_total = fatal error reports in server.log",
+                oracles.fatal_error_reports(srv_log), e.value("mps_fatal_gpu_errors_total"))
+        r.check("logs: mps_control_commands_total by verb = 'Cmd:' lines", oracles.command_counts(ctl_log),
+                {x.labels["command"]: int(x.value) for x in e.series("mps_control_commands_total")})
+        for f in ("control", "server"):
+            lines = read(s.logdir / f"{f}.log").count("\n")
+            r.check(f"logs: mps_log_lines_total{{file={f}}} = lines in {f}.log", lines,
+                    e.value("mps_log_lines_total", file=f))
+        r.facts["mps_log_unrecognized_lines_total"] = {x.labels["file"]: x.value
+                                                       for x in e.series("mps_log_unrecognized_lines_total")}
+        r.facts["mps_server_start_failures_total"] = e.value("mps_server_start_failures_total")
+
+    # ---------------------------------------------------------------- run
+    def run(self, phases: List[str]) -> None:
+        s = self.s
+        s.mark("start")
+        self.r.facts["nvidia-smi -L"] = run(["nvidia-smi", "-L"])
+        self.r.facts["driver"] = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).strip()
+        self.r.facts["mps daemon start"] = s.start_daemon()
+        self.start_exporter()
+        for name in phases:
+            try:
+                getattr(self, f"phase_{name}")()
+            except Exception as e:  # one broken phase must not stop the rest (nor the quit)
+                traceback.print_exc()
+                self.r.check_true(f"{name}: phase completed", "no error", f"{type(e).__name__}: {e}", False)
+                s.kill_all()
+                try:
+                    s.shutdown_servers()
+                except Exception:
+                    pass
+
+
+def oracles_version(text: str) -> Optional[str]:
+    import re
+    m = re.search(r"[Bb]inary version:\s*(\S+)", text)
+    return m.group(1) if m else None
+
+
+def _mib(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v / MIB, 3)
+
+
+def _distinct(items: List[str]) -> List[str]:
+    out: List[str] = []
+    for x in items:
+        if not out or out[-1] != x:
+            out.append(x)
+    return out
+
+
+def perf_markdown(perf: Dict[str, dict]) -> str:
+    rows = ["| busy clients | scrape p50 (ms) | scrape p99 (ms) | raw p50 (ms) | raw p99 (ms) | p50 ratio | "
+            "goal raw p99 x 1.2 + 5 (ms) | met | exporter CPU / scrape (ms) | control processes' CPU / scrape (ms) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for level, p in perf.items():
+        goal = p["raw_p99_ms"] * 1.2 + 5
+        rows.append(f"| {level} | {p['scrape_p50_ms']:.2f} | {p['scrape_p99_ms']:.2f} | {p['raw_p50_ms']:.2f} | "
+                    f"{p['raw_p99_ms']:.2f} | {p['ratio_p50']:.2f} | {goal:.2f} | "
+                    f"{'yes' if p['scrape_p99_ms'] <= goal else 'no'} | {p['cpu_ms_per_scrape']:.2f} | "
+                    f"{p['children_cpu_ms_per_scrape']:.2f} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default="/tmp/mps-truth")
+    ap.add_argument("--report-dir", required=True)
+    ap.add_argument("--name", default="single-h200")
+    ap.add_argument("--title", default="Truth check on one NVIDIA H200")
+    ap.add_argument("--phases", default="idle,mixed,many,queue,limits,fault,quit")
+    ap.add_argument("--many", type=int, default=32)
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    gpus = len(run(["nvidia-smi", "-L"]).strip().splitlines())
+    s = Session(work, gpus)
+    report = Report(args.title)
+    check = TruthCheck(s, report)
+    started = time.time()
+    try:
+        check.run([p for p in args.phases.split(",") if p])
+    finally:
+        s.kill_all()
+        try:
+            report.facts.setdefault("reply quit", s.quit())
+        finally:
+            if check.exporter is not None:
+                check.exporter.terminate()
+                try:
+                    check.exporter.wait(10)
+                except subprocess.TimeoutExpired:
+                    check.exporter.kill()
+        report.facts["timeline"] = s.timeline
+        report.facts["perf"] = check.perf
+        report.facts["seconds"] = round(time.time() - started, 1)
+        report.facts["client outputs"] = {c.tag: c.text().strip()[-300:] for c in s.clients}
+        out = Path(args.report_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.name}.json").write_text(report.to_json())
+        extra = "## Performance\n\n" + perf_markdown(check.perf) if check.perf else ""
+        (out / f"{args.name}.md").write_text(report.to_markdown(extra))
+        print(report.to_markdown(extra))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
