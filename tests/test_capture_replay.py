@@ -1,0 +1,415 @@
+"""Capture and replay (exporter/capture.py, replay.py, bundle.py).
+
+The golden comparison records a scripted session on the recorded scenario
+fakes (tests/support/scenarios.py), keeps the exposition live collection
+produced at each reading, replays the bundle and compares, masking only the
+collectors' durations. Time is stepped by hand (no sleeps) except in the tests
+that run the real commands, which are bounded by a deadline.
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import List, Tuple
+
+import pytest
+
+from mps_exporter import replay as replay_mod
+from mps_exporter.bundle import VERSION, BundleError, BundleWriter, encode, load
+from mps_exporter.capture import LogTap, Recorder, capture, header
+from mps_exporter.cli import build_collector, build_log_pipelines, build_sources
+from mps_exporter.config import Config, parse_args
+from mps_exporter.exposition import generate_text
+from mps_exporter.model import GpuReading, NvmlReading
+from mps_exporter.render import render
+from mps_exporter.replay import Player, replay, replay_config
+from tests.fakes.fake_pynvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_UNKNOWN
+from tests.support import scenarios
+from tests.support.prometheus import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+needs_capture = pytest.mark.skipif(not (scenarios.CAPTURE / "control.log").is_file(),
+                                   reason="shared/ captures not found")
+START = 1795234886.0  # 2026-11-21 04:21:26 UTC: the captured daemon's start, as the fake clock's zero
+STEP = 5.0
+
+
+class ManualClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def exposition(snap) -> str:
+    families = render(snap).families()
+    return generate_text(SimpleNamespace(collect=lambda: families)).decode()
+
+
+def masked(text: str) -> str:
+    return re.sub(r"^(mps_exporter_collector_duration_seconds\{[^}]*\}) \S+$", r"\1 <duration>", text, flags=re.M)
+
+
+def pieces(data: bytes, n: int) -> List[bytes]:
+    """n consecutive pieces cut at arbitrary byte offsets (mid-line on purpose)."""
+    cuts = [len(data) * k // n for k in range(n + 1)]
+    return [data[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+# ---------------------------------------------------------------- the session
+def record_session(tmp: Path) -> Tuple[Path, List[str], dict]:
+    """Capture six readings of the busy scenario while it changes; returns the bundle,
+    the live expositions and the full log bytes."""
+    scen = scenarios.busy(tmp)
+    log_dir = tmp / "mps-logs"
+    log_dir.mkdir()
+    scen.cfg.daemons[0].log_directory = str(log_dir)
+    scen.cfg.collectors["logs"] = True
+    full = {f: (scenarios.CAPTURE / f).read_bytes() for f in ("control.log", "server.log")}
+    parts = {f: pieces(data, 4) for f, data in full.items()}
+    gpu, daemon = scen.nvml.gpus[0], scen.daemon
+
+    def append(file: str, i: int) -> None:
+        with open(log_dir / file, "ab") as f:
+            f.write(parts[file][i])
+
+    def leave(pid: int) -> None:
+        daemon.clients = [c for c in daemon.clients if c.pid != pid]
+        gpu.mps_processes = [p for p in gpu.mps_processes if p.pid != pid]
+        gpu.compute_processes = [p for p in gpu.compute_processes if p.pid != pid]
+
+    def rotate_control() -> None:
+        os.rename(log_dir / "control.log", log_dir / "control.log.1")
+        append("control.log", 2)
+
+    steps = [
+        lambda: (setattr(daemon, "running", False), append("control.log", 0), append("server.log", 0)),
+        lambda: (setattr(daemon, "running", True), append("control.log", 1), append("server.log", 1)),
+        lambda: (rotate_control(), append("server.log", 2), leave(1649)),
+        lambda: (gpu.errors.__setitem__("*", NVML_ERROR_GPU_IS_LOST), append("server.log", 3)),
+        lambda: (gpu.errors.clear(), scen.nvml.errors.__setitem__("nvmlSystemGetDriverVersion", NVML_ERROR_UNKNOWN),
+                 append("control.log", 3)),
+        lambda: (scen.nvml.errors.clear(), setattr(daemon, "running", False)),
+    ]
+    clock = ManualClock()
+    sources = build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=scen.daemon)
+    pipelines = build_log_pipelines(scen.cfg)
+    path = tmp / "session.jsonl.gz"
+    writer = BundleWriter(str(path), header(scen.cfg, sources, START))
+    rec = Recorder(scen.cfg, sources, writer, pipelines, clock=lambda: START + clock.now, monotonic=clock)
+    live = []
+    for i, step in enumerate(steps):
+        clock.now = i * STEP
+        step()
+        rec.poll_logs()
+        for p in pipelines.values():
+            p.read_once()
+        live.append(exposition(rec.scrape()))
+        scen.nvml.advance(STEP)
+    writer.close(rec.end_record())
+    return path, live, full
+
+
+def play(bundle_path: Path, log_root: Path, speed: float = 1.0, loop: bool = False):
+    """A Player with a manual clock, and the real collector and log pipelines over it."""
+    bundle = load(str(bundle_path))
+    mono = ManualClock()
+    player = Player(bundle, str(log_root), speed=speed, loop=loop, monotonic=mono)
+    cfg = replay_config(Config(), bundle, player.log_dirs)
+    pipelines = build_log_pipelines(cfg)
+    collector = build_collector(cfg, player.sources(), pipelines, clock=player.clock)
+
+    def at(monotonic: float) -> str:
+        mono.now = monotonic
+        player.feed()
+        for p in pipelines.values():
+            p.read_once()
+        return exposition(collector.snapshot())
+
+    return bundle, player, at
+
+
+@needs_capture
+def test_replay_reproduces_live_exposition_at_every_recorded_moment(tmp_path):
+    path, live, full = record_session(tmp_path)
+    bundle, _, at = play(path, tmp_path / "replay")
+    assert [s.t for s in bundle.scrapes] == [i * STEP for i in range(6)]
+    replayed = [at(s.t) for s in bundle.scrapes]
+    for i, (want, got) in enumerate(zip(live, replayed)):
+        assert masked(got) == masked(want), f"reading {i} differs"
+
+    # The comparison covers what changed during the session, failures included.
+    assert len({masked(t) for t in live}) == 6
+    assert 'mps_control_daemon_up{daemon="default"} 0.0' in live[0]
+    assert 'pid="1649"' in live[1] and 'pid="1649"' not in live[2]
+    assert re.search(r'^mps_gpu_up\{[^}]*\} 0\.0$', live[3], re.M)
+    assert 'mps_exporter_collector_success{collector="nvml"} 0.0' in live[4]
+    assert 'mps_exporter_collector_success{collector="nvml"} 1.0' in live[5]
+    # Every byte of both logs went through the bundle, across the rotation. The follower
+    # reads an unterminated last line of a rotated file as a line: the rotation came
+    # after piece 2 of 4 of control.log, and a line that straddles it counts twice.
+    control = full["control.log"]
+    straddles = not control[: len(control) * 2 // 4].endswith(b"\n")
+    for file, data in full.items():
+        name = file.split(".")[0]
+        lines = float(data.count(b"\n") + (straddles and name == "control"))
+        assert f'mps_log_lines_total{{daemon="default",file="{name}"}} {lines}' in replayed[-1]
+    rotated = tmp_path / "replay" / "0"
+    assert (rotated / "control.log.1").read_bytes() + (rotated / "control.log").read_bytes() == full["control.log"]
+    assert (rotated / "server.log").read_bytes() == full["server.log"]
+
+
+@needs_capture
+def test_bundle_records_metadata_and_source_errors(tmp_path):
+    path, _, full = record_session(tmp_path)
+    bundle = load(str(path))
+    assert bundle.header["version"] == VERSION and bundle.header["sources"] == ["control", "nvml", "proc"]
+    assert bundle.header["log_timezone"] == "UTC"
+    assert bundle.end["driver_version"] == "580.159.04"
+    assert [g["uuid"] for g in bundle.end["gpus"]] == ["GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"]
+    assert bundle.end["log_bytes"] == sum(len(d) for d in full.values())
+    assert [c.new_file for c in bundle.logs].count(True) == 1  # the rotation
+    nvml_error = bundle.scrapes[4].results["nvml"]
+    assert "NvmlUnavailable" in str(nvml_error) and "Unknown Error" in str(nvml_error) or "999" in str(nvml_error)
+    # Environment values are reduced to the MPS variables before they reach the bundle.
+    facts = bundle.scrapes[1].results["proc"][1648]
+    assert facts.env_active_thread_percentage == 25.0 and facts.env_pinned_limits == {0: 4 * 2**30}
+    raw = gzip.decompress(path.read_bytes()).decode()
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in raw and "environ" not in raw
+
+
+# ---------------------------------------------------------------- speed, loop
+LINES_A = (b"[2026-11-21 04:19:21.161 Control   546] Starting control daemon using socket /tmp/mps/pipe/control\n"
+           b"[2026-11-21 04:19:21.161 Control   546] CUDA MPS Control binary version: 13000\n")
+LINES_B = b"[2026-11-21 04:19:22.177 Control   546] Accepting connection...\n"
+
+
+def small_bundle(path: Path) -> Path:
+    """Readings at t=0, 10, 20 (driver "d0".."d2"), log chunks at t=0 and 15, end at 30."""
+    cfg = Config()
+    cfg.collectors.update(dcgm=False, control=False, proc=False)
+    from mps_exporter.config import DaemonConfig
+
+    cfg.daemons = [DaemonConfig("default", "/p", "/l")]
+    cfg.log_timezone = "UTC"
+    writer = BundleWriter(str(path), header(cfg, {"nvml": None}, START))
+    writer.write({"kind": "log", "t": 0.0, "daemon": "default", "file": "control.log", "text": LINES_A.decode()})
+    for i in range(3):
+        writer.write({"kind": "scrape", "t": 10.0 * i, "now": START + 10.0 * i + 0.25,
+                      "sources": {"nvml": {"value": encode(NvmlReading(f"d{i}", [GpuReading(0, "GPU-x", True)]))}}})
+        if i == 1:
+            writer.write({"kind": "log", "t": 15.0, "daemon": "default", "file": "control.log",
+                          "text": LINES_B.decode()})
+    writer.close({"t": 30.0})
+    return path
+
+
+def driver(text: str) -> str:
+    return re.search(r'driver_version="([^"]*)"', text).group(1)
+
+
+def control_lines(text: str) -> float:
+    return float(re.search(r'^mps_log_lines_total\{daemon="default",file="control"\} (\S+)$', text, re.M).group(1))
+
+
+def test_speed_scales_the_timeline(tmp_path):
+    _, player, at = play(small_bundle(tmp_path / "b.jsonl.gz"), tmp_path / "r", speed=4.0)
+    assert driver(at(2.4)) == "d0"  # 2.4 s x 4 = 9.6 s into the bundle
+    assert driver(at(2.5)) == "d1"
+    assert control_lines(at(3.7)) == 2  # 14.8 s: the second chunk (t=15) is not due yet
+    assert control_lines(at(3.75)) == 3
+    assert player.clock() == START + 10.25 + 5.0  # recorded time of t=10, plus 5 bundle seconds
+
+
+def test_without_loop_the_last_moment_stays(tmp_path):
+    _, player, at = play(small_bundle(tmp_path / "b.jsonl.gz"), tmp_path / "r")
+    text = at(95.0)
+    assert driver(text) == "d2" and control_lines(text) == 3
+    assert player.clock() == START + 20.25 + 75.0  # time goes on; nothing else happens
+    assert sorted(os.listdir(tmp_path / "r" / "0")) == ["control.log"]
+
+
+def test_loop_starts_over_and_logs_are_rotated(tmp_path):
+    _, player, at = play(small_bundle(tmp_path / "b.jsonl.gz"), tmp_path / "r", loop=True)
+    assert control_lines(at(29.0)) == 3
+    text = at(35.0)  # lap 2, 5 s in
+    assert driver(text) == "d0" and player.lap == 1
+    assert player.clock() == START + 0.25 + 5.0  # the recorded times repeat
+    assert control_lines(text) == 3 + 2  # the follower read the old file to its end, then the new one
+    log_dir = tmp_path / "r" / "0"
+    assert (log_dir / "control.log.1").read_bytes() == LINES_A + LINES_B
+    assert (log_dir / "control.log").read_bytes() == LINES_A
+    assert control_lines(at(76.0)) == 3 + 3 + 3  # lap 3, past t=15
+
+
+# ---------------------------------------------------------------- bad bundles
+def rewrite(src: Path, dst: Path, edit) -> Path:
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines(keepends=True)
+    dst.write_bytes(gzip.compress("".join(edit(lines)).encode()))
+    return dst
+
+
+def bad_bundles(tmp: Path) -> dict:
+    good = small_bundle(tmp / "good.jsonl.gz")
+    data = good.read_bytes()
+    (tmp / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    (tmp / "plain.txt").write_text("hello\n")
+
+    def version(lines):
+        head = json.loads(lines[0])
+        head["version"] = VERSION + 1
+        return [json.dumps(head) + "\n"] + lines[1:]
+
+    def escape(lines):
+        rec = json.loads(lines[1])
+        rec["file"] = "../../outside.log"
+        return [lines[0], json.dumps(rec) + "\n"] + lines[2:]
+
+    return {
+        "is truncated: the compressed stream ends early": tmp / "cut.jsonl.gz",
+        "is truncated: it stops after line": rewrite(good, tmp / "noend.jsonl.gz", lambda l: l[:-1]),
+        f"is capture format version {VERSION + 1}; this mps-exporter reads version {VERSION}":
+            rewrite(good, tmp / "v2.jsonl.gz", version),
+        "is not a capture bundle (not gzip-compressed)": tmp / "plain.txt",
+        "is not an mps-exporter capture bundle": rewrite(good, tmp / "nohead.jsonl.gz", lambda l: l[1:]),
+        "damaged: line 3 is not JSON": rewrite(good, tmp / "json.jsonl.gz", lambda l: l[:2] + ["{oops\n"] + l[2:]),
+        "is not a plain file name": rewrite(good, tmp / "escape.jsonl.gz", escape),
+        "no such file": tmp / "missing.jsonl.gz",
+    }
+
+
+def test_bad_bundles_give_one_clear_line_and_exit_2(tmp_path, capsys):
+    for message, path in bad_bundles(tmp_path).items():
+        with pytest.raises(BundleError, match=re.escape(message)):
+            load(str(path))
+        cfg = parse_args(["replay", str(path), "--web.listen-address", f"127.0.0.1:{free_port()}"])[1]
+        assert replay(cfg) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("mps-exporter: error: ") and message in err, err
+    assert not (tmp_path / "outside.log").exists()
+
+
+def test_no_shipped_bundle_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(replay_mod, "DATA_DIR", tmp_path / "empty")
+    assert replay(parse_args(["replay"])[1]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no recorded session is shipped" in err
+
+
+def test_replay_flags_are_checked():
+    cmd = [sys.executable, "-m", "mps_exporter.cli", "replay", "x.jsonl.gz", "--speed", "0"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == "mps-exporter: error: --speed must be positive, not 0.0"
+
+
+# ---------------------------------------------------------------- log tap
+def test_log_tap_reads_appends_rotation_and_truncation(tmp_path):
+    path = tmp_path / "control.log"
+    tap = LogTap(str(path))
+    assert tap.poll() == []  # not there yet
+    path.write_bytes(b"one\ntw")
+    assert tap.poll() == [(False, b"one\ntw")]
+    with open(path, "ab") as f:
+        f.write(b"o\n")
+    assert tap.poll() == [(False, b"o\n")]
+    with open(path, "ab") as f:  # written just before the rename: still read from the old file
+        f.write(b"three\n")
+    os.rename(path, tmp_path / "control.log.1")
+    path.write_bytes(b"four\n")
+    assert tap.poll() == [(False, b"three\n"), (True, b"four\n")]
+    path.write_bytes(b"")  # copytruncate
+    assert tap.poll() == [(True, b"")]
+    with open(path, "ab") as f:
+        f.write(b"five\n")
+    assert tap.poll() == [(False, b"five\n")]
+    tap.close()
+
+
+# ---------------------------------------------------------------- commands
+def scrape(port: int) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+def test_capture_command_on_recorded_sources_makes_a_bundle_that_replays(tmp_path):
+    scen = scenarios.busy(tmp_path, logs=False)
+    scen.cfg.capture.out = str(tmp_path)  # a directory: the bundle gets a dated name in it
+    scen.cfg.capture.duration_seconds, scen.cfg.capture.interval_seconds = 0.6, 0.2
+    sources = build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=scen.daemon)
+    assert capture(scen.cfg, sources=sources) == 0
+    (path,) = tmp_path.glob("mps-capture-*.jsonl.gz")
+    bundle = load(str(path))
+    assert len(bundle.scrapes) >= 2 and not list(tmp_path.glob("*.partial"))
+
+    port = free_port()
+    cfg = parse_args(["replay", str(path), "--web.listen-address", f"127.0.0.1:{port}", "--loop"])[1]
+    stop, ready = threading.Event(), threading.Event()
+    result = []
+    server = threading.Thread(target=lambda: result.append(replay(cfg, stop, ready)), daemon=True)
+    server.start()
+    try:
+        assert ready.wait(20), "replay did not start serving"
+        text = scrape(port)
+    finally:
+        stop.set()
+        server.join(20)
+    assert result == [0]
+    assert 'mps_server_info{' in text and 'server_pid="1589"' in text
+    assert len(re.findall(r"^mps_client_info\{", text, re.M)) == 3
+    assert 'mps_exporter_collector_success{collector="control"} 1.0' in text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_capture_cli_runs_without_yaml_and_bcrypt(tmp_path):
+    """What the GPU machine has: no PyYAML, no bcrypt; here also no driver and no MPS."""
+    out = tmp_path / "b.jsonl.gz"
+    code = ("import sys; sys.modules['yaml'] = sys.modules['bcrypt'] = None\n"
+            "from mps_exporter.cli import main\n"
+            f"sys.exit(main(['capture', '--out', {str(out)!r}, '--duration', '0.3', '--interval', '0.1',"
+            f" '--mps.control-binary', {str(tmp_path / 'no-such-control')!r},"
+            f" '--mps.log-directory', {str(tmp_path / 'logs')!r}]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(out)
+    bundle = load(str(out))
+    assert bundle.header["sources"][:1] == ["control"] and len(bundle.scrapes) >= 2
+    assert bundle.scrapes[0].results["control"][0].error  # the missing binary, recorded as the daemon's error
+
+
+def test_replay_command_serves_until_terminated(tmp_path):
+    path = small_bundle(tmp_path / "b.jsonl.gz")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mps_exporter.cli", "replay", str(path), "--speed", "20",
+                             "--web.listen-address", f"127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, text = time.monotonic() + 30, ""
+        while time.monotonic() < deadline and 'driver_version="d2"' not in text:
+            try:
+                text = scrape(port)
+            except OSError:
+                pass
+            time.sleep(0.1)
+        assert 'driver_version="d2"' in text  # 20 bundle seconds went by
+        assert control_lines(text) == 3
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
