@@ -111,7 +111,9 @@ def timeseries(title: str, description: str, unit: str, targets: Sequence[Target
 def stat(title: str, description: str, unit: str, targets: Sequence[Target], w: int = 6, h: int = 4) -> Stat:
     return Stat(title=title, description=description, format=unit, dataSource=DATASOURCE,
                 targets=_with_ref_ids(targets), gridPos=GridPos(h=h, w=w, x=0, y=0),
-                reduceCalc="lastNotNull", graphMode="none", noValue="0")
+                reduceCalc="lastNotNull", graphMode="none", noValue="0",
+                # grafanalib's default is "", not a list of steps; null = from -Infinity.
+                thresholds=[{"color": "green", "value": None}])
 
 
 def table(title: str, description: str, targets: Sequence[Target], units: Dict[str, str],
@@ -156,5 +158,6 @@ def build(title: str, uid: str, description: str, panels: Sequence) -> Dashboard
         templating=templating(), panels=_layout(panels), schemaVersion=SCHEMA_VERSION,
         time=Time("now-3h", "now"), refresh="30s", editable=True,
         links=[{"type": "dashboards", "tags": ["mps-exporter"], "asDropdown": True, "title": "MPS dashboards",
+                "icon": "external link", "tooltip": "", "url": "", "targetBlank": False,
                 "includeVars": True, "keepTime": True}],
     ).auto_panel_ids()

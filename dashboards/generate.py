@@ -36,9 +36,20 @@ def load(path: Path):
     return module.dashboard
 
 
+def _drop_nulls(value):
+    """grafanalib writes every optional field, unset ones as null; Grafana's model
+    has them optional (absent = default) and not nullable. A threshold step's
+    `value` stays: null there means -Infinity."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None or k == "value"}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
 def model(path: Path) -> dict:
     """The dashboard's JSON model as plain data."""
-    return json.loads(json.dumps(load(path).to_json_data(), cls=DashboardEncoder))
+    return _drop_nulls(json.loads(json.dumps(load(path).to_json_data(), cls=DashboardEncoder)))
 
 
 def outputs() -> Dict[str, str]:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -64,13 +65,37 @@ def test_json_keys_are_sorted():
         assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n"
 
 
+def test_json_matches_grafanas_dashboard_model():
+    schema = json.loads((Path(__file__).parent / "dashboard.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    for name, dash in DASHBOARDS.items():
+        errors = [f"{list(e.absolute_path)}: {e.message[:200]}" for e in validator.iter_errors(dash)]
+        assert errors == [], name
+
+
+def test_no_nulls_in_the_model():
+    """Grafana's model has optional fields, not nullable ones (a threshold's value excepted)."""
+    def nulls(value, path=""):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if v is None and k != "value":
+                    yield f"{path}.{k}"
+                yield from nulls(v, f"{path}.{k}")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                yield from nulls(v, f"{path}[{i}]")
+    for name, dash in DASHBOARDS.items():
+        assert list(nulls(dash)) == [], name
+
+
 def test_dashboard_level_model():
     uids = set()
     for name, dash in DASHBOARDS.items():
         assert dash["title"].startswith("MPS / ")
         assert re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", dash["uid"]) and dash["uid"] not in uids, name
         uids.add(dash["uid"])
-        assert dash["id"] is None, "provisioned dashboards carry no database id"
+        assert dash.get("id") is None, "provisioned dashboards carry no database id"
         assert dash["schemaVersion"] == common.SCHEMA_VERSION >= 36
         assert "mps-exporter" in dash["tags"]
         assert dash["time"] == {"from": "now-3h", "to": "now"}
