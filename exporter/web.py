@@ -40,11 +40,12 @@ from urllib.parse import parse_qs, urlsplit
 
 import bcrypt
 import yaml
-from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import choose_encoder, generate_latest, gzip_accepted
 from prometheus_client.metrics_core import Metric
 
 from . import __version__
 from .config import ConfigError
+from .exposition import generate_text
 
 log = logging.getLogger(__name__)
 
@@ -710,6 +711,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _metrics(self, params: Dict[str, List[str]]) -> None:
         registry = self.server.app.registry
         encoder, content_type = choose_encoder(self.headers.get("Accept") or "")
+        if encoder is generate_latest:  # the classic text format: our faster, byte-identical encoder
+            encoder = generate_text
         if params.get("name[]"):
             registry = _OnlySamples(registry, params["name[]"])
         try:
