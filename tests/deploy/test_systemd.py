@@ -96,6 +96,16 @@ def test_exporter_unit_hardening():
     assert service["StateDirectory"] == "mps-exporter"
 
 
+def test_control_daemon_unit_runs_daemonized():
+    service = _unit("nvidia-mps.service")["Service"]
+    # In the foreground the daemon writes no control.log; daemonized it leaves its
+    # PID in the pipe directory.
+    assert service["Type"] == "forking"
+    assert service["ExecStart"].split()[1:] == ["-d"]
+    assert service["PIDFile"] == f"/run/{service['RuntimeDirectory']}/nvidia-cuda-mps-control.pid"
+    assert "quit" in service["ExecStop"]
+
+
 def test_flags_file_matches_the_units():
     from mps_exporter import config as exporter_config
 
