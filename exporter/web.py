@@ -38,7 +38,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-import bcrypt
 import yaml
 from prometheus_client.exposition import choose_encoder, generate_latest, gzip_accepted
 from prometheus_client.metrics_core import Metric
@@ -466,6 +465,8 @@ class BasicAuth:
             expires = self._cache.get(key)
             if expires is not None and expires > now:
                 return known
+        import bcrypt  # only deployments with basic auth need it installed
+
         with self._bcrypt_lock:
             try:
                 ok = bcrypt.checkpw(password, hashed)
