@@ -69,7 +69,7 @@ class FileFollower:
         self._fd, self._identity = None, None
 
     # ------------------------------------------------------------- read
-    def poll(self, max_bytes: int = 8 * READ_SIZE) -> Tuple[List[str], int]:
+    def poll(self, max_bytes: int = READ_SIZE) -> Tuple[List[str], int]:
         """(complete lines, how many of them were cut to the cap). Reads about max_bytes
         of the current file per call (more while no complete line came out): call again
         while it returns lines; an empty list means the end of the file."""
