@@ -38,6 +38,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
+try:
+    import bcrypt
+except ImportError:  # only basic auth needs it (GPU hosts may lack it); checked at config load
+    bcrypt = None
 import yaml
 from prometheus_client.exposition import choose_encoder, generate_latest, gzip_accepted
 from prometheus_client.metrics_core import Metric
@@ -382,6 +386,8 @@ def _parse_users(value: object) -> Dict[str, bytes]:
         return {}
     if not isinstance(value, dict):
         raise ConfigError("basic_auth_users must be a mapping of user name to bcrypt hash")
+    if value and bcrypt is None:
+        raise ConfigError("basic_auth_users needs the Python package bcrypt, which is not installed")
     users = {}
     for user, hashed in value.items():
         match = _BCRYPT_HASH.match(hashed) if isinstance(hashed, str) else None
@@ -465,8 +471,6 @@ class BasicAuth:
             expires = self._cache.get(key)
             if expires is not None and expires > now:
                 return known
-        import bcrypt  # only deployments with basic auth need it installed
-
         with self._bcrypt_lock:
             try:
                 ok = bcrypt.checkpw(password, hashed)
