@@ -9,10 +9,12 @@ all: generate lint test
 generate:
 	$(PYTHON) -m alerts.generate
 	$(PYTHON) -m dashboards.generate
+	$(PYTHON) deploy/kubernetes/generate.py
 
 check-generated:
 	$(PYTHON) -m alerts.generate --check
 	$(PYTHON) -m dashboards.generate --check
+	$(PYTHON) deploy/kubernetes/generate.py --check
 
 lint:
 	promtool check rules alerts/prometheus/mps-exporter.rules.yml
