@@ -39,16 +39,21 @@ class LogTap:
     """The bytes appended to one log file since the last poll.
 
     Holds the file open, so bytes written just before a rotation are still
-    read from the old file before the new one is opened."""
+    read from the old file before the new one is opened. Of what the file
+    holds at the first poll, only the last `history_bytes` are taken (from a
+    line start); None takes all."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, history_bytes: Optional[int] = None) -> None:
         self.path = path
         self._file = None
         self._identity: Optional[Tuple[int, int]] = None
+        self._history = history_bytes
+        self.skipped = 0  # bytes of history left out
 
     def poll(self) -> List[Tuple[bool, bytes]]:
         """[(new_file, data)]: new_file says the file was replaced or truncated before data."""
         out: List[Tuple[bool, bytes]] = []
+        history, self._history = self._history, None  # applies to the first look only
         if self._file is not None:
             data = self._file.read()
             if data:
@@ -69,6 +74,11 @@ class LogTap:
         st = os.fstat(self._file.fileno())
         self._identity = (st.st_dev, st.st_ino)
         data = self._file.read()
+        if history is not None and len(data) > history:
+            cut = len(data) - history - 1  # one byte before: is the cut already at a line start?
+            newline = data.find(b"\n", cut)
+            start = len(data) if newline < 0 else newline + 1
+            self.skipped, data = start, data[start:]
         if replaced or data:
             out.append((replaced, data))
         return out
@@ -124,7 +134,7 @@ class Recorder:
             else:
                 wrapped[name] = _Recording(source, self._results, name)
         self.collector = build_collector(cfg, wrapped, pipelines or {}, clock=clock)
-        self._taps = [(d.name, f, LogTap(os.path.join(d.log_directory, f)))
+        self._taps = [(d.name, f, LogTap(os.path.join(d.log_directory, f), cfg.capture.log_history_bytes))
                       for d in cfg.daemons for f in LOG_FILES] if cfg.enabled("logs") else []
         self.scrapes = self.log_chunks = self.log_bytes = 0
         self._nvml: Optional[Dict[str, Any]] = None  # the last NVML reading: driver and GPUs for the end record
@@ -171,7 +181,8 @@ class Recorder:
                 for g in (self._nvml or {}).get("gpus", [])]
         return {"t": self.elapsed(), "scrapes": self.scrapes, "log_chunks": self.log_chunks,
                 "log_bytes": self.log_bytes, "driver_version": (self._nvml or {}).get("driver_version", ""),
-                "gpus": gpus}
+                "gpus": gpus, "log_history_skipped": [{"daemon": d, "file": f, "bytes": tap.skipped}
+                                                      for d, f, tap in self._taps if tap.skipped]}
 
     def close(self) -> None:
         for _, _, tap in self._taps:
@@ -219,6 +230,7 @@ def header(cfg: Config, sources: Dict[str, Any], started: float) -> Dict[str, An
         "sources": sorted(sources),
         "logs": cfg.enabled("logs"),
         "log_files": list(LOG_FILES),
+        "log_history_bytes": cfg.capture.log_history_bytes,
         "log_timezone": concrete_timezone(cfg.log_timezone),
         "daemons": [{"name": d.name, "pipe_directory": d.pipe_directory, "log_directory": d.log_directory}
                     for d in cfg.daemons],

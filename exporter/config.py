@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from .units import parse_size
+
 # Port 10138: the 9100-9999 block of Prometheus' default port allocations is
 # full; new exporters are allocated from 10000 up, and 10138 is not listed there.
 DEFAULT_PORT = 10138
@@ -50,6 +52,9 @@ class CaptureOptions:
     out: str = ""  # a bundle file, or a directory to put one in
     duration_seconds: float = 60.0
     interval_seconds: float = 1.0
+    # Of what the log files already hold at the start, keep the last this many bytes:
+    # MPS never rotates its logs, and control.log logs every control command.
+    log_history_bytes: int = 16 << 20
 
 
 @dataclass
@@ -155,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     capture.add_argument("--duration", type=float, default=60.0, help="seconds to record (default 60)")
     capture.add_argument("--interval", type=float, default=1.0,
                          help="seconds between two readings of the sources (default 1)")
+    capture.add_argument("--log-history", default="16M",
+                         help="of what each log file holds when the capture starts, record at most the last "
+                              "SIZE (from a line start; e.g. 0, 512K, 16M; default 16M). Growth is always recorded")
     replay = sub.add_parser("replay", help="serve /metrics from a capture bundle as if it were live")
     replay.add_argument("bundle", nargs="?", default=None,
                         help="bundle written by `capture` (default: the recorded session shipped with mps-exporter)")
@@ -228,7 +236,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> "tuple[str, Config]":
     if command == "capture":
         if ns.duration <= 0 or ns.interval <= 0:
             parser.error("--duration and --interval must be positive")
-        cfg.capture = CaptureOptions(ns.out, ns.duration, ns.interval)
+        history = parse_size(ns.log_history)
+        if history is None:
+            parser.error(f"--log-history: not a size: {ns.log_history!r} (e.g. 0, 512K, 16M)")
+        cfg.capture = CaptureOptions(ns.out, ns.duration, ns.interval, history)
     try:
         if ns.config_file:
             cfg.daemons = load_daemons_file(ns.config_file)

@@ -338,6 +338,26 @@ def test_log_tap_reads_appends_rotation_and_truncation(tmp_path):
     tap.close()
 
 
+@pytest.mark.parametrize("keep, expected", [(7, b"cccc\n"), (10, b"bbbb\ncccc\n"), (0, b""), (99, b"aaaa\nbbbb\ncccc\n")])
+def test_log_tap_keeps_the_end_of_old_history_from_a_line_start(tmp_path, keep, expected):
+    path = tmp_path / "control.log"
+    path.write_bytes(b"aaaa\nbbbb\ncccc\n")
+    tap = LogTap(str(path), history_bytes=keep)
+    assert tap.poll() == ([(False, expected)] if expected else [])
+    assert tap.skipped == 15 - len(expected)
+    with open(path, "ab") as f:  # growth is always taken in full
+        f.write(b"dddd\n" * 4)
+    assert tap.poll() == [(False, b"dddd\n" * 4)]
+    tap.close()
+
+
+def test_log_history_flag():
+    assert parse_args(["capture", "--out", "x", "--log-history", "512K"])[1].capture.log_history_bytes == 512 << 10
+    res = subprocess.run([sys.executable, "-m", "mps_exporter.cli", "capture", "--out", "x", "--log-history", "lots"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--log-history: not a size" in res.stderr
+
+
 # ---------------------------------------------------------------- commands
 def scrape(port: int) -> str:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
