@@ -14,7 +14,9 @@ FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY exporter ./exporter
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# tzdata: --mps.log-timezone names are resolved by zoneinfo, which falls back on
+# this wheel where the base image carries no time zone database.
+RUN pip wheel --no-cache-dir --wheel-dir /wheels . tzdata
 
 # Runtime stage: the wheels installed, nothing else from the build.
 FROM ${PYTHON_IMAGE}
@@ -28,7 +30,7 @@ LABEL org.opencontainers.image.title="mps-exporter" \
       org.opencontainers.image.base.name="${PYTHON_IMAGE}"
 
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links=/wheels mps-exporter \
+    pip install --no-cache-dir --no-index --find-links=/wheels mps-exporter tzdata \
     && groupadd --system --gid 10138 mps-exporter \
     && useradd --system --uid 10138 --gid 10138 --no-create-home \
        --home-dir /nonexistent --shell /usr/sbin/nologin mps-exporter
