@@ -11,7 +11,9 @@ import shutil
 import subprocess
 import sys
 
+import jsonschema
 import pytest
+import yaml
 
 from tests.deploy.helpers import DEPLOY, ROOT, load_yaml
 
@@ -64,6 +66,21 @@ def test_compose_file_parses_with_the_expected_services():
         assert "mps-exporter" in SERVICES[name]["networks"]["default"]["aliases"]
     assert set(COMPOSE["volumes"]) >= {v.split(":")[0] for s in SERVICES.values()
                                        for v in s.get("volumes", []) if not v.startswith((".", "/", "$"))}
+
+
+def test_compose_file_matches_the_compose_schema():
+    """The Compose Specification schema shipped with docker-compose 1.29.2 (no Docker
+    Compose here to run `docker compose config`)."""
+    schema_path = os.path.join(os.path.dirname(__file__), "schemas", "compose_spec.docker-compose-1.29.2.json")
+    with open(schema_path, encoding="utf-8") as f:
+        validator = jsonschema.Draft201909Validator(json.load(f))
+    with open(os.path.join(COMPOSE_DIR, "compose.yaml"), encoding="utf-8") as f:
+        document = yaml.safe_load(_interpolate(f.read()))
+    document.pop("name")  # newer than that schema
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
+    assert errors == []
+    document["services"]["grafana"]["profile"] = ["demo"]  # a misspelt key is caught
+    assert any("profile" in e.message for e in validator.iter_errors(document))
 
 
 def test_compose_references_only_existing_files():
