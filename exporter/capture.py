@@ -189,6 +189,9 @@ class Recorder:
             tap.close()
 
 
+_UTC_NAMES = {"UTC", "UCT", "Universal", "Zulu", "GMT", "GMT0", "Greenwich"}
+
+
 def concrete_timezone(name: str) -> str:
     """The logs' time zone as a name replay resolves the same way on any machine:
     'local' is looked up now (TZ, /etc/localtime, else the current UTC offset)."""
@@ -201,6 +204,8 @@ def concrete_timezone(name: str) -> str:
     except OSError:
         pass
     for key in filter(None, candidates):
+        if key.split("/")[-1] in _UTC_NAMES:
+            return "UTC"  # needs no time zone database where the bundle is replayed
         try:
             if resolve_timezone(key) is not None:
                 return key

@@ -26,7 +26,7 @@ import pytest
 
 from mps_exporter import replay as replay_mod
 from mps_exporter.bundle import VERSION, BundleError, BundleWriter, encode, load
-from mps_exporter.capture import LogTap, Recorder, capture, header
+from mps_exporter.capture import LogTap, Recorder, capture, concrete_timezone, header
 from mps_exporter.cli import build_collector, build_log_pipelines, build_sources
 from mps_exporter.config import Config, parse_args
 from mps_exporter.exposition import generate_text
@@ -356,6 +356,22 @@ def test_log_history_flag():
     res = subprocess.run([sys.executable, "-m", "mps_exporter.cli", "capture", "--out", "x", "--log-history", "lots"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--log-history: not a size" in res.stderr
+
+
+def test_log_time_zone_is_recorded_by_name_and_used_by_replay(tmp_path, monkeypatch):
+    assert concrete_timezone("Asia/Tokyo") == "Asia/Tokyo"  # given by flag: kept
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    assert concrete_timezone("local") == "Europe/Berlin"
+    monkeypatch.setenv("TZ", ":Etc/UTC")
+    assert concrete_timezone("local") == "UTC"  # replays without a time zone database
+
+    def zone(lines):
+        head = json.loads(lines[0])
+        head["log_timezone"] = "Europe/Berlin"
+        return [json.dumps(head) + "\n"] + lines[1:]
+
+    bundle = load(str(rewrite(small_bundle(tmp_path / "b.jsonl.gz"), tmp_path / "berlin.jsonl.gz", zone)))
+    assert replay_config(Config(), bundle, {"default": str(tmp_path)}).log_timezone == "Europe/Berlin"
 
 
 # ---------------------------------------------------------------- commands
