@@ -140,17 +140,16 @@ class LogPipeline:
         entry = self._store.load(self.daemon)
         if entry is None:
             return
-        try:
+        try:  # the file is input like any other: whatever is in it, never fatal
             state = LogState.from_dict(entry["state"])
-        except (KeyError, TypeError, ValueError) as e:
-            log.warning("state file %s: entry of daemon %s unusable (%s); starting fresh",
+            positions = {f: entry["files"][f] for f in FILES if isinstance(entry["files"].get(f), dict)}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            log.warning("state file %s: entry of daemon %s unusable (%r); starting fresh",
                         self._store.path, self.daemon, e)
             return
         self._state = state
-        for file, follower in self._followers.items():
-            pos = entry.get("files", {}).get(file)
-            if isinstance(pos, dict):
-                follower.resume(pos)
+        for file, pos in positions.items():
+            self._followers[file].resume(pos)
         self._publish()
 
     def _save(self, force: bool) -> None:

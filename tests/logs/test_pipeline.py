@@ -96,7 +96,8 @@ def test_state_file_is_shared_by_daemons_and_written_atomically(tmp_path, captur
 
 
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"default": {"version": 1, "state": {"x": 1}}}',
-                                     '{"default": "text"}'])
+                                     '{"default": "text"}',
+                                     '{"default": {"version": 1, "files": [], "state": {"counters": [], "maps": []}}}'])
 def test_broken_state_file_means_starting_fresh(tmp_path, capture_dir, content):
     (tmp_path / "state.json").write_text(content)
     snap = LogPipeline("default", str(capture_dir), "UTC", StateStore(str(tmp_path / "state.json"))).read_once()
