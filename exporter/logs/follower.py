@@ -22,6 +22,7 @@ inode, first bytes), so a restarted exporter neither re-reads nor skips lines.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Dict, List, Optional, Tuple
 
 DEFAULT_MAX_LINE_BYTES = 64 * 1024
@@ -43,6 +44,7 @@ class FileFollower:
         self._resume: Optional[Dict[str, Any]] = None
         self.rotations = 0
         self.truncations = 0
+        self.error: Optional[str] = None  # why the file cannot be opened (it exists), for a log line
 
     # ------------------------------------------------------------ state
     def position(self) -> Dict[str, Any]:
@@ -104,8 +106,14 @@ class FileFollower:
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             fst = os.fstat(fd)
-        except OSError:
+        except OSError as e:
+            self.error = f"cannot open {path}: {e.strerror}"
             return False
+        if not stat.S_ISREG(fst.st_mode):  # a directory or FIFO of that name: wait for a file
+            os.close(fd)
+            self.error = f"{path} is not a regular file"
+            return False
+        self.error = None
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset = self._line_start = 0
         self._partial, self._dropping = b"", False

@@ -53,6 +53,7 @@ class LogPipeline:
         self._last_save = 0.0
         self._dirty = False  # lines applied since the last publish
         self._unsaved = False  # ... since the last state file write
+        self._reported_errors: Dict[str, Optional[str]] = {}
         self.errors = 0  # rounds that failed (logged); the thread keeps going
 
     # ------------------------------------------------------------ public
@@ -113,6 +114,10 @@ class LogPipeline:
         total = 0
         while True:
             lines, truncated = follower.poll()
+            if follower.error != self._reported_errors.get(file):
+                self._reported_errors[file] = follower.error
+                if follower.error:
+                    log.warning("log pipeline %s: %s", self.daemon, follower.error)
             if not lines:
                 break
             for _ in range(truncated):

@@ -181,3 +181,12 @@ def test_resume_with_a_different_file_reads_it_whole(tmp_path):
     h = FileFollower(str(path))
     h.resume({"garbage": True})
     assert drain(h) == ["new 1", "new 2", "new 3"]
+
+
+def test_a_directory_in_place_of_the_file_is_reported_not_read(tmp_path):
+    (tmp_path / "control.log").mkdir()
+    f = FileFollower(str(tmp_path / "control.log"))
+    assert f.poll() == ([], 0) and "not a regular file" in (f.error or "")
+    (tmp_path / "control.log").rmdir()
+    write(tmp_path / "control.log", "now a file\n")
+    assert drain(f) == ["now a file"] and f.error is None
