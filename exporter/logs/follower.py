@@ -49,8 +49,8 @@ class FileFollower:
     # ------------------------------------------------------------ state
     def position(self) -> Dict[str, Any]:
         """Where to resume: the start of the partial line in the current file."""
-        if self._identity is None:
-            return dict(self._resume) if self._resume else {}
+        if self._identity is None:  # nothing open: keep what an earlier run saved
+            return {**self._resume, "head": self._resume["head"].hex()} if self._resume else {}
         return {"dev": self._identity[0], "ino": self._identity[1], "offset": self._line_start,
                 "head": self._head.hex()}
 

@@ -190,3 +190,17 @@ def test_a_directory_in_place_of_the_file_is_reported_not_read(tmp_path):
     (tmp_path / "control.log").rmdir()
     write(tmp_path / "control.log", "now a file\n")
     assert drain(f) == ["now a file"] and f.error is None
+
+
+def test_position_survives_while_the_file_is_missing(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "a\nb\n")
+    f = FileFollower(str(path))
+    drain(f)
+    saved = f.position()
+    f.close()
+    path.unlink()
+    g = FileFollower(str(path))
+    g.resume(saved)
+    assert g.poll() == ([], 0)
+    assert g.position() == saved  # saved again unchanged (JSON-safe) until the file is back
