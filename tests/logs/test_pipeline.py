@@ -149,3 +149,19 @@ def test_render_follows_the_contract(capture_lines):
         spec = METRICS.get(name) or METRICS.get(name + "_total")
         assert spec is not None and spec.table in ("Queueing and contention", "From the MPS logs")
     assert not any(math.isnan(v) for v in samples.values())
+
+
+def test_restart_while_the_log_directory_is_gone_keeps_the_counters(tmp_path, capture_lines):
+    logs, store = tmp_path / "logs", StateStore(str(tmp_path / "state.json"))
+    logs.mkdir()
+    append(logs / "control.log", capture_lines["control"])
+    first = LogPipeline("default", str(logs), "UTC", store).read_once()
+    for p in logs.iterdir():
+        p.unlink()
+    logs.rmdir()  # the device plugin deleted the directory with the daemon
+    second = LogPipeline("default", str(logs), "UTC", store).read_once()
+    assert second.server_starts == first.server_starts == 10 and second.lines == first.lines
+    logs.mkdir()  # a new daemon writes a new file: counted on top
+    append(logs / "control.log", capture_lines["control"][:3])
+    third = LogPipeline("default", str(logs), "UTC", store).read_once()
+    assert third.lines["control"] == 1071 + 3 and third.daemon_version == "13000"
