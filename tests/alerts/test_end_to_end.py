@@ -14,7 +14,9 @@ this test appends to, so queueing comes out of the real log pipeline:
    from 2856 MiB to 3900 MiB (95 %) -> MpsClientNearMemoryLimit arrives with the
    client's labels; it shrinks back -> it resolves.
 
-Then every query of every dashboard must return data from this Prometheus.
+While each alert fires, the Grafana-managed rule's query (recording rules inlined)
+must select the same series. At the end every query of every dashboard must have
+numbers to show over the scenario (a range query from its start).
 `for:` durations are shortened to FOR in a copy of the rule file; scrape and rule
 evaluation run every second.
 """
