@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("bundle", nargs="?", default=None,
                         help="bundle written by `capture` (default: the recorded session shipped with mps-exporter)")
     replay.add_argument("--speed", type=float, default=1.0, help="replay this many times faster (default 1)")
-    replay.add_argument("--loop", action="store_true", help="start over at the end of the bundle")
+    replay.add_argument("--loop", action="store_true",
+                        help="start over at the end of the bundle (always, for the shipped session)")
     _add_web(replay)
     _add_logging(replay)
     return parser

@@ -13,7 +13,8 @@ real seconds x speed):
   log files are rotated (renamed to *.1, as logrotate does) and written again,
   so the log counters keep growing and the recorded times repeat.
 
-With no BUNDLE the session shipped in the package (exporter/data/) is played.
+With no BUNDLE the session shipped in the package (exporter/data/) is played,
+in a loop.
 """
 
 from __future__ import annotations
@@ -196,10 +197,11 @@ def replay(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[
     """The `replay` command: one error line and exit 2 for a bundle that cannot be played."""
     from .cli import serve
 
+    loop = cfg.replay.loop or cfg.replay.bundle is None  # the demo session plays on until stopped
     try:
         bundle = load(cfg.replay.bundle or shipped_bundle())
         with tempfile.TemporaryDirectory(prefix="mps-exporter-replay-") as root:
-            player = Player(bundle, root, cfg.replay.speed, cfg.replay.loop)
+            player = Player(bundle, root, cfg.replay.speed, loop)
             play_cfg = replay_config(cfg, bundle, player.log_dirs)
             log.info("replaying %s: %d readings over %.1f s recorded from %s, at %gx speed%s", bundle.path,
                      len(bundle.scrapes), bundle.duration, bundle.end.get("driver_version") or "no NVIDIA driver",

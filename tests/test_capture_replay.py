@@ -309,6 +309,31 @@ def test_no_shipped_bundle_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert err.count("\n") == 1 and "no recorded session is shipped" in err
 
 
+def test_no_argument_plays_the_shipped_bundle_in_a_loop(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    small_bundle(data / "session.jsonl.gz")
+    monkeypatch.setattr(replay_mod, "DATA_DIR", data)
+    port = free_port()
+    cfg = parse_args(["replay", "--speed", "20", "--web.listen-address", f"127.0.0.1:{port}"])[1]
+    stop, ready = threading.Event(), threading.Event()
+    server = threading.Thread(target=replay, args=(cfg, stop, ready), daemon=True)
+    server.start()
+    seen = []  # drivers d0, d1, d2 in turn, every 0.5 s; then d0 again
+    try:
+        assert ready.wait(20)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and seen[-2:] != ["d2", "d0"]:
+            d = driver(scrape(port))
+            if not seen or seen[-1] != d:
+                seen.append(d)
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        server.join(20)
+    assert seen[-2:] == ["d2", "d0"], seen
+
+
 def test_replay_flags_are_checked():
     cmd = [sys.executable, "-m", "mps_exporter.cli", "replay", "x.jsonl.gz", "--speed", "0"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
