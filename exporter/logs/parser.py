@@ -86,8 +86,11 @@ _new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (ho
 _Rule = Tuple[Union[str, "re.Pattern[str]"], Union[str, Callable[..., ParseResult]]]
 
 
+_REGEX_SYNTAX = set(".^$*+?{}[]\\|()")
+
+
 def _rules(*pairs: Tuple[str, Union[str, Callable[..., ParseResult]]]) -> List[_Rule]:
-    return [(p if re.escape(p) == p else re.compile(p), build) for p, build in pairs]
+    return [(re.compile(p) if _REGEX_SYNTAX & set(p) else p, build) for p, build in pairs]
 
 
 def _apply_rules(rules: List[_Rule], ts: float, pid: int, msg: str) -> Optional[ParseResult]:
@@ -283,7 +286,7 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     "Connecting": _rules((r"Connecting to control daemon", "server_startup"),),
     "MPS": _rules(
         (r"MPS Server connecting to control daemon", "server_startup"),
-        (r"MPS is only supported on", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
+        (r"MPS is only supported on .*", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
     ),
     "All": _rules((r"All clients belonging to error trigg?ing process", "fatal_report"),),
     "Failed": _rules((r"Failed to start\b", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),),
