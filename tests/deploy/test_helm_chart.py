@@ -9,7 +9,7 @@ import shlex
 
 import pytest
 
-from tests.deploy.helpers import CHART, ROOT, ci_values_files, find, load_yaml, one, render, validate_object
+from tests.deploy.helpers import CHART, KUBERNETES_VERSION, ROOT, ci_values_files, find, load_yaml, one, render, validate_object
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (test extra) bundles Helm's engine")
 
@@ -56,7 +56,7 @@ def test_ci_variants_exist():
 
 @pytest.mark.parametrize("values_file", VARIANTS, ids=_variant_id)
 def test_lint_is_clean(values_file):
-    report = helm.lint(CHART, _values(values_file), strict=True)
+    report = helm.lint(CHART, _values(values_file), strict=True, kube_version=f"v{KUBERNETES_VERSION}")
     # Severity 1 is "info" (e.g. "icon is recommended"); warnings and errors fail.
     problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
     assert problems == []
