@@ -2,8 +2,9 @@
 
 The backend is the test fakes with the capture's measured call latencies: each
 NVML call sleeps its `us` figure from nvml_busy.json, each control command
-1.9 ms (ctl_latency.txt). Overhead = scrape time minus time inside backend
-calls: what the exporter itself adds (joins, /proc reads, exposition).
+1.9 ms (ctl_latency.txt); /proc is a real directory tree. Overhead = scrape
+time minus time inside backend calls (NVML, control commands, /proc file
+reads): what the exporter itself adds (parsing, joins, exposition).
 
     python3 bench/scrape_bench.py [--scrapes 200]
 
@@ -13,6 +14,7 @@ Prints a Markdown table; numbers, not a pass/fail.
 from __future__ import annotations
 
 import argparse
+import gc
 import resource
 import statistics
 import sys
@@ -64,8 +66,12 @@ def run(gpus: int, clients_per_gpu: int, scrapes: int):
 
         from mps_exporter.cli import build_collector, build_sources
 
-        collector = build_collector(scen.cfg, build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=runner), {})
+        sources = build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=runner)
+        proc = sources["proc"]
+        proc._read = TimedModule(proc, spent).__getattr__("_read")  # /proc file reads are backend I/O too
+        collector = build_collector(scen.cfg, sources, {})
         registry = build_registry(collector)
+        gc.freeze()  # as `mps-exporter serve` does after start-up
         totals, overheads = [], []
         for i in range(scrapes + 5):
             spent[0] = 0.0

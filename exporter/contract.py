@@ -25,6 +25,13 @@ class MetricSpec:
     help: str
     table: str
 
+    @property
+    def label_set(self) -> frozenset:
+        return _LABEL_SETS.setdefault(self.labels, frozenset(self.labels))
+
+
+_LABEL_SETS: Dict[Tuple[str, ...], frozenset] = {}
+
 
 def _specs(table: str, *rows: Tuple[str, str, str, str]) -> Dict[str, MetricSpec]:
     out = {}

@@ -34,9 +34,9 @@ def _family_name(spec: MetricSpec) -> str:
 
 
 def _label_values(spec: MetricSpec, labels: Dict[str, object]) -> Dict[str, str]:
-    if set(labels) != set(spec.labels):
+    if labels.keys() != spec.label_set:
         raise ContractError(f"{spec.name}: labels {sorted(labels)} != contract {sorted(spec.labels)}")
-    return {k: "" if labels[k] is None else str(labels[k]) for k in spec.labels}
+    return {k: v if type(v) is str else ("" if v is None else str(v)) for k, v in labels.items()}
 
 
 class FamilyBuilder:
