@@ -1,5 +1,9 @@
 """What the real GPU taught, pinned down on recorded data (runs without a GPU).
 
+Control replies (recorded/h200-580-replies.json, from the live run): with no MPS
+server, `ps` prints "Server not found"; the exporter failed its control collector
+on it and lost the daemon defaults until a server started.
+
 GPU memory used: NVML's v1 memory call counts memory the driver reserves; the v2
 call and nvidia-smi do not. The capture holds both answers of one moment
 (nvml_busy.json `mem`, `mem_v2`) and nvidia-smi's view a second later
@@ -8,10 +12,14 @@ call and nvidia-smi do not. The capture holds both answers of one moment
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
+from mps_exporter.config import DaemonConfig
+from mps_exporter.sources.mps_control import ControlClient, ControlSource, parse_pinned_limit, parse_ps
 from mps_exporter.sources.nvml import NvmlSource
 from tests.fakes.fake_control import CAPTURE
 from tests.fakes.fake_pynvml import FakeNvml, NVMLError, load_capture
@@ -58,3 +66,61 @@ def test_gpu_memory_falls_back_to_v1_where_v2_is_missing():
     nvml.v2_missing = True
     gpu = NvmlSource(nvml).read().gpus[0]
     assert gpu.up and gpu.memory_used_bytes == load_capture("busy")["mem"]["v"]["used"]
+
+
+# ------------------------------------------------------------- control replies
+REPLIES = json.loads((Path(__file__).resolve().parent / "recorded" / "h200-580-replies.json").read_text())["replies"]
+
+
+class RecordedDaemon:
+    """A control runner answering from the live run's replies; `servers` picks the scene."""
+
+    def __init__(self, servers: str) -> None:
+        self.servers = servers
+        self.sent = []
+
+    def __call__(self, argv, stdin_text, env, timeout):
+        line = stdin_text.strip()
+        self.sent.append(line)
+        verb = line.split()[0] if line else argv[-1]
+        if verb == "-v":
+            return 0, "CUDA MPS Control for Linux/Unix/QNX. Binary version: 13000\n"
+        if verb == "get_server_list":
+            return 0, self.servers
+        if verb == "ps":
+            return 0, REPLIES["ps (no server)" if not self.servers else "ps (3 clients)"]
+        key = {"get_default_active_thread_percentage": "get_default_active_thread_percentage (none set)",
+               "get_default_device_pinned_mem_limit": "get_default_device_pinned_mem_limit 0 (none set)",
+               "get_server_status": "get_server_status <server> (busy)",
+               "get_active_thread_percentage": "get_active_thread_percentage <server> (none set)",
+               "get_device_pinned_mem_limit": "get_device_pinned_mem_limit <server> 0 (none set)"}[verb]
+        return 0, REPLIES[key]
+
+
+def read_daemon(servers: str):
+    daemon = RecordedDaemon(servers)
+    source = ControlSource(DaemonConfig("default", "/tmp/p", "/tmp/l"), ControlClient("/tmp/p", runner=daemon))
+    return source.read([0]), daemon
+
+
+def test_ps_without_a_server_is_no_clients():
+    assert parse_ps(REPLIES["ps (no server)"]) == []
+    assert [e.pid for e in parse_ps(REPLIES["ps (3 clients)"])] == [1215, 1214, 1213]
+
+
+def test_daemon_without_servers_reads_cleanly_with_its_defaults():
+    reading, daemon = read_daemon("")
+    assert reading.up and reading.error is None
+    assert reading.clients == [] and reading.servers == []
+    assert reading.default_active_thread_percentage == 100.0  # "100.0\n"
+    assert reading.default_pinned_limits == {}  # "" (control.log alone says "No default ... limit set")
+    assert "get_default_active_thread_percentage" in daemon.sent
+
+
+def test_server_limits_as_printed_live():
+    reading, _ = read_daemon("1262\n")
+    [server] = reading.servers
+    assert (server.pid, server.status, server.active_thread_percentage, server.pinned_limits) == (1262, "ACTIVE", 100.0, {})
+    assert {c.pid for c in reading.clients} == {1213, 1214, 1215}
+    assert parse_pinned_limit(REPLIES["get_device_pinned_mem_limit <server> 0 (default set)"]) == 4 * 2**30
+    assert parse_pinned_limit(REPLIES["get_device_pinned_mem_limit <server> 0 (none set)"]) is None

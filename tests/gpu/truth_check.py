@@ -451,6 +451,7 @@ class TruthCheck:
                     {str(c.pid): [uuid_of[c.device]] for c in clients},
                     {str(c.pid): sorted(x.labels["uuid"] for x in e.series("mps_client_memory_used_bytes", pid=str(c.pid)))
                      for c in clients})
+        r.facts["NVML memory used, v1 vs v2 vs nvidia-smi (MiB), 3 clients"] = nvml_memory_views(s)
         modes = {x.labels["gpu"]: x.labels["mode"] for x in e.series("mps_gpu_sharing_mode")}
         r.check("mixed: sharing mode mps on GPUs with clients", {str(c.device): "mps" for c in clients},
                 {k: v for k, v in modes.items() if k in {str(c.device) for c in clients}})
@@ -606,38 +607,47 @@ class TruthCheck:
         s.ctl("set_default_active_thread_percentage 100")
 
     def phase_fault(self) -> None:
+        """A device-side assert (fault.py), then a fatal GPU error (fatal.py), beside a bystander."""
         self.phase("fault")
         s, r = self.s, self.r
         bystander = s.client("f_bystander", 1)
         s.wait_ready([bystander], 60)
-        time.sleep(LOG_SETTLE)
-        e0 = self.scrape()
-        f0 = e0.value("mps_fatal_gpu_errors_total") or 0
-        reports0 = oracles.fatal_error_reports(s.server_log())
-        fault = s.run_script("f_fault", "fault.py")
-        seen_ctl, seen_exp = [], []
-        deadline = time.time() + 45
-        while time.time() < deadline and (fault.proc.poll() is None or len(seen_ctl) < 30):
-            for srv in s.servers():
-                seen_ctl.append(f"{srv} {s.ctl(f'get_server_status {srv}').strip()}")
-            seen_exp += [f"{x.labels['server_pid']} {x.labels['status']}" for x in self.scrape().series("mps_server_status")]
-            time.sleep(0.1)
-        r.facts["get_server_status during the fault (distinct replies, in order)"] = _distinct(seen_ctl)
-        r.facts["mps_server_status during the fault (distinct, in order)"] = _distinct(seen_exp)
-        r.facts["output of fault.py"] = fault.text().strip()[:600]
-        time.sleep(LOG_SETTLE)
-        e = self.scrape()
-        reports = oracles.fatal_error_reports(s.server_log())
-        r.check("fault: fatal GPU error reports in server.log during the fault >= 1", True, reports - reports0 >= 1)
-        r.check("fault: mps_fatal_gpu_errors_total delta = fatal error reports in server.log", reports - reports0,
-                (e.value("mps_fatal_gpu_errors_total") or 0) - f0)
-        fault_statuses = {x.split()[1] for x in seen_ctl}
-        exporter_statuses = {x.split()[1] for x in seen_exp}
-        r.check_true("fault: every status get_server_status gave also appeared in mps_server_status",
-                     sorted(fault_statuses), sorted(exporter_statuses), fault_statuses <= exporter_statuses,
-                     note="polled every ~0.1 s while the fault ran")
+        for tag, script, fatal in (("f_assert", "fault.py", False), ("f_fatal", "fatal.py", True)):
+            time.sleep(LOG_SETTLE)
+            f0 = self.scrape().value("mps_fatal_gpu_errors_total") or 0
+            reports0 = oracles.fatal_error_reports(s.server_log())
+            lines0 = len(s.server_log())
+            client = s.run_script(tag, script)
+            seen_ctl, seen_exp = self.watch_status(client)
+            r.facts[f"{tag}: get_server_status while it ran (distinct replies, in order)"] = _distinct(seen_ctl)
+            r.facts[f"{tag}: mps_server_status while it ran (distinct, in order)"] = _distinct(seen_exp)
+            r.facts[f"{tag}: output of {script}"] = client.text().strip()[:600]
+            time.sleep(LOG_SETTLE)
+            e = self.scrape()
+            r.facts[f"{tag}: server.log lines"] = [f"{x.time:%H:%M:%S.%f} {x.text}" for x in s.server_log()[lines0:]][:40]
+            reports = oracles.fatal_error_reports(s.server_log()) - reports0
+            what = "fatal GPU error (illegal address)" if fatal else "device-side assert"
+            r.check(f"fault: {what}: fatal error reports in server.log", 1 if fatal else 0, reports,
+                    note="MPS logs a device-side assert as 'Worker is in reset', not as a fatal GPU error")
+            r.check(f"fault: {what}: mps_fatal_gpu_errors_total delta = fatal error reports in server.log", reports,
+                    (e.value("mps_fatal_gpu_errors_total") or 0) - f0)
+            ctl_states, exp_states = {x.partition(" ")[2] for x in seen_ctl}, {x.partition(" ")[2] for x in seen_exp}
+            r.check_true(f"fault: {what}: every state get_server_status gave also appeared in mps_server_status",
+                         sorted(ctl_states), sorted(exp_states), ctl_states <= exp_states,
+                         note="both polled every ~0.1 s while the client ran")
         s.stop([bystander])
         r.facts["output of f_bystander"] = bystander.text().strip()[:600]
+
+    def watch_status(self, client: Client, min_samples: int = 30, timeout: float = 45):
+        """get_server_status of every server and mps_server_status, polled while `client` runs."""
+        seen_ctl, seen_exp = [], []
+        deadline = time.time() + timeout
+        while time.time() < deadline and (client.proc.poll() is None or len(seen_exp) < min_samples):
+            for srv in self.s.servers():
+                seen_ctl.append(f"{srv} {self.s.ctl(f'get_server_status {srv}').strip()}")
+            seen_exp += [f"{x.labels['server_pid']} {x.labels['status']}" for x in self.scrape().series("mps_server_status")]
+            time.sleep(0.1)
+        return seen_ctl, seen_exp
 
     def phase_quit(self) -> None:
         self.phase("quit")
@@ -688,6 +698,23 @@ class TruthCheck:
                     s.shutdown_servers()
                 except Exception:
                     pass
+
+
+def nvml_memory_views(s: Session) -> Dict[str, dict]:
+    """GPU memory used as NVML's v1 and v2 calls and nvidia-smi give it, per GPU."""
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        views = {}
+        for g in s.smi_gpus():
+            h = pynvml.nvmlDeviceGetHandleByIndex(g.index)
+            v1 = pynvml.nvmlDeviceGetMemoryInfo(h)
+            v2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+            views[str(g.index)] = {"v1_used": v1.used / MIB, "v2_used": v2.used / MIB, "v2_reserved": v2.reserved / MIB,
+                                   "nvidia_smi_used": s.smi_gpus()[g.index].memory_used_mib}
+        return views
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def oracles_version(text: str) -> Optional[str]:
