@@ -78,3 +78,12 @@ def test_documented_paths_exist():
         if "<" in path or "*" in path:
             continue
         assert os.path.exists(os.path.join(ROOT, path)), path
+
+
+def test_internal_links_resolve():
+    def slug(title):  # GitHub's heading anchors
+        return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+    anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", DOC, re.M)}
+    links = set(re.findall(r"\]\(#([^)]+)\)", DOC))
+    assert links and links <= anchors, links - anchors
