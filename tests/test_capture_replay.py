@@ -334,6 +334,24 @@ def test_no_argument_plays_the_shipped_bundle_in_a_loop(tmp_path, monkeypatch):
     assert seen[-2:] == ["d2", "d0"], seen
 
 
+def test_shipped_bundle_is_a_real_gpu_session_with_servers_and_clients(tmp_path):
+    try:
+        path = Path(replay_mod.shipped_bundle())
+    except BundleError:
+        pytest.skip("no bundle shipped in exporter/data/ yet")
+    assert path.stat().st_size <= 2 << 20
+    bundle, _, at = play(path, tmp_path)
+    assert bundle.end["driver_version"] and bundle.end["gpus"]  # NVML answered: recorded on a GPU
+    seen = set()
+    for s in bundle.scrapes:
+        text = at(s.t)
+        seen |= {name for name in ("mps_server_info", "mps_client_info", "mps_client_memory_used_bytes")
+                 if re.search(rf"^{name}\{{", text, re.M)}
+        if re.search(r'^mps_queued_clients\{[^}]*\} [1-9]', text, re.M):
+            seen.add("queued")
+    assert seen == {"mps_server_info", "mps_client_info", "mps_client_memory_used_bytes", "queued"}
+
+
 def test_replay_flags_are_checked():
     cmd = [sys.executable, "-m", "mps_exporter.cli", "replay", "x.jsonl.gz", "--speed", "0"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
