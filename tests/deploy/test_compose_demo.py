@@ -1,0 +1,96 @@
+"""The compose `demo` profile, minus Docker: the exporter's demo command (replay of
+the shipped session) scraped by the real Prometheus with the compose stack's own
+configuration and rule file. Only the addresses change (no container network here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.deploy.helpers import DEPLOY, ROOT, load_yaml
+from tests.support.prometheus import Prometheus, free_port, prometheus_binary
+
+pytestmark = pytest.mark.slow
+
+COMPOSE_DIR = os.path.join(DEPLOY, "compose")
+RULES = os.path.join(ROOT, "alerts", "prometheus", "mps-exporter.rules.yml")
+
+
+def _wait_http(url: str, process: subprocess.Popen, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"exporter exited: {process.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer in {timeout}s")
+
+
+@pytest.fixture
+def demo_exporter():
+    command = load_yaml(os.path.join(COMPOSE_DIR, "compose.yaml"))["services"]["exporter-demo"]["command"]
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mps_exporter.cli", *command, "--speed", "10", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)
+        if process.poll() is not None and "no recorded session is shipped" in process.stderr.read():
+            pytest.skip("no recorded session shipped with mps-exporter yet")
+        _wait_http(f"http://127.0.0.1:{port}/-/healthy", process)
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def test_demo_stack_scrapes_and_evaluates_the_rules(demo_exporter, tmp_path):
+    prometheus_binary()  # skips without the prometheus package (fails under CI)
+    if not os.path.exists(RULES):
+        pytest.skip("alerts/prometheus/mps-exporter.rules.yml not generated yet")
+    config = load_yaml(os.path.join(COMPOSE_DIR, "prometheus", "prometheus.yml"))
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "mps-exporter"]
+    instance = job["static_configs"][0]["labels"]["instance"]
+    job["static_configs"][0]["targets"] = [demo_exporter]
+    job["scrape_interval"] = job["scrape_timeout"] = "1s"
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["scrape_configs"] = [job]  # the self-scrape job needs Prometheus' own port
+    config["rule_files"] = [RULES]  # what compose mounts into rules/
+    config.pop("alerting")  # no Alertmanager in this test
+    prom = Prometheus(str(tmp_path), config)
+    try:
+        prom.start()
+        (target,) = prom.wait_for_target_up(job="mps-exporter")
+        assert target["labels"]["instance"] == instance
+        up = prom.wait_for('mps_control_daemon_up{job="mps-exporter"}')
+        assert {s["metric"]["instance"] for s in up} == {instance}
+        prom.wait_for('mps_server_info{job="mps-exporter"}')  # a recorded MPS server
+        # Every rule of the file is loaded and, after a few evaluations over the
+        # replayed series, none has an error.
+        expected = {g["name"]: len(g["rules"]) for g in load_yaml(RULES)["groups"]}
+        deadline = time.monotonic() + 20
+        while True:
+            groups = prom.rules()
+            rules = [r for g in groups for r in g["rules"]]
+            # A rule never evaluated reports Go's zero time.
+            evaluated = rules and not any(r["lastEvaluation"].startswith("0001") for r in rules)
+            if evaluated or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert evaluated, "rules not evaluated within 20s"
+        assert {g["name"]: len(g["rules"]) for g in groups} == expected
+        assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
+    finally:
+        prom.stop()
