@@ -152,5 +152,9 @@ def test_the_context_builds_the_package(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         assert "mps_exporter/config.py" in names and "mps_exporter/cli.py" in names
+        # The demo (compose profile `demo`) replays the session shipped as package data.
+        data = os.path.join(ROOT, "exporter", "data")
+        shipped = sorted(f for f in os.listdir(data) if not f.startswith(".")) if os.path.isdir(data) else []
+        assert all(f"mps_exporter/data/{f}" in names for f in shipped), shipped
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
         assert "mps-exporter = mps_exporter.cli:main" in zf.read(entry_points).decode()
