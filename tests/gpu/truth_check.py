@@ -364,8 +364,10 @@ class TruthCheck:
                     sum(1 for (uuid, _pid) in apps if uuid == g.uuid), e.value("mps_gpu_compute_processes", **lab))
 
     # ---------------------------------------------------------- performance
-    def measure(self, level: str, rounds: int = 80) -> None:
-        """Scrape latency against the raw cost of the same NVML and control calls, interleaved."""
+    def measure(self, level: str, rounds: int = 250) -> None:
+        """Scrape latency against the raw cost of the same NVML and control calls, interleaved.
+
+        At least 200 rounds: with fewer, the nearest-rank p99 is the single slowest sample."""
         if self.raw is None:
             import rawcost
             self.raw = rawcost.RawScrape(str(self.s.pipe), str(self.s.logdir), FACTS_REFRESH)
@@ -382,7 +384,7 @@ class TruthCheck:
             scrapes.add(e.seconds)
             for x in e.series("mps_exporter_collector_duration_seconds"):
                 durations.setdefault(x.labels["collector"], Samples()).add(x.value)
-            time.sleep(0.05)
+            time.sleep(0.02)
         cpu1, elapsed = cpu_seconds(self.exporter.pid), time.time() - t0
         background = self.idle_cpu_rate.get("self", 0.0) * elapsed
         result = {
@@ -477,7 +479,7 @@ class TruthCheck:
         e = self.compare_state(f"many ({count})", clients)
         r.check(f"many: mps_server_clients sum = {count} launched", count,
                 sum(x.value for x in e.series("mps_server_clients")))
-        self.measure("30 busy clients", rounds=60)
+        self.measure("30 busy clients", rounds=200)
         s.stop(clients)
 
     def phase_queue(self) -> None:
