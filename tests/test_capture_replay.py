@@ -349,7 +349,9 @@ def test_shipped_bundle_is_a_real_gpu_session_with_servers_and_clients(tmp_path)
                  if re.search(rf"^{name}\{{", text, re.M)}
         if re.search(r'^mps_queued_clients\{[^}]*\} [1-9]', text, re.M):
             seen.add("queued")
-    assert seen == {"mps_server_info", "mps_client_info", "mps_client_memory_used_bytes", "queued"}
+        if re.search(r'^mps_server_status\{[^}]*status="FAULT"[^}]*\} 1', text, re.M):
+            seen.add("fault")
+    assert seen == {"mps_server_info", "mps_client_info", "mps_client_memory_used_bytes", "queued", "fault"}
 
 
 def test_replay_flags_are_checked():
