@@ -183,7 +183,7 @@ def test_hostdriver_variant_mounts_only_the_driver_files():
     assert files["/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"] == "File"
     assert files["/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control"] == "File"
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env == {"LD_LIBRARY_PATH": "/opt/nvidia/lib"}
+    assert env == {"LD_LIBRARY_PATH": "/opt/nvidia/lib", "NVIDIA_VISIBLE_DEVICES": "void"}
     assert "--mps.control-binary=/opt/nvidia/bin/nvidia-cuda-mps-control" in container["args"]
     # Device nodes of a GPU the pod was not allocated: only a privileged container opens them.
     assert container["securityContext"]["privileged"] is True
