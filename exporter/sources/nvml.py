@@ -162,7 +162,12 @@ class NvmlSource:
         gpu.utilization_ratio = _ratio(rates.gpu)
         gpu.memory_utilization_ratio = _ratio(rates.memory)
         gpu.compute_processes = self._processes(nvml, "nvmlDeviceGetComputeRunningProcesses", handle)
-        gpu.mps_clients = self._processes(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", handle)
+        # With several GPUs, NVML's MPS list names every client of the server on every
+        # GPU, with 0 bytes where it has no context; the compute list (and nvidia-smi)
+        # name it only where it runs (seen live on two H200s, tests/gpu/reports).
+        running = {p.pid for p in gpu.compute_processes}
+        gpu.mps_clients = [p for p in self._processes(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", handle)
+                           if p.pid in running or (p.used_bytes or 0) > 0]
 
     @staticmethod
     def _memory_info(nvml: Any, handle: Any) -> Any:

@@ -124,3 +124,27 @@ def test_server_limits_as_printed_live():
     assert {c.pid for c in reading.clients} == {1213, 1214, 1215}
     assert parse_pinned_limit(REPLIES["get_device_pinned_mem_limit <server> 0 (default set)"]) == 4 * 2**30
     assert parse_pinned_limit(REPLIES["get_device_pinned_mem_limit <server> 0 (none set)"]) is None
+
+
+# ------------------------------------------------------- two GPUs, one server
+def two_gpu_mixed_phase() -> FakeNvml:
+    """The mixed phase on two H200s (reports/dual-h200-run1.json): server 3044 holds 66 MiB on
+    both GPUs; clients 2947 (2696 MiB) and 2949 (1770 MiB) run on GPU 0, 2948 (8840 MiB) on
+    GPU 1. nvidia-smi and the compute lists name each client once; the MPS lists name all three
+    on both GPUs, with 0 bytes where a client has no context."""
+    from tests.fakes.fake_pynvml import FakeGpu, FakeProcess
+
+    mib = lambda n: n * MIB  # noqa: E731
+    here = {0: {2947: 2696, 2949: 1770}, 1: {2948: 8840}}
+    gpus = []
+    for index, uuid in ((0, "GPU-571e44ad-c20e-3f79-ce01-1903e788989b"), (1, "GPU-019e0308-9fbe-cc20-4d5b-6ffb3db72083")):
+        compute = [FakeProcess(3044, mib(66))] + [FakeProcess(pid, mib(m)) for pid, m in here[index].items()]
+        mps = [FakeProcess(pid, mib(here[index].get(pid, 0))) for pid in (2947, 2948, 2949)]
+        gpus.append(FakeGpu(uuid=uuid, compute_processes=compute, mps_processes=mps))
+    return FakeNvml(gpus)
+
+
+def test_mps_clients_only_on_the_gpu_they_run_on():
+    reading = NvmlSource(two_gpu_mixed_phase()).read()
+    listed = {g.index: {p.pid: p.used_bytes // MIB for p in g.mps_clients} for g in reading.gpus}
+    assert listed == {0: {2947: 2696, 2949: 1770}, 1: {2948: 8840}}  # as nvidia-smi --query-compute-apps

@@ -453,7 +453,7 @@ class TruthCheck:
                     {str(c.pid): [uuid_of[c.device]] for c in clients},
                     {str(c.pid): sorted(x.labels["uuid"] for x in e.series("mps_client_memory_used_bytes", pid=str(c.pid)))
                      for c in clients})
-        r.facts["NVML memory used, v1 vs v2 vs nvidia-smi (MiB), 3 clients"] = nvml_memory_views(s)
+        r.facts["NVML memory (v1, v2, nvidia-smi) and process lists (pid: MiB) per GPU, 3 clients"] = nvml_memory_views(s)
         modes = {x.labels["gpu"]: x.labels["mode"] for x in e.series("mps_gpu_sharing_mode")}
         r.check("mixed: sharing mode mps on GPUs with clients", {str(c.device): "mps" for c in clients},
                 {k: v for k, v in modes.items() if k in {str(c.device) for c in clients}})
@@ -703,7 +703,7 @@ class TruthCheck:
 
 
 def nvml_memory_views(s: Session) -> Dict[str, dict]:
-    """GPU memory used as NVML's v1 and v2 calls and nvidia-smi give it, per GPU."""
+    """Per GPU: memory used as NVML's v1 and v2 calls and nvidia-smi give it; NVML's two process lists."""
     import pynvml
     pynvml.nvmlInit()
     try:
@@ -712,8 +712,13 @@ def nvml_memory_views(s: Session) -> Dict[str, dict]:
             h = pynvml.nvmlDeviceGetHandleByIndex(g.index)
             v1 = pynvml.nvmlDeviceGetMemoryInfo(h)
             v2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
-            views[str(g.index)] = {"v1_used": v1.used / MIB, "v2_used": v2.used / MIB, "v2_reserved": v2.reserved / MIB,
-                                   "nvidia_smi_used": s.smi_gpus()[g.index].memory_used_mib}
+            views[str(g.index)] = {
+                "v1_used": v1.used / MIB, "v2_used": v2.used / MIB, "v2_reserved": v2.reserved / MIB,
+                "nvidia_smi_used": s.smi_gpus()[g.index].memory_used_mib,
+                "compute_processes": {p.pid: (p.usedGpuMemory or 0) / MIB
+                                      for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)},
+                "mps_processes": {p.pid: (p.usedGpuMemory or 0) / MIB
+                                  for p in pynvml.nvmlDeviceGetMPSComputeRunningProcesses(h)}}
         return views
     finally:
         pynvml.nvmlShutdown()
