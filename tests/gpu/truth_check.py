@@ -592,6 +592,10 @@ class TruthCheck:
             exp_atp[c.tag] = min(candidates) / 100 if candidates else None
             act_atp[c.tag] = e.value("mps_client_active_thread_ratio", pid=str(c.pid))
         r.check("limits: effective pinned limit per client = own env, else server's", exp_pinned, act_pinned)
+        r.check("limits: pinned limit series only on the GPU each client runs on (nvidia-smi)",
+                {c.tag: sorted(str(g.index) for g in s.smi_gpus() for (uuid, pid) in s.smi_apps()
+                               if pid == c.pid and uuid == g.uuid) for c in running},
+                {c.tag: sorted(e.label_set("mps_client_pinned_memory_limit_bytes", "gpu", pid=str(c.pid))) for c in running})
         r.check("limits: effective active thread ratio = min(own env, server's) / 100", exp_atp, act_atp)
         used = e.value("mps_client_memory_used_bytes", pid=str(near.pid), gpu="0")
         r.check_true("limits: client near its 2 GiB limit stays under it (exporter memory <= exporter limit)",
