@@ -24,19 +24,14 @@ class MetricSpec:
     labels: Tuple[str, ...]
     help: str
     table: str
-
-    @property
-    def label_set(self) -> frozenset:
-        return _LABEL_SETS.setdefault(self.labels, frozenset(self.labels))
-
-
-_LABEL_SETS: Dict[Tuple[str, ...], frozenset] = {}
+    label_set: frozenset = frozenset()  # the labels as a set, for the per-sample check
 
 
 def _specs(table: str, *rows: Tuple[str, str, str, str]) -> Dict[str, MetricSpec]:
     out = {}
     for name, mtype, labels, help_text in rows:
-        out[name] = MetricSpec(name, mtype, tuple(l.strip() for l in labels.split(",") if l.strip()), help_text, table)
+        names = tuple(l.strip() for l in labels.split(",") if l.strip())
+        out[name] = MetricSpec(name, mtype, names, help_text, table, frozenset(names))
     return out
 
 

@@ -33,9 +33,12 @@ def _family_name(spec: MetricSpec) -> str:
     return spec.name
 
 
-def _label_values(spec: MetricSpec, labels: Dict[str, object]) -> Dict[str, str]:
+def _check_labels(spec: MetricSpec, labels: Dict[str, object]) -> None:
     if labels.keys() != spec.label_set:
         raise ContractError(f"{spec.name}: labels {sorted(labels)} != contract {sorted(spec.labels)}")
+
+
+def _label_values(labels: Dict[str, object]) -> Dict[str, str]:
     return {k: v if type(v) is str else ("" if v is None else str(v)) for k, v in labels.items()}
 
 
@@ -54,22 +57,25 @@ class FamilyBuilder:
         return spec, fam
 
     def add(self, name: str, value: Optional[float], /, **labels: object) -> None:
+        # The hot path of a scrape (hundreds of calls): keep it lean.
         if value is None:
             return
         spec, fam = self._family(name)
         if spec.type == HISTOGRAM:
             raise ContractError(f"{name} is a histogram: use add_histogram")
         value = float(value)
-        if math.isnan(value):
+        if value != value:  # NaN: no number to publish
             return
-        fam.samples.append(Sample(spec.name, _label_values(spec, labels), value, None))
+        _check_labels(spec, labels)
+        fam.samples.append(Sample(spec.name, _label_values(labels), value, None))
 
     def add_histogram(self, name: str, bucket_counts: Sequence[Tuple[float, float]], total: float, /, **labels: object) -> None:
         """bucket_counts: (upper bound, cumulative count) pairs ending with +Inf."""
         spec, fam = self._family(name)
         if spec.type != HISTOGRAM:
             raise ContractError(f"{name} is not a histogram")
-        base = _label_values(spec, labels)
+        _check_labels(spec, labels)
+        base = _label_values(labels)
         count = 0.0
         for bound, cumulative in bucket_counts:
             le = "+Inf" if math.isinf(bound) else _format_le(bound)

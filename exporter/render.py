@@ -149,6 +149,10 @@ def _render_daemon(out: FamilyBuilder, d: DaemonReading, gpus: List[GpuReading],
             if getattr(ls, "running", False) and pid not in servers:
                 servers[pid] = ServerFacts(pid=pid, status=None)
     utilization = {gpu.index: sm_utilization(gpu) for gpu in gpus}
+    compute_memory = {gpu.index: {p.pid: p.used_bytes for p in gpu.compute_processes} for gpu in gpus}
+    clients_per_server: Dict[int, int] = {}
+    for c in d.clients:
+        clients_per_server[c.server_pid] = clients_per_server.get(c.server_pid, 0) + 1
     server_atp: Dict[int, Optional[float]] = {}
     server_limits: Dict[int, Dict[int, int]] = {}
     for pid, s in sorted(servers.items()):
@@ -160,7 +164,7 @@ def _render_daemon(out: FamilyBuilder, d: DaemonReading, gpus: List[GpuReading],
         out.add("mps_server_info", 1, **sp, uid="" if uid is None else str(uid), user=user)
         if s.status:
             out.add("mps_server_status", 1, **sp, status=s.status)
-        out.add("mps_server_clients", sum(1 for c in d.clients if c.server_pid == pid), **sp)
+        out.add("mps_server_clients", clients_per_server.get(pid, 0), **sp)
         atp = s.active_thread_percentage
         if atp is None:
             atp = getattr(ls, "active_thread_percentage", None)
@@ -174,9 +178,8 @@ def _render_daemon(out: FamilyBuilder, d: DaemonReading, gpus: List[GpuReading],
         out.add("mps_server_start_time_seconds", start, **sp)
         for gpu in gpus:
             g = {"gpu": str(gpu.index), "uuid": gpu.uuid}
-            for p in gpu.compute_processes:
-                if p.pid == pid:
-                    out.add("mps_server_memory_used_bytes", p.used_bytes, **sp, **g)
+            if pid in compute_memory[gpu.index]:
+                out.add("mps_server_memory_used_bytes", compute_memory[gpu.index][pid], **sp, **g)
             out.add("mps_server_sm_utilization_ratio", utilization[gpu.index].get(pid), **sp, **g)
 
     # Clients: rows of `ps`, plus NVML MPS clients no daemon listed when this is the only daemon.
