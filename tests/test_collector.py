@@ -153,3 +153,35 @@ def test_single_flight_hands_errors_to_every_waiter():
     for t in threads:
         t.join()
     assert len(errors) == 3
+
+
+TABLES = ("GPU", "MPS control daemon", "MPS servers", "MPS clients")
+
+
+@needs_capture
+def test_every_gpu_daemon_server_and_client_metric_comes_out_of_recorded_data(tmp_path):
+    """Every metric of the four source tables appears, from the capture's busy moment
+    with the limits of its `limits` step (limits.txt: default pinned limit 2G, thread
+    percentage 25) and a second scrape (GPM needs two samples), plus a GPU without MPS
+    (per-process utilization is real only there)."""
+    from mps_exporter.contract import METRICS
+
+    scen = scenarios.busy(tmp_path)
+    scen.daemon.default_pinned_limits = {0: "2G"}
+    scen.daemon.default_active_thread_percentage = 25.0
+    scen.daemon.servers[0].pinned_limits = {0: "2G"}
+    scen.daemon.servers[0].active_thread_percentage = 25.0
+    collector = scen.collector()
+    exposition(collector)
+    scen.nvml.advance(15)
+    text = exposition(collector)
+    plain = scenarios.synthetic(tmp_path / "plain", gpus=1, clients_per_gpu=2)
+    plain.nvml = FakeNvml.synthetic(gpus=1, clients_per_gpu=2, mps=False)
+    plain.daemon.servers, plain.daemon.clients = [], []
+    text += exposition(plain.collector())
+    wanted = {n for n, spec in METRICS.items() if spec.table in TABLES}
+    missing = sorted(n for n in wanted if not series(text, n))
+    assert not missing, missing
+    assert 'mps_client_pinned_memory_limit_bytes{daemon="default",gpu="0",pid="1647"} 2.147483648e+09' in text
+    assert 'mps_client_active_thread_ratio{daemon="default",pid="1647"} 0.25' in text
+    assert 'mps_gpu_sharing_mode{gpu="0",mode="time_slicing"' in text
