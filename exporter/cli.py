@@ -171,7 +171,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .replay import replay
 
         return replay(cfg)
-    return serve(cfg)
+    try:
+        return serve(cfg)
+    except OSError as e:  # the address is taken or not ours: one line, not a traceback
+        log.error("cannot listen on %s: %s", cfg.listen_address, e.strerror or e)
+        return 1
 
 
 if __name__ == "__main__":

@@ -111,3 +111,15 @@ def test_config_file_names_the_daemons(tmp_path):
     assert res.returncode == 0, res.stderr
     assert 'mps_control_daemon_up{daemon="train"} 0.0' in res.stdout
     assert 'mps_control_daemon_up{daemon="infer"} 0.0' in res.stdout
+
+
+def test_taken_port_is_one_error_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = subprocess.run(EXE + ["--web.listen-address", f"127.0.0.1:{port}", "--no-collector.logs",
+                                    "--mps.control-binary", "/nonexistent/x"],
+                             capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1
+    assert "cannot listen on 127.0.0.1:" in res.stderr and "Traceback" not in res.stderr, res.stderr
