@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from . import __version__
 from .families import FamilyBuilder
+from .logs.render import render_log_metrics
 from .model import DaemonReading, GpuReading, NvmlReading, ProcessFacts, ServerFacts
 
 ACTIVITY_METRICS = {
@@ -61,8 +62,6 @@ def render(snap: Snapshot) -> FamilyBuilder:
     for daemon in snap.daemons:
         _render_daemon(out, daemon, gpus, snap, single_daemon=len(snap.daemons) == 1)
     if snap.logs:
-        from .logs.render import render_log_metrics
-
         for name, log_snap in snap.logs.items():
             render_log_metrics(out, name, log_snap, snap.now)
     return out

@@ -120,9 +120,8 @@ def test_client_table_and_effective_limits():
 
 
 def test_log_start_times_win_over_proc(monkeypatch):
-    lr = pytest.importorskip("mps_exporter.logs.render")
     # Only the join is under test here; the log families are the log pipeline's tests.
-    monkeypatch.setattr(lr, "render_log_metrics", lambda *a: None)
+    monkeypatch.setattr("mps_exporter.render.render_log_metrics", lambda *a: None)
 
     class LogServer:
         start_time, uid, active_thread_percentage, pinned_limits, running = 1795234880.5, 0, 100.0, {}, True
