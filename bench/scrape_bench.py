@@ -24,63 +24,40 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mps_exporter.exposition import generate_text as generate_latest  # noqa: E402
+from mps_exporter.exposition import generate_text  # noqa: E402
 
+from mps_exporter.cli import build_collector, build_sources  # noqa: E402
 from mps_exporter.collector import build_registry  # noqa: E402
+from tests.gpu.rawcost import TimedModule, TimedRunner  # noqa: E402
 from tests.support import scenarios  # noqa: E402
-
-
-class TimedModule:
-    """Proxy that adds the wall time of every call into `spent`."""
-
-    def __init__(self, inner, spent):
-        self._inner, self._spent = inner, spent
-
-    def __getattr__(self, name):
-        attr = getattr(self._inner, name)
-        if not callable(attr) or isinstance(attr, type):
-            return attr
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return attr(*a, **k)
-            finally:
-                self._spent[0] += time.perf_counter() - t0
-        return timed
 
 
 def run(gpus: int, clients_per_gpu: int, scrapes: int):
     with tempfile.TemporaryDirectory() as tmp:
         scen = scenarios.synthetic(Path(tmp), gpus=gpus, clients_per_gpu=clients_per_gpu, latency=True)
-        spent = [0.0]
-        scen.nvml = TimedModule(scen.nvml, spent)
-        daemon = scen.daemon
-
-        def runner(*a):
-            t0 = time.perf_counter()
-            try:
-                return daemon(*a)
-            finally:
-                spent[0] += time.perf_counter() - t0
-
-        from mps_exporter.cli import build_collector, build_sources
-
-        sources = build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=runner)
+        # The same timing wrappers the GPU truth check uses for its raw cost.
+        nvml, runner = TimedModule(scen.nvml), TimedRunner(scen.daemon)
+        sources = build_sources(scen.cfg, nvml_module=nvml, control_runner=runner)
         proc = sources["proc"]
-        proc._read = TimedModule(proc, spent).__getattr__("_read")  # /proc file reads are backend I/O too
+        proc_reads = TimedRunner(proc._read)  # /proc file reads are backend I/O too
+        proc._read = proc_reads
         collector = build_collector(scen.cfg, sources, {})
         registry = build_registry(collector)
         gc.freeze()  # as `mps-exporter serve` does after start-up
+
+        def spent() -> float:
+            return nvml.seconds + runner.seconds + proc_reads.seconds
+
         totals, overheads = [], []
         for i in range(scrapes + 5):
-            spent[0] = 0.0
+            before = spent()
             t0 = time.perf_counter()
-            body = generate_latest(registry)
+            body = generate_text(registry)  # what /metrics serves in the text format
             total = time.perf_counter() - t0
+            backend = spent() - before
             if i >= 5:  # the first scrapes also fetch cached server facts and start GPM
                 totals.append(total)
-                overheads.append(total - spent[0])
+                overheads.append(total - backend)
         return totals, overheads, len(body)
 
 
