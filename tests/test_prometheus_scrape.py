@@ -18,7 +18,7 @@ import pytest
 
 from mps_exporter.contract import METRICS
 from tests.support.certs import make_tls_files
-from tests.support.prometheus import Target, free_port, running_prometheus
+from tests.support.prometheus import Target, free_port, running_prometheus, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -65,12 +65,7 @@ def recorded_exporter(workdir: Path, name: str, *flags: str):
         wait_for_port(port, process, log_file)
         yield f"127.0.0.1:{port}"
     finally:
-        process.terminate()  # SIGTERM: the exporter's clean shutdown
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        stop_process(process)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ from tests.fakes.fake_pynvml import (
     FakeProcess,
 )
 from tests.support import scenarios
-from tests.support.prometheus import Target, free_port, running_prometheus
+from tests.support.prometheus import Target, free_port, running_prometheus, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -134,12 +134,7 @@ def running_alertmanager(workdir: Path, config: dict) -> Iterator[str]:
         _wait_http(f"{url}/-/ready", proc, workdir / "alertmanager.log")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
         log.close()
 
 

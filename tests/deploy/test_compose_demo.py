@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from tests.deploy.helpers import DEPLOY, ROOT, load_yaml
-from tests.support.prometheus import Prometheus, free_port, prometheus_binary
+from tests.support.prometheus import Prometheus, free_port, prometheus_binary, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -48,12 +48,7 @@ def demo_exporter():
         _wait_http(f"http://127.0.0.1:{port}/-/healthy", process)
         yield f"127.0.0.1:{port}"
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        stop_process(process)
 
 
 def test_demo_stack_scrapes_and_evaluates_the_rules(demo_exporter, tmp_path):

@@ -69,6 +69,18 @@ class Target:
         return job
 
 
+
+def stop_process(process: "subprocess.Popen", grace_seconds: float = 10) -> None:
+    """SIGTERM (the servers' clean shutdown), then SIGKILL if it does not end in time."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace_seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(grace_seconds)
+
 def prometheus_binary() -> str:
     path = shutil.which("prometheus")
     if path is None:
@@ -163,14 +175,8 @@ class Prometheus:
         return False
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
+        if self.process is not None:
+            stop_process(self.process)
 
     # ------------------------------------------------------------ HTTP API
     def api(self, path: str, **params: str) -> object:
