@@ -2,7 +2,7 @@
 """Benchmark of the MPS log pipeline: lines per second and peak memory.
 
 Builds MPS log directories of growing length from the real capture
-(shared/captures/h200-driver580-a: control.log + server.log, repeated; every
+(tests/data/captures/h200-driver580-a: control.log + server.log, repeated; every
 repetition gets its own PIDs and uids so nothing can be cached by PID), then
 measures in a fresh process for each size:
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
-CAPTURE = REPO.parent / "shared" / "captures" / "h200-driver580-a"
+CAPTURE = REPO / "tests" / "data" / "captures" / "h200-driver580-a"
 _NUMBER = re.compile(r"(?<![\w.])(\d{3,5})(?![\w.])")  # PIDs, uids; not `25.0`, `0x8000`, `200ms`
 
 

@@ -1,4 +1,4 @@
-"""The metric contract (shared/METRICS.md) as data.
+"""The metric contract as data: the one source of metric names, types, labels and help.
 
 Every family the exporter publishes is declared here once: name, type, help and
 label names. The collector builds families only through `FamilyBuilder`, which

@@ -38,8 +38,6 @@ from tests.support import scenarios
 from tests.support.prometheus import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-needs_capture = pytest.mark.skipif(not (scenarios.CAPTURE / "control.log").is_file(),
-                                   reason="shared/ captures not found")
 START = 1795234886.0  # 2026-11-21 04:21:26 UTC: the captured daemon's start, as the fake clock's zero
 STEP = 5.0
 
@@ -142,7 +140,6 @@ def play(bundle_path: Path, log_root: Path, speed: float = 1.0, loop: bool = Fal
     return bundle, player, at
 
 
-@needs_capture
 def test_replay_reproduces_live_exposition_at_every_recorded_moment(tmp_path):
     path, live, full = record_session(tmp_path)
     bundle, _, at = play(path, tmp_path / "replay")
@@ -172,7 +169,6 @@ def test_replay_reproduces_live_exposition_at_every_recorded_moment(tmp_path):
     assert (rotated / "server.log").read_bytes() == full["server.log"]
 
 
-@needs_capture
 def test_bundle_records_metadata_and_source_errors(tmp_path):
     path, _, full = record_session(tmp_path)
     bundle = load(str(path))
@@ -335,10 +331,7 @@ def test_no_argument_plays_the_shipped_bundle_in_a_loop(tmp_path, monkeypatch):
 
 
 def test_shipped_bundle_is_a_real_gpu_session_with_servers_and_clients(tmp_path):
-    try:
-        path = Path(replay_mod.shipped_bundle())
-    except BundleError:
-        pytest.skip("no bundle shipped in exporter/data/ yet")
+    path = Path(replay_mod.shipped_bundle())
     assert path.stat().st_size <= 2 << 20
     bundle, _, at = play(path, tmp_path)
     assert bundle.end["driver_version"] and bundle.end["gpus"]  # NVML answered: recorded on a GPU

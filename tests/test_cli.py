@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-CAPTURE = Path(__file__).resolve().parents[2] / "shared" / "captures" / "h200-driver580-a"
+from tests.support.data import CAPTURE
+from tests.support.tools import require
 EXE = [sys.executable, "-m", "mps_exporter.cli"]
 
 
@@ -61,8 +62,6 @@ def test_serves_without_gpu_and_keeps_serving(tmp_path):
     assert out.count("collector nvml failed") == 1, out
 
 
-@pytest.mark.skipif(not CAPTURE.is_dir(), reason="capture not found")
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_dump_of_a_captured_log_directory_passes_promtool():
     res = subprocess.run(EXE + ["dump", "--mps.log-directory", str(CAPTURE), "--mps.pipe-directory", "/nonexistent",
                                 "--mps.control-binary", "/nonexistent/nvidia-cuda-mps-control", "--mps.log-timezone", "UTC"],
@@ -70,7 +69,7 @@ def test_dump_of_a_captured_log_directory_passes_promtool():
     assert res.returncode == 0, res.stderr
     assert 'mps_fatal_gpu_errors_total{daemon="default"} 1.0' in res.stdout
     assert 'mps_server_handoffs_total{daemon="default"} 4.0' in res.stdout
-    check = subprocess.run(["promtool", "check", "metrics"], input=res.stdout, capture_output=True, text=True, timeout=60)
+    check = subprocess.run([require("promtool"), "check", "metrics"], input=res.stdout, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0 and not (check.stdout + check.stderr).strip(), check.stdout + check.stderr
 
 

@@ -19,9 +19,9 @@ from prometheus_client.exposition import generate_latest
 from mps_exporter.collector import MpsCollector, SingleFlight, build_registry
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support import scenarios
+from tests.support.tools import require
 
 GOLDEN = Path(__file__).parent / "golden"
-needs_capture = pytest.mark.skipif(not scenarios.CAPTURE.is_dir(), reason="shared/ captures not found")
 
 
 def exposition(collector: MpsCollector) -> str:
@@ -47,18 +47,15 @@ def series(text: str, name: str) -> list:
     return [l for l in text.splitlines() if l.startswith(name + "{") or l.startswith(name + " ")]
 
 
-@needs_capture
 def test_busy_capture_golden(tmp_path):
     scen = scenarios.busy(tmp_path)
     text = exposition(scen.collector())
     check_golden("busy.prom", text)
 
 
-@needs_capture
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
 def test_promtool_check_metrics_is_clean(tmp_path):
     text = exposition(scenarios.busy(tmp_path).collector())
-    res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    res = subprocess.run([require("promtool"), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "" and res.stderr.strip() == "", res.stdout + res.stderr
 
 
@@ -158,7 +155,6 @@ def test_single_flight_hands_errors_to_every_waiter():
 TABLES = ("GPU", "MPS control daemon", "MPS servers", "MPS clients")
 
 
-@needs_capture
 def test_every_gpu_daemon_server_and_client_metric_comes_out_of_recorded_data(tmp_path):
     """Every metric of the four source tables appears, from the capture's busy moment
     with the limits of its `limits` step (limits.txt: default pinned limit 2G, thread

@@ -10,7 +10,6 @@ from mps_exporter.config import DaemonConfig
 from mps_exporter.sources import mps_control as mc
 from tests.fakes.fake_control import CAPTURE, FakeClient, FakeControlDaemon, FakeServer, transcript_outputs
 
-needs_capture = pytest.mark.skipif(not CAPTURE.is_dir(), reason=f"capture not found at {CAPTURE}")
 UUID = "GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"
 
 
@@ -19,7 +18,6 @@ def outputs(name):
 
 
 # ------------------------------------------------------------ parsers on real replies
-@needs_capture
 def test_parsers_on_busy_capture():
     out = outputs("ctl_busy.txt")
     assert mc.parse_pid_list(out["get_server_list"]) == [1589]
@@ -38,7 +36,6 @@ def test_parsers_on_busy_capture():
         mc.check_reply(out["get_client_priority 1649"])
 
 
-@needs_capture
 def test_parsers_on_idle_limits_and_nodaemon_captures():
     idle = outputs("ctl_idle.txt")
     assert mc.parse_pid_list(idle["get_server_list"]) == []

@@ -11,7 +11,6 @@ from mps_exporter.sources.nvml import COMPUTE_MODES, NvmlSource, NvmlUnavailable
 from tests.fakes import fake_pynvml as fp
 from tests.fakes.fake_pynvml import CAPTURE, FakeNvml, load_capture
 
-needs_capture = pytest.mark.skipif(not (CAPTURE / "nvml").is_dir(), reason=f"capture not found at {CAPTURE}")
 
 
 def read_twice(fake, seconds=10.0):
@@ -70,7 +69,6 @@ def test_fake_requires_init_like_nvml():
     assert e.value.value == fp.NVML_ERROR_UNINITIALIZED
 
 
-@needs_capture
 def test_capture_latency_mode_maps_each_call_to_its_measured_us(monkeypatch):
     doc = load_capture("busy")
     fake = FakeNvml.from_capture("busy", latency=True)
@@ -85,7 +83,6 @@ def test_capture_latency_mode_maps_each_call_to_its_measured_us(monkeypatch):
 
 
 # --------------------------------------------------------- recorded answers
-@needs_capture
 @pytest.mark.parametrize("name", ["idle", "busy", "many"])
 def test_every_gpu_field_from_the_capture(name):
     doc = load_capture(name)
@@ -115,14 +112,12 @@ def test_every_gpu_field_from_the_capture(name):
     assert gpu.activity == {}  # GPM needs a previous sample
 
 
-@needs_capture
 def test_busy_capture_has_the_server_in_compute_processes_but_not_among_clients():
     gpu = NvmlSource(FakeNvml.from_capture("busy")).read().gpus[0]
     server = {p.pid for p in gpu.compute_processes} - {p.pid for p in gpu.mps_clients}
     assert server == {u.pid for u in gpu.process_utilization} == {1589}
 
 
-@needs_capture
 def test_many_capture_lists_every_client():
     doc = load_capture("many")
     gpu = NvmlSource(FakeNvml.from_capture("many")).read().gpus[0]

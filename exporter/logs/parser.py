@@ -3,7 +3,7 @@
 Formats (every line: `[YYYY-MM-DD HH:MM:SS.mmm ROLE PID] message`, ROLE one of
 `Control`, `Server`, `Other`, `Legacy Server`):
 
-- CUDA 13.x, as in shared/captures/h200-driver580-a: `Client {PID: P, Context ID: C}
+- CUDA 13.x, as in tests/data/captures/h200-driver580-a: `Client {PID: P, Context ID: C}
   connected`, `Client process P disconnected`, `Active Threads Percentage set to 25.0`,
   `Device pinned memory limit for device 0 set to 0x80000000 bytes`, and the fatal
   error report (`Client {PID: P, Context: C} encountered a fatal GPU error.`,

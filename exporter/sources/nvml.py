@@ -173,7 +173,7 @@ class NvmlSource:
     def _memory_info(nvml: Any, handle: Any) -> Any:
         """Memory as nvidia-smi shows it: the v2 call, whose `used` leaves out what the
         driver reserves. On the H200 (driver 580) v1 said 14236 MiB used where v2 and
-        nvidia-smi said 13621 (shared/captures, nvml_busy.json); v1 where v2 is missing."""
+        nvidia-smi said 13621 (tests/data/captures, nvml_busy.json); v1 where v2 is missing."""
         version = getattr(nvml, "nvmlMemory_v2", None)
         if version is not None:
             try:

@@ -50,6 +50,7 @@ from tests.fakes.fake_pynvml import (
 )
 from tests.support import scenarios
 from tests.support.prometheus import Target, free_port, running_prometheus, stop_process
+from tests.support.tools import require
 
 pytestmark = pytest.mark.slow
 
@@ -117,11 +118,7 @@ def alertmanager_config(webhook_url: str) -> dict:
 
 @contextlib.contextmanager
 def running_alertmanager(workdir: Path, config: dict) -> Iterator[str]:
-    binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("alertmanager is not installed (apt-get install prometheus-alertmanager)")
-        pytest.skip("alertmanager is not installed")
+    binary = shutil.which("alertmanager") or require("prometheus-alertmanager")
     (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = open(workdir / "alertmanager.log", "wb")

@@ -13,13 +13,12 @@ import pytest
 import yaml
 
 from alerts import definitions, generate
+from tests.support.tools import require
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_FILES = sorted((ROOT / "alerts" / "tests").glob("*.yaml"))
 ALERTNAMES = {a.alertname for a in definitions.ALERTS}
 
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
-needs_amtool = pytest.mark.skipif(shutil.which("amtool") is None, reason="amtool not installed")
 
 
 def _rule_tests():
@@ -39,18 +38,16 @@ def test_helm_copy_matches_rule_file():
     assert (ROOT / generate.HELM_RULES).read_text() == (ROOT / generate.PROMETHEUS_RULES).read_text()
 
 
-@needs_promtool
 def test_promtool_check_rules():
-    out = subprocess.run(["promtool", "check", "rules", str(ROOT / generate.PROMETHEUS_RULES)],
+    out = subprocess.run([require("promtool"), "check", "rules", str(ROOT / generate.PROMETHEUS_RULES)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     n = len(definitions.ALERTS) + len(definitions.RECORDINGS)
     assert f"SUCCESS: {n} rules found" in out.stdout
 
 
-@needs_promtool
 def test_promtool_unit_tests():
-    out = subprocess.run(["promtool", "test", "rules", *map(str, TEST_FILES)],
+    out = subprocess.run([require("promtool"), "test", "rules", *map(str, TEST_FILES)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -143,13 +140,12 @@ def test_inline_recordings_replaces_every_recording():
         generate.inline_recordings(definitions.GPU_MEMORY_USAGE + '{gpu="0"} > 1')
 
 
-@needs_promtool
 def test_inlined_grafana_queries_are_valid_promql(tmp_path):
     """Grafana queries Prometheus with the recordings inlined: promtool parses them."""
     rules = [{"alert": a.alertname, "expr": generate.inline_recordings(a.expr)} for a in definitions.ALERTS]
     path = tmp_path / "inlined.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "inlined", "rules": rules}]}))
-    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([require("promtool"), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -157,19 +153,17 @@ def test_inlined_grafana_queries_are_valid_promql(tmp_path):
 AM_CONFIG = ROOT / "alerts" / "alertmanager.example.yml"
 
 
-@needs_amtool
 def test_alertmanager_example_is_valid():
-    out = subprocess.run(["amtool", "check-config", str(AM_CONFIG)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([require("amtool"), "check-config", str(AM_CONFIG)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@needs_amtool
 @pytest.mark.parametrize("severity,receiver", [("critical", "pager"), ("warning", "ticket"), ("info", "blackhole")])
 def test_alertmanager_routes(severity, receiver):
     names = [a.alertname for a in definitions.ALERTS if a.severity == severity] or ["MpsExample"]
     for name in names:
         out = subprocess.run(
-            ["amtool", "config", "routes", "test", f"--config.file={AM_CONFIG}", f"--verify.receivers={receiver}",
+            [require("amtool"), "config", "routes", "test", f"--config.file={AM_CONFIG}", f"--verify.receivers={receiver}",
              f"alertname={name}", f"severity={severity}", "instance=gpu-node-1:10138", "gpu=0"],
             capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, f"{name}: {out.stdout}{out.stderr}"

@@ -16,6 +16,7 @@ import yaml
 from dashboards import common, generate
 from dashboards.queries import concrete, queries
 from mps_exporter.contract import HISTOGRAM, METRICS
+from tests.support.tools import require
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / generate.JSON_DIR).glob("*.json"))}
@@ -171,13 +172,12 @@ def test_every_contract_metric_is_on_a_dashboard():
     assert set(METRICS) - shown == set()
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_every_query_is_valid_promql(tmp_path):
     rules = [{"record": f"dashboard:query_{i}:check", "expr": concrete(q.expr)}
              for i, q in enumerate(queries(ROOT / generate.JSON_DIR))]
     path = tmp_path / "queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard-queries", "rules": rules}]}))
-    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([require("promtool"), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"SUCCESS: {len(rules)} rules found" in out.stdout
 

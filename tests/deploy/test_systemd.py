@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from tests.deploy.helpers import DEPLOY
+from tests.support.tools import require
 
 SYSTEMD = os.path.join(DEPLOY, "systemd")
 UNITS = ["mps-exporter.service", "nvidia-mps.service"]
@@ -44,8 +45,8 @@ def fake_root(tmp_path):
     Stubs, because the real programs (the exporter's venv, the NVIDIA driver) are
     not installed in CI: verify checks that each ExecStart= program exists and is
     executable, not what it does."""
-    if shutil.which("systemd-analyze") is None or not os.path.isdir(SYSTEM_UNITS):
-        pytest.skip("systemd-analyze not installed (Debian package systemd)")
+    require("systemd-analyze")
+    assert os.path.isdir(SYSTEM_UNITS), f"{SYSTEM_UNITS} is missing: the systemd package did not install its units"
     root = tmp_path / "root"
     shutil.copytree(SYSTEM_UNITS, root / SYSTEM_UNITS.lstrip("/"), symlinks=True)
     etc = root / "etc" / "systemd" / "system"
@@ -142,9 +143,7 @@ def test_flags_file_matches_the_units():
 
 
 def test_logrotate_copies_and_truncates_the_mps_logs(tmp_path):
-    logrotate = shutil.which("logrotate") or ("/usr/sbin/logrotate" if os.path.exists("/usr/sbin/logrotate") else None)
-    if logrotate is None:
-        pytest.skip("logrotate not installed (Debian package logrotate)")
+    logrotate = require("logrotate")
     with open(os.path.join(SYSTEMD, "nvidia-mps.logrotate"), encoding="utf-8") as f:
         config = f.read()
     assert "copytruncate" in config.split()

@@ -1,7 +1,7 @@
 """A fake `nvidia-cuda-mps-control` at the subprocess boundary.
 
 `FakeControlDaemon` plugs in as `ControlClient.runner`. It answers in the exact
-formats of the capture (shared/captures/h200-driver580-a/control/*.txt) and
+formats of the capture (tests/data/captures/h200-driver580-a/control/*.txt) and
 records every command line it receives, so tests can prove that only read
 commands reach the daemon.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-CAPTURE = Path(__file__).resolve().parents[2].parent / "shared" / "captures" / "h200-driver580-a"
+from tests.support.data import CAPTURE  # noqa: E402
 
 PS_HEADER = "PID       ID        SERVER         DEVICE                    NAMESPACE      COMMAND        "
 

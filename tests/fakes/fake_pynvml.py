@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-CAPTURE = Path(__file__).resolve().parents[2].parent / "shared" / "captures" / "h200-driver580-a"
+from tests.support.data import CAPTURE  # noqa: E402
 
 # ----------------------------------------------------------- pynvml constants
 NVML_SUCCESS = 0

@@ -1,8 +1,7 @@
 """Shared fixtures of the log pipeline tests.
 
-The real capture lives in shared/ beside the repository (../shared from the repo
-root; CI checks it out there). Tests that need it skip with a clear reason when
-it is missing.
+The real capture lives in tests/data/captures/ (tests/support/data.py); a test
+that needs it fails when it is missing.
 """
 
 from __future__ import annotations
@@ -11,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-CAPTURE = REPO.parent / "shared" / "captures" / "h200-driver580-a"
+from tests.support.data import CAPTURE
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.fixture(scope="session")
 def capture_dir() -> Path:
-    if not (CAPTURE / "control.log").is_file() or not (CAPTURE / "server.log").is_file():
-        pytest.skip(f"real MPS capture not found at {CAPTURE} (shared/ must sit beside the clone)")
+    for name in ("control.log", "server.log"):
+        assert (CAPTURE / name).is_file(), f"recorded MPS log {CAPTURE / name} is missing from the checkout"
     return CAPTURE
 
 

@@ -1,4 +1,4 @@
-"""Replaying the real capture (shared/captures/h200-driver580-a) gives exact numbers.
+"""Replaying the real capture (tests/data/captures/h200-driver580-a) gives exact numbers.
 
 Each expected number is derived in a comment from the capture's README (the
 scenario table) and from the log lines themselves, not from this code's output.

@@ -32,6 +32,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import yaml
+from tests.support.tools import require
 
 STARTUP_TIMEOUT = 30.0
 
@@ -82,13 +83,7 @@ def stop_process(process: "subprocess.Popen", grace_seconds: float = 10) -> None
         process.wait(grace_seconds)
 
 def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        message = "the prometheus server is not installed (apt-get install prometheus)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+    return require("prometheus")
 
 
 def free_port() -> int:

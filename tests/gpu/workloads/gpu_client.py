@@ -1,4 +1,4 @@
-"""A CUDA client for the truth check (after shared/gpu-scripts/client.py).
+"""A CUDA client for the truth check (after the client that recorded tests/data/captures/h200-driver580-a).
 
 gpu_client.py MEM_GIB --ready FILE --stop FILE [--device K] [--n N] [--max-seconds S]
 
