@@ -58,6 +58,7 @@ MAX_SERVERS = 1024
 MAX_EXITED_MEMORY = 4096  # exited server PIDs remembered, so late server.log lines do not revive them
 MAX_ORPHAN_FACTS = 64  # server.log facts of servers control.log has not announced (yet)
 MAX_COMMAND_VERBS = 64
+MAX_RECENT_EVENTS = 64  # the last events `mps-exporter status` lists with their times
 _VERB = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
 
@@ -96,6 +97,24 @@ class PendingClient:
     reason: str
     pushed_at: float
     served_at: Optional[float] = None  # a server of its user became ready
+
+
+@dataclass
+class LogEvent:
+    """Something that went wrong or changed hands, kept with its time for `status`.
+
+    kind: fatal_gpu_error (clients: the processes left with a sticky error), handoff
+    (a server the daemon shut down for a waiting client of another user), start_failure.
+    """
+
+    time: float
+    kind: str
+    server_pid: Optional[int] = None
+    clients: List[int] = field(default_factory=list)
+    detail: str = ""
+
+    def copy(self) -> "LogEvent":
+        return LogEvent(self.time, self.kind, self.server_pid, list(self.clients), self.detail)
 
 
 @dataclass
@@ -152,6 +171,8 @@ class LogSnapshot:
     daemon_version: str = ""
     daemon_running: Optional[bool] = None  # None: the logs have not said
     last_line_time: Optional[float] = None  # timestamp of the newest line read
+    pending: List[PendingClient] = field(default_factory=list)  # still waiting, oldest first
+    recent_events: List[LogEvent] = field(default_factory=list)  # oldest first, at most MAX_RECENT_EVENTS
 
     def oldest_queued_wait(self, now: float) -> float:
         if self.oldest_queued_since is None:
@@ -173,6 +194,7 @@ class LogState:
         self._in_command = False
         self._last_ts = 0.0  # newest line timestamp (published as last_line_time)
         self._open_reports: Dict[int, str] = {}  # server pid -> topic of the fatal report being read
+        self._recent: Deque[LogEvent] = deque(maxlen=MAX_RECENT_EVENTS)
         self._handlers: Dict[type, Callable[[Any], None]] = {
             DaemonStarted: self._daemon_started, DaemonExited: self._daemon_exited,
             DaemonVersion: self._daemon_version, ClientPushed: self._client_pushed,
@@ -294,8 +316,11 @@ class LogState:
         if srv is not None:
             if srv.start_time is None:
                 s.server_start_failures += 1
+                self._note(LogEvent(ev.ts, "start_failure", ev.server_pid, detail=srv.start_failure or ""))
             elif srv.daemon_shutdown:
                 s.handoffs += 1
+                self._note(LogEvent(ev.ts, "handoff", ev.server_pid,
+                                    detail="" if srv.uid is None else f"uid {srv.uid}"))
             # Clients it was handed but that never logged `Server already exists`.
             for p in [p for p in self._pending if p.served_at is not None and p.uid == srv.uid]:
                 self._pending.remove(p)
@@ -388,6 +413,7 @@ class LogState:
             return  # the same report's second line
         self._open_reports[ev.pid] = ""
         self.s.fatal_gpu_errors += 1
+        self._note(LogEvent(ev.ts, "fatal_gpu_error", ev.pid, [] if ev.client_pid is None else [ev.client_pid]))
         srv = self._servers.get(ev.pid)
         if srv is not None:
             srv.fatal_errors += 1
@@ -399,6 +425,10 @@ class LogState:
 
     def _report_item(self, ev: ReportItem) -> None:
         topic = self._open_reports.get(ev.pid)
+        if topic == "sticky_clients":  # the report names who lost their work: its event lists them
+            report = next((e for e in reversed(self._recent) if e.kind == "fatal_gpu_error" and e.server_pid == ev.pid), None)
+            if report is not None and ev.value not in report.clients and len(report.clients) < 64:
+                report.clients.append(ev.value)
         srv = self._servers.get(ev.pid)
         if not topic or srv is None:
             return
@@ -419,6 +449,9 @@ class LogState:
         srv = self._facts(ev.pid)
         if srv is not None:
             srv.start_failure = ev.reason[:200]
+
+    def _note(self, event: LogEvent) -> None:
+        self._recent.append(event)
 
     # -------------------------------------------------------------- output
     def snapshot(self) -> LogSnapshot:
@@ -441,6 +474,8 @@ class LogState:
             commands=dict(s.commands), lines=dict(s.lines), unrecognized=dict(s.unrecognized),
             truncated=dict(s.truncated), daemon_pid=s.daemon_pid, daemon_version=s.daemon_version,
             daemon_running=s.daemon_running, last_line_time=self._last_ts or None,
+            pending=[PendingClient(p.pid, p.uid, p.reason, p.pushed_at) for p in waiting],
+            recent_events=[e.copy() for e in self._recent],
         )
 
     # ------------------------------------------------------ persistence
@@ -464,6 +499,7 @@ class LogState:
             "exited": list(self._exited),
             "in_command": self._in_command,
             "open_reports": [[pid, topic] for pid, topic in self._open_reports.items()],
+            "recent": [[e.time, e.kind, e.server_pid, e.clients, e.detail] for e in self._recent],
         }
 
     @classmethod
@@ -493,6 +529,9 @@ class LogState:
         st._exited_set = set(st._exited)
         st._in_command = bool(d["in_command"])
         st._open_reports = {int(a): str(b) for a, b in d["open_reports"]}
+        # absent from state files written before events were kept
+        st._recent.extend(LogEvent(float(t), str(k), None if p is None else int(p), [int(c) for c in cs], str(x))
+                          for t, k, p, cs, x in d.get("recent", []))
         return st
 
 

@@ -155,6 +155,41 @@ def test_fatal_error_report_counts_once_per_report():
     assert (snap.servers[20].reset_devices, snap.servers[20].sticky_clients) == ([0], [30])
 
 
+
+def test_pending_clients_and_recent_events_with_their_times():
+    # What `status` lists: who waits since when, and what went wrong when.
+    log = {"control": ctl(*START, "00:00:01.000 Starting new server 20 for user 0", "00:00:01.200 NEW SERVER 20: Ready",
+                          "00:00:05.000 NEW CLIENT 11 from user 7: Server is not ready, push client to pending list",
+                          "00:00:05.000 Try shutting down server 20, backoff is disabled",
+                          "00:00:05.300 Server 20 exited with status 0",
+                          "00:00:05.301 Starting new server 21 for user 7",
+                          "00:00:05.400 Server 21 exited with status 1"),
+           "server": srv(20, "00:00:02.000 Client {PID: 30, Context: 1} encountered a fatal GPU error.",
+                         "00:00:02.000 Server is handling a fatal GPU error.",
+                         "00:00:02.000 The following client process have a sticky error set:", "00:00:02.000 30",
+                         "00:00:02.000 31")}
+    waiting = replay(log, until="00:00:05.100").snapshot()
+    assert [(p.pid, p.uid, p.reason, p.pushed_at) for p in waiting.pending] == [(11, 7, "user_switch", at("00:00:05.000"))]
+    snap = replay(log).snapshot()
+    events = sorted((e.time, e.kind, e.server_pid, e.clients, e.detail) for e in snap.recent_events)
+    assert events == [(at("00:00:02.000"), "fatal_gpu_error", 20, [30, 31], ""),
+                      (at("00:00:05.300"), "handoff", 20, [], "uid 0"),
+                      (at("00:00:05.400"), "start_failure", 21, [], "")]
+    assert [p.pid for p in snap.pending] == [11]  # the server that would take it never became ready
+    snap.recent_events[0].clients.append(99)  # a snapshot is a copy
+    assert 99 not in replay(log).snapshot().recent_events[0].clients
+
+
+def test_recent_events_are_capped():
+    rows = []
+    for i in range(100):  # 100 reports, each closed by an ordinary line
+        rows += [f"00:01:{i // 10:02d}.{i % 10}00 Client {{PID: {i}, Context: 1}} encountered a fatal GPU error.",
+                 f"00:01:{i // 10:02d}.{i % 10}00 Client process {i} disconnected"]
+    snap = replay({"server": srv(20, *rows)}).snapshot()
+    assert snap.fatal_gpu_errors == 100 and len(snap.recent_events) == st.MAX_RECENT_EVENTS
+    assert [e.clients for e in snap.recent_events[-2:]] == [[98], [99]]
+
+
 def test_caps_keep_memory_flat():
     state = LogState()
     from mps_exporter.logs.parser import parse_line
