@@ -1,10 +1,16 @@
-"""Every selector, threshold and duration the alerts use, with the reason for it.
+"""The one configuration of the alerts, recording rules and dashboards (the
+mixin `_config`): every selector, window, threshold and duration they use, with
+the reason for it. alerts/expressions.py applies the selector to every series
+an alert or recording rule reads; the dashboards build their selectors from
+the same labels.
 
 Change a value here, run `make generate`, commit the regenerated files.
 """
 
-# Prometheus job of the exporter's targets. The Helm chart's ServiceMonitor and
-# the example scrape config both use this job name.
+# Prometheus job of the exporter's targets (mixin `jobSelector`): every raw series
+# an alert or recording rule reads is selected with it, and the dashboards' job
+# variable lists only jobs it matches. The Helm chart's ServiceMonitor and the
+# example scrape config both use this job name.
 JOB_SELECTOR = 'job="mps-exporter"'
 
 # Labels that identify one exporter target. Joins between the exporter's own
@@ -17,9 +23,13 @@ TARGET_LABELS = ("job", "instance")
 # exists; set "node" where relabeling adds a node name.
 NODE_LABEL = "instance"
 
-# Where runbook_url points: the runbook file; each alert adds `#<alertname lower-cased>`.
-# Override when generating: `make generate RUNBOOK_BASE_URL=https://...`.
-RUNBOOK_BASE_URL = "https://github.com/mps-exporter/mps-exporter/blob/main/alerts/runbook.md"
+# Where each alert's runbook_url points (mixin `runbookURLPattern`): `%s` becomes
+# the alert's anchor, its name lower-cased. The default is the runbook the
+# exporter ships and serves itself at /runbook, so the link always matches the
+# exporter's version; `instance` is the scraped exporter's address. Point it at
+# your own copy (wiki, git host) with RUNBOOK_URL_PATTERN in the environment of
+# `make generate`, or change it here (docs/deploy.md, "Runbook links").
+RUNBOOK_URL_PATTERN = "http://{{ $labels.instance }}/runbook#%s"
 
 # Prefix of every alert name.
 ALERT_PREFIX = "Mps"

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from . import config as C
+from .expressions import TARGET as T
+from .expressions import client_info_join, client_memory_ratio, gpu_memory_ratio, job, memory_fill_prediction
+from .expressions import queue_wait_quantile, server_info_join
 
 SEVERITIES = ("critical", "warning", "info")
 
@@ -43,10 +46,6 @@ class Alert:
         # GitHub's anchor for the heading "## <alertname>".
         return self.alertname.lower()
 
-    @property
-    def runbook_url(self) -> str:
-        return f"{C.RUNBOOK_BASE_URL}#{self.anchor}"
-
 
 def lbl(name: str) -> str:
     return "{{ $labels.%s }}" % name
@@ -54,15 +53,13 @@ def lbl(name: str) -> str:
 
 NODE = lbl(C.NODE_LABEL)
 VALUE = "{{ $value }}"
-T = ", ".join(C.TARGET_LABELS)
 
 
 def with_server_user(expr: str) -> str:
     """Adds the server's `user`/`uid` from mps_server_info; keeps the series
     when the info is missing (an alert must not vanish with a failed `ps`)."""
-    keys = f"{T}, daemon, server_pid"
-    return (f"({expr})\n  * on({keys}) group_left(user, uid) mps_server_info\n"
-            f"or on({keys})\n  ({expr})")
+    return (f"({expr})\n  {server_info_join(job)}\n"
+            f"or on({T}, daemon, server_pid)\n  ({expr})")
 
 
 # ---------------------------------------------------------------- recordings
@@ -71,24 +68,19 @@ CLIENT_MEMORY_USAGE = "mps:client_pinned_memory_usage:ratio"
 GPU_CLIENTS = "mps:gpu_clients:count"
 QUEUE_WAIT_P95 = "mps:client_queue_wait_seconds:p95"
 
-_client_ratio = (f"mps_client_memory_used_bytes\n  / on({T}, daemon, pid, gpu) group_left\n"
-                 f"  mps_client_pinned_memory_limit_bytes")
+_client_ratio = client_memory_ratio(job)
 
 RECORDINGS: Tuple[Recording, ...] = (
-    Recording(GPU_MEMORY_USAGE, "mps_gpu_memory_used_bytes / mps_gpu_memory_total_bytes",
-              "share of each GPU's memory in use"),
+    Recording(GPU_MEMORY_USAGE, gpu_memory_ratio(job), "share of each GPU's memory in use"),
     Recording(
         CLIENT_MEMORY_USAGE,
-        f"(\n  {_client_ratio}\n)\n"
-        f"* on({T}, daemon, pid) group_left(server_pid, uid, user, command, container_id, pod_uid)\n"
-        f"  mps_client_info\n"
+        f"(\n  {_client_ratio}\n)\n{client_info_join(job)}\n"
         f"or on({T}, daemon, pid, gpu)\n  {_client_ratio}",
         "each client's memory against its pinned limit, with the client's user and command "
         "(kept without them when mps_client_info is missing)"),
-    Recording(GPU_CLIENTS, "count without(daemon, pid) (mps_client_memory_used_bytes)",
+    Recording(GPU_CLIENTS, f"count without(daemon, pid) ({job('mps_client_memory_used_bytes')})",
               "MPS clients holding memory on each GPU"),
-    Recording(QUEUE_WAIT_P95,
-              f"histogram_quantile(0.95, rate(mps_client_queue_wait_seconds_bucket[{C.QUEUE_WAIT_WINDOW}]))",
+    Recording(QUEUE_WAIT_P95, queue_wait_quantile(job, 0.95, C.QUEUE_WAIT_WINDOW),
               f"p95 of the time clients waited on the pending list, over {C.QUEUE_WAIT_WINDOW}, by daemon and reason"),
 )
 
@@ -99,7 +91,7 @@ ALERTS: Tuple[Alert, ...] = (
     # contention ----------------------------------------------------------
     Alert(
         "ClientsQueuedBehindOtherUser", "contention",
-        'mps_queued_clients{reason="user_switch"} > 0', C.QUEUED_BEHIND_USER_FOR, "warning",
+        f"{job('mps_queued_clients', reason='user_switch')} > 0", C.QUEUED_BEHIND_USER_FOR, "warning",
         "MPS clients are waiting for another user's MPS server to drain.",
         f"{VALUE} client(s) of MPS control daemon {lbl('daemon')} on {NODE} have waited more than "
         f"{C.QUEUED_BEHIND_USER_FOR} on the pending list: MPS runs one user's server per GPU and "
@@ -113,14 +105,14 @@ ALERTS: Tuple[Alert, ...] = (
         f"{C.QUEUE_WAIT_WINDOW} (threshold {C.QUEUE_WAIT_P95_SECONDS}s)."),
     Alert(
         "ServerNearClientLimit", "contention",
-        with_server_user(f"mps_server_clients >= {_client_limit}"), C.CLIENT_LIMIT_FOR, "warning",
+        with_server_user(f"{job('mps_server_clients')} >= {_client_limit}"), C.CLIENT_LIMIT_FOR, "warning",
         f"An MPS server is close to the limit of {C.MAX_CLIENTS_PER_DEVICE} clients per device.",
         f"MPS server {lbl('server_pid')} of user {lbl('user')} (daemon {lbl('daemon')}) on {NODE} has "
         f"{VALUE} clients; MPS admits at most {C.MAX_CLIENTS_PER_DEVICE} per device and new clients "
         f"beyond that fail to connect."),
     Alert(
         "GpuSaturatedShared", "contention",
-        f"mps_gpu_sm_active_ratio > {C.SATURATION_SM_ACTIVE_RATIO}\n"
+        f"{job('mps_gpu_sm_active_ratio')} > {C.SATURATION_SM_ACTIVE_RATIO}\n"
         f"and {GPU_CLIENTS} >= {C.SATURATION_MIN_CLIENTS}", C.SATURATION_FOR, "warning",
         "A GPU shared by several MPS clients is saturated.",
         f"GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} has had {{{{ $value | humanizePercentage }}}} "
@@ -128,34 +120,34 @@ ALERTS: Tuple[Alert, ...] = (
         f"share it: each client runs slower than it would alone."),
     Alert(
         "ServerFault", "contention",
-        with_server_user('mps_server_status{status="FAULT"} == 1'), C.SERVER_FAULT_FOR, "critical",
+        with_server_user(f"{job('mps_server_status', status='FAULT')} == 1"), C.SERVER_FAULT_FOR, "critical",
         "An MPS server is in FAULT state.",
         f"MPS server {lbl('server_pid')} of user {lbl('user')} (daemon {lbl('daemon')}) on {NODE} is in "
         f"FAULT: it refuses new clients until all of its clients have exited."),
     Alert(
         "FatalGpuError", "contention",
-        f"increase(mps_fatal_gpu_errors_total[{C.FATAL_ERROR_WINDOW}]) > 0", "0m", "critical",
+        f"increase({job('mps_fatal_gpu_errors_total')}[{C.FATAL_ERROR_WINDOW}]) > 0", "0m", "critical",
         "An MPS server handled a fatal GPU error.",
         f"MPS control daemon {lbl('daemon')} on {NODE} logged {{{{ $value | printf \"%.0f\" }}}} fatal GPU "
         f"error(s) in the last {C.FATAL_ERROR_WINDOW}: every client of the affected server lost its work."),
     Alert(
         "ServerCrashLooping", "contention",
-        f'sum without(status) (increase(mps_server_exits_total{{status!="0"}}[{C.SERVER_LOOP_WINDOW}])) '
+        f"sum without(status) (increase({job('mps_server_exits_total', status='!=0')}[{C.SERVER_LOOP_WINDOW}])) "
         f"> {C.SERVER_CRASHES_MAX}", "0m", "warning",
         "MPS servers keep exiting with an error.",
         f"MPS servers of daemon {lbl('daemon')} on {NODE} exited {{{{ $value | printf \"%.0f\" }}}} times "
         f"with a non-zero status in the last {C.SERVER_LOOP_WINDOW}."),
     Alert(
         "ServerStartFailing", "contention",
-        f"increase(mps_server_start_failures_total[{C.SERVER_LOOP_WINDOW}]) > {C.SERVER_START_FAILURES_MAX}",
+        f"increase({job('mps_server_start_failures_total')}[{C.SERVER_LOOP_WINDOW}]) > {C.SERVER_START_FAILURES_MAX}",
         "0m", "critical",
         "MPS servers keep failing to start.",
         f"MPS control daemon {lbl('daemon')} on {NODE} failed to start a server "
         f"{{{{ $value | printf \"%.0f\" }}}} times in the last {C.SERVER_LOOP_WINDOW}: its clients cannot run."),
     Alert(
         "ControlDaemonDown", "contention",
-        f"mps_control_daemon_up == 0\n"
-        f"and on({T}, daemon) max_over_time(mps_control_daemon_up[{C.DAEMON_SEEN_WINDOW}]) == 1",
+        f"{job('mps_control_daemon_up')} == 0\n"
+        f"and on({T}, daemon) max_over_time({job('mps_control_daemon_up')}[{C.DAEMON_SEEN_WINDOW}]) == 1",
         C.DAEMON_DOWN_FOR, "critical",
         "An MPS control daemon that was running no longer answers.",
         f"MPS control daemon {lbl('daemon')} on {NODE} answered within the last {C.DAEMON_SEEN_WINDOW} but "
@@ -176,8 +168,8 @@ ALERTS: Tuple[Alert, ...] = (
         f"memory in use: the next allocation of any client may fail with out-of-memory."),
     Alert(
         "GpuMemoryFillingUp", "oom",
-        f"predict_linear(mps_gpu_memory_used_bytes[{C.MEMORY_FILL_WINDOW}], {C.MEMORY_FILL_HORIZON_SECONDS})\n"
-        f"  > mps_gpu_memory_total_bytes\n"
+        f"{memory_fill_prediction(job)}\n"
+        f"  > {job('mps_gpu_memory_total_bytes')}\n"
         f"and {GPU_MEMORY_USAGE} > {C.MEMORY_FILL_MIN_RATIO}", C.MEMORY_FILL_FOR, "warning",
         "A GPU's memory is predicted to fill up.",
         f"At the rate of the last {C.MEMORY_FILL_WINDOW}, GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} runs "
@@ -186,19 +178,19 @@ ALERTS: Tuple[Alert, ...] = (
     # exporter ------------------------------------------------------------
     Alert(
         "ExporterCollectorFailing", "exporter",
-        "mps_exporter_collector_success == 0", C.COLLECTOR_FAILING_FOR, "warning",
+        f"{job('mps_exporter_collector_success')} == 0", C.COLLECTOR_FAILING_FOR, "warning",
         "An mps-exporter collector keeps failing.",
         f"Collector {lbl('collector')} of the mps-exporter on {NODE} has failed for "
         f"{C.COLLECTOR_FAILING_FOR}: its metrics are missing and the alerts built on them are silent."),
     Alert(
         "GpuUnreachable", "exporter",
-        "mps_gpu_up == 0", C.COLLECTOR_FAILING_FOR, "warning",
+        f"{job('mps_gpu_up')} == 0", C.COLLECTOR_FAILING_FOR, "warning",
         "NVML does not answer for a GPU.",
         f"NVML has not answered for GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} for "
         f"{C.COLLECTOR_FAILING_FOR}: the GPU may have fallen off the bus."),
     Alert(
         "ExporterTargetDown", "exporter",
-        f"up{{{C.JOB_SELECTOR}}} == 0", C.TARGET_DOWN_FOR, "warning",
+        f"{job('up')} == 0", C.TARGET_DOWN_FOR, "warning",
         "Prometheus cannot scrape an mps-exporter.",
         f"Prometheus has not scraped the mps-exporter on {NODE} for {C.TARGET_DOWN_FOR}: "
         f"no MPS alert fires for this machine."),

@@ -24,6 +24,8 @@ from grafanalib.core import (
     TimeSeries,
 )
 
+from alerts import config as C
+from alerts.expressions import client_info_join, matchers, server_info_join
 from mps_exporter.contract import METRICS
 
 # Grafana's schema version of the JSON model these dashboards are written for
@@ -34,52 +36,54 @@ TAGS = ["mps", "nvidia", "gpu", "mps-exporter"]
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GRID_WIDTH = 24
 
-# Label -> dashboard variable. The node variable picks Prometheus' `instance`
-# (the exporter adds no host label; the scrape does).
-VARIABLE_OF_LABEL = {"job": "job", "instance": "node", "gpu": "gpu", "daemon": "daemon"}
+# Label -> dashboard variable. The node variable picks config.NODE_LABEL
+# (`instance` unless relabeling adds a node name; the exporter adds no host label).
+VARIABLE_OF_LABEL = {"job": "job", C.NODE_LABEL: "node", "gpu": "gpu", "daemon": "daemon"}
+SCRAPE_SERIES = ("up", "scrape_duration_seconds", "scrape_samples_scraped")
 
 
-def _query_variable(name: str, label: str, query: str) -> Template:
-    variable = Template(name=name, label=label, query=query, dataSource=DATASOURCE,
-                        includeAll=True, multi=True, allValue=".*", refresh=2, sort=1)
-    # grafanalib writes the default as a plain value; Grafana's "All" of a
-    # multi-value variable is the list ["$__all"].
-    variable._current = {"selected": True, "text": ["All"], "value": ["$__all"]}
-    return variable
+def _query_variable(name: str, label: str, query: str, all_by_default: bool = True) -> Template:
+    """A multi-value variable; by default "All" ("$__all" is Grafana's value of it).
+    Without all_by_default there is no All option: Grafana selects the first value."""
+    return Template(name=name, label=label, query=query, dataSource=DATASOURCE,
+                    default="$__all" if all_by_default else None, includeAll=all_by_default, multi=True,
+                    allValue=".*" if all_by_default else None, refresh=2, sort=1)
 
 
 def _datasource_variable() -> Template:
-    variable = Template(name="datasource", label="Data source", query="prometheus", type="datasource")
-    variable._current = {}  # Grafana picks the default Prometheus data source
-    return variable
+    # No default: Grafana picks the default Prometheus data source.
+    return Template(name="datasource", label="Data source", query="prometheus", type="datasource")
 
 
 def templating() -> Templating:
+    node = f'{C.NODE_LABEL}=~"$node"'
     return Templating(list=[
         _datasource_variable(),
-        _query_variable("job", "Job", "label_values(mps_exporter_build_info, job)"),
-        _query_variable("node", "Node", 'label_values(mps_exporter_build_info{job=~"$job"}, instance)'),
-        _query_variable("gpu", "GPU", 'label_values(mps_gpu_info{job=~"$job", instance=~"$node"}, gpu)'),
+        _query_variable("job", "Job", f"label_values(mps_exporter_build_info{{{C.JOB_SELECTOR}}}, job)"),
+        # One node by default: "All" over a fleet makes every panel read every node.
+        _query_variable("node", "Node", f'label_values(mps_exporter_build_info{{job=~"$job"}}, {C.NODE_LABEL})',
+                        all_by_default=False),
+        _query_variable("gpu", "GPU", f'label_values(mps_gpu_info{{job=~"$job", {node}}}, gpu)'),
         _query_variable("daemon", "MPS daemon",
-                        'label_values(mps_control_daemon_up{job=~"$job", instance=~"$node"}, daemon)'),
+                        f'label_values(mps_control_daemon_up{{job=~"$job", {node}}}, daemon)'),
     ])
 
 
-def m(name: str, suffix: str = "", **matchers: str) -> str:
+def m(name: str, suffix: str = "", **extra: str) -> str:
     """A selector for a contract metric with the dashboard variables that apply
     to its labels, e.g. m("mps_gpu_power_watts") ->
-    mps_gpu_power_watts{job=~"$job", instance=~"$node", gpu=~"$gpu"}."""
-    if name not in METRICS and name not in ("up", "scrape_duration_seconds", "scrape_samples_scraped"):
+    mps_gpu_power_watts{job=~"$job", instance=~"$node", gpu=~"$gpu"};
+    `extra` as in alerts.expressions.matchers. The dashboards' alerts.expressions.Selector."""
+    if name not in METRICS and name not in SCRAPE_SERIES:
         raise KeyError(f"{name} is not in the metric contract")
-    labels = ("job", "instance") + (METRICS[name].labels if name in METRICS else ())
+    labels = dict.fromkeys(C.TARGET_LABELS + (C.NODE_LABEL,) + (METRICS[name].labels if name in METRICS else ()))
     parts = [f'{label}=~"${VARIABLE_OF_LABEL[label]}"' for label in labels if label in VARIABLE_OF_LABEL]
-    parts += [f'{k}={v}' for k, v in matchers.items()]
-    return f"{name}{suffix}{{{', '.join(parts)}}}"
+    return f"{name}{suffix}{{{', '.join(parts + matchers(**extra))}}}"
 
 
-# Joins a per-client series with the client's user and command.
-CLIENT_INFO_JOIN = "* on(job, instance, daemon, pid) group_left(user, command, server_pid) " + m("mps_client_info")
-SERVER_INFO_JOIN = "* on(job, instance, daemon, server_pid) group_left(user) " + m("mps_server_info")
+# Joins a per-client series with the client's user and command, a per-server one with its user.
+CLIENT_INFO_JOIN = client_info_join(m, "user, command, server_pid")
+SERVER_INFO_JOIN = server_info_join(m, "user")
 
 
 def target(expr: str, legend: str = "", instant: bool = False, table: bool = False) -> Target:

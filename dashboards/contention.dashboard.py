@@ -1,13 +1,13 @@
 """Contention: clients waiting for servers, handoffs between users, saturation."""
 
+from alerts.expressions import queue_wait_quantile
 from dashboards.common import build, m, row, target, timeseries
 
 DAEMON_LEGEND = "{{instance}} {{daemon}}"
 
 
 def wait_quantile(q: float) -> str:
-    return (f"histogram_quantile({q}, sum by (instance, daemon, reason, le) "
-            f"(rate({m('mps_client_queue_wait_seconds', '_bucket')}[$__rate_interval])))")
+    return queue_wait_quantile(m, q, "$__rate_interval", by="instance, daemon, reason")
 
 
 dashboard = build(

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from grafanalib._gen import DashboardEncoder
-
 from alerts.generate import write_or_check
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +39,8 @@ def _drop_nulls(value):
     has them optional (absent = default) and not nullable. A threshold step's
     `value` stays: null there means -Infinity."""
     if isinstance(value, dict):
-        return {k: _drop_nulls(v) for k, v in value.items() if v is not None or k == "value"}
+        step = "color" in value
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None or (step and k == "value")}
     if isinstance(value, list):
         return [_drop_nulls(v) for v in value]
     return value
@@ -49,7 +48,8 @@ def _drop_nulls(value):
 
 def model(path: Path) -> dict:
     """The dashboard's JSON model as plain data."""
-    return _drop_nulls(json.loads(json.dumps(load(path).to_json_data(), cls=DashboardEncoder)))
+    # grafanalib's objects turn into plain data through their public to_json_data().
+    return _drop_nulls(json.loads(json.dumps(load(path).to_json_data(), default=lambda o: o.to_json_data())))
 
 
 def outputs() -> Dict[str, str]:

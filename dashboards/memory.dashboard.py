@@ -1,9 +1,12 @@
 """Memory and OOM risk: GPUs filling up, clients near their pinned limits."""
 
+from alerts import config as C
+from alerts.expressions import client_memory_ratio, gpu_memory_ratio, memory_fill_prediction
 from dashboards.common import CLIENT_INFO_JOIN, build, m, row, target, timeseries
 
 GPU_LEGEND = "{{instance}} GPU {{gpu}}"
 CLIENT_LEGEND = "{{instance}} GPU {{gpu}} pid {{pid}} {{command}} ({{user}})"
+HORIZON = f"{C.MEMORY_FILL_HORIZON_SECONDS // 3600} hours"
 
 dashboard = build(
     title="MPS / Memory and OOM risk",
@@ -12,21 +15,19 @@ dashboard = build(
     panels=[
         row("GPUs"),
         timeseries("GPU memory in use", "Used over total device memory per GPU.", "percentunit",
-                   [target(f"{m('mps_gpu_memory_used_bytes')} / {m('mps_gpu_memory_total_bytes')}", GPU_LEGEND)],
+                   [target(gpu_memory_ratio(m), GPU_LEGEND)],
                    max_one=True),
-        timeseries("GPU memory in 4 hours",
-                   "Used memory predicted 4 hours ahead from the trend of the last 30 minutes, against the total "
-                   "(the MpsGpuMemoryFillingUp alert).",
-                   "bytes", [target(f"predict_linear({m('mps_gpu_memory_used_bytes')}[30m], 4 * 3600)",
-                                    "predicted " + GPU_LEGEND),
+        timeseries(f"GPU memory in {HORIZON}",
+                   f"Used memory predicted {HORIZON} ahead from the trend of the last {C.MEMORY_FILL_WINDOW}, "
+                   f"against the total (the MpsGpuMemoryFillingUp alert).",
+                   "bytes", [target(memory_fill_prediction(m), "predicted " + GPU_LEGEND),
                              target(m("mps_gpu_memory_total_bytes"), "total " + GPU_LEGEND)]),
         row("Clients"),
         timeseries("Client memory against its limit",
                    "Each client's device memory over the pinned limit that applies to it; allocations beyond 100 % "
                    "fail with out-of-memory.",
-                   "percentunit", [target(f"({m('mps_client_memory_used_bytes')} / on(job, instance, daemon, pid, gpu) "
-                                          f"group_left {m('mps_client_pinned_memory_limit_bytes')}) {CLIENT_INFO_JOIN}",
-                                          CLIENT_LEGEND)], max_one=True),
+                   "percentunit", [target(f"({client_memory_ratio(m)}) {CLIENT_INFO_JOIN}", CLIENT_LEGEND)],
+                   max_one=True),
         timeseries("Largest clients", "The ten MPS clients holding the most device memory.", "bytes",
                    [target(f"topk(10, {m('mps_client_memory_used_bytes')} {CLIENT_INFO_JOIN})", CLIENT_LEGEND)]),
         timeseries("Server memory", "Device memory of the MPS server processes themselves.", "bytes",

@@ -1,5 +1,6 @@
 """MPS servers and clients: who runs what, with which limits."""
 
+from alerts.expressions import client_memory_ratio
 from dashboards.common import (CLIENT_INFO_JOIN, SERVER_INFO_JOIN, build, m, row, row_query, stat, table, target,
                                timeseries)
 
@@ -56,8 +57,7 @@ dashboard = build(
               [row_query(m("mps_client_info")),
                row_query(m("mps_client_memory_used_bytes")),
                row_query(m("mps_client_pinned_memory_limit_bytes")),
-               row_query(f"{m('mps_client_memory_used_bytes')} / on(job, instance, daemon, pid, gpu) group_left "
-                      f"{m('mps_client_pinned_memory_limit_bytes')}"),
+               row_query(client_memory_ratio(m)),
                row_query(m("mps_client_active_thread_ratio")),
                row_query(f"time() - {m('mps_client_start_time_seconds')}")],
               units={"Value #B": "bytes", "Value #C": "bytes", "Value #D": "percentunit", "Value #E": "percentunit",

@@ -46,7 +46,7 @@ import yaml
 from prometheus_client.exposition import choose_encoder, generate_latest, gzip_accepted
 from prometheus_client.metrics_core import Metric
 
-from . import __version__
+from . import __version__, runbook
 from .config import ConfigError
 from .exposition import generate_text
 
@@ -710,6 +710,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, _landing_page(app.telemetry_path), {"Content-Type": "text/html; charset=utf-8"})
         elif url.path == HEALTH_PATH:
             self._reply(200, b"OK")
+        elif url.path == runbook.PATH:
+            self._reply(200, runbook.served_page(), {"Content-Type": "text/html; charset=utf-8"})
         else:
             self._reply(404, b"404 page not found\n")
 
@@ -770,7 +772,8 @@ def _landing_page(telemetry_path: str) -> bytes:
         "<!DOCTYPE html>\n<html>\n<head><meta charset=\"utf-8\"><title>MPS Exporter</title></head>\n"
         "<body>\n<h1>MPS Exporter</h1>\n"
         "<p>Prometheus exporter for NVIDIA MPS (CUDA Multi-Process Service).</p>\n"
-        f"<ul>\n<li><a href=\"{path}\">Metrics</a></li>\n<li><a href=\"{HEALTH_PATH}\">Health</a></li>\n</ul>\n"
+        f"<ul>\n<li><a href=\"{path}\">Metrics</a></li>\n<li><a href=\"{HEALTH_PATH}\">Health</a></li>\n"
+        f"<li><a href=\"{runbook.PATH}\">Alert runbook</a></li>\n</ul>\n"
         f"<p>Version {html.escape(__version__)}</p>\n</body>\n</html>\n"
     ).encode("utf-8")
 

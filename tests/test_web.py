@@ -294,6 +294,15 @@ def test_landing_page_links_the_metrics_path():
     assert b'href="/custom/metrics"' in body
 
 
+def test_runbook_page_is_served_with_an_anchor_per_alert():
+    """Each alert's default runbook_url (alerts/config.py) lands on this page."""
+    with running(registry_with(GpuCollector())) as server:
+        status, headers, body = request(server, "/runbook")
+        assert b'href="/runbook"' in request(server, "/")[2]
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    assert b'<h2 id="mpsserverfault">MpsServerFault</h2>' in body
+
+
 def test_health_and_404():
     with running(registry_with(GpuCollector())) as server:
         assert request(server, "/-/healthy")[::2] == (200, b"OK")

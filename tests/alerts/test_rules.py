@@ -105,15 +105,47 @@ def test_runbook_urls_point_at_sections():
         for rule in group["rules"]:
             if "alert" in rule:
                 url = rule["annotations"]["runbook_url"]
-                assert url.startswith(generate.C.RUNBOOK_BASE_URL + "#")
+                assert url == generate.C.RUNBOOK_URL_PATTERN.replace("%s", rule["alert"].lower())
                 assert url.split("#", 1)[1] in anchors
 
 
-def test_runbook_base_url_is_configurable(monkeypatch):
-    monkeypatch.setenv("RUNBOOK_BASE_URL", "https://wiki.example/mps")
+def test_runbook_url_pattern_is_configurable(monkeypatch):
+    monkeypatch.setenv("RUNBOOK_URL_PATTERN", "https://wiki.example/mps/%s.html")
     text = generate.prometheus_rules()
-    assert "runbook_url: https://wiki.example/mps#mpsserverfault" in text
-    assert generate.C.RUNBOOK_BASE_URL not in text
+    assert "runbook_url: https://wiki.example/mps/mpsserverfault.html" in text
+    assert "/runbook#" not in text
+    monkeypatch.setenv("RUNBOOK_URL_PATTERN", "https://wiki.example/mps")
+    with pytest.raises(ValueError):
+        generate.prometheus_rules()
+
+
+def test_the_exporter_serves_the_runbook_the_links_point_at():
+    """The default pattern points at the exporter's /runbook: the package ships the
+    runbook, and the page has an anchor for every alert."""
+    from mps_exporter import runbook
+
+    assert generate.C.RUNBOOK_URL_PATTERN.split("#")[0].endswith(runbook.PATH)
+    assert runbook.SOURCE.read_text() == (ROOT / "alerts" / "runbook.md").read_text()
+    page = runbook.served_page().decode()
+    for a in definitions.ALERTS:
+        assert f'<h2 id="{a.anchor}">{a.alertname}</h2>' in page
+    assert runbook.page("## A <b>\nx < y\n") == (
+        b'<!DOCTYPE html>\n<html>\n<head><meta charset="utf-8"><title>MPS Exporter runbook</title></head>\n'
+        b'<body>\n<h2 id="a-b">A &lt;b&gt;</h2>\n<pre style="white-space: pre-wrap">x &lt; y</pre>\n</body>\n</html>\n')
+
+
+def test_every_raw_series_is_read_with_the_job_selector():
+    """config.JOB_SELECTOR reaches every series an alert or recording rule reads
+    (recorded `level:metric:op` series derive from selected ones)."""
+    recorded = {r.record for r in definitions.RECORDINGS}
+    exprs = [a.expr for a in definitions.ALERTS] + [r.expr for r in definitions.RECORDINGS]
+    for expr in exprs:
+        for name, brace in re.findall(r"(?<![\w:])([a-z_][a-z0-9_:]*)\b(\{?)", expr):
+            if name.startswith("mps_") or name == "up":
+                assert brace and re.search(re.escape(name) + r"\{" + re.escape(definitions.C.JOB_SELECTOR), expr), \
+                    f"{name} without {definitions.C.JOB_SELECTOR} in {expr}"
+            elif ":" in name:
+                assert name in recorded, f"{name} is not a recording rule of ours"
 
 
 def test_for_override_shortens_only_nonzero_durations():

@@ -111,9 +111,13 @@ def test_variables():
         assert ds["type"] == "datasource" and ds["query"] == "prometheus"
         for v in variables.values():
             assert v["type"] == "query" and v["datasource"] == common.DATASOURCE
-            assert v["query"].startswith("label_values(")
-            assert v["multi"] and v["includeAll"] and v["current"]["value"] == ["$__all"]
-        assert variables["node"]["query"].endswith(", instance)")
+            assert v["query"].startswith("label_values(") and v["multi"]
+        # A fleet's dashboards open on one node (Grafana selects the first), never All.
+        node = variables.pop("node")
+        assert not node["includeAll"] and "value" not in node["current"], name
+        assert node["query"].endswith(f", {common.C.NODE_LABEL})")
+        for v in variables.values():
+            assert v["includeAll"] and v["current"]["value"] == "$__all"
 
 
 def test_panel_ids_unique_and_grid_without_overlap():
