@@ -101,6 +101,12 @@ MEMORY_FILL_FOR = "10m"
 COLLECTOR_FAILING_FOR = "5m"
 TARGET_DOWN_FOR = "5m"
 
+# A log file that began to fail in this window (missing or unreadable log directory,
+# a FIFO or device in place of a log, permission denied) alerts at once: the
+# queueing and fault metrics from that file stop. One that lasts also fails the
+# logs collector (COLLECTOR_FAILING_FOR).
+LOG_READ_ERRORS_WINDOW = "10m"
+
 # -------------------------------------------------------------------- Grafana
 # Grafana-managed alert rules: the folder and the UID of the Prometheus data
 # source they query (Grafana expands $VAR / ${VAR} from the environment in

@@ -183,6 +183,13 @@ ALERTS: Tuple[Alert, ...] = (
         f"Collector {lbl('collector')} of the mps-exporter on {NODE} has failed for "
         f"{C.COLLECTOR_FAILING_FOR}: its metrics are missing and the alerts built on them are silent."),
     Alert(
+        "ExporterLogReadErrors", "exporter",
+        f"increase({job('mps_log_read_errors_total')}[{C.LOG_READ_ERRORS_WINDOW}]) > 0", "0m", "warning",
+        "The mps-exporter cannot read an MPS log file.",
+        f"Reading {lbl('file')}.log of MPS control daemon {lbl('daemon')} on {NODE} began to fail "
+        f"({lbl('reason')}) in the last {C.LOG_READ_ERRORS_WINDOW}: queueing, fault and server metrics from "
+        f"that file stop while it lasts."),
+    Alert(
         "GpuUnreachable", "exporter",
         f"{job('mps_gpu_up')} == 0", C.COLLECTOR_FAILING_FOR, "warning",
         "NVML does not answer for a GPU.",

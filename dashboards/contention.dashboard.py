@@ -26,10 +26,15 @@ dashboard = build(
                    "Time from 'pushed to pending list' to admission, 50th and 95th percentile by reason.",
                    "s", [target(wait_quantile(0.5), "p50 " + DAEMON_LEGEND + " {{reason}}"),
                          target(wait_quantile(0.95), "p95 " + DAEMON_LEGEND + " {{reason}}")]),
-        timeseries("Admissions from the queue", "Clients admitted after waiting on the pending list, per second.",
+        timeseries("Admissions from the queue", "Clients admitted after waiting on the pending list, per second. "
+                   "Implausible: waits below 0 or above a day (a clock step, a corrupt timestamp), left out of the "
+                   "wait histogram.",
                    "cps", [target(f"sum by (instance, daemon, reason) "
                                   f"(rate({m('mps_client_queue_wait_seconds', '_count')}[$__rate_interval]))",
-                                  DAEMON_LEGEND + " {{reason}}")]),
+                                  DAEMON_LEGEND + " {{reason}}"),
+                           target(f"sum by (instance, daemon, reason) "
+                                  f"(rate({m('mps_client_queue_wait_implausible_total')}[$__rate_interval]))",
+                                  DAEMON_LEGEND + " implausible {{reason}}")]),
         row("Handoffs"),
         timeseries("Server handoffs",
                    "Servers shut down so that another user's server could start, per second: users taking turns "

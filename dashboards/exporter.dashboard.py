@@ -27,11 +27,14 @@ dashboard = build(
                    w=8),
         timeseries("Log lines not understood",
                    "Lines no parsing rule matched, and lines cut at the line cap, per second: a new MPS version "
-                   "may log differently.",
+                   "may log differently. Read errors: a log file that began to fail (missing or unreadable "
+                   "directory, not a regular file, permission denied), by reason.",
                    "cps", [target(f"rate({m('mps_log_unrecognized_lines_total')}[$__rate_interval])",
                                   "unrecognized {{instance}} {{daemon}} {{file}}"),
                            target(f"rate({m('mps_log_truncated_lines_total')}[$__rate_interval])",
-                                  "truncated {{instance}} {{daemon}} {{file}}")], w=8),
+                                  "truncated {{instance}} {{daemon}} {{file}}"),
+                           target(f"rate({m('mps_log_read_errors_total')}[$__rate_interval])",
+                                  "read errors {{instance}} {{daemon}} {{file}} {{reason}}")], w=8),
         timeseries("Control commands", "Commands the control daemon received per second, by verb (the exporter's "
                    "own included).", "cps",
                    [target(f"sum by (instance, daemon, command) (rate({m('mps_control_commands_total')}"

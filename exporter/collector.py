@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, Generic, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, TypeVar
 
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -98,11 +98,18 @@ class MpsCollector(Collector):
                 pids |= {p.pid for g in snap.nvml.gpus for p in g.mps_clients + g.compute_processes}
             snap.processes = self._timed(snap, "proc", lambda: self.proc.read(pids)) or {}
         if self.logs:
-            snap.logs = self._timed(snap, "logs", lambda: {name: p.snapshot() for name, p in self.logs.items()}) or {}
+            snap.logs = self._timed(snap, "logs", self._read_logs) or {}
         return snap
 
     def _collect(self):
         return render(self.snapshot()).families()
+
+    def _read_logs(self) -> Dict[str, Any]:
+        logs = {name: p.snapshot() for name, p in self.logs.items()}
+        problems = [f"{name}: {problem}" for name, s in logs.items() for problem in s.problems]
+        if problems:  # a file that cannot be read: what was read still counts, the collector fails
+            raise _PartialFailure("; ".join(problems), logs)
+        return logs
 
     def _read_daemons(self, devices):
         readings = [c.read(devices) for c in self.controls]

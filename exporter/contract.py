@@ -87,6 +87,7 @@ METRICS.update(_specs(
     ("mps_queued_clients", GAUGE, "daemon, reason", "Clients on the daemon's pending list: reason server_starting (no server yet, same user) or user_switch (another user's server must drain first)."),
     ("mps_queued_client_oldest_wait_seconds", GAUGE, "daemon", "Age of the oldest pending client; 0 when none."),
     ("mps_client_queue_wait_seconds", HISTOGRAM, "daemon, reason", "Time from 'pushed to pending list' to admission."),
+    ("mps_client_queue_wait_implausible_total", COUNTER, "daemon, reason", "Queue waits outside 0 s to 1 day (a clock step or a corrupt timestamp): counted here instead of in mps_client_queue_wait_seconds."),
     ("mps_server_handoffs_total", COUNTER, "daemon", "Servers shut down so that another user's server could start."),
     ("mps_server_shutdown_deferrals_total", COUNTER, "daemon", "'Server will not shutdown' answers while another user waits."),
 ))
@@ -102,6 +103,7 @@ METRICS.update(_specs(
     ("mps_log_lines_total", COUNTER, "daemon, file", "Log lines read (file control or server)."),
     ("mps_log_unrecognized_lines_total", COUNTER, "daemon, file", "Log lines no rule matched."),
     ("mps_log_truncated_lines_total", COUNTER, "daemon, file", "Log lines longer than the line cap; cut to the cap before parsing."),
+    ("mps_log_read_errors_total", COUNTER, "daemon, file, reason", "Times reading a log file began to fail: reason missing_directory, not_a_directory, permission_denied, not_regular_file, io_error or internal_error. While one lasts, collector_success{collector=\"logs\"} is 0."),
 ))
 METRICS.update(_specs(
     "The exporter itself",
@@ -112,3 +114,5 @@ METRICS.update(_specs(
 
 # Histogram buckets of mps_client_queue_wait_seconds: 50 ms to 10 min.
 QUEUE_WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 60, 120, 300, 600)
+# A queue wait longer than this, or negative, is a clock step or a corrupt timestamp.
+MAX_PLAUSIBLE_QUEUE_WAIT = 86400.0

@@ -29,6 +29,7 @@ def get(url):
 
 def test_serves_without_gpu_and_keeps_serving(tmp_path):
     port = free_port()
+    (tmp_path / "log").mkdir()
     proc = subprocess.Popen(EXE + ["--web.listen-address", f"127.0.0.1:{port}", "--mps.pipe-directory", str(tmp_path / "pipe"),
                                    "--mps.log-directory", str(tmp_path / "log"),
                                    "--mps.control-binary", str(tmp_path / "no-such-nvidia-cuda-mps-control")],
@@ -46,7 +47,7 @@ def test_serves_without_gpu_and_keeps_serving(tmp_path):
         assert 'mps_exporter_collector_success{collector="nvml"} 0.0' in body
         assert 'mps_control_daemon_up{daemon="default"} 0.0' in body
         assert 'mps_exporter_build_info{' in body
-        # the log directory does not exist yet: not an error
+        # the log files do not exist yet (MPS has not started): not an error
         assert 'mps_exporter_collector_success{collector="logs"} 1.0' in body
         for _ in range(3):  # and it keeps serving
             assert get(f"http://127.0.0.1:{port}/metrics")[0] == 200

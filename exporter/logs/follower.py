@@ -12,7 +12,14 @@ complete lines; a partial last line waits for its newline. It survives:
   is read again from its beginning;
 - NUL bytes (stripped: a writer that kept its offset across copytruncate leaves a
   hole of NULs), invalid UTF-8 (replaced), and lines longer than `max_line_bytes`
-  (cut to the cap and counted; memory never holds more than the cap of one line).
+  (cut to the cap and counted; memory never holds more than the cap of one line);
+- anything but a regular file under the name (a FIFO, a directory, a device): it is
+  never opened (a FIFO would block `open()`, `/dev/zero` never ends). Files are opened
+  with O_NONBLOCK and checked again with fstat (the name may change in between), and
+  one poll reads a bounded amount, so `poll()` never blocks.
+
+Why a file cannot be read is `error` (a `ReadError`: a reason from READ_ERROR_REASONS
+and a message naming the path); `errors` counts each time it began, by reason.
 
 `position()` / `resume()` save and restore where it stands: the offset of the first
 byte not yet handed out as a complete line, plus the file's identity (device,
@@ -21,13 +28,40 @@ inode, first bytes), so a restarted exporter neither re-reads nor skips lines.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 DEFAULT_MAX_LINE_BYTES = 64 * 1024
 READ_SIZE = 1 << 20
+MAX_POLL_BYTES = 16 * READ_SIZE  # one poll reads at most this much, line or no line
 HEAD_BYTES = 64  # fingerprint: the file's first bytes (MPS lines start with a ms timestamp)
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+
+# Why a log file cannot be read: the values of mps_log_read_errors_total's `reason`.
+MISSING_DIRECTORY = "missing_directory"  # the log directory does not exist (the file's absence alone is normal)
+NOT_A_DIRECTORY = "not_a_directory"  # the log directory is a file
+PERMISSION_DENIED = "permission_denied"
+NOT_REGULAR_FILE = "not_regular_file"  # a FIFO, directory, socket or device under the log's name
+IO_ERROR = "io_error"  # any other OSError from stat, open or read
+INTERNAL_ERROR = "internal_error"  # a bug in the pipeline while handling the file's lines
+READ_ERROR_REASONS: Tuple[str, ...] = (MISSING_DIRECTORY, NOT_A_DIRECTORY, PERMISSION_DENIED,
+                                       NOT_REGULAR_FILE, IO_ERROR, INTERNAL_ERROR)
+
+
+class ReadError(NamedTuple):
+    reason: str  # one of READ_ERROR_REASONS
+    message: str  # for people: the path and what is wrong with it
+
+
+def read_error(path: str, e: OSError) -> ReadError:
+    """An OSError about `path` as a ReadError."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return ReadError(PERMISSION_DENIED, f"{path}: permission denied")
+    if e.errno == errno.ENOTDIR:
+        return ReadError(NOT_A_DIRECTORY, f"log directory {os.path.dirname(path)} is not a directory")
+    return ReadError(IO_ERROR, f"{path}: {e.strerror or e}")
 
 
 class FileFollower:
@@ -42,9 +76,12 @@ class FileFollower:
         self._dropping = False  # the partial line hit the cap: drop the rest up to its newline
         self._line_start = 0  # file position where the partial line starts: what position() saves
         self._resume: Optional[Dict[str, Any]] = None
+        self._problem: Optional[ReadError] = None  # found during the current poll
         self.rotations = 0
         self.truncations = 0
-        self.error: Optional[str] = None  # why the file cannot be opened (it exists), for a log line
+        self.error: Optional[ReadError] = None  # why the file cannot be read now; None: fine or absent
+        self.errors: Dict[str, int] = {}  # reason -> times a failure of that reason began
+        self.more = False  # the last poll stopped before the end of the file: poll again
 
     # ------------------------------------------------------------ state
     def position(self) -> Dict[str, Any]:
@@ -73,47 +110,75 @@ class FileFollower:
     # ------------------------------------------------------------- read
     def poll(self, max_bytes: int = READ_SIZE) -> Tuple[List[str], int]:
         """(complete lines, how many of them were cut to the cap). Reads about max_bytes
-        of the current file per call (more while no complete line came out): call again
-        while it returns lines; an empty list means the end of the file."""
+        of the current file per call (more while no complete line came out, up to
+        MAX_POLL_BYTES): call again while it returns lines or `more` is set."""
         lines: List[str] = []
+        truncated = 0
+        self.more, self._problem = False, None
         try:
             st: Optional[os.stat_result] = os.stat(self.path)
-        except OSError:  # missing file or directory, permissions: try again next time
+        except OSError as e:  # the file is missing (normal before MPS starts), or worse
             st = None
-        if self._fd is None and (st is None or not self._open()):
-            return lines, 0
-        if self._rewritten():
-            self._restart_file()
-        truncated = self._read(lines, max_bytes)
-        if st is not None and (st.st_dev, st.st_ino) != self._identity:
-            # The name now means another file (rotation, or a re-created directory):
-            # finish the old one, its unterminated last line included, then start the new.
-            truncated += self._read(lines, 1 << 62)
-            if self._partial:
-                lines.append(self._decode(self._partial))
-                truncated += self._dropping
-            self.close()
-            self.rotations += 1
-            if self._open():
-                truncated += self._read(lines, max_bytes)
+            self._problem = self._missing() if e.errno == errno.ENOENT else read_error(self.path, e)
+        if self._fd is None and st is not None:
+            self._open()
+        if self._fd is not None:
+            if self._rewritten():
+                self._restart_file()
+            truncated = self._read(lines, max_bytes)
+            if st is not None and (st.st_dev, st.st_ino) != self._identity and not self.more:
+                # The name now means another file (rotation, a re-created directory, a FIFO):
+                # the old one is read to its end, so its unterminated last line is complete.
+                if self._partial:
+                    lines.append(self._decode(self._partial))
+                    truncated += self._dropping
+                self.close()
+                self.rotations += 1
+                self._open()
+                if self._fd is not None:
+                    truncated += self._read(lines, max_bytes)
+        self._set_error(self._problem)
         return lines, truncated
 
-    def _open(self) -> bool:
-        saved, self._resume = self._resume, None
-        path = self.path
-        if saved:
-            path = self._saved_file(saved) or path
+    def _missing(self) -> Optional[ReadError]:
+        """The file is absent: normal, unless its directory is absent too."""
+        directory = os.path.dirname(self.path) or "."
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            os.stat(directory)
+        except FileNotFoundError:
+            return ReadError(MISSING_DIRECTORY, f"log directory {directory} does not exist")
+        except OSError as e:
+            return read_error(directory, e)
+        return None
+
+    def _set_error(self, error: Optional[ReadError]) -> None:
+        if error is not None and error != self.error:
+            self.errors[error.reason] = self.errors.get(error.reason, 0) + 1
+        self.error = error
+
+    def _open(self) -> None:
+        saved = self._resume
+        path = (self._saved_file(saved) if saved else None) or self.path
+        try:
+            # Look before opening: open() blocks on a FIFO and has effects on some devices.
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                self._problem = ReadError(NOT_REGULAR_FILE, f"{path} is not a regular file")
+                return
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as e:
+            self._problem = None if e.errno == errno.ENOENT else read_error(path, e)  # ENOENT: gone again
+            return
+        try:
             fst = os.fstat(fd)
         except OSError as e:
-            self.error = f"cannot open {path}: {e.strerror}"
-            return False
-        if not stat.S_ISREG(fst.st_mode):  # a directory or FIFO of that name: wait for a file
             os.close(fd)
-            self.error = f"{path} is not a regular file"
-            return False
-        self.error = None
+            self._problem = read_error(path, e)
+            return
+        if not stat.S_ISREG(fst.st_mode):  # replaced between the look and the open
+            os.close(fd)
+            self._problem = ReadError(NOT_REGULAR_FILE, f"{path} is not a regular file")
+            return
+        self._resume = None
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset = self._line_start = 0
         self._partial, self._dropping = b"", False
@@ -121,7 +186,6 @@ class FileFollower:
         if saved and (saved["dev"], saved["ino"]) == self._identity and fst.st_size >= saved["offset"] \
                 and self._head[: len(saved["head"])] == saved["head"]:
             self._offset = self._line_start = saved["offset"]
-        return True
 
     def _saved_file(self, saved: Dict[str, Any]) -> Optional[str]:
         """The file a saved position belongs to: the name itself, or after a rename
@@ -151,8 +215,10 @@ class FileFollower:
 
     def _rewritten(self) -> bool:
         """Truncated (copytruncate), or rewritten from the start since we last looked."""
+        if self._fd is None:
+            return False
         try:
-            size = os.fstat(self._fd).st_size  # type: ignore[arg-type]
+            size = os.fstat(self._fd).st_size
         except OSError:
             return False
         if size < self._offset:
@@ -170,17 +236,23 @@ class FileFollower:
         self.truncations += 1
 
     def _read(self, lines: List[str], max_bytes: int) -> int:
-        truncated = 0
-        # Past max_bytes only while no line came out: one long line must not look like EOF.
-        while (max_bytes > 0 or not lines) and self._fd is not None:
+        truncated, budget = 0, MAX_POLL_BYTES
+        while self._fd is not None:
+            # Past max_bytes only while no line came out (one long line must not look like
+            # the end of the file), and never past MAX_POLL_BYTES: `more` says to come back.
+            if max_bytes <= 0 and lines or budget <= 0:
+                self.more = True
+                break
             try:
                 data = os.pread(self._fd, min(READ_SIZE, max_bytes) if max_bytes > 0 else READ_SIZE, self._offset)
-            except OSError:
+            except OSError as e:
+                self._problem = read_error(self.path, e)
                 break
             if not data:
                 break
             self._offset += len(data)
             max_bytes -= len(data)
+            budget -= len(data)
             truncated += self._split(data, lines)
         return truncated
 

@@ -19,10 +19,10 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .events import FILES
-from .follower import DEFAULT_MAX_LINE_BYTES, FileFollower
+from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, ReadError
 from .parser import parse_line, resolve_timezone
 from .state import LogSnapshot, LogState
 from .statefile import StateStore
@@ -53,7 +53,8 @@ class LogPipeline:
         self._last_save = 0.0
         self._dirty = False  # lines applied since the last publish
         self._unsaved = False  # ... since the last state file write
-        self._reported_errors: Dict[str, Optional[str]] = {}
+        self._published_errors: Dict[str, Optional[ReadError]] = {f: None for f in FILES}
+        self._internal_errors: Dict[str, int] = {f: 0 for f in FILES}  # lines whose handling raised
         self.errors = 0  # rounds that failed (logged); the thread keeps going
 
     # ------------------------------------------------------------ public
@@ -65,14 +66,22 @@ class LogPipeline:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and save. Bounded: a thread stuck in a read (a hung network
+        file system) costs the last save, never the exit."""
         self._stop.set()
+        deadline = time.monotonic() + timeout
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        with self._write_lock:
+        if not self._write_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            log.warning("log pipeline %s: reader still busy after %.0f s; not saving state", self.daemon, timeout)
+            return
+        try:
             self._save(force=True)
             for f in self._followers.values():
                 f.close()
+        finally:
+            self._write_lock.release()
 
     def snapshot(self) -> LogSnapshot:
         """The last published state: a copy nobody else writes. Cheap; no I/O."""
@@ -104,26 +113,30 @@ class LogPipeline:
                     self._save(force=False)
             except Exception:  # a bug must cost freshness, not the exporter
                 self.errors += 1
-                log.exception("log pipeline %s: reading %s failed", self.daemon, self.log_directory)
+                if self.errors == 1:  # with its traceback once, not every 250 ms
+                    log.exception("log pipeline %s: reading %s failed", self.daemon, self.log_directory)
             if not busy:
                 self._stop.wait(POLL_SECONDS)
 
     def _poll_file(self, file: str) -> bool:
-        """Read and apply what is new in one file; True if it read a full batch (more may wait)."""
+        """Read and apply what is new in one file; True if more may wait (a full batch
+        was read, or a poll stopped before the end of the file)."""
         follower, state, tz = self._followers[file], self._state, self._tz
         total = 0
-        while True:
+        while not self._stop.is_set():
             lines, truncated = follower.poll()
-            if follower.error != self._reported_errors.get(file):
-                self._reported_errors[file] = follower.error
-                if follower.error:
-                    log.warning("log pipeline %s: %s", self.daemon, follower.error)
+            if follower.error != self._published_errors[file]:
+                self._dirty = True  # the snapshot says whether a file cannot be read
+                log.debug("log pipeline %s: %s: %s", self.daemon, file, follower.error)
             if not lines:
-                break
+                return follower.more
             for _ in range(truncated):
                 state.count_truncated(file)
             for line in lines:
-                state.apply(parse_line(line, file, tz), file)
+                try:
+                    state.apply(parse_line(line, file, tz), file)
+                except Exception:  # a bug costs this line's meaning, never the batch or the count
+                    self._internal_error(file, line)
             total += len(lines)
             self._dirty = self._unsaved = True
             if total >= PUBLISH_LINES:
@@ -131,8 +144,23 @@ class LogPipeline:
                 return True
         return False
 
+    def _internal_error(self, file: str, line: str) -> None:
+        self._internal_errors[file] += 1
+        if self._internal_errors[file] == 1:  # the first one with its traceback, then the metric
+            log.exception("log pipeline %s: handling a line of %s.log failed: %r", self.daemon, file, line[:200])
+
     def _publish(self) -> None:
-        self._snapshot = self._state.snapshot()  # one reference assignment: atomic for readers
+        snap = self._state.snapshot()
+        errors: Dict[Tuple[str, str], int] = {}
+        for file, follower in self._followers.items():
+            self._published_errors[file] = follower.error
+            for reason, n in follower.errors.items():
+                errors[(file, reason)] = n
+            if self._internal_errors[file]:
+                errors[(file, INTERNAL_ERROR)] = self._internal_errors[file]
+        snap.read_errors = errors
+        snap.problems = tuple(sorted({e.message for e in self._published_errors.values() if e is not None}))
+        self._snapshot = snap  # one reference assignment: atomic for readers
         self._dirty = False
 
     # -------------------------------------------------------- state file
@@ -166,7 +194,7 @@ class LogPipeline:
         self._last_save, self._unsaved = now, False
         self._store.save(self.daemon, self.state_entry())
 
-    def state_entry(self) -> dict:
+    def state_entry(self) -> Dict[str, Any]:
         """What the state file holds for this daemon: file positions and the state machine."""
         return {"files": {f: fl.position() for f, fl in self._followers.items()},
                 "state": self._state.to_dict()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..families import FamilyBuilder
 from .events import FILES
+from .follower import READ_ERROR_REASONS
 from .state import REASONS, LogSnapshot
 
 
@@ -18,6 +19,7 @@ def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: 
         hist = snap.queue_wait[reason]
         out.add_histogram("mps_client_queue_wait_seconds", hist.cumulative(), hist.total,
                           daemon=daemon, reason=reason)
+        out.add("mps_client_queue_wait_implausible_total", hist.implausible, daemon=daemon, reason=reason)
     out.add("mps_queued_client_oldest_wait_seconds", snap.oldest_queued_wait(now), daemon=daemon)
     out.add("mps_server_handoffs_total", snap.handoffs, daemon=daemon)
     out.add("mps_server_shutdown_deferrals_total", snap.shutdown_deferrals, daemon=daemon)
@@ -35,3 +37,6 @@ def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: 
         out.add("mps_log_lines_total", snap.lines.get(file, 0), daemon=daemon, file=file)
         out.add("mps_log_unrecognized_lines_total", snap.unrecognized.get(file, 0), daemon=daemon, file=file)
         out.add("mps_log_truncated_lines_total", snap.truncated.get(file, 0), daemon=daemon, file=file)
+        for reason in READ_ERROR_REASONS:
+            out.add("mps_log_read_errors_total", snap.read_errors.get((file, reason), 0), daemon=daemon,
+                    file=file, reason=reason)

@@ -38,7 +38,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
-from ..contract import QUEUE_WAIT_BUCKETS
+from ..contract import MAX_PLAUSIBLE_QUEUE_WAIT, QUEUE_WAIT_BUCKETS
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
     ClientPushed, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
@@ -119,13 +119,20 @@ class LogEvent:
 
 @dataclass
 class WaitHistogram:
-    """Non-cumulative counts per bucket of QUEUE_WAIT_BUCKETS, the last one +Inf."""
+    """Non-cumulative counts per bucket of QUEUE_WAIT_BUCKETS, the last one +Inf.
+
+    A wait outside 0..MAX_PLAUSIBLE_QUEUE_WAIT is not a wait but a clock step or a
+    corrupt timestamp (one line dated 9999 would add 2.5e11 s to the sum for good):
+    it is counted in `implausible` and nowhere else."""
 
     counts: List[int] = field(default_factory=lambda: [0] * (len(QUEUE_WAIT_BUCKETS) + 1))
     total: float = 0.0
+    implausible: int = 0
 
     def observe(self, seconds: float) -> None:
-        seconds = max(0.0, seconds)
+        if not 0.0 <= seconds <= MAX_PLAUSIBLE_QUEUE_WAIT:  # NaN included
+            self.implausible += 1
+            return
         self.counts[bisect.bisect_left(QUEUE_WAIT_BUCKETS, seconds)] += 1
         self.total += seconds
 
@@ -141,7 +148,7 @@ class WaitHistogram:
         return out
 
     def copy(self) -> "WaitHistogram":
-        return WaitHistogram(list(self.counts), self.total)
+        return WaitHistogram(list(self.counts), self.total, self.implausible)
 
 
 @dataclass
@@ -173,6 +180,9 @@ class LogSnapshot:
     last_line_time: Optional[float] = None  # timestamp of the newest line read
     pending: List[PendingClient] = field(default_factory=list)  # still waiting, oldest first
     recent_events: List[LogEvent] = field(default_factory=list)  # oldest first, at most MAX_RECENT_EVENTS
+    # Set by the pipeline, not the state machine: how reading the files goes.
+    read_errors: Dict[Tuple[str, str], int] = field(default_factory=dict)  # (file, reason) -> failures begun
+    problems: Tuple[str, ...] = ()  # why a file cannot be read now (messages naming the path); () when fine
 
     def oldest_queued_wait(self, now: float) -> float:
         if self.oldest_queued_since is None:
@@ -489,7 +499,8 @@ class LogState:
         return {
             "counters": {k: getattr(s, k) for k in self._COUNTERS},
             "maps": {k: dict(getattr(s, k)) for k in self._COUNTER_MAPS},
-            "queue_wait": {r: {"counts": h.counts, "sum": h.total} for r, h in s.queue_wait.items()},
+            "queue_wait": {r: {"counts": h.counts, "sum": h.total, "implausible": h.implausible}
+                           for r, h in s.queue_wait.items()},
             "daemon": {"pid": s.daemon_pid, "version": s.daemon_version, "running": s.daemon_running,
                        "last_line_time": self._last_ts or None},
             "servers": [_server_dict(srv) for srv in self._servers.values()],
@@ -516,7 +527,7 @@ class LogState:
             counts = [int(n) for n in h["counts"]]
             if len(counts) != len(QUEUE_WAIT_BUCKETS) + 1:
                 raise ValueError("queue_wait buckets changed")
-            s.queue_wait[r] = WaitHistogram(counts, float(h["sum"]))
+            s.queue_wait[r] = WaitHistogram(counts, float(h["sum"]), int(h.get("implausible", 0)))
         daemon = d["daemon"]
         s.daemon_pid, s.daemon_version = daemon["pid"], str(daemon["version"])
         s.daemon_running, st._last_ts = daemon["running"], float(daemon["last_line_time"] or 0.0)

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import List
 
-from mps_exporter.logs.follower import FileFollower
+from mps_exporter.logs.follower import NOT_REGULAR_FILE, FileFollower
 
 
 def lines(n: int, tag: str = "a") -> List[str]:
@@ -186,7 +186,7 @@ def test_resume_with_a_different_file_reads_it_whole(tmp_path):
 def test_a_directory_in_place_of_the_file_is_reported_not_read(tmp_path):
     (tmp_path / "control.log").mkdir()
     f = FileFollower(str(tmp_path / "control.log"))
-    assert f.poll() == ([], 0) and "not a regular file" in (f.error or "")
+    assert f.poll() == ([], 0) and f.error is not None and f.error.reason == NOT_REGULAR_FILE
     (tmp_path / "control.log").rmdir()
     write(tmp_path / "control.log", "now a file\n")
     assert drain(f) == ["now a file"] and f.error is None

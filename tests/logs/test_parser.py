@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 import pytest
 
 from mps_exporter.logs import events as ev
-from mps_exporter.logs.parser import parse_line, resolve_timezone
+from mps_exporter.logs.parser import PARSER_ERROR, parse_line, resolve_timezone
 from mps_exporter.logs.pipeline import LogPipeline
 
 from .conftest import FIXTURES
@@ -150,3 +150,35 @@ def test_timestamps_carry_no_zone():
 def test_garbage_is_unrecognized(line):
     for file in ("control", "server"):
         assert type(parse_line(line, file)) is ev.Unrecognized
+
+
+HUGE = "9" * 5000  # past int()'s 4300-digit limit
+
+
+@pytest.mark.parametrize("file,message", [
+    ("control", f"Server 1 exited with status {HUGE}"),
+    ("control", f"Server {HUGE} exited with status 0"),
+    ("control", f"NEW CLIENT {HUGE} from user 1000: Server already exists"),
+    ("control", f"Starting new server 5 for user {HUGE}"),
+    ("control", f"Exit with status -{HUGE}"),
+    ("control", f"Try shutting down server {HUGE}, backoff is enabled"),
+    ("server", HUGE),
+    ("server", f"Client process {HUGE} disconnected"),
+    ("server", f"Client {{PID: {HUGE}, Context ID: 1}} connected"),
+    ("server", f"Device pinned memory limit for device 0 set to {HUGE} bytes"),
+    ("server", f"Device pinned memory limit for device {HUGE} set to 0x10 bytes"),
+    ("server", f"Active Threads Percentage set to {HUGE}.5"),
+])
+def test_a_number_past_the_digit_limit_is_one_unrecognized_line(file, message):
+    result = parse_line(f"[2026-11-21 04:22:16.630 Control  1419] {message}", file, UTC)
+    assert type(result) is ev.Unrecognized and result.reason != PARSER_ERROR
+    assert type(parse_line(f"[2026-11-21 04:22:16.630 Control  {HUGE}] NEW UI", file, UTC)) is ev.Unrecognized
+
+
+def test_the_issues_repro_loses_no_line(tmp_path):
+    # 5,000 lines, one exit status of 5,000 nines, 5,000 more: every line counted, one unrecognized.
+    ok = "[2026-11-21 04:22:16.630 Control  1419] Accepting connection..."
+    bad = f"[2026-11-21 04:22:16.631 Control  1419] Server 1 exited with status {HUGE}"
+    (tmp_path / "control.log").write_text("\n".join([ok] * 5000 + [bad] + [ok] * 5000) + "\n")
+    snap = LogPipeline("default", str(tmp_path), timezone="UTC").read_once()
+    assert snap.lines["control"] == 10_001 and snap.unrecognized["control"] == 1

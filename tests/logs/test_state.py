@@ -230,3 +230,24 @@ def test_from_dict_rejects_malformed():
                                                                            "server_starting": {"counts": [1], "sum": 0}}}):
         with pytest.raises((KeyError, TypeError, ValueError)):
             LogState.from_dict(broken)
+
+
+@pytest.mark.parametrize("admitted", [
+    "[9999-12-31 23:59:59.000 Control   100] NEW CLIENT 10 from user 0: Server already exists",  # a line dated 9999
+    "[2026-11-20 00:00:01.300 Control   100] NEW CLIENT 10 from user 0: Server already exists",  # clock stepped back
+    "[2026-12-21 00:00:01.300 Control   100] NEW CLIENT 10 from user 0: Server already exists",  # a month later
+])
+def test_implausible_wait_is_counted_apart_not_summed(admitted):
+    log = ctl(*START, "00:00:01.000 NEW CLIENT 10 from user 0: Server is not ready, push client to pending list",
+              "00:00:01.001 Starting new server 20 for user 0") + [admitted]
+    hist = replay({"control": log}).snapshot().queue_wait["server_starting"]
+    assert (hist.count, hist.total, hist.implausible) == (0, 0.0, 1)
+    restored = LogState.from_dict(json.loads(json.dumps(replay({"control": log}).to_dict())))
+    assert restored.snapshot().queue_wait["server_starting"].implausible == 1
+
+
+def test_a_long_but_plausible_wait_is_summed():
+    log = ctl(*START, "00:00:01.000 NEW CLIENT 10 from user 0: Server is not ready, push client to pending list",
+              "23:00:01.000 NEW CLIENT 10 from user 0: Server already exists")
+    hist = replay({"control": log}).snapshot().queue_wait["server_starting"]
+    assert (hist.count, hist.total, hist.implausible) == (1, 23 * 3600.0, 0)
