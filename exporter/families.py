@@ -14,12 +14,15 @@ values are skipped (the series is absent, never a made-up number).
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
+from .bounds import INPUT_LABELS, MAX_LABEL_CHARS
 from .contract import COUNTER, HISTOGRAM, METRICS, MetricSpec
+
+_NONE: FrozenSet[str] = frozenset()
 
 
 class ContractError(ValueError):
@@ -38,8 +41,13 @@ def _check_labels(spec: MetricSpec, labels: Dict[str, object]) -> None:
         raise ContractError(f"{spec.name}: labels {sorted(labels)} != contract {sorted(spec.labels)}")
 
 
-def _label_values(labels: Dict[str, object]) -> Dict[str, str]:
-    return {k: v if type(v) is str else ("" if v is None else str(v)) for k, v in labels.items()}
+def _label_values(labels: Dict[str, object], cut: FrozenSet[str] = frozenset()) -> Dict[str, str]:
+    """Label values as strings; those in `cut` (taken from input) at most MAX_LABEL_CHARS long."""
+    out = {k: v if type(v) is str else ("" if v is None else str(v)) for k, v in labels.items()}
+    for k in cut:
+        if len(out[k]) > MAX_LABEL_CHARS:
+            out[k] = out[k][:MAX_LABEL_CHARS]
+    return out
 
 
 class FamilyBuilder:
@@ -67,7 +75,7 @@ class FamilyBuilder:
         if value != value:  # NaN: no number to publish
             return
         _check_labels(spec, labels)
-        fam.samples.append(Sample(spec.name, _label_values(labels), value, None))
+        fam.samples.append(Sample(spec.name, _label_values(labels, INPUT_LABELS.get(name, _NONE)), value, None))
 
     def add_histogram(self, name: str, bucket_counts: Sequence[Tuple[float, float]], total: float, /, **labels: object) -> None:
         """bucket_counts: (upper bound, cumulative count) pairs ending with +Inf."""
@@ -75,7 +83,7 @@ class FamilyBuilder:
         if spec.type != HISTOGRAM:
             raise ContractError(f"{name} is not a histogram")
         _check_labels(spec, labels)
-        base = _label_values(labels)
+        base = _label_values(labels, INPUT_LABELS.get(name, _NONE))
         count = 0.0
         for bound, cumulative in bucket_counts:
             le = "+Inf" if math.isinf(bound) else _format_le(bound)

@@ -33,11 +33,11 @@ for client connections, fatal errors and per-server settings):
 from __future__ import annotations
 
 import bisect
-import re
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
+from ..bounds import OTHER, command_verb, exit_status
 from ..contract import MAX_PLAUSIBLE_QUEUE_WAIT, QUEUE_WAIT_BUCKETS
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
@@ -57,9 +57,7 @@ MAX_CLIENTS = 4096
 MAX_SERVERS = 1024
 MAX_EXITED_MEMORY = 4096  # exited server PIDs remembered, so late server.log lines do not revive them
 MAX_ORPHAN_FACTS = 64  # server.log facts of servers control.log has not announced (yet)
-MAX_COMMAND_VERBS = 64
 MAX_RECENT_EVENTS = 64  # the last events `mps-exporter status` lists with their times
-_VERB = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
 
 @dataclass
@@ -320,7 +318,7 @@ class LogState:
 
     def _server_exited(self, ev: ServerExited) -> None:
         s = self.s
-        status = str(ev.status)
+        status = exit_status(ev.status)
         s.server_exits[status] = s.server_exits.get(status, 0) + 1
         srv = self._servers.get(ev.server_pid)
         if srv is not None:
@@ -351,10 +349,8 @@ class LogState:
                 self._exited_set.discard(self._exited.popleft())
 
     def _command(self, ev: Command) -> None:
-        verb = ev.verb if _VERB.fullmatch(ev.verb) else "other"
         commands = self.s.commands
-        if verb not in commands and len(commands) >= MAX_COMMAND_VERBS:
-            verb = "other"
+        verb = command_verb(ev.verb, commands)
         commands[verb] = commands.get(verb, 0) + 1
         self._in_command = True
 
@@ -522,6 +518,11 @@ class LogState:
             setattr(s, k, int(d["counters"][k]))
         for k in cls._COUNTER_MAPS:
             getattr(s, k).update({str(name): int(n) for name, n in d["maps"][k].items()})
+        exits: Dict[str, int] = {}  # a file from before the statuses were bounded
+        for status, n in s.server_exits.items():
+            label = exit_status(int(status)) if status.lstrip("-").isdigit() and len(status) < 12 else OTHER
+            exits[label] = exits.get(label, 0) + n
+        s.server_exits = exits
         for r in REASONS:
             h = d["queue_wait"][r]
             counts = [int(n) for n in h["counts"]]

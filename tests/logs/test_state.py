@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from mps_exporter import bounds
 from mps_exporter.logs import state as st
 from mps_exporter.logs.state import LogState
 
@@ -199,12 +200,12 @@ def test_caps_keep_memory_flat():
     for i in range(st.MAX_CLIENTS + 50):
         state.apply(parse_line(f"[2026-11-21 00:00:01.000 Server 2] Client {{PID: {i}, Context ID: 0}} connected",
                                "server"), "server")
-    for i in range(st.MAX_COMMAND_VERBS + 10):
+    for i in range(bounds.MAX_COMMAND_VERBS + 10):
         state.apply(parse_line(f"[2026-11-21 00:00:01.000 Control 1] Cmd:verb{i}", "control"), "control")
     snap = state.snapshot()
     assert sum(snap.queued.values()) == st.MAX_PENDING
     assert len(snap.client_start_times) == st.MAX_CLIENTS
-    assert len(snap.commands) == st.MAX_COMMAND_VERBS + 1 and snap.commands["other"] == 10
+    assert len(snap.commands) == bounds.MAX_COMMAND_VERBS + 1 and snap.commands["other"] == 10
 
 
 def test_snapshot_is_a_copy():

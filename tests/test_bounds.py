@@ -1,0 +1,85 @@
+"""Every label's bound is declared once (exporter/bounds.py), documented (docs/labels.md),
+and holds against hostile input (issue 18 point 3)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from mps_exporter import bounds
+from mps_exporter.contract import METRICS
+from mps_exporter.families import FamilyBuilder
+from mps_exporter.logs import render_log_metrics
+from mps_exporter.logs.parser import parse_line
+from mps_exporter.logs.state import LogState
+
+from .logs.helpers import UTC
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_label_of_every_metric_is_declared_once():
+    declared = Counter((m, b.label) for b in bounds.LABELS for m in b.metrics)
+    in_contract = {(spec.name, label) for spec in METRICS.values() for label in spec.labels}
+    assert {k for k, n in declared.items() if n > 1} == set(), "declared twice"
+    assert in_contract - set(declared) == set(), "labels with no declared origin and bound"
+    assert set(declared) - in_contract == set(), "declared for a label the contract does not have"
+    assert {b.origin for b in bounds.LABELS} <= {bounds.CONFIG, bounds.FIXED, bounds.DEVICE, bounds.INPUT}
+
+
+def test_docs_table_is_the_declaration():
+    text = (ROOT / "docs" / "labels.md").read_text()
+    table = text.split("<!-- labels:begin -->\n", 1)[1].split("<!-- labels:end -->", 1)[0]
+    assert table == bounds.markdown(), "docs/labels.md is stale: paste `python -m mps_exporter.bounds`"
+
+
+def _series(snap, metric: str, label: str) -> set:
+    out = FamilyBuilder()
+    render_log_metrics(out, "default", snap, 0.0)
+    return {s.labels[label] for fam in out.families() for s in fam.samples if s.name == metric}
+
+
+def test_3000_exit_statuses_give_at_most_257_series():
+    state = LogState()
+    statuses = list(range(-1500, 1500))
+    for i, status in enumerate(statuses):
+        state.apply(parse_line(f"[2026-11-21 04:22:16.630 Control  546] Server {i + 1} exited with status {status}",
+                               "control", UTC), "control")
+    series = _series(state.snapshot(), "mps_server_exits_total", "status")
+    assert series == set(bounds.EXIT_STATUSES) | {bounds.OTHER}
+    assert len(series) == 257
+    exits = state.snapshot().server_exits
+    assert sum(exits.values()) == 3000 and exits[bounds.OTHER] == 3000 - 256  # nothing lost, only folded
+
+
+def test_state_file_from_before_the_bound_is_folded():
+    state = LogState()
+    d = state.to_dict()
+    d["maps"]["server_exits"] = {"0": 2, "1": 1, "99999": 3, "-7": 1, "9" * 40: 1}
+    exits = LogState.from_dict(d).snapshot().server_exits
+    assert exits == {"0": 2, "1": 1, "other": 5}
+
+
+def test_1000_command_verbs_give_at_most_65_series():
+    state = LogState()
+    for i in range(1000):
+        state.apply(parse_line(f"[2026-11-21 04:22:16.630 Control  546] Cmd:verb_{i}", "control", UTC), "control")
+        state.apply(parse_line("[2026-11-21 04:22:16.630 Control  546] UI closed", "control", UTC), "control")
+    series = _series(state.snapshot(), "mps_control_commands_total", "command")
+    assert len(series) == bounds.MAX_COMMAND_VERBS + 1 and bounds.OTHER in series
+
+
+def test_input_labels_are_cut_config_labels_are_not():
+    out = FamilyBuilder()
+    long = "x" * 10_000
+    out.add("mps_client_info", 1, daemon="d" * 300, server_pid="1", pid="2", uid="0", user=long, command=long,
+            namespace=long, container_id=long, pod_uid=long)
+    out.add("mps_control_daemon_info", 1, daemon="default", version=long, pipe_directory="/p" * 200,
+            log_directory="/l")
+    samples = {s.name: s.labels for fam in out.families() for s in fam.samples}
+    client = samples["mps_client_info"]
+    for label in ("user", "command", "namespace", "container_id", "pod_uid"):
+        assert len(client[label]) == bounds.MAX_LABEL_CHARS
+    assert client["daemon"] == "d" * 300  # configuration: the operator's own
+    assert len(samples["mps_control_daemon_info"]["version"]) == bounds.MAX_LABEL_CHARS
+    assert samples["mps_control_daemon_info"]["pipe_directory"] == "/p" * 200
