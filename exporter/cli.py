@@ -122,9 +122,8 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
           sources: Optional[Dict[str, object]] = None, clock: Callable[[], float] = time.time) -> int:
     """Serve until SIGTERM/SIGINT or `stop`. `sources` replaces the live ones and `clock`
     the collector's time (replay, tests)."""
-    from .web import load_web_config, serve as serve_http
+    from .web import serve as serve_http
 
-    web_config = load_web_config(cfg.web_config_file) if cfg.web_config_file else None
     pipelines = build_log_pipelines(cfg)
     for p in pipelines.values():
         p.start()
@@ -135,9 +134,9 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
     gc.freeze()
     stop = stop or threading.Event()
     stop_on_signals(stop)
-    log.info("listening on %s, metrics at %s", cfg.listen_address, cfg.telemetry_path)
     try:
-        serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, web_config, ready=ready, stop=stop)
+        serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, cfg.web_config,
+                   max_requests=cfg.max_requests, ready=ready, stop=stop)
     finally:
         for p in pipelines.values():
             p.stop()
@@ -167,11 +166,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .capture import capture
 
         return capture(cfg)
-    if command == "replay":
-        from .replay import replay
-
-        return replay(cfg)
     try:
+        if command == "replay":
+            from .replay import replay
+
+            return replay(cfg)
         return serve(cfg)
     except OSError as e:  # the address is taken or not ours: one line, not a traceback
         log.error("cannot listen on %s: %s", cfg.listen_address, e.strerror or e)

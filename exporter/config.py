@@ -11,9 +11,14 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, NoReturn, Optional, Sequence
 
+from . import __version__
+from .errors import ConfigError
 from .units import parse_size
+
+if TYPE_CHECKING:
+    from .webconfig import WebConfig
 
 # Port 10138: the 9100-9999 block of Prometheus' default port allocations is
 # full; new exporters are allocated from 10000 up, and 10138 is not listed there.
@@ -69,6 +74,8 @@ class Config:
     listen_address: str = DEFAULT_LISTEN
     telemetry_path: str = "/metrics"
     web_config_file: Optional[str] = None
+    web_config: Optional["WebConfig"] = None  # the file, read and checked once by parse_args
+    max_requests: int = 40  # --web.max-requests: scrapes at once; 0 = no cap
     collectors: Dict[str, object] = field(default_factory=lambda: dict(COLLECTORS))
     daemons: List[DaemonConfig] = field(default_factory=list)
     control_binary: str = "nvidia-cuda-mps-control"
@@ -89,14 +96,26 @@ class Config:
         return self.collectors.get(collector) is not False
 
 
+PROG = "mps-exporter"
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one clear line, exit 2
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+    def error(self, message: str) -> NoReturn:  # one clear line, exit 2, whichever subcommand
+        sys.stderr.write(f"{PROG}: error: {message}\n")
         sys.exit(2)
 
 
-class ConfigError(Exception):
-    pass
+class _TopParser(_Parser):
+    """Top-level help also lists the flags of `serve`, the command that runs without one."""
+
+    serve_parser: Optional[argparse.ArgumentParser] = None
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        if self.serve_parser is not None:
+            options = self.serve_parser.format_help().split("\n\n", 1)[-1]
+            text += f"\nWithout a subcommand {PROG} serves; the serve flags ({PROG} serve --help):\n\n{options}"
+        return text
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -141,14 +160,18 @@ def _add_web(p: argparse.ArgumentParser) -> None:
                    help="path under which to expose metrics (default /metrics)")
     p.add_argument("--web.config.file", dest="web_config_file", default=None,
                    help="exporter-toolkit web config: TLS and basic auth")
+    p.add_argument("--web.max-requests", dest="max_requests", type=int, default=40,
+                   help="scrapes of the metrics path served at once; more get 503 (0: no limit; default 40)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mps-exporter", description="Prometheus exporter for NVIDIA MPS.")
+    parser = _TopParser(prog=PROG, description="Prometheus exporter for NVIDIA MPS.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     serve = sub.add_parser("serve", help="serve /metrics (the default)")
     _add_common(serve)
     _add_web(serve)
+    parser.serve_parser = serve
     dump = sub.add_parser("dump", help="run every enabled collector once, print the exposition, exit")
     _add_common(dump)
     sub.add_parser("metrics", help="print the metric contract as a Markdown table")
@@ -208,71 +231,90 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> "tuple[str, Config]":
     """Returns (command, config). Exits 2 with one line on any error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv.insert(0, "serve")
     ns = parser.parse_args(argv)
     command = ns.command
+    try:
+        return command, _config(command, ns)
+    except ConfigError as e:
+        parser.error(str(e))
+
+
+def _config(command: str, ns: argparse.Namespace) -> Config:
+    """The namespace of one subcommand -> Config; raises ConfigError."""
     cfg = Config()
     if command == "metrics":
-        return command, cfg
-    if command == "replay":
-        return command, _replay_config(ns, parser)
-    for key in ("control_binary", "command_timeout", "facts_refresh_seconds", "state_file",
-                "log_timezone", "procfs", "log_level", "log_format"):
-        setattr(cfg, key, getattr(ns, key))
+        return cfg
+    cfg.log_level, cfg.log_format = ns.log_level, ns.log_format
     if getattr(ns, "listen_address", None) is not None:
-        cfg.listen_address = ns.listen_address
-        cfg.telemetry_path = ns.telemetry_path
-        cfg.web_config_file = ns.web_config_file
-        if not cfg.telemetry_path.startswith("/"):
-            parser.error(f"--web.telemetry-path must start with '/': {cfg.telemetry_path!r}")
+        _web_flags(cfg, ns, check_address=command in ("serve", "replay"))
+    if command == "replay":
+        if ns.speed <= 0:
+            raise ConfigError(f"--speed must be positive, not {ns.speed}")
+        cfg.replay = ReplayOptions(ns.bundle, ns.speed, ns.loop)
+        return cfg  # daemons and collectors come from the bundle
+    for key in ("control_binary", "command_timeout", "facts_refresh_seconds", "state_file",
+                "log_timezone", "procfs"):
+        setattr(cfg, key, getattr(ns, key))
+    for flag, value in (("--mps.pipe-directory", ns.pipe_directory), ("--mps.log-directory", ns.log_directory),
+                        ("--mps.control-binary", cfg.control_binary), ("--path.procfs", cfg.procfs)):
+        if not value:
+            raise ConfigError(f"{flag} must not be empty")
+    if cfg.command_timeout <= 0:
+        raise ConfigError("--mps.command-timeout must be positive")
+    if cfg.facts_refresh_seconds < 0:
+        raise ConfigError("--mps.facts-refresh must not be negative")
+    if not os.path.isdir(cfg.procfs):
+        raise ConfigError(f"--path.procfs {cfg.procfs}: not a directory")
+    if cfg.state_file is not None and (not cfg.state_file or os.path.isdir(cfg.state_file)
+                                       or not os.path.isdir(os.path.dirname(os.path.abspath(cfg.state_file)))):
+        raise ConfigError(f"--mps.state-file {cfg.state_file!r}: not a file in an existing directory")
+    _check_timezone(cfg.log_timezone)
     if ns.dcgm_bindings:
+        if not all(ns.dcgm_bindings):
+            raise ConfigError("--dcgm.bindings-path must not be empty")
         cfg.dcgm_bindings = tuple(ns.dcgm_bindings)
     for name in COLLECTORS:
         value = getattr(ns, f"collector_{name}")
         if value is not None:
             cfg.collectors[name] = value
-    if cfg.command_timeout <= 0:
-        parser.error("--mps.command-timeout must be positive")
     if command == "capture":
         if ns.duration <= 0 or ns.interval <= 0:
-            parser.error("--duration and --interval must be positive")
+            raise ConfigError("--duration and --interval must be positive")
         history = parse_size(ns.log_history)
         if history is None:
-            parser.error(f"--log-history: not a size: {ns.log_history!r} (e.g. 0, 512K, 16M)")
+            raise ConfigError(f"--log-history: not a size: {ns.log_history!r} (e.g. 0, 512K, 16M)")
+        out_dir = ns.out if os.path.isdir(ns.out) else os.path.dirname(os.path.abspath(ns.out))
+        if not ns.out or not os.path.isdir(out_dir):
+            raise ConfigError(f"--out {ns.out!r}: neither a directory nor a file in an existing directory")
         cfg.capture = CaptureOptions(ns.out, ns.duration, ns.interval, history)
-    try:
-        if ns.config_file:
-            cfg.daemons = load_daemons_file(ns.config_file)
-        else:
-            cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, ns.pipe_directory, ns.log_directory)]
-        if command == "serve":
-            from .web import parse_listen_address
-
-            parse_listen_address(cfg.listen_address)
-        if cfg.web_config_file:
-            from .web import load_web_config  # validated at start-up, not at first request
-
-            load_web_config(cfg.web_config_file)
-    except ConfigError as e:
-        parser.error(str(e))
-    return command, cfg
-
-
-def _replay_config(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
-    """Replay takes web and logging flags; daemons and collectors come from the bundle."""
-    if ns.speed <= 0:
-        parser.error(f"--speed must be positive, not {ns.speed}")
-    cfg = Config(listen_address=ns.listen_address, telemetry_path=ns.telemetry_path,
-                 web_config_file=ns.web_config_file, log_level=ns.log_level, log_format=ns.log_format,
-                 replay=ReplayOptions(ns.bundle, ns.speed, ns.loop))
-    if not cfg.telemetry_path.startswith("/"):
-        parser.error(f"--web.telemetry-path must start with '/': {cfg.telemetry_path!r}")
-    if cfg.web_config_file:
-        from .web import load_web_config
-
-        try:
-            load_web_config(cfg.web_config_file)
-        except ConfigError as e:
-            parser.error(str(e))
+    if ns.config_file:
+        cfg.daemons = load_daemons_file(ns.config_file)
+    else:
+        cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, ns.pipe_directory, ns.log_directory)]
     return cfg
+
+
+def _web_flags(cfg: Config, ns: argparse.Namespace, check_address: bool) -> None:
+    from .webconfig import load_web_config, resolve_listen_address  # PyYAML: not needed by `capture`
+
+    cfg.listen_address, cfg.telemetry_path = ns.listen_address, ns.telemetry_path
+    cfg.web_config_file, cfg.max_requests = ns.web_config_file, ns.max_requests
+    if not cfg.telemetry_path.startswith("/"):
+        raise ConfigError(f"--web.telemetry-path must start with '/': {cfg.telemetry_path!r}")
+    if cfg.max_requests < 0:
+        raise ConfigError(f"--web.max-requests must be 0 (no limit) or more, not {cfg.max_requests}")
+    if check_address:
+        resolve_listen_address(cfg.listen_address)
+    if cfg.web_config_file:  # read once, here: a bad file fails at start-up, not at the first request
+        cfg.web_config = load_web_config(cfg.web_config_file)
+
+
+def _check_timezone(name: str) -> None:
+    from .logs.parser import resolve_timezone
+
+    try:
+        resolve_timezone(name)
+    except ValueError as e:
+        raise ConfigError(f"--mps.log-timezone: {e}") from e

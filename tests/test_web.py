@@ -6,9 +6,11 @@ import base64
 import contextlib
 import gzip
 import http.client
+import logging
 import os
 import shutil
 import socket
+import socketserver
 import ssl
 import textwrap
 import threading
@@ -17,7 +19,7 @@ import bcrypt
 import pytest
 from prometheus_client import CollectorRegistry
 
-from mps_exporter import web
+from mps_exporter import web, webconfig
 from mps_exporter.config import ConfigError, parse_args
 from mps_exporter.families import FamilyBuilder
 from tests.support.certs import make_tls_files
@@ -51,7 +53,7 @@ def registry_with(*collectors) -> CollectorRegistry:
 
 
 @contextlib.contextmanager
-def running(registry, config: web.WebConfig | None = None, listen: str = "127.0.0.1:0", path: str = "/metrics"):
+def running(registry, config: webconfig.WebConfig | None = None, listen: str = "127.0.0.1:0", path: str = "/metrics"):
     server = web.make_server(registry, listen, path, config)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -130,7 +132,7 @@ def test_full_config_parses(tmp_path, tls_dir):
           interval: 250ms
           burst: 5
         """))
-    cfg = web.load_web_config(str(path))
+    cfg = webconfig.load_web_config(str(path))
     assert cfg.tls.cert_file == files.server_cert
     assert cfg.tls.client_ca_file == files.ca_cert
     assert cfg.tls.verify_mode == ssl.CERT_REQUIRED
@@ -141,13 +143,13 @@ def test_full_config_parses(tmp_path, tls_dir):
     assert cfg.tls.prefer_server_ciphers is False
     assert cfg.headers == {"X-Frame-Options": "deny", "Strict-Transport-Security": "max-age=31536000"}
     assert cfg.users == {"alice": ALICE_HASH.encode()}
-    assert cfg.rate_limit == web.RateLimit(0.25, 5)
+    assert cfg.rate_limit == webconfig.RateLimit(0.25, 5)
 
 
 def test_every_go_cipher_name_maps_to_an_openssl_suite(tmp_path, tls_dir):
     _, files, _ = tls_dir
-    names = sorted(web._TLS12_CIPHER_IDS)
-    cfg = web.load_web_config(write_config(tmp_path, f"""\
+    names = sorted(webconfig._TLS12_CIPHER_IDS)
+    cfg = webconfig.load_web_config(write_config(tmp_path, f"""\
         tls_server_config:
           cert_file: {files.server_cert}
           key_file: {files.server_key}
@@ -159,7 +161,7 @@ def test_every_go_cipher_name_maps_to_an_openssl_suite(tmp_path, tls_dir):
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "basic_auth_users:\n"])
 def test_empty_config_means_plain_http_without_auth(tmp_path, text):
-    cfg = web.load_web_config(write_config(tmp_path, text))
+    cfg = webconfig.load_web_config(write_config(tmp_path, text))
     assert cfg.tls is None and not cfg.users and not cfg.headers and cfg.rate_limit is None
 
 
@@ -169,7 +171,7 @@ def test_inline_certificate_and_key(tmp_path, tls_dir):
     text = (f"tls_server_config:\n  cert: |\n{indent(files.server_cert)}  key: |\n{indent(files.server_key)}"
             f"  client_auth_type: VerifyClientCertIfGiven\n  client_ca: |\n{indent(files.ca_cert)}")
     (tmp_path / "web.yml").write_text(text)
-    cfg = web.load_web_config(str(tmp_path / "web.yml"))
+    cfg = webconfig.load_web_config(str(tmp_path / "web.yml"))
     with running(registry_with(GpuCollector()), cfg) as server:
         status, _, body = request(server, "/metrics", context=client_context(files.ca_cert))
     assert status == 200 and b"mps_gpu_up" in body
@@ -187,7 +189,11 @@ BAD_CONFIGS = {
     "garbage certificate": ("tls_server_config:\n  cert_file: {garbage}\n  key_file: {key}\n",
                             "cannot load the server certificate and key"),
     "key of another certificate": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {other_key}\n",
-                                   "cannot load the server certificate and key"),
+                                   "the private key does not belong to the certificate"),
+    "swapped cert and key": ("tls_server_config:\n  cert_file: {key}\n  key_file: {cert}\n",
+                             "cert and key (cert_file and key_file) are swapped"),
+    "key for cert": ("tls_server_config:\n  cert_file: {key}\n  key_file: {key}\n",
+                     "the certificate (cert or cert_file) holds a private key"),
     "garbage client CA": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
                           "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {garbage}\n",
                           "cannot load the client CA"),
@@ -197,13 +203,14 @@ BAD_CONFIGS = {
                                 "  client_auth_type: RequireAnyClientCert\n", "is not supported"),
     "CA without client auth": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  client_ca_file: {ca}\n",
                                "client CA is set but client_auth_type is NoClientCert"),
-    "client auth without CA": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
-                               "  client_auth_type: RequireAndVerifyClientCert\n", "needs client_ca_file"),
     "SANs without required certs": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
                                     "  client_auth_type: VerifyClientCertIfGiven\n  client_ca_file: {ca}\n"
                                     "  client_allowed_sans: [x]\n", "client_allowed_sans requires"),
-    "curves": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  curve_preferences: [X25519]\n",
-               "curve_preferences is not supported"),
+    "curves": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  curve_preferences: [CurveP257]\n",
+               "unknown curve 'CurveP257'"),
+    "no HTTP/2 cipher": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                         "  cipher_suites: [TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384]\n",
+                         "cipher_suites is missing an HTTP/2-required suite"),
     "unknown cipher": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  cipher_suites: [RC4]\n",
                        "unknown cipher 'RC4'"),
     "unknown TLS version": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n  min_version: TLS14\n",
@@ -218,7 +225,6 @@ BAD_CONFIGS = {
     "truncated hash": ("basic_auth_users:\n  alice: '$2y$10$mDwo.lAisC94iLAyP81MCe'\n", "not a bcrypt hash"),
     "users as a list": ("basic_auth_users:\n  - alice\n", "basic_auth_users must be a mapping"),
     "bad duration": ("rate_limit:\n  interval: soon\n  burst: 1\n", "invalid duration 'soon'"),
-    "burst zero": ("rate_limit:\n  interval: 1s\n  burst: 0\n", "burst must be at least 1"),
 }
 
 
@@ -231,7 +237,7 @@ def test_bad_config_is_one_clear_line(tmp_path, tls_dir, case):
     path = write_config(tmp_path, text.format(cert=files.server_cert, key=files.server_key, ca=files.ca_cert,
                                               other_key=other.server_key, garbage=garbage))
     with pytest.raises(ConfigError) as err:
-        web.load_web_config(path)
+        webconfig.load_web_config(path)
     message = str(err.value)
     assert expected in message
     assert message.startswith(f"web config file {path}: ")
@@ -240,10 +246,10 @@ def test_bad_config_is_one_clear_line(tmp_path, tls_dir, case):
 
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read web config file .*: No such file"):
-        web.load_web_config(str(tmp_path / "absent.yml"))
+        webconfig.load_web_config(str(tmp_path / "absent.yml"))
     bad = write_config(tmp_path, "basic_auth_users: [unclosed\n")
     with pytest.raises(ConfigError) as err:
-        web.load_web_config(bad)
+        webconfig.load_web_config(bad)
     assert "is not valid YAML" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -258,13 +264,13 @@ def test_cli_rejects_bad_web_config_with_exit_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("text,seconds", [("1s", 1.0), ("250ms", 0.25), ("1m30s", 90.0), ("0", 0.0), ("2h", 7200.0)])
 def test_parse_duration(text, seconds):
-    assert web.parse_duration(text) == pytest.approx(seconds)
+    assert webconfig.parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["1", "s", "1x", "1s2", "-1s"])
 def test_parse_duration_rejects(text):
     with pytest.raises(ConfigError):
-        web.parse_duration(text)
+        webconfig.parse_duration(text)
 
 
 @pytest.mark.parametrize("address,expected", [
@@ -275,13 +281,13 @@ def test_parse_duration_rejects(text):
     ("localhost:0", ("localhost", 0)),
 ])
 def test_parse_listen_address(address, expected):
-    assert web.parse_listen_address(address) == expected
+    assert webconfig.parse_listen_address(address) == expected
 
 
 @pytest.mark.parametrize("address", ["10138", "127.0.0.1", "::1:10138", "[::1:10138", "host:99999", "host:http"])
 def test_parse_listen_address_rejects(address):
     with pytest.raises(ConfigError, match="invalid listen address"):
-        web.parse_listen_address(address)
+        webconfig.parse_listen_address(address)
 
 
 # ---------------------------------------------------------------- routes
@@ -363,7 +369,7 @@ def test_failing_collector_gives_500_and_the_server_keeps_serving():
 
 
 def test_configured_headers_on_every_response():
-    cfg = web.WebConfig(headers={"X-Content-Type-Options": "nosniff"})
+    cfg = webconfig.WebConfig(headers={"X-Content-Type-Options": "nosniff"})
     with running(registry_with(GpuCollector()), cfg) as server:
         for path in ("/", "/metrics", "/-/healthy", "/nope"):
             assert request(server, path)[1]["x-content-type-options"] == "nosniff"
@@ -373,7 +379,7 @@ def test_configured_headers_on_every_response():
 
 @pytest.fixture
 def auth_server(tmp_path):
-    cfg = web.load_web_config(write_config(tmp_path, f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n"))
+    cfg = webconfig.load_web_config(write_config(tmp_path, f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n"))
     with running(registry_with(GpuCollector()), cfg) as server:
         yield server
 
@@ -400,30 +406,54 @@ def test_auth_accepted(auth_server):
     assert request(auth_server, "/-/healthy", basic("alice", ALICE_PASSWORD))[0] == 200
 
 
-def test_auth_caches_successes_only(monkeypatch):
-    calls = []
-    real = bcrypt.checkpw
-    monkeypatch.setattr(web.bcrypt, "checkpw", lambda pw, h: calls.append(h) or real(pw, h))
-    auth = web.BasicAuth({"alice": ALICE_HASH.encode()})
+class CountingBcrypt:
+    """bcrypt as BasicAuth sees it, counting the expensive checks."""
+
+    def __init__(self):
+        self.calls = []
+
+    def checkpw(self, password, hashed):
+        self.calls.append(hashed)
+        return bcrypt.checkpw(password, hashed)
+
+
+def counted_auth(users, **kwargs):
+    auth = web.BasicAuth(users, **kwargs)
+    counter = CountingBcrypt()
+    auth._bcrypt = counter
+    return auth, counter.calls
+
+
+def test_auth_caches_every_outcome():
+    auth, calls = counted_auth({"alice": ALICE_HASH.encode()})
     good = basic("alice", ALICE_PASSWORD)["Authorization"]
     bad = basic("alice", "wrong")["Authorization"]
     assert auth.check(good) and auth.check(good)
     assert len(calls) == 1  # the second success came from the cache
     assert not auth.check(bad) and not auth.check(bad)
-    assert len(calls) == 3  # failures are checked every time
-    # An unknown user still pays for one bcrypt check (against the decoy
-    # hash), so response time does not tell which user names exist.
+    assert len(calls) == 2  # and so did the second failure: a repeated guess costs no bcrypt
+    # An unknown user pays for one bcrypt check against the decoy hash, so
+    # response time does not tell which user names exist.
     assert not auth.check(basic("mallory", ALICE_PASSWORD)["Authorization"])
-    assert calls[-1] == web._DECOY_HASH
+    assert calls[-1] == auth.decoy
+    assert auth.check(good)  # still right after failures
+    assert len(calls) == 3
+
+
+def test_failed_guesses_do_not_evict_the_scraper():
+    auth, calls = counted_auth({"alice": ALICE_HASH.encode()}, cache_size=4)
+    good = basic("alice", ALICE_PASSWORD)["Authorization"]
+    assert auth.check(good)
+    for i in range(10):
+        assert not auth.check(basic("alice", f"guess{i}")["Authorization"])
+    assert auth.check(good)
+    assert len(calls) == 11  # alice's entry survived ten wrong guesses in a cache of four
 
 
 def test_auth_cache_expires(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(web.time, "monotonic", lambda: now[0])
-    calls = []
-    real = bcrypt.checkpw
-    monkeypatch.setattr(web.bcrypt, "checkpw", lambda pw, h: calls.append(h) or real(pw, h))
-    auth = web.BasicAuth({"alice": ALICE_HASH.encode()}, cache_seconds=10)
+    auth, calls = counted_auth({"alice": ALICE_HASH.encode()}, cache_seconds=10)
     good = basic("alice", ALICE_PASSWORD)["Authorization"]
     assert auth.check(good)
     now[0] += 11
@@ -431,16 +461,21 @@ def test_auth_cache_expires(monkeypatch):
     assert len(calls) == 2
 
 
-def test_decoy_hash_is_a_valid_bcrypt_hash():
-    assert web._BCRYPT_HASH.match(web._DECOY_HASH.decode())
-    assert bcrypt.checkpw(b"guess", web._DECOY_HASH) is False
+@pytest.mark.parametrize("costs,expected", [((4,), 4), ((5, 5, 4), 5), ((4, 5), 5), ((), 10)])
+def test_decoy_has_the_configured_cost(costs, expected):
+    users = {f"u{i}": bcrypt.hashpw(b"pw", bcrypt.gensalt(c)) for i, c in enumerate(costs)}
+    assert web.decoy_cost(users.values()) == expected
+    if users:
+        decoy = web.BasicAuth(users).decoy
+        assert webconfig._BCRYPT_HASH.match(decoy.decode()) and webconfig.bcrypt_cost(decoy) == expected
+        assert bcrypt.checkpw(b"pw", decoy) is False
 
 
 # ---------------------------------------------------------------- rate limit
 
 def test_token_bucket():
     now = [0.0]
-    bucket = web.TokenBucket(web.RateLimit(interval_seconds=2.0, burst=2), clock=lambda: now[0])
+    bucket = web.TokenBucket(webconfig.RateLimit(interval_seconds=2.0, burst=2), clock=lambda: now[0])
     assert [bucket.allow() for _ in range(3)] == [True, True, False]
     now[0] += 1.0  # half a token
     assert not bucket.allow()
@@ -451,7 +486,7 @@ def test_token_bucket():
 
 
 def test_rate_limited_requests_get_429():
-    cfg = web.WebConfig(rate_limit=web.RateLimit(interval_seconds=3600, burst=1))
+    cfg = webconfig.WebConfig(rate_limit=webconfig.RateLimit(interval_seconds=3600, burst=1))
     with running(registry_with(GpuCollector()), cfg) as server:
         assert request(server, "/metrics")[0] == 200
         assert request(server, "/metrics")[0] == 429
@@ -459,8 +494,8 @@ def test_rate_limited_requests_get_429():
 
 # ---------------------------------------------------------------- TLS
 
-def tls_config(tmp_path, files, extra: str = "") -> web.WebConfig:
-    return web.load_web_config(write_config(
+def tls_config(tmp_path, files, extra: str = "") -> webconfig.WebConfig:
+    return webconfig.load_web_config(write_config(
         tmp_path, f"tls_server_config:\n  cert_file: {files.server_cert}\n  key_file: {files.server_key}\n{extra}"))
 
 
@@ -472,11 +507,11 @@ def test_tls_serves_https_and_refuses_plain_http(tmp_path, tls_dir):
         # A client trusting another CA refuses the server.
         with pytest.raises(ssl.SSLCertVerificationError):
             request(server, "/metrics", context=client_context(other.ca_cert))
-        # Plain HTTP to the TLS port gets no HTTP answer.
+        # Plain HTTP to the TLS port gets Go's 400 answer (node_exporter's), and no metrics.
         conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
-        with pytest.raises((http.client.HTTPException, ConnectionError)):
-            conn.request("GET", "/metrics")
-            conn.getresponse()
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 400 and resp.read() == b"Client sent an HTTP request to an HTTPS server.\n"
         conn.close()
         assert request(server, "/-/healthy", context=client_context(files.ca_cert))[0] == 200
 
@@ -530,7 +565,7 @@ def test_client_allowed_sans(tmp_path, tls_dir):
 
 def test_peer_sans_spell_ip_addresses_like_go():
     cert = {"subjectAltName": (("DNS", "a.example"), ("IP Address", "0:0:0:0:0:0:0:1\n"), ("IP Address", "10.0.0.1"))}
-    assert web.peer_sans(cert) == ["a.example", "::1", "10.0.0.1"]
+    assert webconfig.peer_sans(cert) == ["a.example", "::1", "10.0.0.1"]
 
 
 def test_rotated_certificate_is_picked_up(tmp_path, tls_dir):
@@ -538,7 +573,7 @@ def test_rotated_certificate_is_picked_up(tmp_path, tls_dir):
     cert, key = tmp_path / "live.pem", tmp_path / "live-key.pem"
     shutil.copy(files.server_cert, cert)
     shutil.copy(files.server_key, key)
-    cfg = web.load_web_config(write_config(tmp_path, f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"))
+    cfg = webconfig.load_web_config(write_config(tmp_path, f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"))
     with running(registry_with(GpuCollector()), cfg) as server:
         assert request(server, "/metrics", context=client_context(files.ca_cert))[0] == 200
         shutil.copy(other.server_cert, cert)
@@ -630,3 +665,130 @@ def test_cli_rejects_bad_listen_address_with_exit_2(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "put an IPv6 address in brackets" in err
+
+
+# ---------------------------------------------------------------- under load (issue 18)
+
+class GatedCollector:
+    """collect() waits until the test opens the gate: a scrape held in flight."""
+
+    def __init__(self):
+        self.inside = threading.Semaphore(0)
+        self.gate = threading.Event()
+
+    def collect(self):
+        self.inside.release()
+        assert self.gate.wait(20)
+        return GpuCollector().collect()
+
+
+def test_max_requests_answers_503_past_the_cap():
+    collector = GatedCollector()
+    with running(registry_with(collector)) as server:
+        server.app.max_requests = 1
+        server.app.scrapes = threading.BoundedSemaphore(1)
+        first = []
+        holder = threading.Thread(target=lambda: first.append(request(server, "/metrics")[0]))
+        holder.start()
+        assert collector.inside.acquire(timeout=20)  # one scrape is in flight
+        status, _, body = request(server, "/metrics")
+        assert status == 503 and b"Limit of concurrent requests reached (1)" in body
+        assert request(server, "/-/healthy")[0] == 200  # the cap is on scrapes only
+        collector.gate.set()
+        holder.join(20)
+        assert first == [200]
+        assert request(server, "/metrics")[0] == 200  # the slot was given back
+
+
+def test_every_response_is_one_write(monkeypatch):
+    writes = []
+    real = socketserver._SocketWriter.write
+    monkeypatch.setattr(socketserver._SocketWriter, "write", lambda self, b: writes.append(len(b)) or real(self, b))
+    with running(registry_with(GpuCollector())) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
+        for path in ("/metrics", "/-/healthy", "/", "/nope", "/metrics"):
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            resp.read()
+        conn.close()
+    assert len(writes) == 5, writes  # header and body together, on one keep-alive connection
+
+
+def test_listen_backlog_is_the_systems():
+    with running(registry_with(GpuCollector())) as server:
+        assert server.request_queue_size == web.system_backlog() >= 128
+
+
+def test_two_hundred_clients_connecting_at_once_are_all_answered():
+    clients = 200
+    with running(registry_with(GpuCollector())) as server:
+        # Open every connection first (the accept queue must hold them), then ask.
+        socks = [socket.create_connection(("127.0.0.1", server.server_port), timeout=30) for _ in range(clients)]
+        try:
+            for s in socks:
+                s.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answers = []
+            for s in socks:
+                data = b""
+                while chunk := s.recv(4096):
+                    data += chunk
+                answers.append(data.split(b"\r\n", 1)[0])
+        finally:
+            for s in socks:
+                s.close()
+    assert answers == [b"HTTP/1.1 200 OK"] * clients
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "OPTIONS", "DELETE", "PATCH", "BREW"])
+def test_auth_comes_before_the_method(auth_server, method):
+    status, headers, _ = request(auth_server, "/metrics", method=method)
+    assert status == 401 and headers["www-authenticate"] == "Basic"
+    status, headers, _ = request(auth_server, "/metrics", basic("alice", ALICE_PASSWORD), method=method)
+    assert status == 405 and headers["allow"] == "GET, HEAD"
+
+
+def test_no_server_header_and_no_version_before_auth(auth_server):
+    from mps_exporter import __version__
+
+    for hdrs in ({}, basic("alice", ALICE_PASSWORD)):
+        status, headers, body = request(auth_server, "/", hdrs)
+        assert "server" not in headers
+    assert status == 200 and __version__.encode() in body  # the landing page, behind auth
+    status, headers, body = request(auth_server, "/")
+    assert status == 401 and __version__.encode() not in body
+
+
+def test_listening_is_logged_once_after_binding_with_the_real_port(caplog):
+    caplog.set_level(logging.INFO, logger="mps_exporter.web")
+    ready, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=web.serve, args=(registry_with(GpuCollector()), "127.0.0.1:0", "/metrics", None),
+                              kwargs={"ready": ready, "stop": stop}, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(10)
+    finally:
+        stop.set()
+        thread.join(10)
+    lines = [r.getMessage() for r in caplog.records if "listening" in r.getMessage()]
+    assert len(lines) == 1, lines
+    port = int(lines[0].split("127.0.0.1:")[1].split(",")[0])
+    assert port != 0  # the port the kernel gave, not the ":0" asked for
+
+
+def test_dual_stack_listening_line_names_every_address():
+    with running(registry_with(GpuCollector()), listen=":0") as server:
+        shown = server.bound_addresses()
+    if server._dual_stack:
+        assert shown == f"[::]:{server.server_port} (every IPv6 and IPv4 address)"
+    else:
+        assert shown == f"0.0.0.0:{server.server_port} (every IPv4 address)"
+
+
+def test_taken_port_logs_no_listening_line(caplog):
+    caplog.set_level(logging.INFO, logger="mps_exporter.web")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(OSError):
+            web.serve(registry_with(GpuCollector()), f"127.0.0.1:{busy.getsockname()[1]}", "/metrics", None)
+    assert not [r for r in caplog.records if "listening" in r.getMessage()]
