@@ -265,11 +265,9 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
         raise ConfigError("--mps.command-timeout must be positive")
     if cfg.facts_refresh_seconds < 0:
         raise ConfigError("--mps.facts-refresh must not be negative")
-    if not os.path.isdir(cfg.procfs):
-        raise ConfigError(f"--path.procfs {cfg.procfs}: not a directory")
-    if cfg.state_file is not None and (not cfg.state_file or os.path.isdir(cfg.state_file)
-                                       or not os.path.isdir(os.path.dirname(os.path.abspath(cfg.state_file)))):
-        raise ConfigError(f"--mps.state-file {cfg.state_file!r}: not a file in an existing directory")
+    # Paths that may appear later (a mount, a daemon's directories) are not checked here.
+    if cfg.state_file is not None and (not cfg.state_file or os.path.isdir(cfg.state_file)):
+        raise ConfigError(f"--mps.state-file {cfg.state_file!r}: give a file name, not a directory")
     _check_timezone(cfg.log_timezone)
     if ns.dcgm_bindings:
         if not all(ns.dcgm_bindings):

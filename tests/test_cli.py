@@ -123,3 +123,116 @@ def test_taken_port_is_one_error_line(tmp_path):
                              capture_output=True, text=True, timeout=30)
     assert res.returncode == 1
     assert "cannot listen on 127.0.0.1:" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+# ---------------------------------------------------------------- every flag, a bad value
+
+# Bad values for every flag of every subcommand. A flag missing here fails
+# test_every_flag_has_a_bad_value, so a new flag cannot skip the walk.
+# "=x" gives a value to a flag that takes none.
+BAD_VALUES = {
+    "--mps.pipe-directory": [""],
+    "--mps.log-directory": [""],
+    "--mps.control-binary": [""],
+    "--mps.command-timeout": ["abc", "0", "-1"],
+    "--mps.facts-refresh": ["abc", "-5"],
+    "--mps.state-file": ["", "/"],
+    "--mps.log-timezone": ["Mars/Olympus", "Not A Zone"],
+    "--config.file": ["/nonexistent/mps.yml", "{bad_yaml}"],
+    "--path.procfs": [""],
+    "--dcgm.bindings-path": [""],
+    "--log.level": ["loud"],
+    "--log.format": ["xml"],
+    "--web.listen-address": ["999.1.1.1:10138", "nope", "::1:10138", "127.0.0.1:99999", "[::1:10138"],
+    "--web.telemetry-path": ["metrics"],
+    "--web.config.file": ["/nonexistent/web.yml", "{bad_web}"],
+    "--web.max-requests": ["abc", "-1"],
+    "--out": ["", "/nonexistent/dir/x.jsonl.gz"],
+    "--duration": ["abc", "0"],
+    "--interval": ["abc", "-1"],
+    "--log-history": ["lots"],
+    "--speed": ["abc", "0"],
+    "--loop": ["=x"],
+    "bundle": ["/nonexistent/session.jsonl.gz", "{bad_yaml}"],
+}
+for _name in ("nvml", "dcgm", "control", "proc", "logs"):
+    BAD_VALUES[f"--collector.{_name}"] = BAD_VALUES[f"--no-collector.{_name}"] = ["=x"]
+
+
+def flags_by_command():
+    """{subcommand: [flag or positional name]} from the parser itself."""
+    import argparse
+
+    from mps_exporter.config import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    out = {}
+    for command, sub in subparsers.choices.items():
+        names = []
+        for action in sub._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                continue
+            names.append(max(action.option_strings, key=len) if action.option_strings else action.dest)
+        out[command] = names
+    return out
+
+
+def test_every_flag_has_a_bad_value():
+    flags = {f for names in flags_by_command().values() for f in names}
+    assert flags - set(BAD_VALUES) == set()
+    assert set(BAD_VALUES) - flags == set()  # and the table names no flag that is gone
+
+
+WALK = [(command, flag, value) for command, names in flags_by_command().items()
+        for flag in names for value in BAD_VALUES[flag]]
+
+
+@pytest.mark.parametrize("command,flag,value", WALK, ids=[f"{c} {f} {v!r}" for c, f, v in WALK])
+def test_every_flag_with_a_bad_value_is_one_line_and_exit_2(command, flag, value, tmp_path, capsys):
+    from mps_exporter import cli
+
+    bad_yaml = tmp_path / "bad.yml"
+    bad_yaml.write_text("daemons: [\n")
+    bad_web = tmp_path / "web.yml"
+    bad_web.write_text("basic_auth_users:\n  alice: hunter2\n")
+    value = value.format(bad_yaml=bad_yaml, bad_web=bad_web)
+    if flag == "bundle":
+        args = [value]
+    elif value.startswith("="):
+        args = [flag + value]
+    else:
+        args = [flag, value]
+    required = ["--out", str(tmp_path)] if command == "capture" and flag != "--out" else []
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(cli.main([command, *required, *args]))
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2, err
+    assert not out
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mps-exporter: error: "), err
+
+
+def test_the_default_command_reports_like_serve(capsys):
+    from mps_exporter import cli
+
+    for argv in (["--mps.command-timeout", "abc"], ["serve", "--mps.command-timeout", "abc"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+        assert capsys.readouterr().err == "mps-exporter: error: argument --mps.command-timeout: invalid float value: 'abc'\n"
+
+
+def test_version_exits_0():
+    from mps_exporter import __version__
+
+    res = subprocess.run(EXE + ["--version"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and res.stdout == f"mps-exporter {__version__}\n", res
+
+
+def test_top_level_help_shows_the_serve_flags():
+    res = subprocess.run(EXE + ["--help"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0
+    for flag in ("--web.listen-address", "--web.max-requests", "--mps.log-directory", "--collector.logs"):
+        assert flag in res.stdout
+    assert "mps-exporter serve --help" in res.stdout
