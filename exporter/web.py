@@ -367,6 +367,8 @@ class _Handler(BaseHTTPRequestHandler):
         all_headers["Date"] = self.date_time_string()
         if self.close_connection:
             all_headers["Connection"] = "close"
+        elif self.request_version == "HTTP/1.0":  # it asked for keep-alive: say it is kept
+            all_headers["Connection"] = "keep-alive"
         head = f"HTTP/1.1 {status.value} {status.phrase}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in all_headers.items())
         payload = head.encode("latin-1") + b"\r\n"
         self.wfile.write(payload + body if self.command != "HEAD" else payload)

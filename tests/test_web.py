@@ -792,3 +792,16 @@ def test_taken_port_logs_no_listening_line(caplog):
         with pytest.raises(OSError):
             web.serve(registry_with(GpuCollector()), f"127.0.0.1:{busy.getsockname()[1]}", "/metrics", None)
     assert not [r for r in caplog.records if "listening" in r.getMessage()]
+
+
+def test_http_1_0_keep_alive_is_confirmed():
+    with running(registry_with(GpuCollector())) as server:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as s:
+            f = s.makefile("rb")
+            for _ in range(2):  # the same connection answers twice
+                s.sendall(b"GET /-/healthy HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+                head = []
+                while (line := f.readline()) not in (b"\r\n", b""):
+                    head.append(line.decode().strip().lower())
+                assert head[0].endswith("200 ok") and "connection: keep-alive" in head
+                assert f.read(int(next(h for h in head if h.startswith("content-length")).split(":")[1])) == b"OK"

@@ -21,7 +21,8 @@ def main(argv=None) -> int:
         scen = scenarios.busy(Path(tmp), logs=True)
         # The scenario decides where data comes from; the flags decide how it is served.
         scen.cfg.listen_address, scen.cfg.web_config_file = flags.listen_address, flags.web_config_file
-        scen.cfg.telemetry_path = flags.telemetry_path
+        scen.cfg.telemetry_path, scen.cfg.web_config = flags.telemetry_path, flags.web_config
+        scen.cfg.max_requests = flags.max_requests
         setup_logging(flags.log_level, flags.log_format)
         return serve(scen.cfg, sources=build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=scen.daemon))
 
