@@ -34,6 +34,28 @@ RUNBOOK_URL_PATTERN = "http://{{ $labels.instance }}/runbook#%s"
 # Prefix of every alert name.
 ALERT_PREFIX = "Mps"
 
+# ------------------------------------------------------------ recording rules
+# Joins over every client and quantiles over histograms cost the most per
+# evaluation: they get their own group at this interval (alerts reading them
+# have `for:` durations of minutes anyway). The fleet aggregates, read by the
+# fleet dashboard, are evaluated as often.
+HEAVY_RULES_INTERVAL = "1m"
+FLEET_RULES_INTERVAL = "1m"
+
+# kube-state-metrics' job (mixin `kubeStateMetricsSelector`): kube_pod_info and
+# kube_pod_container_info give MPS clients their namespace, pod and container.
+# kube-prometheus-stack names the job "kube-state-metrics". Without it the
+# Kubernetes recording rules return nothing and nothing else changes.
+KUBE_STATE_METRICS_SELECTOR = 'job="kube-state-metrics"'
+
+# kube-state-metrics writes container ids with the runtime's prefix
+# ("containerd://<64 hex>", "cri-o://...", "docker://..."); the cgroup gives the
+# bare id. The joins strip the prefix on both sides with this regex.
+CONTAINER_ID_REGEX = "(?:[a-z0-9.+-]+://)?(.*)"
+
+# The fleet dashboard counts GPUs with less than this share of memory free.
+LOW_MEMORY_HEADROOM_RATIO = 0.1
+
 # ---------------------------------------------------------------- contention
 # MPS runs one user's server per GPU at a time; a client of another user waits
 # on the daemon's pending list until the running server has no clients left.
@@ -73,8 +95,10 @@ SERVER_CRASHES_MAX = 2
 SERVER_START_FAILURES_MAX = 2
 
 # The daemon counts as "ran before" if it answered at any time in this window:
-# exporters on machines where MPS was never started stay quiet.
+# exporters on machines where MPS was never started stay quiet. Read from the
+# recorded hourly max (DAEMON_SEEN_STEP), never a day of raw samples.
 DAEMON_SEEN_WINDOW = "1d"
+DAEMON_SEEN_STEP = "1h"
 DAEMON_DOWN_FOR = "2m"
 
 # ----------------------------------------------------------------------- OOM

@@ -1,4 +1,4 @@
-"""One definition per recording rule and per alert; generate.py turns them into
+"""One definition per alert (recording rules: recordings.py); generate.py turns them into
 Prometheus rule files, a PrometheusRule and Grafana-managed alert rules.
 
 Descriptions are Go templates (Prometheus and Grafana both use them): `lbl(x)`
@@ -14,17 +14,18 @@ from typing import Tuple
 
 from . import config as C
 from .expressions import TARGET as T
-from .expressions import client_info_join, client_memory_ratio, gpu_memory_ratio, job, memory_fill_prediction
-from .expressions import queue_wait_quantile, server_info_join
+from .expressions import job, memory_fill_prediction, server_info_join
+from .recordings import (  # noqa: F401 (RECORDINGS, Recording: generate.py's and the tests' view of the rules)
+    CLIENT_MEMORY_USAGE,
+    DAEMON_UP_MAX,
+    GPU_CLIENTS,
+    GPU_MEMORY_USAGE,
+    QUEUE_WAIT_P95,
+    RECORDINGS,
+    Recording,
+)
 
 SEVERITIES = ("critical", "warning", "info")
-
-
-@dataclass(frozen=True)
-class Recording:
-    record: str
-    expr: str
-    why: str  # one line, written as a comment next to the rule
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ def lbl(name: str) -> str:
 
 NODE = lbl(C.NODE_LABEL)
 VALUE = "{{ $value }}"
+# ", pod <namespace>/<pod>" where the alert has them (kube-state-metrics joined), else nothing.
+IN_POD = "{{ with $labels.pod }}, pod {{ $labels.namespace }}/{{ . }}{{ end }}"
 
 
 def with_server_user(expr: str) -> str:
@@ -61,28 +64,6 @@ def with_server_user(expr: str) -> str:
     return (f"({expr})\n  {server_info_join(job)}\n"
             f"or on({T}, daemon, server_pid)\n  ({expr})")
 
-
-# ---------------------------------------------------------------- recordings
-GPU_MEMORY_USAGE = "mps:gpu_memory_usage:ratio"
-CLIENT_MEMORY_USAGE = "mps:client_pinned_memory_usage:ratio"
-GPU_CLIENTS = "mps:gpu_clients:count"
-QUEUE_WAIT_P95 = "mps:client_queue_wait_seconds:p95"
-
-_client_ratio = client_memory_ratio(job)
-
-RECORDINGS: Tuple[Recording, ...] = (
-    Recording(GPU_MEMORY_USAGE, gpu_memory_ratio(job), "share of each GPU's memory in use"),
-    Recording(
-        CLIENT_MEMORY_USAGE,
-        f"(\n  {_client_ratio}\n)\n{client_info_join(job)}\n"
-        f"or on({T}, daemon, pid, gpu)\n  {_client_ratio}",
-        "each client's memory against its pinned limit, with the client's user and command "
-        "(kept without them when mps_client_info is missing)"),
-    Recording(GPU_CLIENTS, f"count without(daemon, pid) ({job('mps_client_memory_used_bytes')})",
-              "MPS clients holding memory on each GPU"),
-    Recording(QUEUE_WAIT_P95, queue_wait_quantile(job, 0.95, C.QUEUE_WAIT_WINDOW),
-              f"p95 of the time clients waited on the pending list, over {C.QUEUE_WAIT_WINDOW}, by daemon and reason"),
-)
 
 # -------------------------------------------------------------------- alerts
 _client_limit = math.ceil(C.MAX_CLIENTS_PER_DEVICE * C.CLIENT_LIMIT_WARNING_RATIO)
@@ -147,7 +128,7 @@ ALERTS: Tuple[Alert, ...] = (
     Alert(
         "ControlDaemonDown", "contention",
         f"{job('mps_control_daemon_up')} == 0\n"
-        f"and on({T}, daemon) max_over_time({job('mps_control_daemon_up')}[{C.DAEMON_SEEN_WINDOW}]) == 1",
+        f"and on({T}, daemon) max_over_time({DAEMON_UP_MAX}[{C.DAEMON_SEEN_WINDOW}]) == 1",
         C.DAEMON_DOWN_FOR, "critical",
         "An MPS control daemon that was running no longer answers.",
         f"MPS control daemon {lbl('daemon')} on {NODE} answered within the last {C.DAEMON_SEEN_WINDOW} but "
@@ -157,7 +138,7 @@ ALERTS: Tuple[Alert, ...] = (
         "ClientNearMemoryLimit", "oom",
         f"{CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}", C.CLIENT_MEMORY_FOR, "warning",
         "An MPS client is close to its pinned device memory limit.",
-        f"MPS client {lbl('pid')} ({lbl('command')}, user {lbl('user')}) of server {lbl('server_pid')} "
+        f"MPS client {lbl('pid')} ({lbl('command')}, user {lbl('user')}{IN_POD}) of server {lbl('server_pid')} "
         f"on GPU {lbl('gpu')} of {NODE} uses {{{{ $value | humanizePercentage }}}} of its pinned device "
         f"memory limit: its next allocations fail with out-of-memory."),
     Alert(

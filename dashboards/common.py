@@ -8,7 +8,7 @@ A dashboard module builds its panels with these helpers and ends with
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import attr
 from grafanalib.core import (
@@ -26,6 +26,7 @@ from grafanalib.core import (
 
 from alerts import config as C
 from alerts.expressions import client_info_join, matchers, server_info_join
+from alerts.recordings import CLIENT_KUBE, RECORDINGS
 from mps_exporter.contract import METRICS
 
 # Grafana's schema version of the JSON model these dashboards are written for
@@ -40,6 +41,7 @@ GRID_WIDTH = 24
 # (`instance` unless relabeling adds a node name; the exporter adds no host label).
 VARIABLE_OF_LABEL = {"job": "job", C.NODE_LABEL: "node", "gpu": "gpu", "daemon": "daemon"}
 SCRAPE_SERIES = ("up", "scrape_duration_seconds", "scrape_samples_scraped")
+RECORDED = {r.record for r in RECORDINGS}
 
 
 def _query_variable(name: str, label: str, query: str, all_by_default: bool = True) -> Template:
@@ -55,10 +57,10 @@ def _datasource_variable() -> Template:
     return Template(name="datasource", label="Data source", query="prometheus", type="datasource")
 
 
-def templating() -> Templating:
+def node_variables() -> List[Template]:
+    """The per-node dashboards' variables: job, node (one by default), GPU, daemon."""
     node = f'{C.NODE_LABEL}=~"$node"'
-    return Templating(list=[
-        _datasource_variable(),
+    return [
         _query_variable("job", "Job", f"label_values(mps_exporter_build_info{{{C.JOB_SELECTOR}}}, job)"),
         # One node by default: "All" over a fleet makes every panel read every node.
         _query_variable("node", "Node", f'label_values(mps_exporter_build_info{{job=~"$job"}}, {C.NODE_LABEL})',
@@ -66,7 +68,24 @@ def templating() -> Templating:
         _query_variable("gpu", "GPU", f'label_values(mps_gpu_info{{job=~"$job", {node}}}, gpu)'),
         _query_variable("daemon", "MPS daemon",
                         f'label_values(mps_control_daemon_up{{job=~"$job", {node}}}, daemon)'),
-    ])
+    ]
+
+
+def kubernetes_variables() -> List[Template]:
+    """Namespace (the first one by default) and pod (All of it), from the recorded client names."""
+    return [
+        _query_variable("namespace", "Namespace", f"label_values({CLIENT_KUBE}, namespace)", all_by_default=False),
+        _query_variable("pod", "Pod", f'label_values({CLIENT_KUBE}{{namespace=~"$namespace"}}, pod)'),
+    ]
+
+
+def rec(record: str, **variables: str) -> str:
+    """A recorded series selected by dashboard variables: rec(X, namespace="namespace")
+    -> X{namespace=~"$namespace"}; without variables just the name."""
+    if record not in RECORDED:
+        raise KeyError(f"{record} is not one of our recording rules")
+    parts = [f'{label}=~"${var}"' for label, var in variables.items()]
+    return f"{record}{{{', '.join(parts)}}}" if parts else record
 
 
 def m(name: str, suffix: str = "", **extra: str) -> str:
@@ -156,10 +175,14 @@ def _layout(panels: Sequence) -> List:
     return list(panels)
 
 
-def build(title: str, uid: str, description: str, panels: Sequence) -> Dashboard:
+def build(title: str, uid: str, description: str, panels: Sequence,
+          variables: Optional[List[Template]] = None) -> Dashboard:
+    """A dashboard with the data source variable and `variables` (default: node_variables())."""
+    variables = node_variables() if variables is None else variables
     return Dashboard(
         title=title, uid=uid, description=description, tags=TAGS, timezone="browser",
-        templating=templating(), panels=_layout(panels), schemaVersion=SCHEMA_VERSION,
+        templating=Templating(list=[_datasource_variable(), *variables]), panels=_layout(panels),
+        schemaVersion=SCHEMA_VERSION,
         time=Time("now-3h", "now"), refresh="30s", editable=True,
         links=[{"type": "dashboards", "tags": ["mps-exporter"], "asDropdown": True, "title": "MPS dashboards",
                 "icon": "external link", "tooltip": "", "url": "", "targetBlank": False,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Dict, Iterator, NamedTuple, Optional
 
 JSON_DIR = Path(__file__).resolve().parent / "json"
 
@@ -26,7 +26,12 @@ def queries(json_dir: Path = JSON_DIR) -> Iterator[Query]:
                 yield Query(path.stem, panel["title"], t["refId"], t["expr"])
 
 
-def concrete(expr: str, rate_interval: str = "1m") -> str:
-    """Grafana's substitutions for "All" in every variable and a fixed rate interval."""
+VARIABLES = ("job", "node", "gpu", "daemon", "namespace", "pod")
+
+
+def concrete(expr: str, rate_interval: str = "1m", selection: Optional[Dict[str, str]] = None) -> str:
+    """Grafana's substitutions: `selection` (variable -> regex, e.g. one node) and
+    "All" (.*) for every other variable, and a fixed rate interval."""
     expr = expr.replace("$__rate_interval", rate_interval)
-    return re.sub(r"\$(job|node|gpu|daemon)\b", ".*", expr)
+    chosen = selection or {}
+    return re.sub(r"\$(%s)\b" % "|".join(VARIABLES), lambda m: chosen.get(m.group(1), ".*"), expr)

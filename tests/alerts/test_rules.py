@@ -148,6 +148,51 @@ def test_every_raw_series_is_read_with_the_job_selector():
                 assert name in recorded, f"{name} is not a recording rule of ours"
 
 
+def _seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    parts = re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration)
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(int(n) * units[u] for n, u in parts)
+
+
+def test_no_rule_reads_more_than_an_hour_of_a_raw_series():
+    """Issue 19: a rule's cost per evaluation is bounded; longer windows range
+    over recorded series (an hourly max), Grafana's inlined rules included."""
+    recorded = {r.record for r in definitions.RECORDINGS}
+    grafana = [generate.inline_recordings(a.expr) for a in definitions.ALERTS]
+    exprs = [a.expr for a in definitions.ALERTS] + [r.expr for r in definitions.RECORDINGS] + grafana
+    ranges = 0
+    for expr in exprs:
+        expr = re.sub(r'"[^"]*"', '""', expr)  # no string literal is a range
+        assert ":]" not in expr.replace(" ", ""), f"subquery in {expr}"
+        for name, window in re.findall(r"([a-zA-Z_:][\w:]*)(?:\{[^}]*\})?\[([^\]:]+)\]", expr):
+            ranges += 1
+            if name not in recorded:
+                assert _seconds(window) <= 3600, f"{name}[{window}] in {expr}"
+    assert ranges >= 8
+    # The long window exists, and reads the hourly record.
+    down = next(a for a in definitions.ALERTS if a.name == "ControlDaemonDown")
+    assert f"{definitions.DAEMON_UP_MAX}[{generate.C.DAEMON_SEEN_WINDOW}]" in down.expr
+
+
+def test_heavy_and_fleet_rules_have_their_own_groups():
+    groups = {g["name"]: g for g in generate.rule_groups()}
+    assert groups["mps-exporter.heavy"]["interval"] == "1m" == groups["mps-exporter.fleet"]["interval"]
+    assert "interval" not in groups["mps-exporter.rules"]
+    heavy = {r["record"] for r in groups["mps-exporter.heavy"]["rules"]}
+    assert {definitions.CLIENT_MEMORY_USAGE, definitions.QUEUE_WAIT_P95, definitions.DAEMON_UP_MAX} <= heavy
+    fast = generate.rule_groups(interval_override="1s")
+    assert {g.get("interval") for g in fast} == {None, "1s"}
+
+
+def test_new_recording_names_follow_the_convention():
+    """level:metric:operations, e.g. namespace_pod:mps_clients:count."""
+    for r in definitions.RECORDINGS:
+        level, metric, ops = r.record.split(":")
+        assert re.fullmatch(r"[a-z_]+", level) and re.fullmatch(r"[a-z0-9_]+", ops), r.record
+        assert metric.startswith("mps_") or level == "mps" or metric == "up", r.record
+
+
 def test_for_override_shortens_only_nonzero_durations():
     groups = generate.rule_groups(for_override="5s")
     fors = {r["alert"]: r["for"] for g in groups for r in g["rules"] if "alert" in r}
@@ -167,7 +212,7 @@ def test_prometheus_rule_resource():
 def test_inline_recordings_replaces_every_recording():
     for a in definitions.ALERTS:
         expr = generate.inline_recordings(a.expr)
-        assert "mps:" not in expr, a.alertname
+        assert not re.search(r"[a-z_]:[a-z_]", expr), a.alertname
     with pytest.raises(ValueError):
         generate.inline_recordings(definitions.GPU_MEMORY_USAGE + '{gpu="0"} > 1')
 

@@ -15,6 +15,7 @@ import yaml
 
 from dashboards import common, generate
 from dashboards.queries import concrete, queries
+from alerts.recordings import RECORDINGS
 from mps_exporter.contract import HISTOGRAM, METRICS
 from tests.support.tools import require
 
@@ -26,11 +27,11 @@ SCRAPE_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 # A panel's unit and what each of its queries must then be about.
 UNIT_EVIDENCE = {
     "bytes": ("_bytes",),
-    "percentunit": ("_ratio", " / "),
+    "percentunit": ("_ratio", " / ", ":ratio"),
     "s": ("_seconds",),
     "watt": ("_watts",),
     "celsius": ("_celsius",),
-    "cps": ("rate(",),
+    "cps": ("rate(", ":rate"),
 }
 
 
@@ -40,10 +41,21 @@ def _panels():
             yield name, panel
 
 
+RECORDED = {r.record: r for r in RECORDINGS}
+# Dashboards by their variables: per node, by pod, the whole fleet.
+VARIABLES = {"kubernetes": {"namespace", "pod"}, "fleet": set()}
+NODE_VARIABLES = {"job", "node", "gpu", "daemon"}
+
+
 def _metric_names(expr: str):
-    for name in re.findall(r"\b([a-z_]+)(?=\{)", expr):
+    """(series, metric) for every raw series with a selector (recorded ones skipped)."""
+    for name in re.findall(r"(?<![\w:])([a-z_]+)(?=\{)", expr):
         base = re.sub(r"_(bucket|count|sum)$", "", name)
         yield name, base if base in METRICS and METRICS[base].type == HISTOGRAM else name
+
+
+def _recorded_names(expr: str):
+    return [n for n in re.findall(r"(?<![\w:])([a-z_]+:[a-z0-9_:]+)", expr)]
 
 
 def test_generated_json_is_in_sync():
@@ -106,16 +118,18 @@ def test_dashboard_level_model():
 def test_variables():
     for name, dash in DASHBOARDS.items():
         variables = {v["name"]: v for v in dash["templating"]["list"]}
-        assert set(variables) == {"datasource", "job", "node", "gpu", "daemon"}, name
+        assert set(variables) == {"datasource"} | VARIABLES.get(name, NODE_VARIABLES), name
         ds = variables.pop("datasource")
         assert ds["type"] == "datasource" and ds["query"] == "prometheus"
         for v in variables.values():
             assert v["type"] == "query" and v["datasource"] == common.DATASOURCE
             assert v["query"].startswith("label_values(") and v["multi"]
-        # A fleet's dashboards open on one node (Grafana selects the first), never All.
-        node = variables.pop("node")
-        assert not node["includeAll"] and "value" not in node["current"], name
-        assert node["query"].endswith(f", {common.C.NODE_LABEL})")
+        # A fleet's dashboards open on one node (one namespace), Grafana selects the first, never All.
+        first = variables.pop("node" if "node" in variables else "namespace", None)
+        if first:
+            assert not first["includeAll"] and "value" not in first["current"], name
+        if name not in VARIABLES:
+            assert first["query"].endswith(f", {common.C.NODE_LABEL})")
         for v in variables.values():
             assert v["includeAll"] and v["current"]["value"] == "$__all"
 
@@ -158,6 +172,23 @@ def test_panels_have_datasource_description_unit_and_targets():
         elif unit in UNIT_EVIDENCE:
             for t in panel["targets"]:
                 assert any(s in t["expr"] for s in UNIT_EVIDENCE[unit]), f"{where}: unit {unit} for {t['expr']}"
+
+
+def test_fleet_and_kubernetes_dashboards_read_recorded_series_only():
+    """Issue 19: the fleet view stays fast at 10,000 nodes because it reads only the
+    fleet group's aggregates; the Kubernetes one reads the per-pod records."""
+    for q in queries(ROOT / generate.JSON_DIR):
+        if q.dashboard not in VARIABLES:
+            continue
+        assert list(_metric_names(q.expr)) == [], q
+        names = _recorded_names(q.expr)
+        assert names and all(n in RECORDED for n in names), q
+        if q.dashboard == "fleet":
+            assert {RECORDED[n].group for n in names} == {"fleet"}, q
+        else:  # every pod-level record is selected by the namespace and pod variables
+            for n in names:
+                if n.startswith("namespace_pod") or n == "mps:client_pinned_memory_usage:ratio":
+                    assert re.search(re.escape(n) + r'\{namespace=~"\$namespace", pod=~"\$pod"\}', q.expr), q
 
 
 def test_queries_use_contract_metrics_and_the_variables():

@@ -39,7 +39,7 @@ STARTUP_TIMEOUT = 30.0
 
 @dataclass(frozen=True)
 class Target:
-    """One scrape job with one target."""
+    """One target of a scrape job (targets with the same job share one scrape config)."""
 
     address: str  # host:port
     job: str = "mps"
@@ -100,8 +100,16 @@ def build_config(targets: Sequence[Target], rule_files: Sequence[str] = (), aler
                  scrape_interval: float = 1.0, evaluation_interval: float = 1.0) -> dict:
     config: dict = {
         "global": {"scrape_interval": _seconds(scrape_interval), "evaluation_interval": _seconds(evaluation_interval)},
-        "scrape_configs": [t.scrape_config(_seconds(scrape_interval)) for t in targets],
+        "scrape_configs": [],
     }
+    jobs: Dict[str, dict] = {}
+    for t in targets:  # targets of one job share its scrape config (they must agree on it)
+        job = t.scrape_config(_seconds(scrape_interval))
+        if t.job in jobs:
+            jobs[t.job]["static_configs"] += job["static_configs"]
+        else:
+            jobs[t.job] = job
+            config["scrape_configs"].append(job)
     if rule_files:
         config["rule_files"] = [os.path.abspath(f) for f in rule_files]
     if alertmanager_url:

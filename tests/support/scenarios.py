@@ -4,14 +4,19 @@ library boundary (pynvml, the control subprocess, /proc), ready to serve.
 - `busy`: the capture's busy moment (nvml_busy.json, ctl_busy.txt): server 1589
   with clients 1647/1648/1649 holding 9000/2856/1688 MiB; client 1648 sets its
   own limits in its environment the way a user would; logs from the capture.
-- `synthetic(gpus, clients_per_gpu)`: one server per GPU, N clients each.
+- `synthetic(gpus, clients_per_gpu)`: one server per GPU, N clients each;
+  with `clients_per_pod`, the clients run in Kubernetes pods (that many per pod,
+  one container each; the last client a bare process), and the server sets a
+  pinned memory limit on every GPU.
 """
 
 from __future__ import annotations
 
+import hashlib
+import uuid as uuidlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from mps_exporter.cli import build_collector, build_sources
 from mps_exporter.collector import MpsCollector
@@ -33,9 +38,14 @@ class Scenario:
     proc_root: Path
     log_directory: Optional[Path] = None
     pipelines: Dict[str, object] = field(default_factory=dict)
+    pods: Dict[int, Tuple[str, str]] = field(default_factory=dict)  # client pid -> (pod uid, bare container id)
+
+    def sources(self) -> Dict[str, object]:
+        """The exporter's sources, reading this scenario's fakes."""
+        return build_sources(self.cfg, nvml_module=self.nvml, control_runner=self.daemon)
 
     def collector(self, with_logs: bool = True) -> MpsCollector:
-        sources = build_sources(self.cfg, nvml_module=self.nvml, control_runner=self.daemon)
+        sources = self.sources()
         if with_logs and self.log_directory is not None and self.cfg.enabled("logs"):
             from mps_exporter.cli import build_log_pipelines
 
@@ -80,7 +90,13 @@ def busy(tmp: Path, logs: bool = True) -> Scenario:
     return Scenario(cfg, FakeNvml.from_capture("busy"), daemon, proc_root, log_dir)
 
 
-def synthetic(tmp: Path, gpus: int = 8, clients_per_gpu: int = 6, latency: bool = False) -> Scenario:
+def synthetic_pod(index: int) -> Tuple[str, str]:
+    """(pod uid, bare container id) of the index-th synthetic pod."""
+    return str(uuidlib.UUID(int=index + 1, version=4)), hashlib.sha256(b"container-%d" % index).hexdigest()
+
+
+def synthetic(tmp: Path, gpus: int = 8, clients_per_gpu: int = 6, latency: bool = False,
+              clients_per_pod: int = 0) -> Scenario:
     """One MPS server (pid 4000) on every GPU; client pids as FakeNvml.synthetic numbers them."""
     nvml = FakeNvml.synthetic(gpus=gpus, clients_per_gpu=clients_per_gpu)
     if latency:
@@ -88,13 +104,21 @@ def synthetic(tmp: Path, gpus: int = 8, clients_per_gpu: int = 6, latency: bool 
         nvml.latency_us = busy_latency
     clients: List[FakeClient] = []
     processes = [FakeProcess(4000, uid=0, comm="nvidia-cuda-mps")]
+    pods: Dict[int, Tuple[str, str]] = {}
+    pids = [p.pid for gpu in nvml.gpus for p in gpu.mps_processes]
     for gpu in nvml.gpus:
         for p in gpu.mps_processes:
             clients.append(FakeClient(p.pid, 4000, gpu.uuid, len(clients)))
-            processes.append(FakeProcess(p.pid, uid=1000 + p.pid % 7))
-    daemon = FakeControlDaemon(servers=[FakeServer(4000)], clients=clients,
-                               latency_seconds=0.0019 if latency else 0.0)
+            proc = FakeProcess(p.pid, uid=1000 + p.pid % 7)
+            if clients_per_pod and p.pid != pids[-1]:
+                pods[p.pid] = synthetic_pod((len(clients) - 1) // clients_per_pod)
+                pod_uid, container_id = pods[p.pid]
+                proc.cgroup = (f"0::/kubepods.slice/kubepods-pod{pod_uid.replace('-', '_')}.slice/"
+                               f"cri-containerd-{container_id}.scope\n")
+            processes.append(proc)
+    server = FakeServer(4000, pinned_limits={g: "64G" for g in range(gpus)} if clients_per_pod else {})
+    daemon = FakeControlDaemon(servers=[server], clients=clients, latency_seconds=0.0019 if latency else 0.0)
     proc_root = write_proc(tmp / "proc", processes)
     cfg = _config("/tmp/mps/pipe", "/var/log/nvidia-mps", proc_root)
     cfg.collectors["logs"] = False
-    return Scenario(cfg, nvml, daemon, proc_root)
+    return Scenario(cfg, nvml, daemon, proc_root, pods=pods)

@@ -1,0 +1,172 @@
+"""One definition per recording rule, in three groups (generate.py writes them):
+
+- `rules` (Prometheus' evaluation interval): cheap per-target series the alerts read;
+- `heavy` (config.HEAVY_RULES_INTERVAL): joins over every client, quantiles,
+  the hourly max that keeps alerts from reading a day of raw samples, and the
+  Kubernetes names from kube-state-metrics;
+- `fleet` (config.FLEET_RULES_INTERVAL): per node, per GPU model and fleet
+  totals, the only series the fleet dashboard reads.
+
+New names follow `level:metric:operations` (Prometheus' recording rule
+convention): the labels kept, the metric, what was done to it. Rules in a group
+run in order, so a rule may read one defined above it in the same group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from . import config as C
+from .expressions import TARGET as T
+from .expressions import client_info_join, client_memory_ratio, gpu_memory_ratio, job, matchers
+from .expressions import queue_wait_quantile
+
+RULES, HEAVY, FLEET = "rules", "heavy", "fleet"
+RECORDING_GROUPS = {RULES: None, HEAVY: C.HEAVY_RULES_INTERVAL, FLEET: C.FLEET_RULES_INTERVAL}
+
+
+@dataclass(frozen=True)
+class Recording:
+    record: str
+    expr: str
+    why: str  # one line, written as a comment next to the rule
+    group: str = RULES
+    # For a `max_over_time(raw[step])` record: Grafana-managed rules, which cannot
+    # rely on recording rules, read `raw[step]` where an alert ranges over the record.
+    raw_range: Optional[Tuple[str, str]] = None  # (raw selector, step)
+
+
+def ksm(name: str, **extra: str) -> str:
+    """A kube-state-metrics series: config.KUBE_STATE_METRICS_SELECTOR plus `extra`."""
+    return f"{name}{{{', '.join([C.KUBE_STATE_METRICS_SELECTOR] + matchers(**extra))}}}"
+
+
+def bare_container_id(expr: str) -> str:
+    """`expr` with the runtime prefix cut from its container_id label."""
+    return f'label_replace({expr}, "container_id", "$1", "container_id", "{C.CONTAINER_ID_REGEX}")'
+
+
+# ------------------------------------------------------------------ names
+GPU_MEMORY_USAGE = "mps:gpu_memory_usage:ratio"
+GPU_CLIENTS = "mps:gpu_clients:count"
+CLIENT_MEMORY_USAGE = "mps:client_pinned_memory_usage:ratio"
+QUEUE_WAIT_P95 = "mps:client_queue_wait_seconds:p95"
+DAEMON_UP_MAX = f"instance_daemon:mps_control_daemon_up:max{C.DAEMON_SEEN_STEP}"
+CLIENT_KUBE = "namespace_pod_container:mps_client_info:kube"
+POD_MEMORY = "namespace_pod_gpu:mps_client_memory_used_bytes:sum"
+POD_LIMIT = "namespace_pod_gpu:mps_client_pinned_memory_limit_bytes:sum"
+POD_THREADS = "namespace_pod:mps_client_active_thread_ratio:sum"
+POD_CLIENTS = "namespace_pod:mps_clients:count"
+NODE_MODES = "instance_mode:mps_gpu_sharing_mode:sum"
+MODEL_MODES = "name_mode:mps_gpu_sharing_mode:sum"
+FLEET_MODES = "fleet_mode:mps_gpu_sharing_mode:sum"
+NODE_QUEUED = "instance:mps_queued_clients:sum"
+FLEET_QUEUED_NODES = "fleet:mps_nodes_with_queued_clients:count"
+NODE_FAULTS = "instance:mps_servers_in_fault:count"
+FLEET_FAULTS = "fleet:mps_servers_in_fault:count"
+NODE_FATAL = "instance:mps_fatal_gpu_errors:rate5m"
+FLEET_FATAL = "fleet:mps_fatal_gpu_errors:rate5m"
+NODE_HEADROOM = "instance:mps_gpu_memory_headroom:min_ratio"
+FLEET_LOW_HEADROOM = "fleet:mps_gpus_low_memory_headroom:count"
+MODEL_MEMORY_USED = "name:mps_gpu_memory_used_bytes:sum"
+MODEL_MEMORY_TOTAL = "name:mps_gpu_memory_total_bytes:sum"
+NODE_CLIENTS = "instance:mps_server_clients:sum"
+FLEET_CLIENTS = "fleet:mps_server_clients:sum"
+EXPORTERS = "job:mps_exporters:count"
+EXPORTERS_UP = "job:mps_exporters_up:sum"
+
+# ------------------------------------------------------- building blocks
+_client_ratio = client_memory_ratio(job)
+CLIENT_NAMES = "namespace, pod, container"
+
+# One series per pod of the cluster (kube-state-metrics may run several replicas).
+_kube_pods = f'max by (pod_uid, namespace, pod) (label_replace({ksm("kube_pod_info")}, "pod_uid", "$1", "uid", "(.+)"))'
+_kube_containers = f"max by (container_id, container) ({bare_container_id(ksm('kube_pod_container_info', container_id='!='))})"
+# MPS clients in a pod kube-state-metrics knows, with its namespace and pod.
+_clients_in_pods = (f"{bare_container_id(job('mps_client_info', pod_uid='!='))}\n"
+                    f"  * on(pod_uid) group_left(namespace, pod)\n  {_kube_pods}")
+
+
+def _per_pod(metric: str, by: str) -> str:
+    """Sum of a per-client series over each pod's clients, by `by`."""
+    return (f"sum by ({T}, {by}) (\n  {job(metric)}\n"
+            f"  * on({T}, daemon, pid) group_left(namespace, pod) {CLIENT_KUBE}\n)")
+
+
+def _fleet_count(expr: str) -> str:
+    """A count that is 0, not absent, when nothing matches (a fleet panel shows 0)."""
+    return f"count({expr}) or vector(0)"
+
+
+RECORDINGS: Tuple[Recording, ...] = (
+    # rules ---------------------------------------------------------------
+    Recording(GPU_MEMORY_USAGE, gpu_memory_ratio(job), "share of each GPU's memory in use"),
+    Recording(GPU_CLIENTS, f"count without(daemon, pid) ({job('mps_client_memory_used_bytes')})",
+              "MPS clients holding memory on each GPU"),
+    # heavy ---------------------------------------------------------------
+    Recording(DAEMON_UP_MAX, f"max_over_time({job('mps_control_daemon_up')}[{C.DAEMON_SEEN_STEP}])",
+              f"1 if the control daemon answered within the last {C.DAEMON_SEEN_STEP}: alerts range over this "
+              f"record, not over a day of raw samples", HEAVY,
+              raw_range=(job("mps_control_daemon_up"), C.DAEMON_SEEN_STEP)),
+    Recording(QUEUE_WAIT_P95, queue_wait_quantile(job, 0.95, C.QUEUE_WAIT_WINDOW),
+              f"p95 of the time clients waited on the pending list, over {C.QUEUE_WAIT_WINDOW}, by daemon and reason",
+              HEAVY),
+    Recording(
+        CLIENT_KUBE,
+        f"(\n  {_clients_in_pods}\n)\n* on(container_id) group_left(container)\n  {_kube_containers}\n"
+        f"or on({T}, daemon, pid)\n  {_clients_in_pods}",
+        "each MPS client in a pod with its namespace, pod and container, from kube-state-metrics (pod UID and "
+        "container id, runtime prefix stripped); nothing without kube-state-metrics", HEAVY),
+    Recording(
+        CLIENT_MEMORY_USAGE,
+        f"(\n  {_client_ratio}\n)\n"
+        f"* on({T}, daemon, pid) group_left({CLIENT_NAMES}, server_pid, uid, user, command, container_id, pod_uid)\n"
+        f"  {CLIENT_KUBE}\n"
+        f"or on({T}, daemon, pid, gpu)\n  (\n  {_client_ratio}\n)\n{client_info_join(job)}\n"
+        f"or on({T}, daemon, pid, gpu)\n  {_client_ratio}",
+        "each client's memory against its pinned limit, with its user and command, and its namespace, pod and "
+        "container where kube-state-metrics knows them (kept without them when mps_client_info is missing)",
+        HEAVY),
+    Recording(POD_MEMORY, _per_pod("mps_client_memory_used_bytes", "namespace, pod, gpu"),
+              "device memory of each pod's MPS clients, per node and GPU", HEAVY),
+    Recording(POD_LIMIT, _per_pod("mps_client_pinned_memory_limit_bytes", "namespace, pod, gpu"),
+              "pinned memory limits in force for each pod's MPS clients, summed per node and GPU", HEAVY),
+    Recording(POD_THREADS, _per_pod("mps_client_active_thread_ratio", "namespace, pod"),
+              "active thread shares of each pod's MPS clients, summed per node", HEAVY),
+    Recording(POD_CLIENTS, f"count by ({T}, namespace, pod) ({CLIENT_KUBE})",
+              "MPS clients of each pod, per node", HEAVY),
+    # fleet ---------------------------------------------------------------
+    Recording(NODE_MODES, f"sum by ({T}, mode) ({job('mps_gpu_sharing_mode')})",
+              "GPUs of each node by sharing mode (mps, time_slicing, exclusive, mig, idle)", FLEET),
+    Recording(MODEL_MODES,
+              f"sum by (name, mode) (\n  {job('mps_gpu_sharing_mode')}\n"
+              f"  * on({T}, gpu) group_left(name) {job('mps_gpu_info')}\n)",
+              "GPUs of each model by sharing mode, over the fleet", FLEET),
+    Recording(FLEET_MODES, f"sum by (mode) ({NODE_MODES})", "GPUs by sharing mode, over the fleet", FLEET),
+    Recording(NODE_QUEUED, f"sum by ({T}) ({job('mps_queued_clients')})", "clients queued on each node", FLEET),
+    Recording(FLEET_QUEUED_NODES, _fleet_count(f"{NODE_QUEUED} > 0"), "nodes with queued clients", FLEET),
+    Recording(NODE_FAULTS, f"count by ({T}) ({job('mps_server_status', status='FAULT')} == 1)",
+              "MPS servers in FAULT on each node (absent where none)", FLEET),
+    Recording(FLEET_FAULTS, f"sum({NODE_FAULTS}) or vector(0)", "MPS servers in FAULT over the fleet", FLEET),
+    Recording(NODE_FATAL, f"sum by ({T}) (rate({job('mps_fatal_gpu_errors_total')}[5m]))",
+              "fatal GPU errors per second on each node", FLEET),
+    Recording(FLEET_FATAL, f"sum({NODE_FATAL}) or vector(0)", "fatal GPU errors per second over the fleet", FLEET),
+    Recording(NODE_HEADROOM, f"min by ({T}) (1 - {GPU_MEMORY_USAGE})",
+              "share of memory free on each node's fullest GPU", FLEET),
+    Recording(FLEET_LOW_HEADROOM, _fleet_count(f"{GPU_MEMORY_USAGE} > {1 - C.LOW_MEMORY_HEADROOM_RATIO:g}"),
+              f"GPUs with less than {C.LOW_MEMORY_HEADROOM_RATIO:.0%} of their memory free, over the fleet", FLEET),
+    Recording(MODEL_MEMORY_USED,
+              f"sum by (name) (\n  {job('mps_gpu_memory_used_bytes')}\n"
+              f"  * on({T}, gpu) group_left(name) {job('mps_gpu_info')}\n)",
+              "device memory used, per GPU model, over the fleet", FLEET),
+    Recording(MODEL_MEMORY_TOTAL,
+              f"sum by (name) (\n  {job('mps_gpu_memory_total_bytes')}\n"
+              f"  * on({T}, gpu) group_left(name) {job('mps_gpu_info')}\n)",
+              "device memory, per GPU model, over the fleet", FLEET),
+    Recording(NODE_CLIENTS, f"sum by ({T}) ({job('mps_server_clients')})",
+              "MPS clients connected on each node", FLEET),
+    Recording(FLEET_CLIENTS, f"sum({NODE_CLIENTS}) or vector(0)", "MPS clients connected over the fleet", FLEET),
+    Recording(EXPORTERS, f"count by (job) ({job('up')})", "mps-exporter targets", FLEET),
+    Recording(EXPORTERS_UP, f"sum by (job) ({job('up')})", "mps-exporter targets scraped successfully", FLEET),
+)

@@ -1,0 +1,122 @@
+"""End to end with the real thing: replay exporters (`mps-exporter replay` of a capture of
+pods' MPS clients) and kube-state-metrics' exposition, scraped by a real Prometheus with
+the project's rule file.
+
+1. Kubernetes: the recording rules give every client in a pod its namespace, pod and
+   container (kube-state-metrics writes container ids with runtime prefixes, the
+   cgroup gives them bare), the bare process none; per-pod sums add up; every query
+   of the Kubernetes and fleet dashboards returns data.
+2. Fleet: several exporters on loopback ports; the fleet dashboard's queries answer
+   for every one of them, and with one node selected the per-node dashboards show
+   for each node what they show for all.
+Rule groups' own intervals are cut to 1 s in a copy of the rule file.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+from alerts import generate
+from alerts import recordings as R
+from dashboards.queries import concrete, queries
+from tests.support import scenarios
+from tests.support.fleet import Pod, kube_state_metrics, record_bundle, running_replays, serving_text
+from tests.support.prometheus import Prometheus, Target, running_prometheus
+
+pytestmark = pytest.mark.slow
+
+KSM_JOB = "kube-state-metrics"
+NAMES = {1: ("ml", "trainer-0", "train", "containerd://"), 2: ("ml", "infer-7f9c-x2x", "server", "cri-o://"),
+         3: ("batch", "bench-1", "bench", "containerd://")}
+
+
+def _rules(tmp: Path) -> str:
+    path = tmp / "rules.yml"
+    path.write_text(generate.prometheus_rules(interval_override="1s"))
+    return str(path)
+
+
+def _empty_queries(prom: Prometheus, dashboards: Set[str], start: float,
+                   selection: Dict[str, str] = {}) -> List[str]:  # noqa: B006 (read only)
+    """Queries of those dashboards with no number over [start, now]."""
+    empty = []
+    for q in queries():
+        if q.dashboard not in dashboards:
+            continue
+        data = prom.api("query_range", query=concrete(q.expr, "10s", selection), start=str(start),
+                        end=str(time.time()), step="1")
+        if not any(v != "NaN" for series in data["result"] for _, v in series["values"]):
+            empty.append(f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}")
+    return empty
+
+
+def test_pods_get_their_names_and_the_kubernetes_dashboard_has_data(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3, clients_per_pod=2)
+    bundle = record_bundle(tmp_path, scen)
+    pod_index = {uid: int(uid.rsplit("-", 1)[1]) for uid, _ in scen.pods.values()}
+    pods = [Pod(NAMES[i][0], NAMES[i][1], uid, NAMES[i][2], NAMES[i][3] + cid, "gpu-node-1")
+            for uid, cid in sorted(set(scen.pods.values())) for i in [pod_index[uid]]]
+    # Pods without MPS clients are in kube-state-metrics too.
+    pods += [Pod("web", f"nginx-{i}", f"aaaaaaaa-0000-4000-8000-{i:012d}", "nginx", f"containerd://{i:064x}",
+                 "cpu-node-1") for i in range(3)]
+    with running_replays(bundle, 1, tmp_path) as (address,), serving_text(kube_state_metrics(pods)) as ksm, \
+            running_prometheus(tmp_path, [Target(address, job="mps-exporter"), Target(ksm, job=KSM_JOB)],
+                               rule_files=[_rules(tmp_path)]) as prom:
+        prom.wait_for_target_up()
+        started = time.time()
+        prom.wait_for(R.POD_MEMORY)
+
+        named = {r["metric"]["pid"]: r["metric"] for r in prom.wait_for(R.CLIENT_KUBE)}
+        expected = {}
+        for pid, (uid, cid) in scen.pods.items():
+            namespace, pod, container, _ = NAMES[pod_index[uid]]
+            expected[str(pid)] = {"namespace": namespace, "pod": pod, "container": container, "pod_uid": uid,
+                                  "container_id": cid, "instance": address}
+        assert {pid: {k: m[k] for k in expected[pid]} for pid, m in named.items()} == expected
+        bare = [str(p) for p in (10000 + i for i in range(6)) if p not in scen.pods]
+        assert bare and not set(bare) & set(named)  # the bare process has no pod
+
+        # Per-pod sums: trainer-0's two clients on GPU 0 (512 MiB and 1 GiB, 64 GiB limit each).
+        memory = {(r["metric"]["pod"], r["metric"]["gpu"]): float(r["value"][1]) for r in prom.query(R.POD_MEMORY)}
+        assert memory[("trainer-0", "0")] == (512 + 1024) * 2**20
+        limits = {(r["metric"]["pod"], r["metric"]["gpu"]): float(r["value"][1]) for r in prom.query(R.POD_LIMIT)}
+        assert limits[("trainer-0", "0")] == 2 * 64 * 2**30
+        counts = {r["metric"]["pod"]: float(r["value"][1]) for r in prom.query(R.POD_CLIENTS)}
+        assert counts == {"trainer-0": 2, "infer-7f9c-x2x": 2, "bench-1": 1}
+        # The memory ratio the alert reads carries the pod.
+        ratio = {r["metric"]["pid"]: r["metric"] for r in prom.query(R.CLIENT_MEMORY_USAGE)}
+        assert ratio["10000"]["pod"] == "trainer-0" and "pod" not in ratio[bare[0]]
+
+        time.sleep(3)
+        assert _empty_queries(prom, {"kubernetes", "fleet"}, started) == []
+
+
+def test_fleet_dashboard_answers_for_every_exporter(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=2)
+    bundle = record_bundle(tmp_path, scen)
+    with running_replays(bundle, 4, tmp_path) as addresses, \
+            running_prometheus(tmp_path, [Target(a, job="mps-exporter") for a in addresses],
+                               rule_files=[_rules(tmp_path)]) as prom:
+        prom.wait_for_target_up()
+        started = time.time()
+        # Every per-node record the fleet dashboard reads has every exporter.
+        for record in (R.NODE_QUEUED, R.NODE_HEADROOM, R.NODE_CLIENTS, R.NODE_MODES, R.NODE_FATAL):
+            deadline = time.monotonic() + 30
+            while {r["metric"]["instance"] for r in prom.query(record)} != set(addresses):
+                assert time.monotonic() < deadline, f"{record}: {prom.query(record)}"
+                time.sleep(0.5)
+        assert prom.wait_for(f"{R.EXPORTERS_UP} == 4") and prom.query(R.FLEET_QUEUED_NODES)[0]["value"][1] == "4"
+        assert float(prom.query(R.FLEET_CLIENTS)[0]["value"][1]) == 4 * 4
+        assert {r["metric"]["mode"]: r["value"][1] for r in prom.query(R.FLEET_MODES)} == {"mps": "8"}
+        time.sleep(3)
+        fleet = {"fleet"}
+        per_node = {q.dashboard for q in queries()} - {"fleet", "kubernetes"}
+        assert _empty_queries(prom, fleet, started) == []
+        # The per-node dashboards open on one node: each node alone shows what all of them show.
+        with_all = _empty_queries(prom, per_node, started)
+        for address in addresses:
+            assert _empty_queries(prom, per_node, started, {"node": address}) == with_all, address
