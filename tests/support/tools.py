@@ -20,6 +20,9 @@ PACKAGES = {
     "prometheus-alertmanager": "prometheus-alertmanager",
     "systemd-analyze": "systemd",
     "logrotate": "logrotate",
+    "victoria-metrics": "victoria-metrics",
+    "vmagent": "victoria-metrics",
+    "vmalert": "victoria-metrics",
 }
 
 
