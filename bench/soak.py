@@ -57,6 +57,9 @@ def main() -> None:
     logs.mkdir()
     writer = Writer(logs, seed=7)
     exporter = Exporter(logs, work / "exporter.log", ["--mps.state-file", str(work / "state.json")])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    csv = open(out.with_suffix(".csv"), "w")
     rows: List[Dict[str, float]] = []
     latencies: List[float] = []
     failed_scrapes, went_down, rotations, vanishes = 0, 0, 0, 0
@@ -72,7 +75,11 @@ def main() -> None:
         deadline = time.monotonic() + limit
         s: Dict[str, float] = {}
         while time.monotonic() < deadline:
-            s = samples(exporter.scrape())
+            try:
+                s = samples(exporter.scrape())
+            except OSError:  # counted by the main loop's scrapes; here only the count matters
+                time.sleep(0.5)
+                continue
             if all(lines_counted(s, f) >= writer.written[f] for f in FILES):
                 break
             time.sleep(0.2)
@@ -100,6 +107,10 @@ def main() -> None:
                              "threads": st["Threads"], "fds": st["fds"],
                              "lines": sum(lines_counted(previous, f) for f in FILES),
                              "written": sum(writer.written.values())})
+                if len(rows) == 1:
+                    csv.write(",".join(rows[0]) + "\n")
+                csv.write(",".join(str(v) for v in rows[-1].values()) + "\n")
+                csv.flush()  # a soak cut short still leaves its samples
                 next_sample += args.sample_every
             if gone_until < 0 and now >= next_rotate:
                 rotations += 1
@@ -148,13 +159,7 @@ def main() -> None:
         "threads_min_max": [min(r["threads"] for r in rows), max(r["threads"] for r in rows)] if rows else None,
         "peak_rss_kib": max(r["hwm_kib"] for r in rows) if rows else None,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w") as f:
-        keys = list(rows[0]) if rows else []
-        f.write(",".join(keys) + "\n")
-        for r in rows:
-            f.write(",".join(str(r[k]) for k in keys) + "\n")
+    csv.close()
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     shutil.rmtree(work, ignore_errors=True)
