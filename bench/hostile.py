@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 CAPTURE = REPO / "tests" / "data" / "captures" / "h200-driver580-a"
 FILES = ("control", "server")
 _NUMBER = re.compile(rb"(?<![\w.])(\d{3,5})(?![\w.])")
+_LONG_BRANCH = 0.3 * 0.01 / 0.72  # share of lines that reach the long-line branch of _mutate
 
 
 def real_lines() -> Dict[str, List[bytes]]:
@@ -44,7 +45,7 @@ def _shift(line: bytes, delta: int) -> bytes:
     return role + b" " + str(int(pid) + delta).encode() + _NUMBER.sub(lambda m: str(int(m.group(1)) + delta).encode(), msg)
 
 
-def _mutate(line: bytes, rng: random.Random) -> bytes:
+def _mutate(line: bytes, rng: random.Random, long_share: float = _LONG_BRANCH) -> bytes:
     """70 % of lines stay real (the state machine gets real work), the rest is broken
     one of the ways a writer can break a line (never adding a newline)."""
     if rng.random() < 0.7:
@@ -73,13 +74,15 @@ def _mutate(line: bytes, rng: random.Random) -> bytes:
         return b"[" + rng.choice((b"9999-12-31", b"1970-01-01")) + line[11:]
     if op < 0.70:  # random bytes
         return bytes(rng.randrange(256) for _ in range(rng.randrange(200))).replace(b"\n", b"")
-    if op < 0.71:  # a long line: over the 64 KiB cap
-        return line + b"x" * rng.choice((100_000, 1 << 20 if rng.random() < 0.05 else 70_000))
+    if op < 0.71:  # a long line (over the 64 KiB cap) for a share of them, else an empty one
+        if rng.random() < long_share / _LONG_BRANCH:
+            return line + b"x" * rng.choice((100_000, 1 << 20 if rng.random() < 0.05 else 70_000))
     return b""
 
 
-def hostile_lines(seed: int = 1) -> Iterator[Tuple[str, bytes]]:
-    """(file, line) forever: the session's lines, new PIDs per round, mutated."""
+def hostile_lines(seed: int = 1, long_share: float = _LONG_BRANCH) -> Iterator[Tuple[str, bytes]]:
+    """(file, line) forever: the session's lines, new PIDs per round, mutated;
+    about long_share of all lines are over the 64 KiB cap."""
     rng = random.Random(seed)
     lines = real_lines()
     rounds = 0
@@ -87,16 +90,16 @@ def hostile_lines(seed: int = 1) -> Iterator[Tuple[str, bytes]]:
         delta = (rounds % 5000) * 10000
         for file in FILES:
             for line in lines[file]:
-                yield file, _mutate(_shift(line, delta), rng)
+                yield file, _mutate(_shift(line, delta), rng, long_share)
         rounds += 1
 
 
 class Writer:
     """Appends lines to control.log and server.log; counts the newlines written."""
 
-    def __init__(self, directory: Path, seed: int = 1) -> None:
+    def __init__(self, directory: Path, seed: int = 1, long_share: float = _LONG_BRANCH) -> None:
         self.directory = directory
-        self.lines = hostile_lines(seed)
+        self.lines = hostile_lines(seed, long_share)
         self.written = {f: 0 for f in FILES}
         self.bytes = 0
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import List
+from typing import Dict, List
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mps_exporter.families import FamilyBuilder
+from mps_exporter.logs import render_log_metrics
 from mps_exporter.logs.events import Unrecognized
 from mps_exporter.logs.follower import FileFollower
-from mps_exporter.logs.parser import parse_line
+from mps_exporter.logs.parser import PARSER_ERROR, parse_line
 from mps_exporter.logs.pipeline import LogPipeline
 from mps_exporter.logs.state import LogState
 
@@ -119,3 +121,67 @@ def test_pipeline_on_random_bytes_never_raises(control, server):
 def test_unrecognized_results_carry_a_reason():
     result = parse_line("\x00\xff garbage", "server")
     assert isinstance(result, Unrecognized) and result.reason
+
+
+# ------------------------------------------------------- the project attacks itself
+REAL_BYTES = [line for line in (CONTROL + SERVER).splitlines() if line] or [b"[2026-11-21 04:19:24.390 Control   546] NEW UI"]
+
+
+@st.composite
+def mutated_line(draw: st.DrawFn) -> bytes:
+    """A real line of the recorded session, broken the ways a writer can break it."""
+    line = bytearray(draw(st.sampled_from(REAL_BYTES)))
+    for _ in range(draw(st.integers(min_value=0, max_value=4))):
+        op = draw(st.sampled_from(["byte", "insert", "delete", "digits", "date", "nul"]))
+        i = draw(st.integers(min_value=0, max_value=len(line)))
+        if op == "byte" and i < len(line):
+            line[i] = draw(st.integers(min_value=0, max_value=255))
+        elif op == "insert":
+            line[i:i] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "delete":
+            del line[i:i + draw(st.integers(min_value=1, max_value=10))]
+        elif op == "digits":  # past int()'s 4300-digit limit, and just past the bounds
+            line[i:i] = b"9" * draw(st.sampled_from([10, 11, 20, 4301, 5000]))
+        elif op == "date":
+            line[1:11] = draw(st.sampled_from([b"9999-12-31", b"1970-01-01", b"0000-00-00", b"2026-02-30"]))
+        else:
+            line[i:i] = b"\x00" * draw(st.integers(min_value=1, max_value=100))
+    return bytes(line).replace(b"\n", b"")
+
+
+@settings(max_examples=500, deadline=None)
+@given(mutated_line(), st.sampled_from(["control", "server"]))
+def test_parser_never_raises_and_no_rule_ever_breaks(line, file):
+    result = parse_line(line.replace(b"\x00", b"").decode("utf-8", "replace"), file, UTC)
+    assert not (isinstance(result, Unrecognized) and result.reason == PARSER_ERROR), line[:200]
+    LogState().apply(result, file)
+
+
+def _rendered_counters(snap) -> Dict[str, float]:
+    out = FamilyBuilder()
+    render_log_metrics(out, "fuzz", snap, 0.0)
+    return {f"{s.name}{sorted(s.labels.items())}": s.value for fam in out.families() for s in fam.samples
+            if fam.type in ("counter", "histogram")}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(st.tuples(st.sampled_from(["control", "server"]), mutated_line()), max_size=120),
+       st.lists(st.integers(min_value=0, max_value=10 ** 6), max_size=8))
+def test_whole_pipeline_counts_every_complete_line_once_and_counters_never_go_down(rows, cuts):
+    data = {f: b"".join(line + b"\n" for file, line in rows if file == f) for f in ("control", "server")}
+    with tempfile.TemporaryDirectory() as d:
+        pipe = LogPipeline("fuzz", d, timezone="UTC")
+        previous: Dict[str, float] = {}
+        written = {"control": 0, "server": 0}
+        for f, blob in data.items():  # each file written in pieces, read after each piece
+            bounds = [0] + sorted({c % (len(blob) + 1) for c in cuts}) + [len(blob)]
+            for start, end in zip(bounds, bounds[1:]):
+                with open(os.path.join(d, f"{f}.log"), "ab") as fh:
+                    fh.write(blob[start:end])
+                written[f] += blob[start:end].count(b"\n")
+                snap = pipe.read_once()
+                current = _rendered_counters(snap)
+                assert [k for k, v in previous.items() if current.get(k, v) < v] == []
+                previous = current
+                assert snap.lines == written  # every complete line, once, as soon as it is complete
+        assert snap.problems == () and snap.read_errors == {}
