@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mps_exporter.exposition import generate_text  # noqa: E402
 
-from mps_exporter.cli import build_collector, build_sources  # noqa: E402
 from mps_exporter.collector import build_registry  # noqa: E402
+from mps_exporter.sources.base import Backends  # noqa: E402
+from mps_exporter.wiring import build_collector, build_readers  # noqa: E402
 from tests.gpu.rawcost import TimedModule, TimedRunner  # noqa: E402
 from tests.support import scenarios  # noqa: E402
 
@@ -37,11 +38,11 @@ def run(gpus: int, clients_per_gpu: int, scrapes: int):
         scen = scenarios.synthetic(Path(tmp), gpus=gpus, clients_per_gpu=clients_per_gpu, latency=True)
         # The same timing wrappers the GPU truth check uses for its raw cost.
         nvml, runner = TimedModule(scen.nvml), TimedRunner(scen.daemon)
-        sources = build_sources(scen.cfg, nvml_module=nvml, control_runner=runner)
-        proc = sources["proc"]
+        readers = build_readers(scen.cfg, Backends(nvml_module=nvml, control_runner=runner))
+        proc = readers["proc"].source
         proc_reads = TimedRunner(proc._read)  # /proc file reads are backend I/O too
         proc._read = proc_reads
-        collector = build_collector(scen.cfg, sources, {})
+        collector = build_collector(scen.cfg, readers)
         registry = build_registry(collector)
         gc.freeze()  # as `mps-exporter serve` does after start-up
 

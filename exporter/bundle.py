@@ -8,113 +8,34 @@ A bundle is one gzip-compressed JSON Lines file:
     ...
     {"kind": "end", "t": 90.0, "scrapes": 91, "log_chunks": 40, "driver_version": "...", "gpus": [...]}
 
-Events are in time order; `t` is seconds since the capture started. Source
-results are the model dataclasses (model.py) as JSON; `decode()` rebuilds them
-from the dataclasses' own type hints, so the format follows model.py without a
-second schema to keep in sync.
+Events are in time order; `t` is seconds since the capture started. Each source
+says how its readings are recorded (sources/base.py: the model dataclasses as
+JSON, codec.py); a scrape record holds one entry per recorded source.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import gzip
 import json
 import os
 import re
-import typing
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .model import DaemonReading, NvmlReading, ProcessFacts
+from .codec import decode, expect
+from .sources.registry import SOURCES
 
 FORMAT = "mps-exporter-capture"
 VERSION = 1
 SUFFIX = ".jsonl.gz"
 
-# What each source's `read()` returns; "control" holds one entry per daemon.
-SOURCE_TYPES: Dict[str, Any] = {
-    "nvml": NvmlReading,
-    "dcgm": Dict[int, Dict[str, float]],
-    "control": DaemonReading,
-    "proc": Dict[int, ProcessFacts],
-}
+RECORDED = tuple(name for name, source in SOURCES.items() if source.recorded)
 
 
 class BundleError(Exception):
     """The bundle cannot be replayed; the message is one line for the user."""
-
-
-# ------------------------------------------------------------------ values
-def encode(value: Any) -> Any:
-    """A source's result as JSON-ready data (int dict keys become strings, as JSON wants)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): encode(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [encode(v) for v in value]
-    return value
-
-
-_hints: Dict[type, Dict[str, Any]] = {}
-
-
-def decode(tp: Any, value: Any) -> Any:
-    """JSON data back into `tp` (a model dataclass, Optional, List, Dict or a scalar).
-
-    Unknown keys are ignored (a newer exporter may add fields); a missing
-    required field or a wrong type raises ValueError."""
-    if dataclasses.is_dataclass(tp):
-        hints = _hints.get(tp)
-        if hints is None:
-            hints = _hints[tp] = typing.get_type_hints(tp)
-        obj = _expect(value, dict, tp.__name__)
-        try:
-            return tp(**{k: decode(hints[k], v) for k, v in obj.items() if k in hints})
-        except TypeError as e:  # a required field is missing
-            raise ValueError(f"{tp.__name__}: {e}") from e
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Union:
-        if value is None and type(None) in args:
-            return None
-        return decode(next(a for a in args if a is not type(None)), value)
-    if origin is list:
-        return [decode(args[0], v) for v in _expect(value, list, "list")]
-    if origin is dict:
-        return {decode(args[0], k): decode(args[1], v) for k, v in _expect(value, dict, "object").items()}
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"expected an integer, got {value!r}")
-        return int(value)  # dict keys arrive as strings
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"expected a number, got {value!r}")
-        return float(value)
-    if tp in (str, bool) and not isinstance(value, tp):
-        raise ValueError(f"expected {tp.__name__}, got {value!r}")
-    return value
-
-
-def _expect(value: Any, kind: type, what: str) -> Any:
-    if not isinstance(value, kind):
-        raise ValueError(f"expected {what}, got {type(value).__name__}")
-    return value
-
-
-def source_result(name: str, entry: Any) -> Any:
-    """One recorded `{"value": ...}` or `{"error": "..."}` entry: the value, or a RecordedFailure."""
-    entry = _expect(entry, dict, f"{name} entry")
-    if "error" in entry:
-        return RecordedFailure(str(entry["error"]))
-    if "value" not in entry:
-        raise ValueError(f"{name} entry has neither 'value' nor 'error'")
-    return decode(SOURCE_TYPES[name], entry["value"])
-
-
-class RecordedFailure(Exception):
-    """The source raised this error at this moment of the capture."""
 
 
 # ------------------------------------------------------------------ events
@@ -122,7 +43,7 @@ class RecordedFailure(Exception):
 class Scrape:
     t: float
     now: float  # the collector's clock (unix time) at that moment
-    # source name -> its result, or RecordedFailure; "control": one per daemon
+    # source name -> its recorded entry as the source's `load` checked it
     results: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -215,7 +136,7 @@ def load(path: str) -> Bundle:
     return Bundle(path, header, end, sorted(scrapes, key=lambda s: s.t), sorted(logs, key=lambda c: c.t))
 
 
-def _records(path: str) -> Iterator["tuple[int, Dict[str, Any]]"]:
+def _records(path: str) -> Iterator[Tuple[int, Dict[str, Any]]]:
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -253,18 +174,16 @@ def _check_header(path: str, rec: Dict[str, Any]) -> Dict[str, Any]:
     if len({d["name"] for d in daemons}) != len(daemons):
         raise ValueError("header: a daemon name appears twice")
     sources = rec.get("sources")
-    if not isinstance(sources, list) or not set(sources) <= set(SOURCE_TYPES):
-        raise ValueError(f"header: 'sources' must list some of {sorted(SOURCE_TYPES)}")
+    if not isinstance(sources, list) or not set(sources) <= set(RECORDED):
+        raise ValueError(f"header: 'sources' must list some of {sorted(RECORDED)}")
     return rec
 
 
 def _scrape(rec: Dict[str, Any]) -> Scrape:
     results: Dict[str, Any] = {}
-    for name, entry in _expect(rec.get("sources", {}), dict, "sources").items():
-        if name == "control":
-            results[name] = [source_result(name, e) for e in _expect(entry, list, "control list")]
-        elif name in SOURCE_TYPES:
-            results[name] = source_result(name, entry)
+    for name, entry in expect(rec.get("sources", {}), dict, "sources").items():
+        if name in RECORDED:
+            results[name] = SOURCES[name].load(entry)
     return Scrape(t=decode(float, rec["t"]), now=decode(float, rec["now"]), results=results)
 
 

@@ -14,21 +14,24 @@ web server, no YAML unless --config.file is given).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import __version__
-from .bundle import SUFFIX, BundleWriter, LogChunk, encode, log_record
-from .cli import build_collector, build_sources, stop_on_signals
+from .bundle import SUFFIX, BundleWriter, LogChunk, log_record
 from .config import Config
 from .logs.events import FILES
 from .logs.parser import resolve_timezone
 from .logs.pipeline import POLL_SECONDS
-from .render import Snapshot
+from .model import Snapshot
+from .wiring import build_collector, build_readers, stop_on_signals
+from .sources.base import PartialFailure, ReadContext, Reader
+from .sources.registry import SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -89,29 +92,23 @@ class LogTap:
             self._file = None
 
 
-class _Recording:
-    """Hands the collector what a source returned and keeps a JSON copy for the bundle."""
+def recording(name: str, reader: Reader[Any], results: Dict[str, Any]) -> Reader[Any]:
+    """`reader`, also keeping what each read returned (or raised) as its bundle entry."""
+    source = SOURCES[name]
 
-    def __init__(self, source: Any, results: Dict[str, Any], name: str, per_daemon: bool = False) -> None:
-        self._source, self._results, self._name, self._per_daemon = source, results, name, per_daemon
-
-    def read(self, *args: Any) -> Any:
+    def read(ctx: ReadContext) -> Any:
         try:
-            value = self._source.read(*args)
-        except Exception as e:
-            self._keep({"error": f"{type(e).__name__}: {e}"})
+            value = reader.read(ctx)
+        except PartialFailure as e:
+            results[name] = source.record(e.result)
             raise
-        self._keep({"value": encode(value)})  # now: the collector adds DCGM activity to NVML's GPUs later
+        except Exception as e:
+            results[name] = source.record_failure(f"{type(e).__name__}: {e}")
+            raise
+        results[name] = source.record(value)
         return value
 
-    def _keep(self, entry: Dict[str, Any]) -> None:
-        if self._per_daemon:  # the collector reads the daemons in order, one entry each
-            self._results.setdefault(self._name, []).append(entry)
-        else:
-            self._results[self._name] = entry
-
-    def __getattr__(self, attr: str) -> Any:  # close(), available(), ...
-        return getattr(self._source, attr)
+    return dataclasses.replace(reader, read=read)
 
 
 class Recorder:
@@ -120,22 +117,17 @@ class Recorder:
     `poll_logs()` and `scrape()` are one step each; `run()` repeats them on the
     clock. Tests call the steps themselves on recorded scenarios."""
 
-    def __init__(self, cfg: Config, sources: Dict[str, Any], writer: BundleWriter,
-                 pipelines: Optional[Dict[str, Any]] = None, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: Config, readers: Dict[str, Reader[Any]], writer: BundleWriter,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.writer = writer
         self._monotonic = monotonic
         self._start = monotonic()
         self._results: Dict[str, Any] = {}
-        wrapped: Dict[str, Any] = {}
-        for name, source in sources.items():
-            if name == "control":
-                wrapped[name] = [_Recording(s, self._results, name, per_daemon=True) for s in source]
-            else:
-                wrapped[name] = _Recording(source, self._results, name)
-        self.collector = build_collector(cfg, wrapped, pipelines or {}, clock=clock)
+        wrapped = {name: recording(name, reader, self._results) if SOURCES[name].recorded else reader
+                   for name, reader in readers.items()}
+        self.collector = build_collector(cfg, wrapped, clock=clock)
         self._taps = [(d.name, f, LogTap(os.path.join(d.log_directory, f), cfg.capture.log_history_bytes))
-                      for d in cfg.daemons for f in LOG_FILES] if cfg.enabled("logs") else []
+                      for d in cfg.daemons for f in LOG_FILES] if SOURCES["logs"].enabled(cfg) else []
         self.scrapes = self.log_chunks = self.log_bytes = 0
         self._nvml: Optional[Dict[str, Any]] = None  # the last NVML reading: driver and GPUs for the end record
 
@@ -225,15 +217,15 @@ def bundle_path(out: str, started: float) -> str:
     return out
 
 
-def header(cfg: Config, sources: Dict[str, Any], started: float) -> Dict[str, Any]:
+def header(cfg: Config, readers: Mapping[str, Reader[Any]], started: float) -> Dict[str, Any]:
     return {
         "exporter_version": __version__,
         "python_version": platform.python_version(),
         "kernel": platform.release(),
         "started_at": started,
         "interval_seconds": cfg.capture.interval_seconds,
-        "sources": sorted(sources),
-        "logs": cfg.enabled("logs"),
+        "sources": sorted(name for name in readers if SOURCES[name].recorded),
+        "logs": SOURCES["logs"].enabled(cfg),
         "log_files": list(LOG_FILES),
         "log_history_bytes": cfg.capture.log_history_bytes,
         "log_timezone": concrete_timezone(cfg.log_timezone),
@@ -242,19 +234,19 @@ def header(cfg: Config, sources: Dict[str, Any], started: float) -> Dict[str, An
     }
 
 
-def capture(cfg: Config, stop: Optional[threading.Event] = None, sources: Optional[Dict[str, Any]] = None) -> int:
-    """The `capture` command. `sources` replaces the live ones (tests)."""
+def capture(cfg: Config, stop: Optional[threading.Event] = None, readers: Optional[Dict[str, Reader[Any]]] = None) -> int:
+    """The `capture` command. `readers` replaces the live ones (tests)."""
     started = time.time()
     path = bundle_path(cfg.capture.out, started)
-    sources = build_sources(cfg) if sources is None else sources
+    readers = build_readers(cfg, recorded=True) if readers is None else readers
     stop = stop or threading.Event()
     stop_on_signals(stop)  # Ctrl-C ends the capture early and still writes the bundle
     try:
-        writer = BundleWriter(path, header(cfg, sources, started))
+        writer = BundleWriter(path, header(cfg, readers, started))
     except OSError as e:
         log.error("cannot write the bundle %s: %s", path, e.strerror or e)
         return 2
-    recorder = Recorder(cfg, sources, writer)
+    recorder = Recorder(cfg, readers, writer)
     log.info("capturing for %g s, sources every %g s, into %s", cfg.capture.duration_seconds,
              cfg.capture.interval_seconds, path)
     try:
@@ -265,9 +257,8 @@ def capture(cfg: Config, stop: Optional[threading.Event] = None, sources: Option
         return 2
     finally:
         recorder.close()
-        nvml = sources.get("nvml")
-        if hasattr(nvml, "close"):
-            nvml.close()  # frees GPM samples, shuts NVML down
+        for reader in readers.values():
+            reader.close()  # frees GPM samples, shuts NVML down
     log.info("wrote %s: %d readings, %d log bytes in %d chunks, %.1f s (%d bytes)", path, recorder.scrapes,
              recorder.log_bytes, recorder.log_chunks, recorder.elapsed(), os.path.getsize(path))
     print(path)

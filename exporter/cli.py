@@ -1,21 +1,35 @@
-"""`mps-exporter`: serve /metrics (default), `dump` once, or print the metric table."""
+"""`mps-exporter`: parse the command line and dispatch: serve /metrics (default),
+`dump` once, `capture`, `replay`, or print the metric table.
+
+Flags follow Prometheus exporter conventions (`--web.listen-address`,
+`--collector.<name>` / `--no-collector.<name>`, `--log.level`); the collector
+flags come from the sources themselves (sources/registry.py). A bad flag or
+config file ends the program with one clear line on stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
-import gc
+import argparse
 import json
 import logging
-import signal
+import os
 import sys
-import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, NoReturn, Optional, Sequence, Tuple
 
-from prometheus_client.exposition import generate_latest
+from . import __version__
+from .capture import capture
+from .config import (DEFAULT_DAEMON_NAME, DEFAULT_LISTEN, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY,
+                     CaptureOptions, Config, DaemonConfig, ReplayOptions, load_daemons_file)
+from .contract import markdown_table
+from .errors import ConfigError
+from .logs.parser import resolve_timezone
+from .sources.registry import SOURCES
+from .units import parse_size
+from .wiring import dump
 
-from .collector import MpsCollector, build_registry
-from .config import Config, parse_args
-from .contract import METRICS
+# The web server, its config file and replay (which serves) need PyYAML; `capture`
+# must run where it is missing, so those modules are imported where they are used.
 
 log = logging.getLogger("mps_exporter")
 
@@ -47,129 +61,222 @@ class JsonFormatter(LogfmtFormatter):
 
 def setup_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else LogfmtFormatter())
-    handler.formatter.converter = time.gmtime
+    formatter = JsonFormatter() if fmt == "json" else LogfmtFormatter()
+    formatter.converter = time.gmtime
+    handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel({"warn": logging.WARNING}.get(level, getattr(logging, level.upper(), logging.INFO)))
 
 
-# ---------------------------------------------------------------- wiring
-def build_sources(cfg: Config, *, nvml_module=None, control_runner=None) -> Dict[str, object]:
-    """The enabled sources; DCGM only when its bindings import ("auto")."""
-    sources: Dict[str, object] = {}
-    if cfg.enabled("nvml"):
-        from .sources.nvml import NvmlSource
-
-        sources["nvml"] = NvmlSource(nvml_module) if nvml_module is not None else NvmlSource()
-    if cfg.enabled("dcgm") and cfg.enabled("nvml"):
-        from .sources.dcgm import DcgmSource
-
-        dcgm = DcgmSource(cfg.dcgm_bindings)
-        if cfg.collectors["dcgm"] is True or dcgm.available():
-            sources["dcgm"] = dcgm
-        else:
-            log.info("DCGM Python bindings not found in %s: SM activity comes from NVML GPM", list(cfg.dcgm_bindings))
-    if cfg.enabled("control"):
-        from .sources.mps_control import ControlClient, ControlSource
-
-        kwargs = {"runner": control_runner} if control_runner else {}
-        sources["control"] = [
-            ControlSource(d, ControlClient(d.pipe_directory, cfg.control_binary, cfg.command_timeout, **kwargs),
-                          facts_refresh_seconds=cfg.facts_refresh_seconds)
-            for d in cfg.daemons]
-    if cfg.enabled("proc"):
-        from .sources.procfs import ProcSource
-
-        sources["proc"] = ProcSource(root=cfg.procfs)
-    return sources
+# ---------------------------------------------------------------- flags
+PROG = "mps-exporter"
 
 
-def build_log_pipelines(cfg: Config) -> Dict[str, object]:
-    if not cfg.enabled("logs"):
-        return {}
-    from .logs.pipeline import LogPipeline, StateStore
-
-    store = StateStore(cfg.state_file) if cfg.state_file else None
-    return {d.name: LogPipeline(d.name, d.log_directory, timezone=cfg.log_timezone, state_store=store)
-            for d in cfg.daemons}
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one clear line, exit 2, whichever subcommand
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        sys.exit(2)
 
 
-def build_collector(cfg: Config, sources: Dict[str, object], pipelines: Dict[str, object],
-                    clock: Callable[[], float] = time.time) -> MpsCollector:
-    return MpsCollector(nvml=sources.get("nvml"), dcgm=sources.get("dcgm"), controls=sources.get("control", ()),
-                        proc=sources.get("proc"), logs=pipelines, clock=clock)
+class _TopParser(_Parser):
+    """Top-level help also lists the flags of `serve`, the command that runs without one."""
+
+    serve_parser: Optional[argparse.ArgumentParser] = None
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        if self.serve_parser is not None:
+            options = self.serve_parser.format_help().split("\n\n", 1)[-1]
+            text += f"\nWithout a subcommand {PROG} serves; the serve flags ({PROG} serve --help):\n\n{options}"
+        return text
 
 
-def stop_on_signals(stop: threading.Event) -> None:
-    """SIGTERM and SIGINT set `stop` (only the main thread may install handlers)."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+def _add_common(p: argparse.ArgumentParser) -> None:
+    env_pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY
+    env_log = os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIRECTORY
+    p.add_argument("--mps.pipe-directory", dest="pipe_directory", default=env_pipe,
+                   help=f"pipe directory of the MPS control daemon (default: $CUDA_MPS_PIPE_DIRECTORY or {DEFAULT_PIPE_DIRECTORY})")
+    p.add_argument("--mps.log-directory", dest="log_directory", default=env_log,
+                   help=f"log directory of the MPS control daemon (default: $CUDA_MPS_LOG_DIRECTORY or {DEFAULT_LOG_DIRECTORY})")
+    p.add_argument("--mps.control-binary", dest="control_binary", default="nvidia-cuda-mps-control",
+                   help="the nvidia-cuda-mps-control program")
+    p.add_argument("--mps.command-timeout", dest="command_timeout", type=float, default=2.0,
+                   help="seconds one control command may take before it is killed (default 2)")
+    p.add_argument("--mps.facts-refresh", dest="facts_refresh_seconds", type=float, default=60.0,
+                   help="seconds between re-reads of per-server limits and daemon defaults (default 60)")
+    p.add_argument("--mps.state-file", dest="state_file", default=None,
+                   help="file where the log follower keeps offsets and counters across restarts")
+    p.add_argument("--mps.log-timezone", dest="log_timezone", default="local",
+                   help="time zone of MPS log timestamps, an IANA name or 'local' (default local)")
+    p.add_argument("--config.file", dest="config_file", default=None,
+                   help="YAML file listing several control daemons (name, pipe_directory, log_directory)")
+    p.add_argument("--path.procfs", dest="procfs", default="/proc", help="procfs mount point (default /proc)")
+    p.add_argument("--dcgm.bindings-path", dest="dcgm_bindings", action="append", default=None,
+                   help="directory holding DCGM's Python bindings (repeatable; default: the DCGM 3.x and 4.x install paths)")
+    _add_logging(p)
+    for name, source in SOURCES.items():
+        default = {True: "on", False: "off"}.get(source.default, source.default)
+        p.add_argument(f"--collector.{name}", dest=f"collector_{name}", action="store_true", default=None,
+                       help=f"enable the {name} collector: {source.help} (default: {default})")
+        p.add_argument(f"--no-collector.{name}", dest=f"collector_{name}", action="store_false",
+                       help=f"disable the {name} collector")
 
 
-# ---------------------------------------------------------------- commands
-def dump(cfg: Config, out=sys.stdout) -> int:
-    pipelines = build_log_pipelines(cfg)
-    for p in pipelines.values():
-        p.read_once()  # from the files' beginning: a captured directory inspected offline
-    registry = build_registry(build_collector(cfg, build_sources(cfg), pipelines))
-    out.write(generate_latest(registry).decode())
-    return 0
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log.level", dest="log_level", default="info", choices=["debug", "info", "warn", "error"])
+    p.add_argument("--log.format", dest="log_format", default="logfmt", choices=["logfmt", "json"])
 
 
-def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[threading.Event] = None,
-          sources: Optional[Dict[str, object]] = None, clock: Callable[[], float] = time.time) -> int:
-    """Serve until SIGTERM/SIGINT or `stop`. `sources` replaces the live ones and `clock`
-    the collector's time (replay, tests)."""
-    from .web import serve as serve_http
+def _add_web(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--web.listen-address", dest="listen_address", default=DEFAULT_LISTEN,
+                   help=f"address to listen on (default {DEFAULT_LISTEN})")
+    p.add_argument("--web.telemetry-path", dest="telemetry_path", default="/metrics",
+                   help="path under which to expose metrics (default /metrics)")
+    p.add_argument("--web.config.file", dest="web_config_file", default=None,
+                   help="exporter-toolkit web config: TLS and basic auth")
+    p.add_argument("--web.max-requests", dest="max_requests", type=int, default=40,
+                   help="scrapes of the metrics path served at once; more get 503 (0: no limit; default 40)")
 
-    pipelines = build_log_pipelines(cfg)
-    for p in pipelines.values():
-        p.start()
-    collector = build_collector(cfg, build_sources(cfg) if sources is None else sources, pipelines, clock)
-    # Start-up objects (modules, parsers, NVML bindings) live as long as the process:
-    # keep them out of the garbage collector's full passes, which otherwise land
-    # inside scrapes as latency spikes.
-    gc.freeze()
-    stop = stop or threading.Event()
-    stop_on_signals(stop)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _TopParser(prog=PROG, description="Prometheus exporter for NVIDIA MPS.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    serve = sub.add_parser("serve", help="serve /metrics (the default)")
+    _add_common(serve)
+    _add_web(serve)
+    parser.serve_parser = serve
+    dump = sub.add_parser("dump", help="run every enabled collector once, print the exposition, exit")
+    _add_common(dump)
+    sub.add_parser("metrics", help="print the metric contract as a Markdown table")
+    capture = sub.add_parser("capture", help="record what every source returns, and the MPS logs as they grow, "
+                             "into one bundle file (docs/capture-format.md)")
+    _add_common(capture)
+    capture.add_argument("--out", required=True,
+                         help="bundle file to write (.jsonl.gz), or an existing directory to write one into")
+    capture.add_argument("--duration", type=float, default=60.0, help="seconds to record (default 60)")
+    capture.add_argument("--interval", type=float, default=1.0,
+                         help="seconds between two readings of the sources (default 1)")
+    capture.add_argument("--log-history", default="16M",
+                         help="of what each log file holds when the capture starts, record at most the last "
+                              "SIZE (from a line start; e.g. 0, 512K, 16M; default 16M). Growth is always recorded")
+    replay = sub.add_parser("replay", help="serve /metrics from a capture bundle as if it were live")
+    replay.add_argument("bundle", nargs="?", default=None,
+                        help="bundle written by `capture` (default: the recorded session shipped with mps-exporter)")
+    replay.add_argument("--speed", type=float, default=1.0, help="replay this many times faster (default 1)")
+    replay.add_argument("--loop", action="store_true",
+                        help="start over at the end of the bundle (always, for the shipped session)")
+    _add_web(replay)
+    _add_logging(replay)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[str, Config]:
+    """Returns (command, config). Exits 2 with one line on any error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        argv.insert(0, "serve")
+    ns = parser.parse_args(argv)
+    command = ns.command
     try:
-        serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, cfg.web_config,
-                   max_requests=cfg.max_requests, ready=ready, stop=stop)
-    finally:
-        for p in pipelines.values():
-            p.stop()
-    return 0
+        return command, _config(command, ns)
+    except ConfigError as e:
+        parser.error(str(e))
 
 
-def metrics_markdown() -> str:
-    rows: List[str] = []
-    table = None
-    for spec in METRICS.values():
-        if spec.table != table:
-            table = spec.table
-            rows += ["", f"### {table}", "", "| name | type | labels | meaning |", "| --- | --- | --- | --- |"]
-        rows.append(f"| {spec.name} | {spec.type} | {', '.join(spec.labels)} | {spec.help} |")
-    return "\n".join(rows).lstrip("\n") + "\n"
+def _config(command: str, ns: argparse.Namespace) -> Config:
+    """The namespace of one subcommand -> Config; raises ConfigError."""
+    cfg = Config()
+    if command == "metrics":
+        return cfg
+    cfg.log_level, cfg.log_format = ns.log_level, ns.log_format
+    if getattr(ns, "listen_address", None) is not None:
+        _web_flags(cfg, ns, check_address=command in ("serve", "replay"))
+    if command == "replay":
+        if ns.speed <= 0:
+            raise ConfigError(f"--speed must be positive, not {ns.speed}")
+        cfg.replay = ReplayOptions(ns.bundle, ns.speed, ns.loop)
+        return cfg  # daemons and collectors come from the bundle
+    for key in ("control_binary", "command_timeout", "facts_refresh_seconds", "state_file",
+                "log_timezone", "procfs"):
+        setattr(cfg, key, getattr(ns, key))
+    for flag, value in (("--mps.pipe-directory", ns.pipe_directory), ("--mps.log-directory", ns.log_directory),
+                        ("--mps.control-binary", cfg.control_binary), ("--path.procfs", cfg.procfs)):
+        if not value:
+            raise ConfigError(f"{flag} must not be empty")
+    if cfg.command_timeout <= 0:
+        raise ConfigError("--mps.command-timeout must be positive")
+    if cfg.facts_refresh_seconds < 0:
+        raise ConfigError("--mps.facts-refresh must not be negative")
+    # Paths that may appear later (a mount, a daemon's directories) are not checked here.
+    if cfg.state_file is not None and (not cfg.state_file or os.path.isdir(cfg.state_file)):
+        raise ConfigError(f"--mps.state-file {cfg.state_file!r}: give a file name, not a directory")
+    _check_timezone(cfg.log_timezone)
+    if ns.dcgm_bindings:
+        if not all(ns.dcgm_bindings):
+            raise ConfigError("--dcgm.bindings-path must not be empty")
+        cfg.dcgm_bindings = tuple(ns.dcgm_bindings)
+    for name in SOURCES:
+        value = getattr(ns, f"collector_{name}")
+        if value is not None:
+            cfg.collectors[name] = value
+    if command == "capture":
+        if ns.duration <= 0 or ns.interval <= 0:
+            raise ConfigError("--duration and --interval must be positive")
+        history = parse_size(ns.log_history)
+        if history is None:
+            raise ConfigError(f"--log-history: not a size: {ns.log_history!r} (e.g. 0, 512K, 16M)")
+        out_dir = ns.out if os.path.isdir(ns.out) else os.path.dirname(os.path.abspath(ns.out))
+        if not ns.out or not os.path.isdir(out_dir):
+            raise ConfigError(f"--out {ns.out!r}: neither a directory nor a file in an existing directory")
+        cfg.capture = CaptureOptions(ns.out, ns.duration, ns.interval, history)
+    if ns.config_file:
+        cfg.daemons = load_daemons_file(ns.config_file)
+    else:
+        cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, ns.pipe_directory, ns.log_directory)]
+    return cfg
 
 
+def _web_flags(cfg: Config, ns: argparse.Namespace, check_address: bool) -> None:
+    from .webconfig import load_web_config, resolve_listen_address  # PyYAML: not needed by `capture`
+
+    cfg.listen_address, cfg.telemetry_path = ns.listen_address, ns.telemetry_path
+    cfg.web_config_file, cfg.max_requests = ns.web_config_file, ns.max_requests
+    if not cfg.telemetry_path.startswith("/"):
+        raise ConfigError(f"--web.telemetry-path must start with '/': {cfg.telemetry_path!r}")
+    if cfg.max_requests < 0:
+        raise ConfigError(f"--web.max-requests must be 0 (no limit) or more, not {cfg.max_requests}")
+    if check_address:
+        resolve_listen_address(cfg.listen_address)
+    if cfg.web_config_file:  # read once, here: a bad file fails at start-up, not at the first request
+        cfg.web_config = load_web_config(cfg.web_config_file)
+
+
+def _check_timezone(name: str) -> None:
+    try:
+        resolve_timezone(name)
+    except ValueError as e:
+        raise ConfigError(f"--mps.log-timezone: {e}") from e
+
+
+# ---------------------------------------------------------------- dispatch
 def main(argv: Optional[Sequence[str]] = None) -> int:
     command, cfg = parse_args(argv)
     if command == "metrics":
-        sys.stdout.write(metrics_markdown())
+        sys.stdout.write(markdown_table())
         return 0
     setup_logging(cfg.log_level, cfg.log_format)
     if command == "dump":
         return dump(cfg)
     if command == "capture":
-        from .capture import capture
-
         return capture(cfg)
+    from .replay import replay  # PyYAML (see the top)
+    from .service import serve
+
     try:
         if command == "replay":
-            from .replay import replay
-
             return replay(cfg)
         return serve(cfg)
     except OSError as e:  # the address is taken or not ours: one line, not a traceback

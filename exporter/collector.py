@@ -1,10 +1,19 @@
-"""The custom collector: run every enabled source once per scrape, time each,
-join the results (render.py) into fresh families.
+"""The custom collector: read every enabled source once per collection, each in
+its own thread, and join the results (render.py) into fresh families.
 
-One broken source costs its own series and flips its
-`mps_exporter_collector_success` to 0; the scrape still answers. Concurrent
-scrapes share the collection in flight instead of stacking up behind slow
-NVML calls (one took 350 ms under 30 busy clients in the capture).
+- One broken source costs its own series and flips its
+  `mps_exporter_collector_success` to 0; the scrape still answers.
+- Sources are read concurrently (proc waits for the PIDs NVML and the daemons
+  name); a collection ends at its deadline, from Prometheus' scrape timeout
+  (`scrape_timeout`) or the configured ceiling. A source still reading then is
+  late: its collector reports failure, and its last complete reading is served
+  where there is one, with the time it was taken
+  (`mps_exporter_collector_last_success_timestamp_seconds`).
+- At most one read per source is outstanding: a read that overran its
+  collection is joined by the next one, never started again beside it, so a
+  hung NVML call cannot pile up threads.
+- Concurrent scrapes share the collection in flight instead of stacking up
+  behind slow NVML calls (one took 350 ms under 30 busy clients in the capture).
 """
 
 from __future__ import annotations
@@ -12,14 +21,46 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, TypeVar
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .render import Outcome, Snapshot, render
+from .model import Outcome, Snapshot
+from .render import render
+from .sources.base import PartialFailure, ReadContext, Reader, Source
+from .sources.registry import SOURCES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Seconds of Prometheus' scrape timeout kept for rendering, encoding and the
+# network, as blackbox_exporter's --timeout-offset does.
+DEFAULT_TIMEOUT_OFFSET = 0.5
+
+_scrape_timeout: ContextVar[Optional[float]] = ContextVar("mps_exporter_scrape_timeout", default=None)
+
+
+@contextmanager
+def scrape_timeout(header: Optional[str]) -> Iterator[None]:
+    """Collections started inside end by this scrape's timeout: the value of
+    Prometheus' `X-Prometheus-Scrape-Timeout-Seconds` header (None or junk: no header)."""
+    try:
+        seconds: Optional[float] = float(header) if header else None
+    except ValueError:
+        seconds = None
+    if seconds is not None and not seconds > 0:
+        seconds = None
+    token = _scrape_timeout.set(seconds)
+    try:
+        yield
+    finally:
+        _scrape_timeout.reset(token)
 
 
 class SingleFlight(Generic[T]):
@@ -28,127 +69,176 @@ class SingleFlight(Generic[T]):
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn = fn
         self._lock = threading.Lock()
-        self._current: Optional["_Call[T]"] = None
+        self._current: Optional[Future[T]] = None
 
     def __call__(self) -> T:
         with self._lock:
             call = self._current
             leader = call is None
-            if leader:
-                call = self._current = _Call()
+            if call is None:
+                call = self._current = Future()
         if leader:
             try:
-                call.result = self._fn()
+                call.set_result(self._fn())
             except BaseException as e:  # handed to every waiter, then re-raised
-                call.error = e
+                call.set_exception(e)
             finally:
                 with self._lock:
                     self._current = None
-                call.done.set()
-        else:
-            call.done.wait()
-        if call.error is not None:
-            raise call.error
-        return call.result
+        return call.result()
 
 
-class _Call(Generic[T]):
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.result: Optional[T] = None
-        self.error: Optional[BaseException] = None
+@dataclass
+class _Result:
+    reading: Any  # None when the read failed without a result
+    ok: bool
+    duration_seconds: float
+    taken_at: float  # the clock of the collection that started the read
+    error: str = ""
+
+
+class _Collection(ReadContext):
+    """One collection: its clock, deadline and the reads it waits for."""
+
+    def __init__(self, now: float, deadline: Optional[float], devices: Optional[List[int]]) -> None:
+        self.now = now
+        self.deadline = deadline  # time.monotonic() value; None: wait for every source
+        self.futures: Dict[str, Future[_Result]] = {}
+        self._devices = devices
+
+    def remaining(self) -> Optional[float]:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def devices(self) -> List[int]:
+        if self._devices is None:  # NVML has not answered yet: wait for it once
+            snap = self.wait(("nvml",))
+            self._devices = [g.index for g in snap.nvml.gpus] if snap.nvml and snap.nvml.gpus else [0]
+        return self._devices
+
+    def wait(self, names: Sequence[str]) -> Snapshot:
+        snap = Snapshot(now=self.now)
+        futures = [(n, self.futures[n]) for n in names if n in self.futures]
+        wait_futures([f for _, f in futures], timeout=self.remaining())
+        for name, future in futures:
+            if future.done() and future.result().reading is not None:
+                SOURCES[name].store(snap, future.result().reading)
+        return snap
+
+
+class _SourceRun:
+    """One source's reads: at most one outstanding; its last complete reading."""
+
+    def __init__(self, name: str, source: Source[Any], reader: Reader[Any],
+                 on_done: Callable[[str, _Result], None]) -> None:
+        self.name, self.source, self.reader = name, source, reader
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._inflight: Optional[Future[_Result]] = None
+        self.last: Optional[_Result] = None  # the last successful read
+
+    def start(self, collection: _Collection) -> Future[_Result]:
+        with self._lock:
+            if self._inflight is not None and not self._inflight.done():
+                return self._inflight  # still reading for an earlier collection: join it
+            future: Future[_Result] = Future()
+            self._inflight = future
+        threading.Thread(target=self._read, args=(future, collection), name=f"mps-read-{self.name}",
+                         daemon=True).start()
+        return future
+
+    def _read(self, future: Future[_Result], collection: _Collection) -> None:
+        start = time.perf_counter()
+        try:
+            result = _Result(self.reader.read(collection), True, 0.0, collection.now)
+        except PartialFailure as e:
+            result = _Result(e.result, False, 0.0, collection.now, str(e))
+        except Exception as e:  # a broken source must never break the scrape
+            result = _Result(None, False, 0.0, collection.now, f"{type(e).__name__}: {e}")
+        result.duration_seconds = time.perf_counter() - start
+        if result.ok:
+            self.last = result
+        self._on_done(self.name, result)
+        future.set_result(result)
 
 
 class MpsCollector(Collector):
-    """Sources are optional: pass only those enabled.
+    """`readers`: the enabled sources' readers by source name (service.build_readers).
 
-    nvml: `.read() -> NvmlReading`; dcgm: `.read() -> {gpu index: activity}`;
-    controls: `[ControlSource]` (`.read(devices) -> DaemonReading`); proc:
-    `.read(pids) -> {pid: ProcessFacts}`; logs: `{daemon: LogPipeline}`.
-    """
+    `max_seconds`: the longest a collection waits for its sources (None: no
+    limit); a scrape's own timeout, less `timeout_offset`, shortens it.
+    `serve_last`: a late source's last complete reading is served (marked)."""
 
-    def __init__(self, *, nvml=None, dcgm=None, controls: Sequence = (), proc=None,
-                 logs: Optional[Dict[str, object]] = None, clock: Callable[[], float] = time.time) -> None:
-        self.nvml, self.dcgm, self.controls, self.proc = nvml, dcgm, list(controls), proc
-        self.logs = dict(logs or {})
+    def __init__(self, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
+                 max_seconds: Optional[float] = None, timeout_offset: float = DEFAULT_TIMEOUT_OFFSET,
+                 serve_last: bool = True) -> None:
         self.clock = clock
+        self.max_seconds = max_seconds
+        self.timeout_offset = timeout_offset
+        self.serve_last = serve_last
+        self._runs = {name: _SourceRun(name, SOURCES[name], reader, self._done) for name, reader in readers.items()}
+        self._devices: Optional[List[int]] = None
         self._failing: Dict[str, str] = {}
+        self._failing_lock = threading.Lock()
         self._collect_once = SingleFlight(self._collect)
 
-    def describe(self) -> List:
+    def describe(self) -> Iterable[Metric]:
         return []  # keeps registration from running a whole collection
 
-    def collect(self):
+    def collect(self) -> Iterable[Metric]:
         return self._collect_once()
 
-    def snapshot(self) -> Snapshot:
-        snap = Snapshot(now=self.clock())
-        if self.nvml is not None:
-            snap.nvml = self._timed(snap, "nvml", self.nvml.read)
-        if self.dcgm is not None and snap.nvml is not None:
-            activity = self._timed(snap, "dcgm", self.dcgm.read) or {}
-            for gpu in snap.nvml.gpus:  # DCGM's profiling fields win over GPM
-                gpu.activity.update(activity.get(gpu.index, {}))
-        if self.controls:
-            devices = [g.index for g in snap.nvml.gpus] if snap.nvml and snap.nvml.gpus else [0]
-            snap.daemons = self._timed(snap, "control", lambda: self._read_daemons(devices)) or []
-        if self.proc is not None:
-            pids = {s.pid for d in snap.daemons for s in d.servers} | {c.pid for d in snap.daemons for c in d.clients}
-            if snap.nvml:
-                pids |= {p.pid for g in snap.nvml.gpus for p in g.mps_clients + g.compute_processes}
-            snap.processes = self._timed(snap, "proc", lambda: self.proc.read(pids)) or {}
-        if self.logs:
-            snap.logs = self._timed(snap, "logs", self._read_logs) or {}
+    def _collect(self) -> List[Metric]:
+        return render(self.snapshot(self.budget(_scrape_timeout.get()))).families()
+
+    def budget(self, scrape_timeout: Optional[float]) -> Optional[float]:
+        """Seconds a collection may take: the scrape's timeout less the offset (half the
+        timeout where that leaves too little), never above max_seconds."""
+        if scrape_timeout is None:
+            return self.max_seconds
+        own = scrape_timeout - self.timeout_offset
+        own = own if own >= scrape_timeout / 2 else scrape_timeout / 2
+        return own if self.max_seconds is None else min(own, self.max_seconds)
+
+    def snapshot(self, budget: Optional[float] = None) -> Snapshot:
+        """One collection; `budget`: seconds to wait for the sources (None: all of them)."""
+        started = time.perf_counter()
+        collection = _Collection(self.clock(), None if budget is None else time.monotonic() + budget, self._devices)
+        for name, run in self._runs.items():
+            collection.futures[name] = run.start(collection)
+        wait_futures(list(collection.futures.values()), timeout=collection.remaining())
+        snap = Snapshot(now=collection.now)
+        for name, run in self._runs.items():
+            future = collection.futures[name]
+            result = future.result() if future.done() else None
+            if result is None:  # late
+                self._note_failure(name, f"no answer within {budget:g} s" if budget is not None else "no answer")
+                served = run.last if self.serve_last else None
+                waited = time.perf_counter() - started
+                snap.outcomes[name] = Outcome(False, waited, run.last.taken_at if run.last else None)
+            else:
+                served = result if result.reading is not None else None
+                last = result.taken_at if result.ok else (run.last.taken_at if run.last else None)
+                snap.outcomes[name] = Outcome(result.ok, result.duration_seconds, last)
+            if served is not None:
+                run.source.store(snap, served.reading)
+        if snap.nvml is not None and snap.nvml.gpus:
+            self._devices = [g.index for g in snap.nvml.gpus]
         return snap
 
-    def _collect(self):
-        return render(self.snapshot()).families()
-
-    def _read_logs(self) -> Dict[str, Any]:
-        logs = {name: p.snapshot() for name, p in self.logs.items()}
-        problems = [f"{name}: {problem}" for name, s in logs.items() for problem in s.problems]
-        if problems:  # a file that cannot be read: what was read still counts, the collector fails
-            raise _PartialFailure("; ".join(problems), logs)
-        return logs
-
-    def _read_daemons(self, devices):
-        readings = [c.read(devices) for c in self.controls]
-        errors = [f"{r.name}: {r.error}" for r in readings if r.error]
-        if errors:
-            raise _PartialFailure("; ".join(errors), readings)
-        return readings
-
-    def _timed(self, snap: Snapshot, name: str, fn: Callable[[], T]) -> Optional[T]:
-        start = time.perf_counter()
-        result, ok = None, True
-        try:
-            result = fn()
-        except _PartialFailure as e:
-            result, ok = e.result, False
-            self._note_failure(name, str(e))
-        except Exception as e:  # a broken source must never break the scrape
-            ok = False
-            self._note_failure(name, f"{type(e).__name__}: {e}")
-        else:
-            if name in self._failing:
+    def _done(self, name: str, result: _Result) -> None:
+        if not result.ok:
+            self._note_failure(name, result.error)
+            return
+        with self._failing_lock:
+            if self._failing.pop(name, None) is not None:
                 log.info("collector %s recovered", name)
-                del self._failing[name]
-        snap.outcomes[name] = Outcome(ok, time.perf_counter() - start)
-        return result
 
     def _note_failure(self, name: str, message: str) -> None:
         # Log a failure when it starts or changes, not on every scrape.
-        if self._failing.get(name) != message:
-            log.warning("collector %s failed: %s", name, message)
-            self._failing[name] = message
-
-
-class _PartialFailure(Exception):
-    """A source failed in part: keep what it read, report the collector as failed."""
-
-    def __init__(self, message: str, result) -> None:
-        super().__init__(message)
-        self.result = result
+        with self._failing_lock:
+            if self._failing.get(name) != message:
+                log.warning("collector %s failed: %s", name, message)
+                self._failing[name] = message
 
 
 def build_registry(collector: MpsCollector) -> CollectorRegistry:

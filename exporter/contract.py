@@ -10,7 +10,7 @@ from the contract. README's metric table is generated from this module
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 GAUGE = "gauge"
 COUNTER = "counter"
@@ -116,3 +116,15 @@ METRICS.update(_specs(
 QUEUE_WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 60, 120, 300, 600)
 # A queue wait longer than this, or negative, is a clock step or a corrupt timestamp.
 MAX_PLAUSIBLE_QUEUE_WAIT = 86400.0
+
+
+def markdown_table() -> str:
+    """The contract as README's Markdown tables (`mps-exporter metrics`)."""
+    rows: List[str] = []
+    table: Optional[str] = None
+    for spec in METRICS.values():
+        if spec.table != table:
+            table = spec.table
+            rows += ["", f"### {table}", "", "| name | type | labels | meaning |", "| --- | --- | --- | --- |"]
+        rows.append(f"| {spec.name} | {spec.type} | {', '.join(spec.labels)} | {spec.help} |")
+    return "\n".join(rows).lstrip("\n") + "\n"

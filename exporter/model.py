@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from .logs.state import LogSnapshot
+
 
 # ---------------------------------------------------------------- NVML / DCGM
 @dataclass
@@ -42,8 +44,8 @@ class GpuReading:
     compute_processes: List[ProcessMemory] = field(default_factory=list)
     mps_clients: List[ProcessMemory] = field(default_factory=list)
     process_utilization: List[ProcessUtilization] = field(default_factory=list)
-    # keys: sm_active, sm_occupancy, tensor_active, dram_active (ratios 0..1);
-    # filled from NVML GPM or, when available, DCGM (which wins).
+    # keys: sm_active, sm_occupancy, tensor_active, dram_active (ratios 0..1), from
+    # NVML GPM; DCGM's reading (Snapshot.dcgm) wins over these where it has a value.
     activity: Dict[str, float] = field(default_factory=dict)
 
 
@@ -51,6 +53,10 @@ class GpuReading:
 class NvmlReading:
     driver_version: str
     gpus: List[GpuReading]
+
+
+# DCGM GPU id -> {sm_active, sm_occupancy, tensor_active, dram_active}: ratios 0..1.
+DcgmReading = Dict[int, Dict[str, float]]
 
 
 # ------------------------------------------------------------- control daemon
@@ -104,3 +110,28 @@ class ProcessFacts:
     env_active_thread_percentage: Optional[float] = None
     env_pinned_limits: Dict[int, int] = field(default_factory=dict)  # device ordinal -> bytes
     env_client_priority: Optional[int] = None
+
+
+# ------------------------------------------------------------------ one scrape
+@dataclass
+class Outcome:
+    """How one collector did in one collection."""
+
+    success: bool
+    duration_seconds: float
+    # The collection time of its last successful read; older than the
+    # collection's own time when a late source's last reading is served.
+    last_success_seconds: Optional[float] = None
+
+
+@dataclass
+class Snapshot:
+    """What every source returned in one collection: the input of `render`."""
+
+    now: float
+    nvml: Optional[NvmlReading] = None
+    dcgm: DcgmReading = field(default_factory=dict)
+    daemons: List[DaemonReading] = field(default_factory=list)
+    processes: Dict[int, ProcessFacts] = field(default_factory=dict)
+    logs: Dict[str, LogSnapshot] = field(default_factory=dict)  # daemon name -> its log state
+    outcomes: Dict[str, Outcome] = field(default_factory=dict)

@@ -1,13 +1,13 @@
-"""Join what the sources saw in one scrape into the contract's families.
+"""Join what the sources saw in one collection into the contract's families.
 
 A pure function of a `Snapshot`: no I/O, no clock, so golden tests and replay
-produce the same exposition the live exporter did.
+produce the same exposition the live exporter did. One part per table of the
+contract: the exporter itself, GPUs, daemons, servers, clients, logs.
 
 Joins (see README "Where the numbers come from"):
 - clients: the daemon's `ps` (server, device, namespace, command) + NVML's MPS
   process list (memory by PID and GPU) + /proc (uid, container, env limits);
-- effective limits: the client's own env limit if set, else its server's, else
-  the daemon default (thread ratio: the smaller of client's and server's);
+- limits in force: limits.client_limits;
 - start times: the MPS logs when they saw the event, else /proc start time;
 - when the daemon does not answer, the servers the logs know to be running
   still get their info, limits and start time.
@@ -16,13 +16,18 @@ Joins (see README "Where the numbers come from"):
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 from . import __version__
 from .families import FamilyBuilder
+from .limits import Limits, client_limits
 from .logs.render import render_log_metrics
-from .model import DaemonReading, GpuReading, NvmlReading, ProcessFacts, ServerFacts
+from .logs.state import LogServer, LogSnapshot
+from .model import (DaemonReading, DcgmReading, GpuReading, Outcome, ProcessFacts, PsEntry, ServerFacts,
+                    Snapshot)
+
+__all__ = ["Outcome", "Snapshot", "render", "sharing_mode", "sm_utilization"]
 
 ACTIVITY_METRICS = {
     "sm_active": "mps_gpu_sm_active_ratio",
@@ -31,50 +36,46 @@ ACTIVITY_METRICS = {
     "dram_active": "mps_gpu_dram_active_ratio",
 }
 MPS_SERVER_COMMAND = "nvidia-cuda-mps"  # comm of nvidia-cuda-mps-server, cut to 15 chars
-
-
-@dataclass
-class Outcome:
-    success: bool
-    duration_seconds: float
-
-
-@dataclass
-class Snapshot:
-    now: float
-    nvml: Optional[NvmlReading] = None
-    daemons: List[DaemonReading] = field(default_factory=list)
-    processes: Dict[int, ProcessFacts] = field(default_factory=dict)
-    logs: Dict[str, Any] = field(default_factory=dict)  # daemon name -> logs.LogSnapshot
-    outcomes: Dict[str, Outcome] = field(default_factory=dict)
+NO_PROCESS = ProcessFacts(0)
 
 
 def render(snap: Snapshot) -> FamilyBuilder:
     out = FamilyBuilder()
-    out.add("mps_exporter_build_info", 1, version=__version__, python_version=platform.python_version())
-    for name, outcome in sorted(snap.outcomes.items()):
-        out.add("mps_exporter_collector_success", int(outcome.success), collector=name)
-        out.add("mps_exporter_collector_duration_seconds", outcome.duration_seconds, collector=name)
+    render_self(out, snap.outcomes)
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
     for gpu in gpus:
-        _render_gpu(out, gpu, snap.nvml.driver_version, server_pids, snap.processes)
+        render_gpu(out, gpu, snap.nvml.driver_version if snap.nvml else "", snap.dcgm, server_pids, snap.processes)
+    joined = _GpuJoin.of(gpus)
+    listed = {c.pid for d in snap.daemons for c in d.clients}
     for daemon in snap.daemons:
-        _render_daemon(out, daemon, gpus, snap, single_daemon=len(snap.daemons) == 1)
-    if snap.logs:
-        for name, log_snap in snap.logs.items():
-            render_log_metrics(out, name, log_snap, snap.now)
+        log_snap = snap.logs.get(daemon.name)
+        render_daemon(out, daemon)
+        servers = render_servers(out, daemon, log_snap, snap.processes, joined)
+        # NVML's MPS clients that no daemon listed belong to the only daemon there is.
+        unlisted = [pid for pid in joined.mps_memory if pid not in listed] if len(snap.daemons) == 1 else []
+        render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
+    for name, log_snap in snap.logs.items():
+        render_log_metrics(out, name, log_snap, snap.now)
     return out
 
 
+# ---------------------------------------------------------------- the exporter
+def render_self(out: FamilyBuilder, outcomes: Mapping[str, Outcome]) -> None:
+    out.add("mps_exporter_build_info", 1, version=__version__, python_version=platform.python_version())
+    for name, outcome in sorted(outcomes.items()):
+        out.add("mps_exporter_collector_success", int(outcome.success), collector=name)
+        out.add("mps_exporter_collector_duration_seconds", outcome.duration_seconds, collector=name)
+
+
 # ---------------------------------------------------------------- GPUs
-def sharing_mode(gpu: GpuReading, server_pids: set, processes: Dict[int, ProcessFacts]) -> str:
+def sharing_mode(gpu: GpuReading, server_pids: Set[int], processes: Mapping[int, ProcessFacts]) -> str:
     if gpu.mig_enabled:
         return "mig"
     pids = {p.pid for p in gpu.compute_processes}
 
     def is_server(pid: int) -> bool:
-        return pid in server_pids or getattr(processes.get(pid), "command", "") == MPS_SERVER_COMMAND
+        return pid in server_pids or processes.get(pid, NO_PROCESS).command == MPS_SERVER_COMMAND
 
     if gpu.mps_clients or any(is_server(pid) for pid in pids):
         return "mps"
@@ -83,7 +84,8 @@ def sharing_mode(gpu: GpuReading, server_pids: set, processes: Dict[int, Process
     return "exclusive" if pids else "idle"
 
 
-def _render_gpu(out: FamilyBuilder, gpu: GpuReading, driver: str, server_pids: set, processes) -> None:
+def render_gpu(out: FamilyBuilder, gpu: GpuReading, driver: str, dcgm: DcgmReading, server_pids: Set[int],
+               processes: Mapping[int, ProcessFacts]) -> None:
     g = {"gpu": str(gpu.index), "uuid": gpu.uuid}
     out.add("mps_gpu_up", int(gpu.up), **g)
     if not gpu.up:
@@ -96,8 +98,9 @@ def _render_gpu(out: FamilyBuilder, gpu: GpuReading, driver: str, server_pids: s
     out.add("mps_gpu_memory_utilization_ratio", gpu.memory_utilization_ratio, **g)
     out.add("mps_gpu_power_watts", gpu.power_watts, **g)
     out.add("mps_gpu_temperature_celsius", gpu.temperature_celsius, **g)
+    activity = {**gpu.activity, **dcgm.get(gpu.index, {})}  # DCGM's profiling fields win over GPM
     for key, metric in ACTIVITY_METRICS.items():
-        out.add(metric, gpu.activity.get(key), **g)
+        out.add(metric, activity.get(key), **g)
     mode = sharing_mode(gpu, server_pids, processes)
     out.add("mps_gpu_sharing_mode", 1, **g, mode=mode)
     out.add("mps_gpu_compute_processes", len(gpu.compute_processes), **g)
@@ -113,106 +116,119 @@ def sm_utilization(gpu: GpuReading) -> Dict[int, float]:
     the GPU without a new sample was idle over the interval: 0, not absent
     (absent would make its series flap between scrapes).
     """
-    latest: Dict[int, Any] = {}
+    latest: Dict[int, Tuple[int, float]] = {}
     for s in gpu.process_utilization:
-        if s.pid not in latest or s.timestamp_us > latest[s.pid].timestamp_us:
-            latest[s.pid] = s
+        if s.pid not in latest or s.timestamp_us > latest[s.pid][0]:
+            latest[s.pid] = (s.timestamp_us, s.sm_ratio)
     ratios = {p.pid: 0.0 for p in gpu.compute_processes}
-    ratios.update({pid: s.sm_ratio for pid, s in latest.items()})
+    ratios.update({pid: ratio for pid, (_, ratio) in latest.items()})
     return ratios
 
 
+@dataclass
+class _GpuJoin:
+    """The GPU facts the server and client tables look up by PID."""
+
+    gpus: List[GpuReading]
+    utilization: Dict[int, Dict[int, float]]  # gpu index -> pid -> SM ratio
+    compute_memory: Dict[int, Dict[int, Optional[int]]]  # gpu index -> pid -> bytes
+    mps_memory: Dict[int, List[Tuple[GpuReading, Optional[int]]]]  # client pid -> [(gpu, bytes)]
+
+    @classmethod
+    def of(cls, gpus: List[GpuReading]) -> "_GpuJoin":
+        mps_memory: Dict[int, List[Tuple[GpuReading, Optional[int]]]] = {}
+        for gpu in gpus:
+            for p in gpu.mps_clients:
+                mps_memory.setdefault(p.pid, []).append((gpu, p.used_bytes))
+        return cls(gpus, {gpu.index: sm_utilization(gpu) for gpu in gpus},
+                   {gpu.index: {p.pid: p.used_bytes for p in gpu.compute_processes} for gpu in gpus}, mps_memory)
+
+    def gpu_for_device(self, device: str) -> Optional[GpuReading]:
+        """`ps` prints a UUID prefix ("GPU-a20825ef-ef8f-4f37")."""
+        return next((g for g in self.gpus if device and g.uuid.startswith(device)), None)
+
+
 # ---------------------------------------------------------------- daemons
-def _gpu_for_device(device: str, gpus: List[GpuReading]) -> Optional[GpuReading]:
-    """`ps` prints a UUID prefix ("GPU-a20825ef-ef8f-4f37")."""
-    return next((g for g in gpus if device and g.uuid.startswith(device)), None)
-
-
-def _render_daemon(out: FamilyBuilder, d: DaemonReading, gpus: List[GpuReading], snap: Snapshot, single_daemon: bool) -> None:
-    name = d.name
-    log_snap = snap.logs.get(name)
-    log_servers = getattr(log_snap, "servers", {}) or {}
-    log_client_starts = getattr(log_snap, "client_start_times", {}) or {}
-    out.add("mps_control_daemon_up", int(d.up), daemon=name)
-    out.add("mps_control_daemon_info", 1, daemon=name, version=d.version, pipe_directory=d.pipe_directory,
+def render_daemon(out: FamilyBuilder, d: DaemonReading) -> None:
+    out.add("mps_control_daemon_up", int(d.up), daemon=d.name)
+    out.add("mps_control_daemon_info", 1, daemon=d.name, version=d.version, pipe_directory=d.pipe_directory,
             log_directory=d.log_directory)
     if d.default_active_thread_percentage is not None:
-        out.add("mps_default_active_thread_ratio", d.default_active_thread_percentage / 100, daemon=name)
+        out.add("mps_default_active_thread_ratio", d.default_active_thread_percentage / 100, daemon=d.name)
     for dev, limit in sorted(d.default_pinned_limits.items()):
-        out.add("mps_default_pinned_memory_limit_bytes", limit, daemon=name, gpu=str(dev))
+        out.add("mps_default_pinned_memory_limit_bytes", limit, daemon=d.name, gpu=str(dev))
 
-    # Servers: the daemon's list; when it did not answer, the logs' running servers.
+
+# ---------------------------------------------------------------- servers
+def render_servers(out: FamilyBuilder, d: DaemonReading, log_snap: Optional[LogSnapshot],
+                   processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> Dict[int, Limits]:
+    """The server table; returns each server's limits for the client table."""
+    log_servers: Mapping[int, LogServer] = log_snap.servers if log_snap else {}
+    # The daemon's list; when it did not answer, the logs' running servers.
     servers = {s.pid: s for s in d.servers}
     if not d.up or d.error:
         for pid, ls in log_servers.items():
-            if getattr(ls, "running", False) and pid not in servers:
+            if ls.running and pid not in servers:
                 servers[pid] = ServerFacts(pid=pid, status=None)
-    utilization = {gpu.index: sm_utilization(gpu) for gpu in gpus}
-    compute_memory = {gpu.index: {p.pid: p.used_bytes for p in gpu.compute_processes} for gpu in gpus}
     clients_per_server: Dict[int, int] = {}
     for c in d.clients:
         clients_per_server[c.server_pid] = clients_per_server.get(c.server_pid, 0) + 1
-    server_atp: Dict[int, Optional[float]] = {}
-    server_limits: Dict[int, Dict[int, int]] = {}
+    limits: Dict[int, Limits] = {}
     for pid, s in sorted(servers.items()):
         ls = log_servers.get(pid)
-        proc = snap.processes.get(pid)
-        sp = {"daemon": name, "server_pid": str(pid)}
-        uid = proc.uid if proc and proc.uid is not None else getattr(ls, "uid", None)
+        proc = processes.get(pid)
+        sp = {"daemon": d.name, "server_pid": str(pid)}
+        uid = proc.uid if proc and proc.uid is not None else (ls.uid if ls else None)
         user = proc.user if proc and proc.user else ("" if uid is None else str(uid))
         out.add("mps_server_info", 1, **sp, uid="" if uid is None else str(uid), user=user)
         if s.status:
             out.add("mps_server_status", 1, **sp, status=s.status)
         out.add("mps_server_clients", clients_per_server.get(pid, 0), **sp)
         atp = s.active_thread_percentage
-        if atp is None:
-            atp = getattr(ls, "active_thread_percentage", None)
-        server_atp[pid] = atp
+        if atp is None and ls is not None:
+            atp = ls.active_thread_percentage
         out.add("mps_server_active_thread_ratio", None if atp is None else atp / 100, **sp)
-        limits = s.pinned_limits or dict(getattr(ls, "pinned_limits", {}) or {})
-        server_limits[pid] = limits
-        for dev, limit in sorted(limits.items()):
+        pinned = s.pinned_limits or (dict(ls.pinned_limits) if ls else {})
+        limits[pid] = Limits(atp, pinned)
+        for dev, limit in sorted(pinned.items()):
             out.add("mps_server_pinned_memory_limit_bytes", limit, **sp, gpu=str(dev))
-        start = getattr(ls, "start_time", None) or (proc.start_time_seconds if proc else None)
+        start = (ls.start_time if ls else None) or (proc.start_time_seconds if proc else None)
         out.add("mps_server_start_time_seconds", start, **sp)
-        for gpu in gpus:
+        for gpu in joined.gpus:
             g = {"gpu": str(gpu.index), "uuid": gpu.uuid}
-            if pid in compute_memory[gpu.index]:
-                out.add("mps_server_memory_used_bytes", compute_memory[gpu.index][pid], **sp, **g)
-            out.add("mps_server_sm_utilization_ratio", utilization[gpu.index].get(pid), **sp, **g)
+            if pid in joined.compute_memory[gpu.index]:
+                out.add("mps_server_memory_used_bytes", joined.compute_memory[gpu.index][pid], **sp, **g)
+            out.add("mps_server_sm_utilization_ratio", joined.utilization[gpu.index].get(pid), **sp, **g)
+    return limits
 
-    # Clients: rows of `ps`, plus NVML MPS clients no daemon listed when this is the only daemon.
+
+# ---------------------------------------------------------------- clients
+def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
+                   log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
+    """Rows of the daemon's `ps`, plus the NVML MPS clients in `unlisted`."""
     ps_rows = {c.pid: c for c in d.clients}
-    mps_memory = {}  # pid -> [(gpu, used)]
-    for gpu in gpus:
-        for p in gpu.mps_clients:
-            mps_memory.setdefault(p.pid, []).append((gpu, p.used_bytes))
-    listed_anywhere = {c.pid for other in snap.daemons for c in other.clients}
-    pids = set(ps_rows) | ({pid for pid in mps_memory if pid not in listed_anywhere} if single_daemon else set())
-    for pid in sorted(pids):
-        row = ps_rows.get(pid)
-        proc = snap.processes.get(pid) or ProcessFacts(pid)
-        cp = {"daemon": name, "pid": str(pid)}
+    default = Limits(d.default_active_thread_percentage, d.default_pinned_limits)
+    log_starts = log_snap.client_start_times if log_snap else {}
+    for pid in sorted(set(ps_rows) | set(unlisted)):
+        row: Optional[PsEntry] = ps_rows.get(pid)
+        proc = processes.get(pid) or ProcessFacts(pid)
+        cp = {"daemon": d.name, "pid": str(pid)}
         server_pid = row.server_pid if row else None
-        out.add("mps_client_info", 1, daemon=name, server_pid="" if server_pid is None else str(server_pid), pid=str(pid),
-                uid="" if proc.uid is None else str(proc.uid), user=proc.user,
+        out.add("mps_client_info", 1, daemon=d.name, server_pid="" if server_pid is None else str(server_pid),
+                pid=str(pid), uid="" if proc.uid is None else str(proc.uid), user=proc.user,
                 command=(row.command if row else "") or proc.command, namespace=row.namespace if row else "",
                 container_id=proc.container_id, pod_uid=proc.pod_uid)
-        client_gpus = [gpu for gpu, _ in mps_memory.get(pid, [])]
+        memory = joined.mps_memory.get(pid, [])
+        client_gpus = [gpu for gpu, _ in memory]
         if row and not client_gpus:
-            gpu = _gpu_for_device(row.device, gpus)
+            gpu = joined.gpu_for_device(row.device)
             client_gpus = [gpu] if gpu else []
-        for gpu, used in mps_memory.get(pid, []):
+        for gpu, used in memory:
             out.add("mps_client_memory_used_bytes", used, **cp, gpu=str(gpu.index), uuid=gpu.uuid)
+        server = None if server_pid is None else server_limits.get(server_pid, Limits())
+        limits = client_limits(Limits(proc.env_active_thread_percentage, proc.env_pinned_limits), server, default)
         for gpu in client_gpus:
-            limit = proc.env_pinned_limits.get(gpu.index)
-            if limit is None and server_pid is not None:
-                limit = server_limits.get(server_pid, {}).get(gpu.index)
-            if limit is None:
-                limit = d.default_pinned_limits.get(gpu.index) if server_pid is None else None
-            out.add("mps_client_pinned_memory_limit_bytes", limit, **cp, gpu=str(gpu.index))
-        limits = [v for v in (proc.env_active_thread_percentage,
-                              server_atp.get(server_pid) if server_pid is not None else d.default_active_thread_percentage)
-                  if v is not None]
-        out.add("mps_client_active_thread_ratio", min(limits) / 100 if limits else None, **cp)
-        out.add("mps_client_start_time_seconds", log_client_starts.get(pid) or proc.start_time_seconds, **cp)
+            out.add("mps_client_pinned_memory_limit_bytes", limits.pinned_bytes.get(gpu.index), **cp, gpu=str(gpu.index))
+        share = limits.thread_percentage
+        out.add("mps_client_active_thread_ratio", None if share is None else share / 100, **cp)
+        out.add("mps_client_start_time_seconds", log_starts.get(pid) or proc.start_time_seconds, **cp)

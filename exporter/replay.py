@@ -20,7 +20,6 @@ in a loop.
 from __future__ import annotations
 
 import bisect
-import copy
 import dataclasses
 import logging
 import os
@@ -31,9 +30,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .bundle import SUFFIX, Bundle, BundleError, LogChunk, RecordedFailure, Scrape, load
-from .config import COLLECTORS, Config, DaemonConfig
+from .bundle import SUFFIX, Bundle, BundleError, LogChunk, Scrape, load
+from .codec import RecordedFailure
+from .config import Config, DaemonConfig
 from .logs.parser import resolve_timezone
+from .service import serve
+from .wiring import build_readers
+from .sources.base import Reader
+from .sources.registry import SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -92,24 +96,15 @@ class Player:
         scrape = self._scrape = self.scrape_at(t)
         return scrape.now + (t - scrape.t)
 
-    def result(self, name: str, index: Optional[int] = None) -> Any:
-        value = self._scrape.results.get(name)
-        if index is not None:
-            value = value[index] if isinstance(value, list) and index < len(value) else None
-        if value is None:
+    def result(self, name: str) -> Any:
+        """What source `name` returned (or raised) at the current moment."""
+        if name not in self._scrape.results:
             raise RecordedFailure(f"{name} was not read at this moment of the capture")
-        if isinstance(value, RecordedFailure):
-            raise RecordedFailure(str(value))
-        return copy.deepcopy(value)  # the collector changes what it is given (DCGM into NVML's GPUs)
+        return SOURCES[name].replay(self._scrape.results[name])
 
-    def sources(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        for name in self.bundle.header["sources"]:
-            if name == "control":
-                out[name] = [_ReplaySource(self, name, i) for i in range(len(self.bundle.header["daemons"]))]
-            else:
-                out[name] = _ReplaySource(self, name)
-        return out
+    def readers(self) -> Dict[str, Reader[Any]]:
+        """The recorded sources, answering from the bundle."""
+        return {name: Reader(lambda ctx, n=name: self.result(n)) for name in self.bundle.header["sources"]}
 
     # ------------------------------------------------------------ log files
     def feed(self) -> None:
@@ -170,20 +165,12 @@ def _rotate(path: str) -> None:
         os.replace(path, path + ".1")
 
 
-class _ReplaySource:
-    def __init__(self, player: Player, name: str, index: Optional[int] = None) -> None:
-        self._player, self._name, self._index = player, name, index
-
-    def read(self, *_args: Any) -> Any:
-        return self._player.result(self._name, self._index)
-
-
 def replay_config(cfg: Config, bundle: Bundle, log_dirs: Dict[str, str]) -> Config:
     """The flags' web and logging settings; daemons, collectors and log time zone from the bundle."""
     h = bundle.header
     play = dataclasses.replace(cfg, collectors=dict(cfg.collectors), state_file=None)
     play.daemons = [DaemonConfig(d["name"], d["pipe_directory"], log_dirs[d["name"]]) for d in h["daemons"]]
-    play.collectors.update({name: name in h["sources"] for name in COLLECTORS})
+    play.collectors.update({name: name in h["sources"] for name, source in SOURCES.items() if source.recorded})
     play.collectors["logs"] = bool(h.get("logs")) and bool(play.daemons)
     play.log_timezone = str(h.get("log_timezone") or "UTC")
     try:
@@ -195,8 +182,6 @@ def replay_config(cfg: Config, bundle: Bundle, log_dirs: Dict[str, str]) -> Conf
 
 def replay(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[threading.Event] = None) -> int:
     """The `replay` command: one error line and exit 2 for a bundle that cannot be played."""
-    from .cli import serve
-
     loop = cfg.replay.loop or cfg.replay.bundle is None  # the demo session plays on until stopped
     try:
         bundle = load(cfg.replay.bundle or shipped_bundle())
@@ -208,7 +193,9 @@ def replay(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[
                      cfg.replay.speed, ", looping" if player.loop else "")
             player.start()
             try:
-                return serve(play_cfg, stop, ready, sources=player.sources(), clock=player.clock)
+                # The unrecorded sources (the logs) follow the files the player feeds.
+                readers = {**build_readers(play_cfg, recorded=False), **player.readers()}
+                return serve(play_cfg, stop, ready, readers=readers, clock=player.clock)
             finally:
                 player.stop()
     except BundleError as e:

@@ -25,13 +25,15 @@ from typing import List, Tuple
 import pytest
 
 from mps_exporter import replay as replay_mod
-from mps_exporter.bundle import VERSION, BundleError, BundleWriter, encode, load
+from mps_exporter.bundle import VERSION, BundleError, BundleWriter, load
 from mps_exporter.capture import LogTap, Recorder, capture, concrete_timezone, header
-from mps_exporter.cli import build_collector, build_log_pipelines, build_sources
-from mps_exporter.config import Config, parse_args
+from mps_exporter.cli import parse_args
+from mps_exporter.codec import encode
+from mps_exporter.config import Config
 from mps_exporter.exposition import generate_text
 from mps_exporter.model import GpuReading, NvmlReading
 from mps_exporter.render import render
+from mps_exporter.wiring import build_collector, build_readers
 from mps_exporter.replay import Player, replay, replay_config
 from tests.fakes.fake_pynvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_UNKNOWN
 from tests.support import scenarios
@@ -103,18 +105,16 @@ def record_session(tmp: Path) -> Tuple[Path, List[str], dict]:
         lambda: (scen.nvml.errors.clear(), setattr(daemon, "running", False)),
     ]
     clock = ManualClock()
-    sources = build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=scen.daemon)
-    pipelines = build_log_pipelines(scen.cfg)
+    readers = build_readers(scen.cfg, scen.backends())
     path = tmp / "session.jsonl.gz"
-    writer = BundleWriter(str(path), header(scen.cfg, sources, START))
-    rec = Recorder(scen.cfg, sources, writer, pipelines, clock=lambda: START + clock.now, monotonic=clock)
+    writer = BundleWriter(str(path), header(scen.cfg, readers, START))
+    rec = Recorder(scen.cfg, readers, writer, clock=lambda: START + clock.now, monotonic=clock)
     live = []
     for i, step in enumerate(steps):
         clock.now = i * STEP
         step()
         rec.poll_logs()
-        for p in pipelines.values():
-            p.read_once()
+        readers["logs"].catch_up()
         live.append(exposition(rec.scrape()))
         scen.nvml.advance(STEP)
     writer.close(rec.end_record())
@@ -127,14 +127,13 @@ def play(bundle_path: Path, log_root: Path, speed: float = 1.0, loop: bool = Fal
     mono = ManualClock()
     player = Player(bundle, str(log_root), speed=speed, loop=loop, monotonic=mono)
     cfg = replay_config(Config(), bundle, player.log_dirs)
-    pipelines = build_log_pipelines(cfg)
-    collector = build_collector(cfg, player.sources(), pipelines, clock=player.clock)
+    readers = {**build_readers(cfg, recorded=False), **player.readers()}
+    collector = build_collector(cfg, readers, clock=player.clock)
 
     def at(monotonic: float) -> str:
         mono.now = monotonic
         player.feed()
-        for p in pipelines.values():
-            p.read_once()
+        readers["logs"].catch_up()
         return exposition(collector.snapshot())
 
     return bundle, player, at
@@ -426,8 +425,7 @@ def test_capture_command_on_recorded_sources_makes_a_bundle_that_replays(tmp_pat
     scen = scenarios.busy(tmp_path, logs=False)
     scen.cfg.capture.out = str(tmp_path)  # a directory: the bundle gets a dated name in it
     scen.cfg.capture.duration_seconds, scen.cfg.capture.interval_seconds = 0.6, 0.2
-    sources = build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=scen.daemon)
-    assert capture(scen.cfg, sources=sources) == 0
+    assert capture(scen.cfg, readers=build_readers(scen.cfg, scen.backends(), recorded=True)) == 0
     (path,) = tmp_path.glob("mps-capture-*.jsonl.gz")
     bundle = load(str(path))
     assert len(bundle.scrapes) >= 2 and not list(tmp_path.glob("*.partial"))

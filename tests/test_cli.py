@@ -163,7 +163,7 @@ def flags_by_command():
     """{subcommand: [flag or positional name]} from the parser itself."""
     import argparse
 
-    from mps_exporter.config import build_parser
+    from mps_exporter.cli import build_parser
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

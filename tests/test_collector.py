@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.exposition import generate_latest
 
 from mps_exporter.collector import MpsCollector, SingleFlight, build_registry
+from mps_exporter.sources.base import Reader
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support import scenarios
 from tests.support.tools import require
@@ -113,7 +114,8 @@ def test_concurrent_scrapes_share_one_collection():
             time.sleep(0.3)
             raise RuntimeError("no GPU")
 
-    collector = MpsCollector(nvml=SlowNvml())
+    slow = SlowNvml()
+    collector = MpsCollector({"nvml": Reader(lambda ctx: slow.read())})
     results = []
     threads = [threading.Thread(target=lambda: results.append(list(collector.collect()))) for _ in range(5)]
     for t in threads:

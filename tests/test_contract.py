@@ -8,9 +8,8 @@ against it.
 import re
 from pathlib import Path
 
-from mps_exporter.cli import metrics_markdown
-from mps_exporter.config import build_parser
-from mps_exporter.contract import METRICS
+from mps_exporter.cli import build_parser
+from mps_exporter.contract import METRICS, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "alerts" / "runbook.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -48,7 +47,7 @@ def test_every_metric_the_docs_name_is_in_the_contract():
 def test_readme_metric_table_is_generated_from_the_code():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- metrics:begin -->\n", 1)[1].split("<!-- metrics:end -->", 1)[0]
-    assert block == metrics_markdown(), "README metric table is stale: paste `mps-exporter metrics`"
+    assert block == markdown_table(), "README metric table is stale: paste `mps-exporter metrics`"
 
 
 def test_readme_documents_every_flag():

@@ -89,7 +89,6 @@ def test_reads_profiling_fields_by_number(tmp_path, engine, version):
     assert engine.field_groups == {FIELD_GROUP_NAME: [1002, 1003, 1004, 1005]}
     assert engine.connections == ["localhost"]
     assert engine.watches == [{"interval_us": 10_000_000, "maxKeepAge": 60.0, "fieldIds": [1002, 1003, 1004, 1005]}]
-    assert source.gpu_uuids() == UUIDS
 
 
 def test_update_interval_and_hostname_are_passed_on(tmp_path, engine):

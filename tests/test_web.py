@@ -20,7 +20,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mps_exporter import web, webconfig
-from mps_exporter.config import ConfigError, parse_args
+from mps_exporter.cli import parse_args
+from mps_exporter.config import ConfigError
 from mps_exporter.families import FamilyBuilder
 from tests.support.certs import make_tls_files
 

@@ -23,7 +23,9 @@ import os
 import sys
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
-from ..config import DEFAULT_DCGM_BINDINGS
+from ..config import DEFAULT_DCGM_BINDINGS, Config
+from ..model import DcgmReading, Snapshot
+from .base import Backends, Reader, Source
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +129,10 @@ class DcgmSource:
             )
         return self._reader
 
-    def read(self) -> Dict[int, Dict[str, float]]:
+    def read(self) -> DcgmReading:
         """{DCGM GPU id: {sm_active, sm_occupancy, tensor_active, dram_active}}.
 
-        DCGM GPU ids follow NVML's enumeration on ordinary hosts; `gpu_uuids()`
-        gives the UUID of each id for a join that does not rely on that.
-        """
+        DCGM GPU ids follow NVML's enumeration on ordinary hosts."""
         reader = self._reader_instance()
         try:
             values = reader.GetLatestGpuValuesAsFieldIdDict()
@@ -143,10 +143,6 @@ class DcgmSource:
             raise DcgmUnavailable(f"DCGM returned no GPUs: is nv-hostengine running at {self.hostname}?")
         return activity_from_values(values)
 
-    def gpu_uuids(self) -> Dict[int, str]:
-        """DCGM GPU id -> UUID, as DcgmReader learnt it on connecting ({} before)."""
-        return dict(getattr(self._reader, "m_gpuIdToUUId", None) or {})
-
     def close(self) -> None:
         if self._reader is not None:
             try:
@@ -154,3 +150,25 @@ class DcgmSource:
             except Exception as e:
                 log.debug("DcgmReader.Shutdown failed: %s", e)
             self._reader = None
+
+
+class DcgmSourceSpec(Source[DcgmReading]):
+    name = "dcgm"
+    help = "SM activity, occupancy, tensor and DRAM activity from DCGM (wins over NVML GPM)"
+    default = "auto"
+    reading_type = DcgmReading
+
+    def build(self, cfg: Config, backends: Backends) -> Optional[Reader[DcgmReading]]:
+        if cfg.collectors.get("nvml") is False:
+            return None  # its values are joined into NVML's GPUs
+        source = DcgmSource(cfg.dcgm_bindings)
+        if cfg.collectors.get(self.name) is not True and not source.available():
+            log.info("DCGM Python bindings not found in %s: SM activity comes from NVML GPM", list(cfg.dcgm_bindings))
+            return None
+        return Reader(lambda ctx: source.read(), close=source.close, source=source)
+
+    def store(self, snap: Snapshot, reading: DcgmReading) -> None:
+        snap.dcgm = reading
+
+
+SOURCE = DcgmSourceSpec()

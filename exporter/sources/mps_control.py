@@ -20,11 +20,13 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..config import DaemonConfig
-from ..model import DaemonReading, PsEntry, ServerFacts
+from ..codec import expect
+from ..config import Config, DaemonConfig
+from ..model import DaemonReading, PsEntry, ServerFacts, Snapshot
 from ..units import parse_size
+from .base import Backends, PartialFailure, ReadContext, Reader, Source
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +183,6 @@ class ControlClient:
     binary: str = "nvidia-cuda-mps-control"
     timeout: float = 2.0
     runner: Runner = subprocess_runner
-    commands_sent: int = 0
 
     def command_line(self, verb: str, *args: object) -> str:
         """The exact text sent, after the allowlist check."""
@@ -203,7 +204,6 @@ class ControlClient:
             rc, out = self.runner([self.binary], line + "\n", self._env(), self.timeout)
         except FileNotFoundError as e:
             raise ControlError(f"{self.binary} not found: {e.strerror}") from e
-        self.commands_sent += 1
         if NO_DAEMON in out:
             raise DaemonNotRunning(NO_DAEMON)
         if rc != 0:
@@ -301,3 +301,48 @@ class ControlSource:
             log.debug("server %d exited during the scrape", pid)
             return None
         return ServerFacts(pid=pid, status=status, active_thread_percentage=atp, pinned_limits=limits)
+
+
+def _checked(readings: List[DaemonReading]) -> List[DaemonReading]:
+    """A daemon that could not be read fails the collector; the others still count."""
+    errors = [f"{r.name}: {r.error}" for r in readings if r.error]
+    if errors:
+        raise PartialFailure("; ".join(errors), readings)
+    return readings
+
+
+class ControlSourceSpec(Source[List[DaemonReading]]):
+    """Every watched control daemon, one `DaemonReading` each (in a bundle: one entry each)."""
+
+    name = "control"
+    help = "the MPS control daemons: servers, clients (ps), limits and defaults"
+    reading_type = DaemonReading
+
+    def build(self, cfg: Config, backends: Backends) -> Optional[Reader[List[DaemonReading]]]:
+        runner = {"runner": backends.control_runner} if backends.control_runner else {}
+        sources = [ControlSource(d, ControlClient(d.pipe_directory, cfg.control_binary, cfg.command_timeout, **runner),
+                                 facts_refresh_seconds=cfg.facts_refresh_seconds) for d in cfg.daemons]
+
+        def read(ctx: ReadContext) -> List[DaemonReading]:
+            devices = ctx.devices()
+            return _checked([s.read(devices) for s in sources])
+
+        return Reader(read, source=sources)
+
+    def store(self, snap: Snapshot, reading: List[DaemonReading]) -> None:
+        snap.daemons = reading
+
+    def record(self, reading: List[DaemonReading]) -> Any:
+        return [super(ControlSourceSpec, self).record(r) for r in reading]
+
+    def record_failure(self, message: str) -> Any:
+        return [super().record_failure(message)]
+
+    def load(self, entry: Any) -> Any:
+        return [super(ControlSourceSpec, self).load(e) for e in expect(entry, list, "control list")]
+
+    def replay(self, loaded: Any) -> List[DaemonReading]:
+        return _checked([super(ControlSourceSpec, self).replay(r) for r in loaded])
+
+
+SOURCE = ControlSourceSpec()

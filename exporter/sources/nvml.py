@@ -22,7 +22,9 @@ import logging
 import math
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization
+from ..config import Config
+from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot
+from .base import Backends, Reader, Source
 
 log = logging.getLogger(__name__)
 
@@ -302,3 +304,19 @@ class NvmlSource:
             nvml.nvmlGpmSampleFree(sample)
         except nvml.NVMLError as e:
             log.debug("nvmlGpmSampleFree failed: %s", e)
+
+
+class NvmlSourceSpec(Source[NvmlReading]):
+    name = "nvml"
+    help = "GPUs, their compute and MPS process lists, per-process SM utilization, GPM activity"
+    reading_type = NvmlReading
+
+    def build(self, cfg: Config, backends: Backends) -> Optional[Reader[NvmlReading]]:
+        source = NvmlSource(backends.nvml_module)
+        return Reader(lambda ctx: source.read(), close=source.close, source=source)
+
+    def store(self, snap: Snapshot, reading: NvmlReading) -> None:
+        snap.nvml = reading
+
+
+SOURCE = NvmlSourceSpec()

@@ -20,10 +20,12 @@ import os
 import pwd
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 
-from ..model import ProcessFacts
+from ..config import Config
+from ..model import ProcessFacts, Snapshot
 from ..units import parse_size
+from .base import Backends, ReadContext, Reader, Source
 
 log = logging.getLogger(__name__)
 
@@ -189,3 +191,31 @@ class ProcSource:
         priority = parse_float(env.get("CUDA_MPS_CLIENT_PRIORITY"))
         facts.env_client_priority = int(priority) if priority is not None else None
         return facts
+
+
+def mps_pids(snap: Snapshot) -> Set[int]:
+    """The servers and clients the daemons and NVML name: the PIDs /proc is asked about."""
+    pids = {s.pid for d in snap.daemons for s in d.servers} | {c.pid for d in snap.daemons for c in d.clients}
+    if snap.nvml:
+        pids |= {p.pid for g in snap.nvml.gpus for p in g.mps_clients + g.compute_processes}
+    return pids
+
+
+class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
+    name = "proc"
+    help = "/proc facts of servers and clients: user, command, start, container, client-set limits"
+    reading_type = Dict[int, ProcessFacts]
+
+    def build(self, cfg: Config, backends: Backends) -> Optional[Reader[Dict[int, ProcessFacts]]]:
+        source = ProcSource(root=cfg.procfs)
+
+        def read(ctx: ReadContext) -> Dict[int, ProcessFacts]:
+            return source.read(mps_pids(ctx.wait(("nvml", "control"))))
+
+        return Reader(read, source=source)
+
+    def store(self, snap: Snapshot, reading: Dict[int, ProcessFacts]) -> None:
+        snap.processes = reading
+
+
+SOURCE = ProcSourceSpec()

@@ -42,7 +42,9 @@ import yaml
 
 from alerts import generate
 from dashboards.queries import concrete, queries
-from mps_exporter.cli import build_sources, serve
+from mps_exporter.service import serve
+from mps_exporter.wiring import build_readers
+from mps_exporter.sources.base import Backends
 from tests.fakes.fake_pynvml import (
     NVML_GPM_METRIC_SM_UTIL,
     FakeGpu,
@@ -188,7 +190,7 @@ class RecordedNode:
         self._stop, self._ready = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=serve, daemon=True, kwargs=dict(
             cfg=self.cfg, stop=self._stop, ready=self._ready,
-            sources=build_sources(self.cfg, nvml_module=self.nvml, control_runner=self.daemon)))
+            readers=build_readers(self.cfg, Backends(nvml_module=self.nvml, control_runner=self.daemon))))
         # The daemon as the capture's run 2 began: uid 0's server 1589 serving the busy clients.
         self.control("Starting control daemon using socket /tmp/mps/pipe/control",
                      "CUDA MPS Control binary version: 13000",

@@ -120,7 +120,7 @@ def test_gpu_exporter_least_privilege():
 
 
 def test_gpu_exporter_flags_parse():
-    from mps_exporter import config as exporter_config
+    from mps_exporter import cli as exporter_config
 
     command, cfg = exporter_config.parse_args([_interpolate(a) for a in SERVICES["exporter"]["command"]])
     assert command == "serve"

@@ -125,7 +125,7 @@ def load_yaml_text(text):
 @pytest.mark.parametrize("values_file", VARIANTS, ids=_variant_id)
 def test_exporter_accepts_the_rendered_flags_and_config(values_file, tmp_path):
     """The container's args and config file go through the exporter's own parser."""
-    from mps_exporter import config as exporter_config
+    from mps_exporter import cli as exporter_config
 
     objects = render(_values(values_file))
     config_file = tmp_path / "config.yml"

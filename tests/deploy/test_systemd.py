@@ -120,7 +120,7 @@ def test_control_daemon_unit_runs_daemonized():
 
 
 def test_flags_file_matches_the_units():
-    from mps_exporter import config as exporter_config
+    from mps_exporter import cli as exporter_config
 
     values = {}
     with open(os.path.join(SYSTEMD, "mps-exporter.default"), encoding="utf-8") as f:

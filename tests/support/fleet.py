@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, List
 
 from mps_exporter.capture import capture
+from mps_exporter.wiring import build_readers
 from tests.support.prometheus import free_port, stop_process
 from tests.support.scenarios import Scenario
 
@@ -63,7 +64,7 @@ def record_bundle(tmp: Path, scen: Scenario, seconds: float = 2.0, interval: flo
     out.mkdir(exist_ok=True)
     cfg.capture.out, cfg.capture.duration_seconds, cfg.capture.interval_seconds = str(out), seconds, interval
     with contextlib.redirect_stdout(open(os.devnull, "w")):
-        assert capture(cfg, sources=scen.sources()) == 0
+        assert capture(cfg, readers=build_readers(cfg, scen.backends(), recorded=True)) == 0
     (bundle,) = out.iterdir()
     return bundle
 

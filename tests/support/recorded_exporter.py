@@ -10,8 +10,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mps_exporter.cli import build_sources, serve, setup_logging
-from mps_exporter.config import parse_args
+from mps_exporter.cli import parse_args, setup_logging
+from mps_exporter.service import serve
+from mps_exporter.wiring import build_readers
 from tests.support import scenarios
 
 
@@ -24,7 +25,7 @@ def main(argv=None) -> int:
         scen.cfg.telemetry_path, scen.cfg.web_config = flags.telemetry_path, flags.web_config
         scen.cfg.max_requests = flags.max_requests
         setup_logging(flags.log_level, flags.log_format)
-        return serve(scen.cfg, sources=build_sources(scen.cfg, nvml_module=scen.nvml, control_runner=scen.daemon))
+        return serve(scen.cfg, readers=build_readers(scen.cfg, scen.backends()))
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ import hashlib
 import uuid as uuidlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from mps_exporter.cli import build_collector, build_sources
 from mps_exporter.collector import MpsCollector
 from mps_exporter.config import Config, DaemonConfig
+from mps_exporter.wiring import build_collector, build_readers
+from mps_exporter.sources.base import Backends, Reader
 from tests.fakes.fake_control import CAPTURE, FakeClient, FakeControlDaemon, FakeServer
 from tests.fakes.fake_procfs import FakeProcess, write_proc
 from tests.fakes.fake_pynvml import FakeNvml
@@ -37,22 +38,23 @@ class Scenario:
     daemon: FakeControlDaemon
     proc_root: Path
     log_directory: Optional[Path] = None
-    pipelines: Dict[str, object] = field(default_factory=dict)
     pods: Dict[int, Tuple[str, str]] = field(default_factory=dict)  # client pid -> (pod uid, bare container id)
 
-    def sources(self) -> Dict[str, object]:
-        """The exporter's sources, reading this scenario's fakes."""
-        return build_sources(self.cfg, nvml_module=self.nvml, control_runner=self.daemon)
+    def backends(self) -> Backends:
+        return Backends(nvml_module=self.nvml, control_runner=self.daemon)
+
+    def readers(self) -> Dict[str, Reader[Any]]:
+        """Every enabled source over the fakes; the logs read to their end."""
+        readers = build_readers(self.cfg, self.backends())
+        if "logs" in readers:
+            readers["logs"].catch_up()
+        return readers
 
     def collector(self, with_logs: bool = True) -> MpsCollector:
-        sources = self.sources()
-        if with_logs and self.log_directory is not None and self.cfg.enabled("logs"):
-            from mps_exporter.cli import build_log_pipelines
-
-            self.pipelines = build_log_pipelines(self.cfg)
-            for p in self.pipelines.values():
-                p.read_once()
-        return build_collector(self.cfg, sources, self.pipelines)
+        readers = self.readers()
+        if not with_logs:
+            readers.pop("logs", None)
+        return build_collector(self.cfg, readers)
 
 
 def _log_pipeline_built() -> bool:

@@ -1,0 +1,37 @@
+"""`serve`: the collector behind the HTTP server until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import Any, Callable, Dict, Optional
+
+from .collector import build_registry
+from .config import Config
+from .sources.base import Reader
+from .web import serve as serve_http
+from .wiring import build_collector, build_readers, stop_on_signals
+
+
+def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[threading.Event] = None,
+          readers: Optional[Dict[str, Reader[Any]]] = None, clock: Callable[[], float] = time.time) -> int:
+    """Serve until SIGTERM/SIGINT or `stop`. `readers` replaces the live ones and `clock`
+    the collector's time (replay, tests)."""
+    readers = build_readers(cfg) if readers is None else readers
+    for reader in readers.values():
+        reader.start()
+    collector = build_collector(cfg, readers, clock)
+    # Start-up objects (modules, parsers, NVML bindings) live as long as the process:
+    # keep them out of the garbage collector's full passes, which otherwise land
+    # inside scrapes as latency spikes.
+    gc.freeze()
+    stop = stop or threading.Event()
+    stop_on_signals(stop)
+    try:
+        serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, cfg.web_config,
+                   max_requests=cfg.max_requests, ready=ready, stop=stop)
+    finally:
+        for reader in readers.values():
+            reader.close()
+    return 0

@@ -1,0 +1,103 @@
+"""What a source declares about itself; `registry.SOURCES` collects every module's `SOURCE`.
+
+A source module ends with `SOURCE = SomeSource()`, a `Source` that says:
+- its collector name and flag default (`--collector.NAME`, `--no-collector.NAME`);
+- `build`: its live reader from the configuration (None: not available here);
+- `store`: where its reading goes in the `Snapshot` that render reads;
+- `record`/`load`/`replay`: how a capture bundle holds its readings (the
+  default: the reading as JSON, decoded back through `reading_type`).
+cli (flags), service (wiring), collector (reading), capture and replay iterate
+the registry: adding a source is one module here plus its tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Generic, List, Optional, Sequence, TypeVar, Union
+
+from ..codec import RecordedFailure, encode, recorded
+from ..config import Config
+from ..model import Snapshot
+
+R = TypeVar("R")
+
+
+class ReadContext:
+    """What a read may ask of the collection it belongs to (collector.py implements it)."""
+
+    now: float  # the collection's clock
+
+    def devices(self) -> List[int]:
+        """The GPU indexes NVML knows ([0] before it has answered once)."""
+        raise NotImplementedError
+
+    def wait(self, names: Sequence[str]) -> Snapshot:
+        """Wait for these sources of the same collection; the snapshot so far.
+        A source that fails, is disabled or is late leaves its part empty."""
+        raise NotImplementedError
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Reader(Generic[R]):
+    """A built source. `read` runs once per collection, in its own thread."""
+
+    read: Callable[[ReadContext], R]
+    start: Callable[[], None] = _nothing  # serve: start background work (log followers)
+    catch_up: Callable[[], None] = _nothing  # dump: take in what is there now, synchronously
+    close: Callable[[], None] = _nothing
+    source: Any = field(default=None, repr=False)  # the live object, for tests and benchmarks
+
+
+@dataclass
+class Backends:
+    """The library boundaries, replaced by fakes in tests and the benchmark."""
+
+    nvml_module: Any = None  # None: import pynvml
+    control_runner: Any = None  # mps_control.Runner; None: run the real program
+
+
+class PartialFailure(Exception):
+    """A source failed in part: keep what it read, report the collector as failed."""
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class Source(Generic[R]):
+    name: ClassVar[str]
+    help: ClassVar[str]
+    default: ClassVar[Union[bool, str]] = True  # "auto": on where its library is found
+    recorded: ClassVar[bool] = True  # False: capture and replay carry its input instead (the logs)
+    reading_type: ClassVar[Any] = None  # what a read returns, for decoding bundles
+
+    def enabled(self, cfg: Config) -> bool:
+        return cfg.collectors.get(self.name, self.default) is not False
+
+    def build(self, cfg: Config, backends: Backends) -> Optional[Reader[R]]:
+        raise NotImplementedError
+
+    def store(self, snap: Snapshot, reading: R) -> None:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------- bundles
+    def record(self, reading: R) -> Any:
+        return {"value": encode(reading)}
+
+    def record_failure(self, message: str) -> Any:
+        return {"error": message}
+
+    def load(self, entry: Any) -> Any:
+        """A recorded entry, checked: what `replay` takes. ValueError when damaged."""
+        return recorded(entry, self.reading_type, self.name)
+
+    def replay(self, loaded: Any) -> R:
+        """The reading again, or the recorded error raised again."""
+        if isinstance(loaded, RecordedFailure):
+            raise RecordedFailure(str(loaded))
+        result: R = loaded
+        return result

@@ -1,0 +1,61 @@
+"""The exporter's wiring: readers from the configuration, the collector over them,
+and `dump` (every collector once). `serve` (service.py) runs them behind HTTP."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Mapping, Optional, TextIO
+
+from prometheus_client import write_to_textfile
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from .collector import MpsCollector, build_registry
+from .config import Config
+from .sources.base import Backends, Reader
+from .sources.registry import SOURCES
+
+log = logging.getLogger("mps_exporter")
+
+
+def build_readers(cfg: Config, backends: Optional[Backends] = None,
+                  recorded: Optional[bool] = None) -> Dict[str, Reader[Any]]:
+    """The enabled sources' readers (a source that is not available here is left out);
+    `recorded` True or False: only the sources capture records, or only the others."""
+    readers: Dict[str, Reader[Any]] = {}
+    for name, source in SOURCES.items():
+        if source.enabled(cfg) and recorded in (None, source.recorded):
+            reader = source.build(cfg, backends or Backends())
+            if reader is not None:
+                readers[name] = reader
+    return readers
+
+
+def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]],
+                    clock: Callable[[], float] = time.time) -> MpsCollector:
+    return MpsCollector(readers, clock=clock)
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set `stop` (only the main thread may install handlers)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+
+
+def dump(cfg: Config, out: TextIO = sys.stdout) -> int:
+    """Every collector once, from the log files' beginning (a directory inspected offline)."""
+    readers = build_readers(cfg)
+    for reader in readers.values():
+        reader.catch_up()
+    registry = build_registry(build_collector(cfg, readers))
+    try:
+        out.write(generate_latest(registry).decode())
+    finally:
+        for reader in readers.values():
+            reader.close()
+    return 0

@@ -1,0 +1,91 @@
+"""The package's import graph has no cycle, counting imports inside functions too:
+a cycle hidden in a function is still a cycle (start-up order, double work)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+PACKAGE = "mps_exporter"
+ROOT = Path(__file__).resolve().parents[1] / "exporter"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([PACKAGE, *parts])
+
+
+def imports(path: Path, known: Set[str]) -> Set[str]:
+    """The package's own modules `path` imports, anywhere in the file."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: Set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name.replace("exporter", PACKAGE, 1) if alias.name.startswith("exporter") else alias.name
+                       for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            # `from . import x` names a module where x is one.
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in known and t != name}
+    return found
+
+
+def graph() -> Dict[str, Set[str]]:
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    edges = {name: imports(path, set(files)) for name, path in files.items()}
+    # The source registry imports every module of its package by listing it.
+    registry = f"{PACKAGE}.sources.registry"
+    edges[registry] |= {n for n in files if n.startswith(f"{PACKAGE}.sources.") and n != registry}
+    return edges
+
+
+def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    found: List[List[str]] = []
+    state: Dict[str, int] = {}  # 1: on the current path, 2: done
+    path: List[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_the_detector_finds_a_cycle_through_a_function_level_import(tmp_path):
+    (tmp_path / "a.py").write_text("from . import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .a import x\n    return x\n")
+    known = {f"{PACKAGE}.a", f"{PACKAGE}.b"}
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        edges = {m: imports(tmp_path / (m.rsplit(".", 1)[1] + ".py"), known) for m in known}
+    finally:
+        ROOT = saved
+    assert cycles(edges) == [[f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.a"]]
+
+
+def test_no_import_cycle_in_the_package():
+    edges = graph()
+    assert f"{PACKAGE}.cli" in edges and edges[f"{PACKAGE}.cli"], "the graph is empty: the detector is broken"
+    assert cycles(edges) == []
