@@ -217,7 +217,8 @@ def driver(text: str) -> str:
 
 
 def control_lines(text: str) -> float:
-    return float(re.search(r'^mps_log_lines_total\{daemon="default",file="control"\} (\S+)$', text, re.M).group(1))
+    found = re.search(r'^mps_log_lines_total\{daemon="default",file="control"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else -1.0
 
 
 def test_speed_scales_the_timeline(tmp_path):
@@ -472,8 +473,9 @@ def test_replay_command_serves_until_terminated(tmp_path):
                              "--web.listen-address", f"127.0.0.1:{port}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # The log follower polls apart from the readings: wait for both to reach t=20.
         deadline, text = time.monotonic() + 30, ""
-        while time.monotonic() < deadline and 'driver_version="d2"' not in text:
+        while time.monotonic() < deadline and not ('driver_version="d2"' in text and control_lines(text) == 3):
             try:
                 text = scrape(port)
             except OSError:

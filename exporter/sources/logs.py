@@ -17,6 +17,31 @@ from ..model import Snapshot
 from .base import Backends, PartialFailure, ReadContext, Reader, Source
 
 
+def pipelines_reader(pipelines: Dict[str, LogPipeline]) -> Reader[Dict[str, LogSnapshot]]:
+    """The reader over these pipelines (daemon name -> its pipeline)."""
+
+    def read(ctx: ReadContext) -> Dict[str, LogSnapshot]:
+        logs = {name: p.snapshot() for name, p in pipelines.items()}
+        problems = [f"{name}: {problem}" for name, s in logs.items() for problem in s.problems]
+        if problems:  # a file that cannot be read: what was read still counts, the collector fails
+            raise PartialFailure("; ".join(problems), logs)
+        return logs
+
+    def start() -> None:
+        for p in pipelines.values():
+            p.start()
+
+    def catch_up() -> None:
+        for p in pipelines.values():
+            p.read_once()
+
+    def close() -> None:
+        for p in pipelines.values():
+            p.stop()
+
+    return Reader(read, start=start, catch_up=catch_up, close=close, source=pipelines)
+
+
 class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
     name = "logs"
     help = "control.log and server.log: queueing, handoffs, faults, lifecycle, commands"
@@ -28,27 +53,7 @@ class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
         store = StateStore(cfg.state_file) if cfg.state_file else None
         pipelines = {d.name: LogPipeline(d.name, d.log_directory, timezone=cfg.log_timezone, state_store=store)
                      for d in cfg.daemons}
-
-        def read(ctx: ReadContext) -> Dict[str, LogSnapshot]:
-            logs = {name: p.snapshot() for name, p in pipelines.items()}
-            problems = [f"{name}: {problem}" for name, s in logs.items() for problem in s.problems]
-            if problems:  # a file that cannot be read: what was read still counts, the collector fails
-                raise PartialFailure("; ".join(problems), logs)
-            return logs
-
-        def start() -> None:
-            for p in pipelines.values():
-                p.start()
-
-        def catch_up() -> None:
-            for p in pipelines.values():
-                p.read_once()
-
-        def close() -> None:
-            for p in pipelines.values():
-                p.stop()
-
-        return Reader(read, start=start, catch_up=catch_up, close=close, source=pipelines)
+        return pipelines_reader(pipelines)
 
     def store(self, snap: Snapshot, reading: Dict[str, LogSnapshot]) -> None:
         snap.logs = reading

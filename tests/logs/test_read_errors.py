@@ -27,6 +27,7 @@ from prometheus_client.exposition import generate_latest
 from mps_exporter.collector import MpsCollector, build_registry
 from mps_exporter.families import FamilyBuilder
 from mps_exporter.logs import LogPipeline, render_log_metrics
+from mps_exporter.sources.logs import pipelines_reader
 from mps_exporter.logs.follower import (
     MISSING_DIRECTORY, NOT_A_DIRECTORY, NOT_REGULAR_FILE, PERMISSION_DENIED, FileFollower,
 )
@@ -58,7 +59,7 @@ def read_errors(pipe: LogPipeline) -> dict:
 
 def logs_success(pipe: LogPipeline) -> float:
     """collector_success{collector="logs"} as a scrape shows it."""
-    text = generate_latest(build_registry(MpsCollector(logs={"default": pipe}))).decode()
+    text = generate_latest(build_registry(MpsCollector({"logs": pipelines_reader({"default": pipe})}))).decode()
     line = next(l for l in text.splitlines() if l.startswith('mps_exporter_collector_success{collector="logs"}'))
     return float(line.rsplit(" ", 1)[1])
 
