@@ -136,15 +136,16 @@ class _SourceRun:
         self._inflight: Optional[Future[_Result]] = None
         self.last: Optional[_Result] = None  # the last successful read
 
-    def start(self, collection: _Collection) -> Future[_Result]:
+    def claim(self, collection: _Collection) -> Tuple[Future[_Result], Optional[threading.Thread]]:
+        """This collection's read: the one still running for an earlier collection, or a
+        new one (its thread, to start once every source of the collection is claimed)."""
         with self._lock:
             if self._inflight is not None and not self._inflight.done():
-                return self._inflight  # still reading for an earlier collection: join it
+                return self._inflight, None
             future: Future[_Result] = Future()
             self._inflight = future
-        threading.Thread(target=self._read, args=(future, collection), name=f"mps-read-{self.name}",
-                         daemon=True).start()
-        return future
+        return future, threading.Thread(target=self._read, args=(future, collection), name=f"mps-read-{self.name}",
+                                        daemon=True)
 
     def _read(self, future: Future[_Result], collection: _Collection) -> None:
         start = time.perf_counter()
@@ -203,8 +204,13 @@ class MpsCollector(Collector):
         """One collection; `budget`: seconds to wait for the sources (None: all of them)."""
         started = time.perf_counter()
         collection = _Collection(self.clock(), None if budget is None else time.monotonic() + budget, self._devices)
-        for name, run in self._runs.items():
-            collection.futures[name] = run.start(collection)
+        threads = []
+        for name, run in self._runs.items():  # all claimed first: a read may wait for another
+            collection.futures[name], thread = run.claim(collection)
+            threads.append(thread)
+        for thread in threads:
+            if thread is not None:
+                thread.start()
         wait_futures(list(collection.futures.values()), timeout=collection.remaining())
         snap = Snapshot(now=collection.now)
         for name, run in self._runs.items():

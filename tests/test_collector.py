@@ -183,3 +183,12 @@ def test_every_gpu_daemon_server_and_client_metric_comes_out_of_recorded_data(tm
     assert 'mps_client_pinned_memory_limit_bytes{daemon="default",gpu="0",pid="1647"} 2.147483648e+09' in text
     assert 'mps_client_active_thread_ratio{daemon="default",pid="1647"} 0.25' in text
     assert 'mps_gpu_sharing_mode{gpu="0",mode="time_slicing"' in text
+
+
+def test_first_collection_asks_the_daemon_about_every_gpu(tmp_path):
+    """The control daemon's per-device limits need NVML's GPUs: on the very first
+    collection the control read waits for NVML (later ones use the GPUs already known)."""
+    for _ in range(5):  # the sources run concurrently: a race would show on some run
+        scen = scenarios.synthetic(tmp_path, gpus=3, clients_per_gpu=1, clients_per_pod=1)
+        text = exposition(scen.collector())
+        assert len(series(text, "mps_server_pinned_memory_limit_bytes")) == 3
