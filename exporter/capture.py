@@ -26,6 +26,7 @@ from . import __version__
 from .bundle import SUFFIX, BundleWriter, LogChunk, log_record
 from .config import Config
 from .logs.events import FILES
+from .logs.follower import open_regular
 from .logs.parser import resolve_timezone
 from .logs.pipeline import POLL_SECONDS
 from .model import Snapshot
@@ -69,12 +70,12 @@ class LogTap:
             return out
         replaced = self._file is not None
         self.close()
-        try:
-            self._file = open(self.path, "rb")
+        try:  # a FIFO or /dev/zero under the name must not block or flood the capture
+            fd, st = open_regular(self.path)
         except OSError as e:
-            log.warning("capture: cannot read %s: %s", self.path, e.strerror)
+            log.warning("capture: cannot read %s: %s", self.path, e.strerror or e)
             return out
-        st = os.fstat(self._file.fileno())
+        self._file = os.fdopen(fd, "rb")
         self._identity = (st.st_dev, st.st_ino)
         data = self._file.read()
         if history is not None and len(data) > history:

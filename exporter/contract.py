@@ -10,7 +10,7 @@ from the contract. README's metric table is generated from this module
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 GAUGE = "gauge"
 COUNTER = "counter"
@@ -24,7 +24,7 @@ class MetricSpec:
     labels: Tuple[str, ...]
     help: str
     table: str
-    label_set: frozenset = frozenset()  # the labels as a set, for the per-sample check
+    label_set: FrozenSet[str] = frozenset()  # the labels as a set, for the per-sample check
 
 
 def _specs(table: str, *rows: Tuple[str, str, str, str]) -> Dict[str, MetricSpec]:

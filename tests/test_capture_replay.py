@@ -376,6 +376,21 @@ def test_log_tap_reads_appends_rotation_and_truncation(tmp_path):
     tap.close()
 
 
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero"])
+def test_log_tap_never_opens_a_fifo_or_a_device(tmp_path, target):
+    path = tmp_path / "control.log"
+    if target == "fifo":
+        os.mkfifo(path)  # open() would block: the capture would hang
+    else:
+        os.symlink(target, path)  # read() would never end
+    tap = LogTap(str(path))
+    assert tap.poll() == [] and tap._file is None
+    path.unlink()
+    path.write_bytes(b"back\n")
+    assert tap.poll() == [(False, b"back\n")]
+    tap.close()
+
+
 @pytest.mark.parametrize("keep, expected", [(7, b"cccc\n"), (10, b"bbbb\ncccc\n"), (0, b""), (99, b"aaaa\nbbbb\ncccc\n")])
 def test_log_tap_keeps_the_end_of_old_history_from_a_line_start(tmp_path, keep, expected):
     path = tmp_path / "control.log"

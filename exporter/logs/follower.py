@@ -50,6 +50,29 @@ READ_ERROR_REASONS: Tuple[str, ...] = (MISSING_DIRECTORY, NOT_A_DIRECTORY, PERMI
                                        NOT_REGULAR_FILE, IO_ERROR, INTERNAL_ERROR)
 
 
+class NotRegularFile(OSError):
+    """The path names a FIFO, directory, socket or device: not opened."""
+
+
+def open_regular(path: str) -> Tuple[int, os.stat_result]:
+    """(fd, fstat) of `path` opened read-only, only if it is a regular file.
+
+    Looks before opening (open() blocks on a FIFO and has effects on some devices),
+    opens with O_NONBLOCK, and checks again with fstat (the name may change in
+    between). Raises NotRegularFile, or the OSError of stat/open."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise NotRegularFile(f"{path} is not a regular file")
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        fst = os.fstat(fd)
+        if not stat.S_ISREG(fst.st_mode):
+            raise NotRegularFile(f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, fst
+
+
 class ReadError(NamedTuple):
     reason: str  # one of READ_ERROR_REASONS
     message: str  # for people: the path and what is wrong with it
@@ -160,23 +183,12 @@ class FileFollower:
         saved = self._resume
         path = (self._saved_file(saved) if saved else None) or self.path
         try:
-            # Look before opening: open() blocks on a FIFO and has effects on some devices.
-            if not stat.S_ISREG(os.stat(path).st_mode):
-                self._problem = ReadError(NOT_REGULAR_FILE, f"{path} is not a regular file")
-                return
-            fd = os.open(path, _OPEN_FLAGS)
+            fd, fst = open_regular(path)
+        except NotRegularFile as e:
+            self._problem = ReadError(NOT_REGULAR_FILE, str(e))
+            return
         except OSError as e:
             self._problem = None if e.errno == errno.ENOENT else read_error(path, e)  # ENOENT: gone again
-            return
-        try:
-            fst = os.fstat(fd)
-        except OSError as e:
-            os.close(fd)
-            self._problem = read_error(path, e)
-            return
-        if not stat.S_ISREG(fst.st_mode):  # replaced between the look and the open
-            os.close(fd)
-            self._problem = ReadError(NOT_REGULAR_FILE, f"{path} is not a regular file")
             return
         self._resume = None
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)

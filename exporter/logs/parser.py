@@ -95,7 +95,7 @@ def _rules(*pairs: Tuple[str, Union[str, Callable[..., ParseResult]]]) -> List[_
 
 def _apply_rules(rules: List[_Rule], ts: float, pid: int, msg: str) -> Optional[ParseResult]:
     for pattern, build in rules:
-        if type(pattern) is str:
+        if isinstance(pattern, str):
             if not msg.startswith(pattern):
                 continue
             m = None
@@ -103,7 +103,7 @@ def _apply_rules(rules: List[_Rule], ts: float, pid: int, msg: str) -> Optional[
             m = pattern.match(msg)
             if m is None:
                 continue
-        return _new(Noise, (ts, pid, build)) if type(build) is str else build(ts, pid, m)
+        return _new(Noise, (ts, pid, build)) if isinstance(build, str) else build(ts, pid, m)
     return None
 
 
@@ -112,7 +112,7 @@ def _exact(kinds: Dict[str, Union[str, Callable[[float, int], ParseResult]]], ts
     build = kinds.get(msg)
     if build is None:
         return None
-    return _new(Noise, (ts, pid, build)) if type(build) is str else build(ts, pid)
+    return _new(Noise, (ts, pid, build)) if isinstance(build, str) else build(ts, pid)
 
 
 # ---------------------------------------------------------- control.log

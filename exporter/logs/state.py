@@ -224,21 +224,20 @@ class LogState:
         # The hot path (every line): plain lookups, Noise handled inline.
         s = self.s
         s.lines[file] = s.lines.get(file, 0) + 1
-        kind = type(result)
-        ts = result[0]
-        if kind is Unrecognized:
-            if not (file == "control" and self._in_command and ts is not None):
+        if isinstance(result, Unrecognized):
+            if not (file == "control" and self._in_command and result.ts is not None):
                 s.unrecognized[file] = s.unrecognized.get(file, 0) + 1
             return
+        ts = result[0]
         if ts > self._last_ts:
             self._last_ts = ts
         if self._open_reports and file == "server" and not _in_report(result):
             self._open_reports.pop(result[1], None)
-        if kind is Noise:
-            if result[2] == "accepting_connection":  # a new connection: any command block is over
+        if isinstance(result, Noise):
+            if result.kind == "accepting_connection":  # a new connection: any command block is over
                 self._in_command = False
             return
-        handler = self._handlers.get(kind)
+        handler = self._handlers.get(type(result))
         if handler is not None:
             handler(result)
 
