@@ -20,7 +20,7 @@ import os
 import platform
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import __version__
 from .bundle import SUFFIX, BundleWriter, LogChunk, log_record
@@ -49,7 +49,7 @@ class LogTap:
 
     def __init__(self, path: str, history_bytes: Optional[int] = None) -> None:
         self.path = path
-        self._file = None
+        self._file: Optional[BinaryIO] = None
         self._identity: Optional[Tuple[int, int]] = None
         self._history = history_bytes
         self.skipped = 0  # bytes of history left out
