@@ -81,6 +81,9 @@ class ReadError(NamedTuple):
 def read_error(path: str, e: OSError) -> ReadError:
     """An OSError about `path` as a ReadError."""
     if e.errno in (errno.EACCES, errno.EPERM):
+        directory = os.path.dirname(path) or "."
+        if not os.access(directory, os.X_OK):  # one message for both files of the directory
+            return ReadError(PERMISSION_DENIED, f"log directory {directory}: permission denied")
         return ReadError(PERMISSION_DENIED, f"{path}: permission denied")
     if e.errno == errno.ENOTDIR:
         return ReadError(NOT_A_DIRECTORY, f"log directory {os.path.dirname(path)} is not a directory")

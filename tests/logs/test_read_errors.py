@@ -293,7 +293,7 @@ def test_dump_of_an_unreadable_directory(world_dir):
     logs.chmod(0o000)
     res = dump(str(logs), user=True)
     assert_failed_once(res, str(logs))
-    assert "permission denied" in res.stderr
+    assert f"log directory {logs}: permission denied" in res.stderr and "control.log" not in res.stderr
     assert 'reason="permission_denied"} 1.0' in res.stdout
 
 
@@ -334,14 +334,16 @@ def wait_for_metrics(port: int, proc: subprocess.Popen, want: str, limit: float 
     raise AssertionError(f"{want!r} not in the exposition within {limit} s:\n{body}")
 
 
-@pytest.mark.parametrize("make", ["fifo", "device"])
+@pytest.mark.parametrize("make", ["fifo", "device", "directory"])
 def test_serve_with_a_bad_control_log_reads_server_log_and_ends_on_sigterm(tmp_path, make):
     logs = tmp_path / "mps-log"
     logs.mkdir()
     if make == "fifo":
         os.mkfifo(logs / "control.log")
-    else:
+    elif make == "device":
         os.symlink("/dev/zero", logs / "control.log")
+    else:
+        (logs / "control.log").mkdir()
     (logs / "server.log").write_text(SERVER_LINE + "\n")
     port = free_port()
     proc = subprocess.Popen(EXE + ["--web.listen-address", f"127.0.0.1:{port}", "--mps.log-directory", str(logs)]
