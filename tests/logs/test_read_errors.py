@@ -334,24 +334,33 @@ def wait_for_metrics(port: int, proc: subprocess.Popen, want: str, limit: float 
     raise AssertionError(f"{want!r} not in the exposition within {limit} s:\n{body}")
 
 
-@pytest.mark.parametrize("make", ["fifo", "device", "directory"])
-def test_serve_with_a_bad_control_log_reads_server_log_and_ends_on_sigterm(tmp_path, make):
-    logs = tmp_path / "mps-log"
+@pytest.mark.parametrize("make", ["fifo", "device", "directory", "unreadable"])
+def test_serve_with_a_bad_control_log_reads_server_log_and_ends_on_sigterm(world_dir, make):
+    logs = world_dir / "mps-log"
     logs.mkdir()
+    as_other_user: list = []
     if make == "fifo":
         os.mkfifo(logs / "control.log")
     elif make == "device":
         os.symlink("/dev/zero", logs / "control.log")
-    else:
+    elif make == "directory":
         (logs / "control.log").mkdir()
+    else:
+        (logs / "control.log").write_text(LINE + "\n")
+        (logs / "control.log").chmod(0o000)
+        if os.geteuid() == 0:  # root reads everything: be another user for real
+            as_other_user = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
     (logs / "server.log").write_text(SERVER_LINE + "\n")
+    (logs / "server.log").chmod(0o666)
+    reason = "permission_denied" if make == "unreadable" else "not_regular_file"
     port = free_port()
-    proc = subprocess.Popen(EXE + ["--web.listen-address", f"127.0.0.1:{port}", "--mps.log-directory", str(logs)]
-                            + ONLY_LOGS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(as_other_user + EXE + ["--web.listen-address", f"127.0.0.1:{port}",
+                                                   "--mps.log-directory", str(logs)] + ONLY_LOGS,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/")
     try:
         body = wait_for_metrics(port, proc, 'mps_log_lines_total{daemon="default",file="server"} 1.0')
         assert 'mps_exporter_collector_success{collector="logs"} 0.0' in body
-        assert 'file="control",reason="not_regular_file"} 1.0' in body
+        assert f'file="control",reason="{reason}"}} 1.0' in body
         with open(logs / "server.log", "a") as f:  # still followed
             f.write(SERVER_LINE + "\n")
         wait_for_metrics(port, proc, 'mps_log_lines_total{daemon="default",file="server"} 2.0')
@@ -364,4 +373,4 @@ def test_serve_with_a_bad_control_log_reads_server_log_and_ends_on_sigterm(tmp_p
     out = proc.stdout.read() if proc.stdout else ""
     assert took < 5, f"SIGTERM took {took:.1f} s"
     assert proc.returncode == 0, out
-    assert out.count("level=warn") == 1 and "is not a regular file" in out, out
+    assert out.count("level=warn") == 1 and str(logs / "control.log") in out, out
