@@ -270,17 +270,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--seconds", type=int, default=10, help="length of the wrk load (default 10)")
+    parser.add_argument("--only", choices=["plain", "tls"], help="one web config instead of both")
+    parser.add_argument("--servers", default="mps-exporter,node_exporter", help="comma-separated (default both)")
     args = parser.parse_args()
+    servers = args.servers.split(",")
     with tempfile.TemporaryDirectory(prefix="load-bench-") as tmp:
         for setup in web_setups(tmp):
-            results = {kind: measure(kind, setup, args.clients, args.seconds)
-                       for kind in ("mps-exporter", "node_exporter")}
+            if args.only and (setup.context is not None) != (args.only == "tls"):
+                continue
+            results = {kind: measure(kind, setup, args.clients, args.seconds) for kind in servers}
             print(f"\n{setup.name}, {args.clients} clients, {args.seconds} s of load, {os.cpu_count()} cores\n")
-            print("| | mps-exporter | node_exporter |\n| --- | --- | --- |")
+            print("| | " + " | ".join(servers) + " |\n|" + " --- |" * (len(servers) + 1))
             fmt: Callable[[Dict[str, float], int], str]
             for label, fmt in ROWS:
-                print(f"| {label} | {fmt(results['mps-exporter'], args.clients)} | "
-                      f"{fmt(results['node_exporter'], args.clients)} |")
+                print(f"| {label} | " + " | ".join(fmt(results[k], args.clients) for k in servers) + " |")
             sys.stdout.flush()
 
 
