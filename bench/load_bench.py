@@ -279,7 +279,8 @@ def main() -> None:
             if args.only and (setup.context is not None) != (args.only == "tls"):
                 continue
             results = {kind: measure(kind, setup, args.clients, args.seconds) for kind in servers}
-            print(f"\n{setup.name}, {args.clients} clients, {args.seconds} s of load, {os.cpu_count()} cores\n")
+            print(f"\n{setup.name}, {args.clients} clients, {args.seconds} s of load, {os.cpu_count()} cores, "
+                  f"load average {os.getloadavg()[0]:.1f} at the end\n")
             print("| | " + " | ".join(servers) + " |\n|" + " --- |" * (len(servers) + 1))
             fmt: Callable[[Dict[str, float], int], str]
             for label, fmt in ROWS:

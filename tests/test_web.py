@@ -806,3 +806,15 @@ def test_http_1_0_keep_alive_is_confirmed():
                     head.append(line.decode().strip().lower())
                 assert head[0].endswith("200 ok") and "connection: keep-alive" in head
                 assert f.read(int(next(h for h in head if h.startswith("content-length")).split(":")[1])) == b"OK"
+
+
+def test_the_tls_context_is_built_once_at_start_up(tmp_path, tls_dir, monkeypatch):
+    _, files, _ = tls_dir
+    built = []
+    real = webconfig.TLSSettings.build_context
+    monkeypatch.setattr(webconfig.TLSSettings, "build_context", lambda self: built.append(1) or real(self))
+    path = write_config(tmp_path, f"tls_server_config:\n  cert_file: {files.server_cert}\n  key_file: {files.server_key}\n")
+    _, cfg = parse_args(["--web.config.file", path, "--web.listen-address", "127.0.0.1:0"])
+    with running(registry_with(GpuCollector()), cfg.web_config) as server:
+        assert request(server, "/-/healthy", context=client_context(files.ca_cert))[0] == 200
+    assert len(built) == 1  # checked, built and served: once
