@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone
 
 import pytest
@@ -9,6 +10,8 @@ import pytest
 from mps_exporter.logs import events as ev
 from mps_exporter.logs.parser import PARSER_ERROR, parse_line, resolve_timezone
 from mps_exporter.logs.pipeline import LogPipeline
+
+from tests.support.data import CAPTURE
 
 from .conftest import FIXTURES
 from .helpers import UTC
@@ -182,3 +185,25 @@ def test_the_issues_repro_loses_no_line(tmp_path):
     (tmp_path / "control.log").write_text("\n".join([ok] * 5000 + [bad] + [ok] * 5000) + "\n")
     snap = LogPipeline("default", str(tmp_path), timezone="UTC").read_once()
     assert snap.lines["control"] == 10_001 and snap.unrecognized["control"] == 1
+
+
+def _known_lines():
+    """Every line the parser is known to meet: the capture and the fixtures of older MPS."""
+    for path in [CAPTURE / "control.log", CAPTURE / "server.log"] + sorted(FIXTURES.rglob("*.log")):
+        file = "control" if path.name.startswith("control") else "server"
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            yield file, line
+
+
+def test_every_number_of_every_known_line_made_huge_is_never_a_parser_error():
+    # A rule that converts an unbounded digit run (int() refuses over 4300 digits) fails
+    # here for any shape the capture or a fixture holds, whoever adds the rule.
+    checked = 0
+    for file, line in _known_lines():
+        close = line.find("]")
+        for m in re.finditer(r"\d+", line[close + 1:]):
+            start, end = close + 1 + m.start(), close + 1 + m.end()
+            result = parse_line(line[:start] + HUGE + line[end:], file, UTC)
+            assert not (type(result) is ev.Unrecognized and result.reason == PARSER_ERROR), line
+            checked += 1
+    assert checked > 1000
