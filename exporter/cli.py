@@ -1,5 +1,5 @@
 """`mps-exporter`: parse the command line and dispatch: serve /metrics (default),
-`dump` once, `capture`, `replay`, or print the metric table.
+`dump` once, `capture`, `replay`, `status`, or print the metric table.
 
 Flags follow Prometheus exporter conventions (`--web.listen-address`,
 `--collector.<name>` / `--no-collector.<name>`, `--log.level`); the collector
@@ -20,7 +20,7 @@ from typing import Dict, NoReturn, Optional, Sequence, Tuple
 from . import __version__
 from .capture import capture
 from .config import (DEFAULT_DAEMON_NAME, DEFAULT_LISTEN, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY,
-                     CaptureOptions, Config, DaemonConfig, ReplayOptions, load_daemons_file)
+                     CaptureOptions, Config, DaemonConfig, ReplayOptions, StatusOptions, load_daemons_file)
 from .contract import markdown_table
 from .errors import ConfigError
 from .logs.parser import resolve_timezone
@@ -169,6 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="start over at the end of the bundle (always, for the shipped session)")
     _add_web(replay)
     _add_logging(replay)
+    status = sub.add_parser("status", help="collect once and print the node's MPS state as a report "
+                            "(daemons, GPUs, servers, clients, queue, recent events)")
+    _add_common(status)
+    status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                        help="refresh in place every SECONDS (default 2) until q or Ctrl-C")
+    status.add_argument("--output", choices=["text", "json"], default="text",
+                        help="text (default) or json, the same data for scripts")
+    status.add_argument("--bundle", default=None, metavar="FILE",
+                        help="read a bundle written by `capture` instead of this node (daemons and sources "
+                             "come from the bundle)")
+    status.add_argument("--at", type=float, default=None, metavar="SECONDS",
+                        help="with --bundle: the moment to show, in seconds into the recording (default: its "
+                             "end; with --watch the recording plays from here, default its start)")
     return parser
 
 
@@ -232,11 +245,23 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
         if not ns.out or not os.path.isdir(out_dir):
             raise ConfigError(f"--out {ns.out!r}: neither a directory nor a file in an existing directory")
         cfg.capture = CaptureOptions(ns.out, ns.duration, ns.interval, history)
+    if command == "status":
+        cfg.status = _status_options(ns)
     if ns.config_file:
         cfg.daemons = load_daemons_file(ns.config_file)
     else:
         cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, ns.pipe_directory, ns.log_directory)]
     return cfg
+
+
+def _status_options(ns: argparse.Namespace) -> StatusOptions:
+    if ns.watch is not None and ns.watch <= 0:
+        raise ConfigError(f"--watch must be positive, not {ns.watch}")
+    if ns.watch is not None and ns.output == "json":
+        raise ConfigError("--watch shows the text report; --output json prints once")
+    if ns.at is not None and (ns.bundle is None or ns.at < 0):
+        raise ConfigError("--at needs --bundle and is seconds into it (0 or more)")
+    return StatusOptions(ns.bundle, ns.at, ns.watch, ns.output)
 
 
 def _web_flags(cfg: Config, ns: argparse.Namespace, check_address: bool) -> None:
@@ -274,6 +299,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return capture(cfg)
     from .replay import replay  # PyYAML (see the top)
     from .service import serve
+    from .status.command import status  # replay, for bundles
+
+    if command == "status":
+        return status(cfg)
 
     try:
         if command == "replay":

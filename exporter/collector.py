@@ -217,14 +217,15 @@ class MpsCollector(Collector):
             future = collection.futures[name]
             result = future.result() if future.done() else None
             if result is None:  # late
-                self._note_failure(name, f"no answer within {budget:g} s" if budget is not None else "no answer")
+                error = f"no answer within {budget:g} s" if budget is not None else "no answer"
+                self._note_failure(name, error)
                 served = run.last if self.serve_last else None
                 waited = time.perf_counter() - started
-                snap.outcomes[name] = Outcome(False, waited, run.last.taken_at if run.last else None)
+                snap.outcomes[name] = Outcome(False, waited, run.last.taken_at if run.last else None, error)
             else:
                 served = result if result.reading is not None else None
                 last = result.taken_at if result.ok else (run.last.taken_at if run.last else None)
-                snap.outcomes[name] = Outcome(result.ok, result.duration_seconds, last)
+                snap.outcomes[name] = Outcome(result.ok, result.duration_seconds, last, result.error or None)
             if served is not None:
                 run.source.store(snap, served.reading)
         if snap.nvml is not None and snap.nvml.gpus:

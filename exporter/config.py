@@ -56,6 +56,14 @@ class ReplayOptions:
 
 
 @dataclass
+class StatusOptions:
+    bundle: Optional[str] = None  # read a capture bundle instead of this node
+    at: Optional[float] = None  # seconds into the bundle; None: its end (with --watch: its start)
+    watch: Optional[float] = None  # refresh every this many seconds; None: print once
+    output: str = "text"  # text or json
+
+
+@dataclass
 class Config:
     listen_address: str = DEFAULT_LISTEN
     telemetry_path: str = "/metrics"
@@ -79,6 +87,7 @@ class Config:
     log_format: str = "logfmt"
     capture: CaptureOptions = field(default_factory=CaptureOptions)
     replay: ReplayOptions = field(default_factory=ReplayOptions)
+    status: StatusOptions = field(default_factory=StatusOptions)
 
 
 def load_daemons_file(path: str) -> List[DaemonConfig]:

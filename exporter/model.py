@@ -122,6 +122,7 @@ class Outcome:
     # The collection time of its last successful read; older than the
     # collection's own time when a late source's last reading is served.
     last_success_seconds: Optional[float] = None
+    error: Optional[str] = None  # why it failed (`status` shows it; /metrics has only success)
 
 
 @dataclass

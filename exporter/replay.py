@@ -57,12 +57,12 @@ class Player:
     """One bundle on a virtual timeline; `monotonic` is injectable so tests step time."""
 
     def __init__(self, bundle: Bundle, log_root: str, speed: float = 1.0, loop: bool = False,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, start_at: float = 0.0) -> None:
         self.bundle = bundle
         self.speed = speed
         self.loop = loop and bundle.duration > 0
         self._monotonic = monotonic
-        self._start = monotonic()
+        self._start = monotonic() - start_at / speed  # start_at: seconds into the bundle
         self._times = [s.t for s in bundle.scrapes]
         self._scrape = bundle.scrapes[0]
         self.log_dirs: Dict[str, str] = {}

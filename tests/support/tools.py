@@ -23,6 +23,7 @@ PACKAGES = {
     "victoria-metrics": "victoria-metrics",
     "vmagent": "victoria-metrics",
     "vmalert": "victoria-metrics",
+    "tmux": "tmux",
 }
 
 

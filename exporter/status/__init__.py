@@ -1,0 +1,1 @@
+"""`mps-exporter status`: the node's MPS state on one screen (command.py)."""

@@ -1,0 +1,247 @@
+"""The node's MPS state as one typed view: what `mps-exporter status` shows.
+
+Built on the same collection and the same join as /metrics: `build()` renders the
+snapshot with `render.render`, exactly as a scrape does, and reads the view off
+those samples. Only what no metric carries comes from the log state directly:
+the clients still queued (PID, since when) and the recent events with their times.
+So a number `status` prints is a sample /metrics publishes for the same moment;
+they cannot disagree, and a new metric needs no second join here.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..model import Snapshot
+from ..render import render
+
+Labels = Dict[str, str]
+
+# Per-daemon counters worth a line in a status report (what went wrong, what changed hands).
+EVENT_COUNTERS = (
+    "mps_server_handoffs_total",
+    "mps_server_shutdown_deferrals_total",
+    "mps_fatal_gpu_errors_total",
+    "mps_server_start_failures_total",
+    "mps_server_exits_total",
+    "mps_log_unrecognized_lines_total",
+)
+
+
+@dataclass
+class SourceStatus:
+    name: str
+    ok: bool
+    error: Optional[str] = None  # why it failed, as the collector logged it
+
+
+@dataclass
+class GpuStatus:
+    index: int
+    uuid: str
+    up: bool
+    name: str = ""
+    driver_version: str = ""
+    compute_mode: str = ""
+    mig_mode: str = ""
+    sharing_mode: Optional[str] = None  # mps, time_slicing, exclusive, mig, idle
+    memory_used_bytes: Optional[float] = None
+    memory_total_bytes: Optional[float] = None
+    utilization_ratio: Optional[float] = None
+    memory_utilization_ratio: Optional[float] = None
+    sm_active_ratio: Optional[float] = None
+    sm_occupancy_ratio: Optional[float] = None
+    tensor_active_ratio: Optional[float] = None
+    dram_active_ratio: Optional[float] = None
+    power_watts: Optional[float] = None
+    temperature_celsius: Optional[float] = None
+    compute_processes: Optional[float] = None
+
+
+@dataclass
+class ServerStatus:
+    pid: int
+    uid: Optional[int]
+    user: str
+    status: Optional[str]  # ACTIVE, INITIALIZING, FAULT; None where the daemon did not say
+    clients: Optional[float]
+    active_thread_ratio: Optional[float]
+    pinned_memory_limit_bytes: Dict[int, float]  # by GPU index
+    memory_used_bytes: Dict[int, float]  # the server process itself, by GPU index
+    start_time: Optional[float]
+
+
+@dataclass
+class ClientStatus:
+    pid: int
+    server_pid: Optional[int]
+    uid: Optional[int]
+    user: str
+    command: str
+    pid_namespace: str
+    container_id: str
+    pod_uid: str
+    memory_used_bytes: Dict[int, float]  # by GPU index
+    pinned_memory_limit_bytes: Dict[int, float]  # the limit in force, by GPU index
+    active_thread_ratio: Optional[float]
+    start_time: Optional[float]
+
+
+@dataclass
+class QueuedClient:
+    pid: int
+    uid: int
+    reason: str  # server_starting or user_switch
+    since: float
+    waiting_seconds: float
+
+
+@dataclass
+class Event:
+    time: float
+    kind: str  # fatal_gpu_error, handoff, start_failure
+    server_pid: Optional[int]
+    clients: List[int]
+    detail: str
+
+
+@dataclass
+class Counter:
+    metric: str
+    labels: Labels  # its labels other than daemon
+    value: float
+
+
+@dataclass
+class DaemonStatus:
+    name: str
+    up: bool
+    version: str = ""
+    pipe_directory: str = ""
+    log_directory: str = ""
+    default_active_thread_ratio: Optional[float] = None
+    default_pinned_memory_limit_bytes: Dict[int, float] = field(default_factory=dict)
+    servers: List[ServerStatus] = field(default_factory=list)
+    clients: List[ClientStatus] = field(default_factory=list)
+    queued_clients: Dict[str, float] = field(default_factory=dict)  # by reason
+    oldest_queued_wait_seconds: Optional[float] = None
+    queued: List[QueuedClient] = field(default_factory=list)
+    counters: List[Counter] = field(default_factory=list)
+    events: List[Event] = field(default_factory=list)  # oldest first
+
+
+@dataclass
+class NodeStatus:
+    time: float  # the collection's clock (unix time)
+    origin: str  # what was read: "host NAME" or "bundle FILE at T s"
+    sources: List[SourceStatus]
+    gpus: List[GpuStatus]
+    daemons: List[DaemonStatus]
+
+
+# ---------------------------------------------------------------- samples
+class Samples:
+    """The samples of rendered families, by sample name."""
+
+    def __init__(self, families: Sequence[Any]) -> None:
+        self._by_name: Dict[str, List[Tuple[Labels, float]]] = defaultdict(list)
+        for family in families:
+            for s in family.samples:
+                self._by_name[s.name].append((s.labels, _number(s.value)))
+
+    def rows(self, name: str, **match: str) -> List[Tuple[Labels, float]]:
+        return [(labels, v) for labels, v in self._by_name.get(name, ())
+                if all(labels.get(k) == want for k, want in match.items())]
+
+    def value(self, name: str, **match: str) -> Optional[float]:
+        rows = self.rows(name, **match)
+        return rows[0][1] if rows else None
+
+    def by_gpu(self, name: str, **match: str) -> Dict[int, float]:
+        return {int(labels["gpu"]): v for labels, v in self.rows(name, **match)}
+
+
+def _number(v: float) -> float:
+    # Whole numbers (bytes, counts, PIDs) print and encode as integers.
+    return int(v) if float(v).is_integer() else v
+
+
+def _int(text: Optional[str]) -> Optional[int]:
+    return int(text) if text else None
+
+
+# ---------------------------------------------------------------- the view
+def build(snap: Snapshot, origin: str) -> NodeStatus:
+    """The view of one collection: its samples, as /metrics would publish them, plus the log state."""
+    m = Samples(render(snap).families())
+    sources = [SourceStatus(name, o.success, o.error) for name, o in sorted(snap.outcomes.items())]
+    return NodeStatus(time=snap.now, origin=origin, sources=sources, gpus=_gpus(m),
+                      daemons=[_daemon(m, labels["daemon"], snap) for labels, _ in m.rows("mps_control_daemon_up")])
+
+
+def _gpus(m: Samples) -> List[GpuStatus]:
+    out = []
+    for labels, up in m.rows("mps_gpu_up"):
+        g = {"gpu": labels["gpu"], "uuid": labels["uuid"]}
+        info = next((lab for lab, _ in m.rows("mps_gpu_info", **g)), {})
+        mode = next((lab["mode"] for lab, _ in m.rows("mps_gpu_sharing_mode", **g)), None)
+        out.append(GpuStatus(
+            index=int(labels["gpu"]), uuid=labels["uuid"], up=bool(up), name=info.get("name", ""),
+            driver_version=info.get("driver_version", ""), compute_mode=info.get("compute_mode", ""),
+            mig_mode=info.get("mig_mode", ""), sharing_mode=mode,
+            memory_used_bytes=m.value("mps_gpu_memory_used_bytes", **g),
+            memory_total_bytes=m.value("mps_gpu_memory_total_bytes", **g),
+            utilization_ratio=m.value("mps_gpu_utilization_ratio", **g),
+            memory_utilization_ratio=m.value("mps_gpu_memory_utilization_ratio", **g),
+            sm_active_ratio=m.value("mps_gpu_sm_active_ratio", **g),
+            sm_occupancy_ratio=m.value("mps_gpu_sm_occupancy_ratio", **g),
+            tensor_active_ratio=m.value("mps_gpu_tensor_active_ratio", **g),
+            dram_active_ratio=m.value("mps_gpu_dram_active_ratio", **g),
+            power_watts=m.value("mps_gpu_power_watts", **g),
+            temperature_celsius=m.value("mps_gpu_temperature_celsius", **g),
+            compute_processes=m.value("mps_gpu_compute_processes", **g)))
+    return out
+
+
+def _daemon(m: Samples, name: str, snap: Snapshot) -> DaemonStatus:
+    d = {"daemon": name}
+    info = next((lab for lab, _ in m.rows("mps_control_daemon_info", **d)), {})
+    out = DaemonStatus(
+        name=name, up=bool(m.value("mps_control_daemon_up", **d)), version=info.get("version", ""),
+        pipe_directory=info.get("pipe_directory", ""), log_directory=info.get("log_directory", ""),
+        default_active_thread_ratio=m.value("mps_default_active_thread_ratio", **d),
+        default_pinned_memory_limit_bytes=m.by_gpu("mps_default_pinned_memory_limit_bytes", **d),
+        queued_clients={lab["reason"]: v for lab, v in m.rows("mps_queued_clients", **d)},
+        oldest_queued_wait_seconds=m.value("mps_queued_client_oldest_wait_seconds", **d))
+    for labels, _ in m.rows("mps_server_info", **d):
+        s = {**d, "server_pid": labels["server_pid"]}
+        out.servers.append(ServerStatus(
+            pid=int(labels["server_pid"]), uid=_int(labels["uid"]), user=labels["user"],
+            status=next((lab["status"] for lab, _ in m.rows("mps_server_status", **s)), None),
+            clients=m.value("mps_server_clients", **s),
+            active_thread_ratio=m.value("mps_server_active_thread_ratio", **s),
+            pinned_memory_limit_bytes=m.by_gpu("mps_server_pinned_memory_limit_bytes", **s),
+            memory_used_bytes=m.by_gpu("mps_server_memory_used_bytes", **s),
+            start_time=m.value("mps_server_start_time_seconds", **s)))
+    for labels, _ in m.rows("mps_client_info", **d):
+        c = {**d, "pid": labels["pid"]}
+        out.clients.append(ClientStatus(
+            pid=int(labels["pid"]), server_pid=_int(labels["server_pid"]), uid=_int(labels["uid"]),
+            user=labels["user"], command=labels["command"], pid_namespace=labels["namespace"],
+            container_id=labels["container_id"], pod_uid=labels["pod_uid"],
+            memory_used_bytes=m.by_gpu("mps_client_memory_used_bytes", **c),
+            pinned_memory_limit_bytes=m.by_gpu("mps_client_pinned_memory_limit_bytes", **c),
+            active_thread_ratio=m.value("mps_client_active_thread_ratio", **c),
+            start_time=m.value("mps_client_start_time_seconds", **c)))
+    for metric in EVENT_COUNTERS:
+        out.counters += [Counter(metric, {k: v for k, v in lab.items() if k != "daemon"}, v)
+                         for lab, v in m.rows(metric, **d)]
+    log = snap.logs.get(name)
+    if log is not None:  # what no metric carries: who waits since when, and what happened when
+        out.queued = [QueuedClient(p.pid, p.uid, p.reason, p.pushed_at, max(0.0, snap.now - p.pushed_at))
+                      for p in log.pending]
+        out.events = [Event(e.time, e.kind, e.server_pid, list(e.clients), e.detail)
+                      for e in sorted(log.recent_events, key=lambda e: e.time)]
+    return out

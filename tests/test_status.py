@@ -1,0 +1,239 @@
+"""`mps-exporter status` (exporter/status/): the report on the shipped recorded session,
+its JSON against the /metrics values of the same instant, a failing source, and the
+flags. The watch screen in a real terminal is tests/test_status_watch.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+from mps_exporter.bundle import load
+from mps_exporter.cli import parse_args
+from mps_exporter.collector import build_registry
+from mps_exporter.config import Config
+from mps_exporter.replay import Player, replay_config, shipped_bundle
+from mps_exporter.wiring import build_collector, build_readers
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.data import CAPTURE
+
+QUEUED_AT = 17.0  # uid 1500's client waits behind uid 0's server (README's timeline: 15-21 s)
+FAULT_AT = 39.5  # the fatal GPU error: the server's status is FAULT (36-39 s)
+
+
+def status(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mps_exporter.cli", "status", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def status_json(at: float) -> dict:
+    res = status("--bundle", shipped_bundle(), "--at", str(at), "--output", "json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+Sample = Tuple[str, Dict[str, str], float]
+
+
+def metrics_at(at: float, tmp: Path) -> List[Sample]:
+    """What /metrics publishes at `at` seconds into the shipped session: the replay's
+    sources, log files and collector at that moment, through the exporter's registry."""
+    bundle = load(shipped_bundle())
+    player = Player(bundle, str(tmp), monotonic=lambda: 0.0, start_at=at)
+    cfg = replay_config(Config(), bundle, player.log_dirs)
+    readers = {**build_readers(cfg, recorded=False), **player.readers()}
+    collector = build_collector(cfg, readers, clock=player.clock)
+    player.feed()
+    for reader in readers.values():
+        reader.catch_up()
+    text = generate_latest(build_registry(collector)).decode()
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+class Metrics:
+    def __init__(self, samples: List[Sample]) -> None:
+        self.samples = samples
+
+    def rows(self, name: str, **labels: str) -> List[Tuple[Dict[str, str], float]]:
+        return [(lab, v) for n, lab, v in self.samples if n == name and all(lab.get(k) == w for k, w in labels.items())]
+
+    def one(self, name: str, **labels: str):
+        rows = self.rows(name, **labels)
+        assert len(rows) <= 1, (name, labels, rows)
+        return rows[0][1] if rows else None
+
+    def labels(self, name: str, **labels: str) -> Dict[str, str]:
+        rows = self.rows(name, **labels)
+        assert len(rows) == 1, (name, labels, rows)
+        return rows[0][0]
+
+    def by_gpu(self, name: str, **labels: str) -> Dict[str, float]:
+        return {lab["gpu"]: v for lab, v in self.rows(name, **labels)}
+
+
+# ---------------------------------------------------------------- the report
+def test_report_at_a_moment_with_a_queued_client():
+    res = status("--bundle", shipped_bundle(), "--at", str(QUEUED_AT))
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    out = res.stdout
+    assert out.startswith(f"mps-exporter status: bundle h200-mps-session.jsonl.gz at {QUEUED_AT} s of 90.0 s\n")
+    assert "sources: control ok, logs ok, nvml ok, proc ok" in out
+    assert re.search(r"^GPU 0  NVIDIA H200  GPU-c4ea5ee3-17b1-6fbd-bb46-e4d783112c4d$", out, re.M)
+    assert "  sharing mps | memory 1.80 GiB of 140.40 GiB (1%)" in out
+    # uid 0's server and its one remaining client, uid 1500's client queued behind them
+    assert re.search(r"^  9991 +root \(0\) +ACTIVE +1 +100% ", out, re.M), out
+    assert re.search(r"^  9932 +9991 +root \(0\) +- +1\.73 GiB / no limit +100% +/opt/torch/\.venv/bin/python3$", out, re.M), out
+    queued = re.search(r"^  QUEUED +UID +REASON +WAITING +SINCE\n  (\d+) +(\d+) +(\w+) +([\d.]+) s +2026-11-21 (\S+)$", out, re.M)
+    assert queued and queued.groups()[:3] == ("10046", "1500", "user_switch"), out
+    assert 0 < float(queued.group(4)) < QUEUED_AT - 12  # queued from 15 s on: about 2 s so far
+    assert "EVENTS" not in out  # nothing has gone wrong yet
+
+
+def test_report_at_the_fatal_gpu_error():
+    res = status("--bundle", shipped_bundle(), "--at", str(FAULT_AT))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert re.search(r"^  10199 +root \(0\) +FAULT +1 +100% ", out, re.M), out
+    events = re.findall(r"^  2026-11-21 (\S+)  (.+?)  \(([\d.]+) s ago\)$", out, re.M)
+    assert [(t, what) for t, what, _ in events] == [
+        ("04:47:42.244", "handoff          server 9991 (uid 0) shut down for a waiting client of another user"),
+        ("04:47:59.994", "fatal GPU error  server 10199, clients with a sticky error: 10244 10332")], out
+    assert "fatal GPU errors 1" in out and "handoffs 1" in out and "server exits 2 (status 0: 2)" in out
+    assert "QUEUED" not in out
+
+
+def test_default_moment_is_the_end_of_the_recording():
+    res = status("--bundle", shipped_bundle())
+    assert res.returncode == 0, res.stderr
+    assert "at 90.0 s of 90.0 s" in res.stdout and "MPS daemon default: DOWN" in res.stdout
+    assert "fatal GPU error  server 10199" in res.stdout  # the events stay after the daemon quit
+
+
+# ---------------------------------------------------------------- status and /metrics agree
+@pytest.mark.parametrize("at", [QUEUED_AT, FAULT_AT])
+def test_json_is_what_metrics_publishes_at_the_same_instant(at, tmp_path):
+    st = status_json(at)
+    m = Metrics(metrics_at(at, tmp_path))
+
+    assert {s["name"]: s["ok"] for s in st["sources"]} == {
+        lab["collector"]: bool(v) for lab, v in m.rows("mps_exporter_collector_success")}
+    assert [g["index"] for g in st["gpus"]] == [int(lab["gpu"]) for lab, _ in m.rows("mps_gpu_up")] == [0]
+    for g in st["gpus"]:
+        sel = {"gpu": str(g["index"]), "uuid": g["uuid"]}
+        info = m.labels("mps_gpu_info", **sel)
+        assert (g["name"], g["driver_version"], g["compute_mode"], g["mig_mode"]) == (
+            info["name"], info["driver_version"], info["compute_mode"], info["mig_mode"])
+        assert g["up"] == bool(m.one("mps_gpu_up", **sel))
+        assert g["sharing_mode"] == m.labels("mps_gpu_sharing_mode", **sel)["mode"] == "mps"
+        for key in ("memory_used_bytes", "memory_total_bytes", "utilization_ratio", "memory_utilization_ratio",
+                    "sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio",
+                    "power_watts", "temperature_celsius"):
+            assert g[key] == m.one(f"mps_gpu_{key}", **sel), key
+        assert g["compute_processes"] == m.one("mps_gpu_compute_processes", **sel)
+
+    (d,) = st["daemons"]
+    sel = {"daemon": d["name"]}
+    info = m.labels("mps_control_daemon_info", **sel)
+    assert (d["up"], d["version"], d["pipe_directory"], d["log_directory"]) == (
+        bool(m.one("mps_control_daemon_up", **sel)), info["version"], info["pipe_directory"], info["log_directory"])
+    assert d["default_active_thread_ratio"] == m.one("mps_default_active_thread_ratio", **sel)
+    assert d["default_pinned_memory_limit_bytes"] == m.by_gpu("mps_default_pinned_memory_limit_bytes", **sel)
+
+    assert sorted(s["pid"] for s in d["servers"]) == sorted(int(lab["server_pid"]) for lab, _ in m.rows("mps_server_info"))
+    for s in d["servers"]:
+        ssel = {**sel, "server_pid": str(s["pid"])}
+        info = m.labels("mps_server_info", **ssel)
+        assert (str(s["uid"]), s["user"]) == (info["uid"], info["user"])
+        assert s["status"] == m.labels("mps_server_status", **ssel)["status"]
+        assert s["clients"] == m.one("mps_server_clients", **ssel)
+        assert s["active_thread_ratio"] == m.one("mps_server_active_thread_ratio", **ssel)
+        assert s["pinned_memory_limit_bytes"] == m.by_gpu("mps_server_pinned_memory_limit_bytes", **ssel)
+        assert s["memory_used_bytes"] == m.by_gpu("mps_server_memory_used_bytes", **ssel)
+        assert s["start_time"] == m.one("mps_server_start_time_seconds", **ssel)
+
+    assert sorted(c["pid"] for c in d["clients"]) == sorted(int(lab["pid"]) for lab, _ in m.rows("mps_client_info"))
+    for c in d["clients"]:
+        csel = {**sel, "pid": str(c["pid"])}
+        info = m.labels("mps_client_info", **csel)
+        assert (str(c["server_pid"]), str(c["uid"]), c["user"], c["command"], c["pid_namespace"], c["container_id"],
+                c["pod_uid"]) == (info["server_pid"], info["uid"], info["user"], info["command"], info["namespace"],
+                                  info["container_id"], info["pod_uid"])
+        assert c["memory_used_bytes"] == m.by_gpu("mps_client_memory_used_bytes", **csel) != {}
+        assert c["pinned_memory_limit_bytes"] == m.by_gpu("mps_client_pinned_memory_limit_bytes", **csel)
+        assert c["active_thread_ratio"] == m.one("mps_client_active_thread_ratio", **csel)
+        assert c["start_time"] == m.one("mps_client_start_time_seconds", **csel)
+
+    # the queue: the counts and the oldest wait are the metrics; the list of who waits adds the PIDs
+    assert d["queued_clients"] == {lab["reason"]: v for lab, v in m.rows("mps_queued_clients", **sel)}
+    assert len(d["queued"]) == sum(d["queued_clients"].values())
+    assert d["oldest_queued_wait_seconds"] == m.one("mps_queued_client_oldest_wait_seconds", **sel)
+    assert max((q["waiting_seconds"] for q in d["queued"]), default=0) == pytest.approx(d["oldest_queued_wait_seconds"])
+    for c in d["counters"]:
+        assert c["value"] == m.one(c["metric"], **sel, **c["labels"]), c
+    counted = {(c["metric"], tuple(sorted(c["labels"].items()))) for c in d["counters"]}
+    assert ("mps_fatal_gpu_errors_total", ()) in counted and ("mps_server_handoffs_total", ()) in counted
+    # every event the counters saw is listed (the session has fewer than the 64 kept)
+    kinds = [e["kind"] for e in d["events"]]
+    assert kinds.count("fatal_gpu_error") == m.one("mps_fatal_gpu_errors_total", **sel)
+    assert kinds.count("handoff") == m.one("mps_server_handoffs_total", **sel)
+
+    if at == QUEUED_AT:
+        assert [(q["pid"], q["uid"], q["reason"]) for q in d["queued"]] == [(10046, 1500, "user_switch")]
+        assert d["queued_clients"]["user_switch"] == 1
+    else:
+        assert [s["status"] for s in d["servers"]] == ["FAULT"]
+        assert [(e["kind"], e["server_pid"], e["clients"]) for e in d["events"]][-1] == (
+            "fatal_gpu_error", 10199, [10244, 10332])
+
+
+# ---------------------------------------------------------------- failing sources
+def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
+    # No NVML and no control binary on this machine's path; the logs are the recorded session's.
+    res = status("--mps.control-binary", str(tmp_path / "no-such-binary"), "--mps.log-directory", str(CAPTURE),
+                 "--mps.log-timezone", "UTC", "--no-collector.dcgm", "--path.procfs", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert re.search(r"^sources: control FAILED, logs ok, nvml FAILED, proc ok$", out, re.M), out
+    assert re.search(r"^! control failed: default: .*no-such-binary", out, re.M), out
+    assert re.search(r"^! nvml failed: ", out, re.M) and "GPUs: unknown: NVML failed" in out
+    assert "MPS daemon default: DOWN" in out
+    # the logs still tell what happened, when
+    assert "  totals from the logs: handoffs 4, shutdown deferrals 12, fatal GPU errors 1" in out
+    assert re.search(r"^  2026-11-21 04:23:08\.506  fatal GPU error  server 2736, clients with a sticky error: 2755  ", out, re.M)
+    assert res.stderr == ""  # the failures are in the report, not repeated as log lines
+
+    res = status("--mps.control-binary", str(tmp_path / "no-such-binary"), "--no-collector.logs",
+                 "--no-collector.dcgm", "--output", "json")
+    st = json.loads(res.stdout)
+    failed = {s["name"]: s["error"] for s in st["sources"] if not s["ok"]}
+    assert set(failed) == {"control", "nvml"} and "no-such-binary" in failed["control"]
+    assert st["gpus"] == [] and st["daemons"][0]["up"] is False
+
+
+# ---------------------------------------------------------------- flags
+@pytest.mark.parametrize("args, message", [
+    (["--at", "3"], "--at needs --bundle"),
+    (["--bundle", "x.jsonl.gz", "--at", "-1"], "--at needs --bundle and is seconds into it"),
+    (["--watch", "0"], "--watch must be positive"),
+    (["--watch", "--output", "json"], "--watch shows the text report"),
+])
+def test_flag_errors_are_one_line(args, message):
+    res = status(*args)
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
+
+
+def test_unreadable_bundle_is_one_line(tmp_path):
+    res = status("--bundle", str(tmp_path / "missing.jsonl.gz"))
+    assert res.returncode == 2 and res.stderr == f"mps-exporter: error: cannot read bundle {tmp_path}/missing.jsonl.gz: no such file\n"
+
+
+def test_watch_takes_an_optional_interval():
+    assert parse_args(["status", "--watch"])[1].status.watch == 2.0
+    assert parse_args(["status", "--watch", "0.5", "--bundle", "b", "--at", "3"])[1].status.watch == 0.5
+    assert parse_args(["status"])[1].status.watch is None
