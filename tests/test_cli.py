@@ -154,6 +154,10 @@ BAD_VALUES = {
     "--speed": ["abc", "0"],
     "--loop": ["=x"],
     "bundle": ["/nonexistent/session.jsonl.gz", "{bad_yaml}"],
+    "--watch": ["abc", "0", "-1"],
+    "--output": ["xml"],
+    "--bundle": ["/nonexistent/session.jsonl.gz", "{bad_yaml}"],
+    "--at": ["abc", "-1"],
 }
 for _name in ("nvml", "dcgm", "control", "proc", "logs"):
     BAD_VALUES[f"--collector.{_name}"] = BAD_VALUES[f"--no-collector.{_name}"] = ["=x"]
