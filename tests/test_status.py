@@ -104,7 +104,8 @@ def test_report_at_the_fatal_gpu_error():
     assert [(t, what) for t, what, _ in events] == [
         ("04:47:42.244", "handoff          server 9991 (uid 0) shut down for a waiting client of another user"),
         ("04:47:59.994", "fatal GPU error  server 10199, clients with a sticky error: 10244 10332")], out
-    assert "fatal GPU errors 1" in out and "handoffs 1" in out and "server exits 2 (status 0: 2)" in out
+    totals = re.sub(r"\s+", " ", out[out.index("totals from the logs:"):])  # wrapped at 100 columns
+    assert "fatal GPU errors 1," in totals and "handoffs 1," in totals and "server exits 2 (status 0: 2)" in totals
     assert "QUEUED" not in out
 
 
@@ -113,6 +114,15 @@ def test_default_moment_is_the_end_of_the_recording():
     assert res.returncode == 0, res.stderr
     assert "at 90.0 s of 90.0 s" in res.stdout and "MPS daemon default: DOWN" in res.stdout
     assert "fatal GPU error  server 10199" in res.stdout  # the events stay after the daemon quit
+
+
+def test_readme_samples_are_what_status_prints():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## On the node: `mps-exporter status`\n", 1)[1].split("\n## ", 1)[0]
+    queued, fault = re.findall(r"^```\n(.*?)^```$", section, re.S | re.M)
+    assert queued == status("--bundle", shipped_bundle(), "--at", str(QUEUED_AT)).stdout
+    at_fault = status("--bundle", shipped_bundle(), "--at", str(FAULT_AT)).stdout
+    assert fault == at_fault[at_fault.index("  SERVER"):]
 
 
 # ---------------------------------------------------------------- status and /metrics agree
@@ -204,7 +214,7 @@ def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
     assert re.search(r"^! nvml failed: ", out, re.M) and "GPUs: unknown: NVML failed" in out
     assert "MPS daemon default: DOWN" in out
     # the logs still tell what happened, when
-    assert "  totals from the logs: handoffs 4, shutdown deferrals 12, fatal GPU errors 1" in out
+    assert "  totals from the logs: handoffs 4, shutdown deferrals 12, fatal GPU errors 1," in out
     assert re.search(r"^  2026-11-21 04:23:08\.506  fatal GPU error  server 2736, clients with a sticky error: 2755  ", out, re.M)
     assert res.stderr == ""  # the failures are in the report, not repeated as log lines
 

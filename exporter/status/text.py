@@ -6,6 +6,7 @@ in bold and what went wrong in reverse video; printed, the lines are plain text.
 
 from __future__ import annotations
 
+import textwrap
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -14,6 +15,7 @@ from .view import ClientStatus, DaemonStatus, Event, GpuStatus, NodeStatus, Serv
 Line = Tuple[str, str]  # (text, style)
 TITLE, HEADING, ALERT, PLAIN = "title", "heading", "alert", ""
 
+WIDTH = 100  # where the totals wrap; tables and events keep a line per row
 _EVENT_NAMES = {"fatal_gpu_error": "fatal GPU error", "handoff": "handoff", "start_failure": "start failure"}
 _COUNTER_NAMES = {
     "mps_server_handoffs_total": "handoffs",
@@ -93,7 +95,9 @@ def _daemon(d: DaemonStatus, now: float) -> List[Line]:
     out += _events(d.events, now)
     totals = _totals(d)
     if totals:
-        out += [("", PLAIN), ("  totals from the logs: " + ", ".join(totals), PLAIN)]
+        out.append(("", PLAIN))
+        out += [(line, PLAIN) for line in textwrap.wrap(", ".join(totals), WIDTH, initial_indent="  totals from the logs: ",
+                                                        subsequent_indent="    ", break_on_hyphens=False)]
     return out
 
 
