@@ -5,6 +5,7 @@ flags. The watch screen in a real terminal is tests/test_status_watch.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,16 +16,14 @@ import pytest
 from mps_exporter.bundle import load
 from mps_exporter.cli import parse_args
 from mps_exporter.collector import build_registry
-from mps_exporter.config import Config
-from mps_exporter.replay import Player, replay_config, shipped_bundle
-from mps_exporter.wiring import build_collector, build_readers
+from mps_exporter.replay import shipped_bundle
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.data import CAPTURE
+from tests.support.shipped import moments, replayed
 
-QUEUED_AT = 17.0  # uid 1500's client waits behind uid 0's server (README's timeline: 15-21 s)
-FAULT_AT = 39.5  # the fatal GPU error: the server's status is FAULT (36-39 s)
+Sample = Tuple[str, Dict[str, str], float]
 
 
 def status(*args: str) -> subprocess.CompletedProcess:
@@ -38,21 +37,11 @@ def status_json(at: float) -> dict:
     return json.loads(res.stdout)
 
 
-Sample = Tuple[str, Dict[str, str], float]
-
-
 def metrics_at(at: float, tmp: Path) -> List[Sample]:
-    """What /metrics publishes at `at` seconds into the shipped session: the replay's
-    sources, log files and collector at that moment, through the exporter's registry."""
-    bundle = load(shipped_bundle())
-    player = Player(bundle, str(tmp), monotonic=lambda: 0.0, start_at=at)
-    cfg = replay_config(Config(), bundle, player.log_dirs)
-    readers = {**build_readers(cfg, recorded=False), **player.readers()}
-    collector = build_collector(cfg, readers, clock=player.clock)
-    player.feed()
-    for reader in readers.values():
-        reader.catch_up()
-    text = generate_latest(build_registry(collector)).decode()
+    """What /metrics publishes at `at` seconds into the shipped session: the exposition of
+    the exporter's registry over the replayed sources at that moment."""
+    with replayed(str(tmp)) as (_, collector_at):
+        text = generate_latest(build_registry(collector_at(at))).decode()
     return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
 
 
@@ -77,57 +66,79 @@ class Metrics:
         return {lab["gpu"]: v for lab, v in self.rows(name, **labels)}
 
 
+def report_at(at: float) -> Tuple[str, dict]:
+    res = status("--bundle", shipped_bundle(), "--at", str(at))
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    return res.stdout, status_json(at)
+
+
 # ---------------------------------------------------------------- the report
 def test_report_at_a_moment_with_a_queued_client():
-    res = status("--bundle", shipped_bundle(), "--at", str(QUEUED_AT))
-    assert res.returncode == 0 and res.stderr == "", res.stderr
-    out = res.stdout
-    assert out.startswith(f"mps-exporter status: bundle h200-mps-session.jsonl.gz at {QUEUED_AT} s of 90.0 s\n")
+    at = moments()[0]
+    out, st = report_at(at)
+    duration = load(shipped_bundle()).duration
+    assert out.startswith(f"mps-exporter status: bundle {os.path.basename(shipped_bundle())} at {at:.1f} s of {duration:.1f} s\n")
     assert "sources: control ok, logs ok, nvml ok, proc ok" in out
-    assert re.search(r"^GPU 0  NVIDIA H200  GPU-c4ea5ee3-17b1-6fbd-bb46-e4d783112c4d$", out, re.M)
-    assert "  sharing mps | memory 1.80 GiB of 140.40 GiB (1%)" in out
-    # uid 0's server and its one remaining client, uid 1500's client queued behind them
-    assert re.search(r"^  9991 +root \(0\) +ACTIVE +1 +100% ", out, re.M), out
-    assert re.search(r"^  9932 +9991 +root \(0\) +- +1\.73 GiB / no limit +100% +/opt/torch/\.venv/bin/python3$", out, re.M), out
-    queued = re.search(r"^  QUEUED +UID +REASON +WAITING +SINCE\n  (\d+) +(\d+) +(\w+) +([\d.]+) s +2026-11-21 (\S+)$", out, re.M)
-    assert queued and queued.groups()[:3] == ("10046", "1500", "user_switch"), out
-    assert 0 < float(queued.group(4)) < QUEUED_AT - 12  # queued from 15 s on: about 2 s so far
-    assert "EVENTS" not in out  # nothing has gone wrong yet
+    for g in st["gpus"]:
+        assert re.search(rf"^GPU {g['index']}  {re.escape(g['name'])}  {g['uuid']}$", out, re.M)
+        assert re.search(rf"^  sharing {g['sharing_mode']} \| memory [\d.]+ [GM]iB of [\d.]+ GiB ", out, re.M)
+    (d,) = st["daemons"]
+    for s in d["servers"]:  # the server the queued client waits behind, with its clients
+        assert re.search(rf"^  {s['pid']} +{re.escape(s['user'])} \({s['uid']}\) +{s['status']} +{s['clients']} ", out, re.M), out
+    for c in d["clients"]:
+        assert re.search(rf"^  {c['pid']} +{c['server_pid']} +{re.escape(c['user'])} \({c['uid']}\) .* {re.escape(c['command'])}$",
+                         out, re.M), out
+    (q,) = d["queued"]
+    assert q["reason"] == "user_switch" and q["uid"] not in {s["uid"] for s in d["servers"]}
+    row = re.search(rf"^  QUEUED +UID +REASON +WAITING +SINCE\n  {q['pid']} +{q['uid']} +user_switch +([\d.]+) s +", out, re.M)
+    assert row and float(row.group(1)) == round(q["waiting_seconds"], 1) > 0, out
+    assert not any(e["kind"] == "fatal_gpu_error" for e in d["events"]) and "fatal GPU error  server" not in out
 
 
 def test_report_at_the_fatal_gpu_error():
-    res = status("--bundle", shipped_bundle(), "--at", str(FAULT_AT))
-    assert res.returncode == 0, res.stderr
-    out = res.stdout
-    assert re.search(r"^  10199 +root \(0\) +FAULT +1 +100% ", out, re.M), out
-    events = re.findall(r"^  2026-11-21 (\S+)  (.+?)  \(([\d.]+) s ago\)$", out, re.M)
-    assert [(t, what) for t, what, _ in events] == [
-        ("04:47:42.244", "handoff          server 9991 (uid 0) shut down for a waiting client of another user"),
-        ("04:47:59.994", "fatal GPU error  server 10199, clients with a sticky error: 10244 10332")], out
+    _, fault_at, fatal_at = moments()
+    out, st = report_at(fault_at)  # the daemon says FAULT
+    (faulty,) = [s for s in st["daemons"][0]["servers"] if s["status"] == "FAULT"]
+    assert re.search(rf"^  {faulty['pid']} +\S+ \(\d+\) +FAULT ", out, re.M), out
+    out, st = report_at(fatal_at)  # the server's log has reported the error
+    (d,) = st["daemons"]
+    fatal = [e for e in d["events"] if e["kind"] == "fatal_gpu_error"]
+    assert len(fatal) == 1 and fatal[0]["server_pid"] == faulty["pid"] and fatal[0]["clients"]
+    line = (rf"^  \S+ \S+  fatal GPU error  server {faulty['pid']}, clients with a sticky error: "
+            rf"{' '.join(map(str, fatal[0]['clients']))}  \([\d.]+ s ago\)$")
+    assert re.search(line, out, re.M), out
     totals = re.sub(r"\s+", " ", out[out.index("totals from the logs:"):])  # wrapped at 100 columns
-    assert "fatal GPU errors 1," in totals and "handoffs 1," in totals and "server exits 2 (status 0: 2)" in totals
-    assert "QUEUED" not in out
+    assert "fatal GPU errors 1," in totals
 
 
 def test_default_moment_is_the_end_of_the_recording():
     res = status("--bundle", shipped_bundle())
+    duration = load(shipped_bundle()).duration
     assert res.returncode == 0, res.stderr
-    assert "at 90.0 s of 90.0 s" in res.stdout and "MPS daemon default: DOWN" in res.stdout
-    assert "fatal GPU error  server 10199" in res.stdout  # the events stay after the daemon quit
+    assert f"at {duration:.1f} s of {duration:.1f} s" in res.stdout and "MPS daemon default: DOWN" in res.stdout
+    assert "fatal GPU error  server " in res.stdout  # the events stay after the daemon quit
 
 
 def test_readme_samples_are_what_status_prints():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("## On the node: `mps-exporter status`\n", 1)[1].split("\n## ", 1)[0]
+    bundle, queued_at = re.search(r"`mps-exporter status --bundle exporter/data/(\S+) --at ([\d.]+)`", section).groups()
+    fault_at = re.search(r"\(`--at ([\d.]+)`, from the server table on\)", section).group(1)
     queued, fault = re.findall(r"^```\n(.*?)^```$", section, re.S | re.M)
-    assert queued == status("--bundle", shipped_bundle(), "--at", str(QUEUED_AT)).stdout
-    at_fault = status("--bundle", shipped_bundle(), "--at", str(FAULT_AT)).stdout
-    assert fault == at_fault[at_fault.index("  SERVER"):]
+    regenerate = (f"README's status samples are stale: paste the output of `mps-exporter status --bundle "
+                  f"exporter/data/{os.path.basename(shipped_bundle())} --at T` at a moment with a queued client "
+                  f"and at the fatal error (e.g. T = {moments()[0]} and {max(moments()[1:])}), naming those T")
+    assert bundle == os.path.basename(shipped_bundle()), regenerate
+    assert queued == status("--bundle", shipped_bundle(), "--at", queued_at).stdout, regenerate
+    at_fault = status("--bundle", shipped_bundle(), "--at", fault_at).stdout
+    assert fault == at_fault[at_fault.index("  SERVER"):], regenerate
+    assert "  QUEUED " in queued and " FAULT " in fault and "fatal GPU error" in fault, regenerate
 
 
 # ---------------------------------------------------------------- status and /metrics agree
-@pytest.mark.parametrize("at", [QUEUED_AT, FAULT_AT])
-def test_json_is_what_metrics_publishes_at_the_same_instant(at, tmp_path):
+@pytest.mark.parametrize("moment", ["queued", "fault", "fatal"])
+def test_json_is_what_metrics_publishes_at_the_same_instant(moment, tmp_path):
+    at = moments()[["queued", "fault", "fatal"].index(moment)]
     st = status_json(at)
     m = Metrics(metrics_at(at, tmp_path))
 
@@ -140,7 +151,7 @@ def test_json_is_what_metrics_publishes_at_the_same_instant(at, tmp_path):
         assert (g["name"], g["driver_version"], g["compute_mode"], g["mig_mode"]) == (
             info["name"], info["driver_version"], info["compute_mode"], info["mig_mode"])
         assert g["up"] == bool(m.one("mps_gpu_up", **sel))
-        assert g["sharing_mode"] == m.labels("mps_gpu_sharing_mode", **sel)["mode"] == "mps"
+        assert g["sharing_mode"] == m.labels("mps_gpu_sharing_mode", **sel)["mode"]
         for key in ("memory_used_bytes", "memory_total_bytes", "utilization_ratio", "memory_utilization_ratio",
                     "sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio",
                     "power_watts", "temperature_celsius"):
@@ -193,13 +204,12 @@ def test_json_is_what_metrics_publishes_at_the_same_instant(at, tmp_path):
     assert kinds.count("fatal_gpu_error") == m.one("mps_fatal_gpu_errors_total", **sel)
     assert kinds.count("handoff") == m.one("mps_server_handoffs_total", **sel)
 
-    if at == QUEUED_AT:
-        assert [(q["pid"], q["uid"], q["reason"]) for q in d["queued"]] == [(10046, 1500, "user_switch")]
-        assert d["queued_clients"]["user_switch"] == 1
+    if moment == "queued":
+        assert [q["reason"] for q in d["queued"]] == ["user_switch"] and d["queued_clients"]["user_switch"] == 1
+    elif moment == "fault":
+        assert "FAULT" in [s["status"] for s in d["servers"]]
     else:
-        assert [s["status"] for s in d["servers"]] == ["FAULT"]
-        assert [(e["kind"], e["server_pid"], e["clients"]) for e in d["events"]][-1] == (
-            "fatal_gpu_error", 10199, [10244, 10332])
+        assert d["events"][-1]["kind"] == "fatal_gpu_error" and d["events"][-1]["clients"]
 
 
 # ---------------------------------------------------------------- failing sources
