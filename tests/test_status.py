@@ -4,6 +4,7 @@ flags. The watch screen in a real terminal is tests/test_status_watch.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -20,6 +21,8 @@ from mps_exporter.replay import shipped_bundle
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mps_exporter.status import command
+from tests.support import scenarios
 from tests.support.data import CAPTURE
 from tests.support.shipped import moments, replayed
 
@@ -210,6 +213,29 @@ def test_json_is_what_metrics_publishes_at_the_same_instant(moment, tmp_path):
         assert "FAULT" in [s["status"] for s in d["servers"]]
     else:
         assert d["events"][-1]["kind"] == "fatal_gpu_error" and d["events"][-1]["clients"]
+
+
+# ---------------------------------------------------------------- a live node
+def test_live_node_shows_each_client_with_its_pod_and_its_limit(tmp_path):
+    # The busy capture over the library-boundary fakes: client 1648 runs in a pod and sets
+    # its own limits (4 GiB, 25 % of the threads) in its environment.
+    scen = scenarios.busy(tmp_path)
+    out = io.StringIO()
+    assert command.status(scen.cfg, out, scen.backends()) == 0
+    text = out.getvalue()
+    assert text.startswith("mps-exporter status: host ") and "sources: control ok, logs ok, nvml ok, proc ok" in text
+    assert re.search(r"^  1589 +root \(0\) +ACTIVE +3 +100% ", text, re.M), text
+    row = re.search(r"^  1648 +1589 +root \(0\) +pod (\S+) ctr (\S+) +2\.79 GiB / 4\.00 GiB \(70%\) +25% +python3$", text, re.M)
+    assert row and scenarios.POD_UID.startswith(row.group(1)) and scenarios.CONTAINER_ID.startswith(row.group(2)), text
+    assert re.search(r"^  1647 +1589 +root \(0\) +- +8\.79 GiB / no limit +100% +python3$", text, re.M), text
+
+    scen.cfg.status.output = "json"
+    out = io.StringIO()
+    assert command.status(scen.cfg, out, scen.backends()) == 0
+    (client,) = [c for c in json.loads(out.getvalue())["daemons"][0]["clients"] if c["pid"] == 1648]
+    assert (client["pod_uid"], client["container_id"]) == (scenarios.POD_UID, scenarios.CONTAINER_ID)
+    assert client["pinned_memory_limit_bytes"] == {"0": 4 << 30} and client["active_thread_ratio"] == 0.25
+    assert client["memory_used_bytes"] == {"0": 2856 << 20}
 
 
 # ---------------------------------------------------------------- failing sources

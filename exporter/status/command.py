@@ -23,19 +23,20 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Callable, Iterator, TextIO
+from typing import Callable, Iterator, Optional, TextIO
 
 from ..bundle import BundleError, load
 from ..config import Config
 from ..replay import Player, replay_config
+from ..sources.base import Backends
 from ..wiring import build_collector, build_readers
 from . import text, view
 from .watch import watch
 
 
 @contextlib.contextmanager
-def _live(cfg: Config) -> Iterator[Callable[[], view.NodeStatus]]:
-    readers = build_readers(dataclasses.replace(cfg, state_file=None))
+def _live(cfg: Config, backends: Optional[Backends]) -> Iterator[Callable[[], view.NodeStatus]]:
+    readers = build_readers(dataclasses.replace(cfg, state_file=None), backends)
     collector = build_collector(cfg, readers)
     origin = f"host {socket.gethostname()}"
 
@@ -85,17 +86,19 @@ def to_json(st: view.NodeStatus) -> str:
     return json.dumps(dataclasses.asdict(st), indent=2, sort_keys=True) + "\n"
 
 
-def status(cfg: Config, out: TextIO = sys.stdout) -> int:
-    """The `status` command: 0, or 2 with one line for a bundle that cannot be read."""
+def status(cfg: Config, out: TextIO = sys.stdout, backends: Optional[Backends] = None) -> int:
+    """The `status` command: 0, or 2 with one line for a bundle that cannot be read.
+    `backends`: the library boundaries of the live sources (tests pass fakes)."""
     opts = cfg.status
     # The report shows failing sources itself; log lines would only repeat them (and,
     # while curses owns the terminal, tear the screen).
+    before = logging.root.manager.disable
     if opts.watch is not None:
         logging.disable(logging.CRITICAL)
     elif cfg.log_level != "debug":
         logging.disable(logging.WARNING)
     try:
-        with (_recorded(cfg) if opts.bundle is not None else _live(cfg)) as collect:
+        with (_recorded(cfg) if opts.bundle is not None else _live(cfg, backends)) as collect:
             if opts.watch is not None:
                 return watch(collect, opts.watch)
             st = collect()
@@ -104,3 +107,5 @@ def status(cfg: Config, out: TextIO = sys.stdout) -> int:
     except BundleError as e:
         sys.stderr.write(f"mps-exporter: error: {e}\n")
         return 2
+    finally:
+        logging.disable(before)
