@@ -191,12 +191,14 @@ def test_json_is_what_metrics_publishes_at_the_same_instant(moment, tmp_path):
         assert c["memory_used_bytes"] == m.by_gpu("mps_client_memory_used_bytes", **csel) != {}
         assert c["pinned_memory_limit_bytes"] == m.by_gpu("mps_client_pinned_memory_limit_bytes", **csel)
         assert c["active_thread_ratio"] == m.one("mps_client_active_thread_ratio", **csel)
+        assert c["priority"] == m.one("mps_client_priority", **csel)
         assert c["start_time"] == m.one("mps_client_start_time_seconds", **csel)
 
     # the queue: the counts and the oldest wait are the metrics; the list of who waits adds the PIDs
     assert d["queued_clients"] == {lab["reason"]: v for lab, v in m.rows("mps_queued_clients", **sel)}
     assert len(d["queued"]) == sum(d["queued_clients"].values())
     assert d["oldest_queued_wait_seconds"] == m.one("mps_queued_client_oldest_wait_seconds", **sel)
+    assert d["client_limit"] == m.one("mps_server_client_limit", **sel)
     assert max((q["waiting_seconds"] for q in d["queued"]), default=0) == pytest.approx(d["oldest_queued_wait_seconds"])
     for c in d["counters"]:
         assert c["value"] == m.one(c["metric"], **sel, **c["labels"]), c
@@ -225,9 +227,9 @@ def test_live_node_shows_each_client_with_its_pod_and_its_limit(tmp_path):
     text = out.getvalue()
     assert text.startswith("mps-exporter status: host ") and "sources: control ok, logs ok, nvml ok, proc ok" in text
     assert re.search(r"^  1589 +root \(0\) +ACTIVE +3 +100% ", text, re.M), text
-    row = re.search(r"^  1648 +1589 +root \(0\) +pod (\S+) ctr (\S+) +2\.79 GiB / 4\.00 GiB \(70%\) +25% +python3$", text, re.M)
+    row = re.search(r"^  1648 +1589 +root \(0\) +pod (\S+) ctr (\S+) +2\.79 GiB / 4\.00 GiB \(70%\) +25% +- +python3$", text, re.M)
     assert row and scenarios.POD_UID.startswith(row.group(1)) and scenarios.CONTAINER_ID.startswith(row.group(2)), text
-    assert re.search(r"^  1647 +1589 +root \(0\) +- +8\.79 GiB / no limit +100% +python3$", text, re.M), text
+    assert re.search(r"^  1647 +1589 +root \(0\) +- +8\.79 GiB / no limit +100% +- +python3$", text, re.M), text
 
     scen.cfg.status.output = "json"
     out = io.StringIO()

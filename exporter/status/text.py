@@ -16,8 +16,11 @@ Line = Tuple[str, str]  # (text, style)
 TITLE, HEADING, ALERT, PLAIN = "title", "heading", "alert", ""
 
 WIDTH = 100  # where the totals wrap; tables and events keep a line per row
-_EVENT_NAMES = {"fatal_gpu_error": "fatal GPU error", "handoff": "handoff", "start_failure": "start failure"}
+_EVENT_NAMES = {"fatal_gpu_error": "fatal GPU error", "handoff": "handoff", "start_failure": "start failure",
+                "exit_with_clients": "server died", "client_rejected": "client refused"}
 _COUNTER_NAMES = {
+    "mps_client_rejections_total": "refused clients",
+    "mps_server_exits_with_clients_total": "servers exited with clients",
     "mps_server_handoffs_total": "handoffs",
     "mps_server_shutdown_deferrals_total": "shutdown deferrals",
     "mps_fatal_gpu_errors_total": "fatal GPU errors",
@@ -86,6 +89,8 @@ def _daemon(d: DaemonStatus, now: float) -> List[Line]:
     defaults = [f"active threads {_percent(d.default_active_thread_ratio)}"]
     defaults.append("pinned memory " + (_per_gpu(d.default_pinned_memory_limit_bytes)
                                         if d.default_pinned_memory_limit_bytes else "no limit"))
+    if d.client_limit is not None:
+        defaults.append(f"at most {d.client_limit:g} clients per device (as a refusal said)")
     out: List[Line] = [("", PLAIN), (head, HEADING if d.up else ALERT),
                        (f"  pipe {d.pipe_directory or '?'} | logs {d.log_directory or '?'}", PLAIN),
                        ("  defaults: " + ", ".join(defaults), PLAIN)]
@@ -128,8 +133,10 @@ def _clients(clients: Sequence[ClientStatus]) -> List[Line]:
     if not clients:
         return [("", PLAIN), ("  no client connected", PLAIN)]
     rows = [[str(c.pid), "" if c.server_pid is None else str(c.server_pid), _user(c.user, c.uid), _where(c),
-             _client_memory(c), _percent(c.active_thread_ratio), c.command or "?"] for c in clients]
-    return _table("  ", ["CLIENT", "SERVER", "USER", "POD / CONTAINER", "MEMORY / LIMIT", "THREADS", "COMMAND"], rows)
+             _client_memory(c), _percent(c.active_thread_ratio), _count(c.priority, "-"), c.command or "?"]
+            for c in clients]
+    return _table("  ", ["CLIENT", "SERVER", "USER", "POD / CONTAINER", "MEMORY / LIMIT", "THREADS", "PRIORITY",
+                         "COMMAND"], rows)
 
 
 def _queued(d: DaemonStatus, now: float) -> List[Line]:
@@ -148,6 +155,10 @@ def _events(events: Sequence[Event], now: float) -> List[Line]:
         text = f"  {_datetime(e.time, millis=True)}  {what:<16} server {e.server_pid if e.server_pid is not None else '?'}"
         if e.kind == "fatal_gpu_error" and e.clients:
             text += ", clients with a sticky error: " + " ".join(map(str, e.clients))
+        elif e.kind == "exit_with_clients":
+            text += " exited with clients still connected" + (": " + " ".join(map(str, e.clients)) if e.clients else "")
+        elif e.kind == "client_rejected":
+            text += " refused " + (f"client {e.clients[0]}" if e.clients else "a client") + (f": {e.detail}" if e.detail else "")
         elif e.kind == "handoff":
             text += f" ({e.detail})" if e.detail else ""
             text += " shut down for a waiting client of another user"
@@ -213,8 +224,8 @@ def _percent(ratio: Optional[float]) -> str:
     return "-" if ratio is None else f"{ratio:.0%}"
 
 
-def _count(n: Optional[float]) -> str:
-    return "?" if n is None else f"{n:.0f}"
+def _count(n: Optional[float], unknown: str = "?") -> str:
+    return unknown if n is None else f"{n:.0f}"
 
 
 def _user(user: str, uid: Optional[int]) -> str:

@@ -21,6 +21,8 @@ Labels = Dict[str, str]
 
 # Per-daemon counters worth a line in a status report (what went wrong, what changed hands).
 EVENT_COUNTERS = (
+    "mps_client_rejections_total",
+    "mps_server_exits_with_clients_total",
     "mps_server_handoffs_total",
     "mps_server_shutdown_deferrals_total",
     "mps_fatal_gpu_errors_total",
@@ -86,6 +88,7 @@ class ClientStatus:
     memory_used_bytes: Dict[int, float]  # by GPU index
     pinned_memory_limit_bytes: Dict[int, float]  # the limit in force, by GPU index
     active_thread_ratio: Optional[float]
+    priority: Optional[float]  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal
     start_time: Optional[float]
 
 
@@ -101,7 +104,7 @@ class QueuedClient:
 @dataclass
 class Event:
     time: float
-    kind: str  # fatal_gpu_error, handoff, start_failure
+    kind: str  # fatal_gpu_error, handoff, start_failure, exit_with_clients, client_rejected
     server_pid: Optional[int]
     clients: List[int]
     detail: str
@@ -127,6 +130,7 @@ class DaemonStatus:
     clients: List[ClientStatus] = field(default_factory=list)
     queued_clients: Dict[str, float] = field(default_factory=dict)  # by reason
     oldest_queued_wait_seconds: Optional[float] = None
+    client_limit: Optional[float] = None  # clients per device a server accepts, as its last refusal said
     queued: List[QueuedClient] = field(default_factory=list)
     counters: List[Counter] = field(default_factory=list)
     events: List[Event] = field(default_factory=list)  # oldest first
@@ -214,7 +218,8 @@ def _daemon(m: Samples, name: str, snap: Snapshot) -> DaemonStatus:
         default_active_thread_ratio=m.value("mps_default_active_thread_ratio", **d),
         default_pinned_memory_limit_bytes=m.by_gpu("mps_default_pinned_memory_limit_bytes", **d),
         queued_clients={lab["reason"]: v for lab, v in m.rows("mps_queued_clients", **d)},
-        oldest_queued_wait_seconds=m.value("mps_queued_client_oldest_wait_seconds", **d))
+        oldest_queued_wait_seconds=m.value("mps_queued_client_oldest_wait_seconds", **d),
+        client_limit=m.value("mps_server_client_limit", **d))
     for labels, _ in m.rows("mps_server_info", **d):
         s = {**d, "server_pid": labels["server_pid"]}
         out.servers.append(ServerStatus(
@@ -235,6 +240,7 @@ def _daemon(m: Samples, name: str, snap: Snapshot) -> DaemonStatus:
             memory_used_bytes=m.by_gpu("mps_client_memory_used_bytes", **c),
             pinned_memory_limit_bytes=m.by_gpu("mps_client_pinned_memory_limit_bytes", **c),
             active_thread_ratio=m.value("mps_client_active_thread_ratio", **c),
+            priority=m.value("mps_client_priority", **c),
             start_time=m.value("mps_client_start_time_seconds", **c)))
     for metric in EVENT_COUNTERS:
         out.counters += [Counter(metric, {k: v for k, v in lab.items() if k != "daemon"}, v)
