@@ -250,7 +250,7 @@ def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
     assert re.search(r"^sources: control FAILED, logs ok, nvml FAILED, proc ok$", out, re.M), out
     assert re.search(r"^! control failed: default: .*no-such-binary", out, re.M), out
     assert re.search(r"^! nvml failed: ", out, re.M) and "GPUs: unknown: NVML failed" in out
-    assert "MPS daemon default: DOWN" in out
+    assert "MPS daemon default: DOWN" in out and "  defaults: unknown\n" in out  # not "no limit": nobody said
     # the logs still tell what happened, when
     assert "  totals from the logs: handoffs 4, shutdown deferrals 12, fatal GPU errors 1," in out
     assert re.search(r"^  2026-11-21 04:23:08\.506  fatal GPU error  server 2736, clients with a sticky error: 2755  ", out, re.M)

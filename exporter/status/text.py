@@ -86,9 +86,12 @@ def _gpu_facts(g: GpuStatus) -> Tuple[List[str], List[str]]:
 def _daemon(d: DaemonStatus, now: float) -> List[Line]:
     state = "up" if d.up else "DOWN"
     head = f"MPS daemon {d.name}: {state}" + (f" | version {d.version}" if d.version else "")
-    defaults = [f"active threads {_percent(d.default_active_thread_ratio)}"]
-    defaults.append("pinned memory " + (_per_gpu(d.default_pinned_memory_limit_bytes)
-                                        if d.default_pinned_memory_limit_bytes else "no limit"))
+    if d.default_active_thread_ratio is None:  # the daemon did not answer: no telling what is set
+        defaults = ["unknown"]
+    else:
+        defaults = [f"active threads {_percent(d.default_active_thread_ratio)}",
+                    "pinned memory " + (_per_gpu(d.default_pinned_memory_limit_bytes)
+                                        if d.default_pinned_memory_limit_bytes else "no limit")]
     if d.client_limit is not None:
         defaults.append(f"at most {d.client_limit:g} clients per device (as a refusal said)")
     out: List[Line] = [("", PLAIN), (head, HEADING if d.up else ALERT),
