@@ -76,14 +76,15 @@ _DAEMON_METRICS = (
     "mps_server_shutdown_deferrals_total", "mps_client_connections_total", "mps_client_disconnections_total",
     "mps_server_starts_total", "mps_server_exits_total", "mps_server_start_failures_total",
     "mps_fatal_gpu_errors_total", "mps_control_commands_total", "mps_log_lines_total",
-    "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total", "mps_log_read_errors_total")
+    "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total", "mps_log_read_errors_total",
+    "mps_log_last_line_timestamp_seconds")
 _SERVER_METRICS = ("mps_server_info", "mps_server_status", "mps_server_clients", "mps_server_active_thread_ratio",
                    "mps_server_pinned_memory_limit_bytes", "mps_server_memory_used_bytes",
                    "mps_server_sm_utilization_ratio", "mps_server_start_time_seconds", "mps_client_info")
 _CLIENT_METRICS = ("mps_client_info", "mps_client_memory_used_bytes", "mps_client_pinned_memory_limit_bytes",
                    "mps_client_active_thread_ratio", "mps_client_start_time_seconds")
 _LOG_FILE_METRICS = ("mps_log_lines_total", "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total",
-                     "mps_log_read_errors_total")
+                     "mps_log_read_errors_total", "mps_log_last_line_timestamp_seconds")
 _CUT = f"cut to {MAX_LABEL_CHARS} characters"
 
 LABELS: Tuple[LabelBound, ...] = (
@@ -137,7 +138,9 @@ LABELS: Tuple[LabelBound, ...] = (
                "missing_directory, not_a_directory, permission_denied, not_regular_file, io_error, internal_error"),
     LabelBound("version", ("mps_exporter_build_info",), FIXED, "the exporter's own version", "one"),
     LabelBound("python_version", ("mps_exporter_build_info",), FIXED, "the running Python", "one"),
-    LabelBound("collector", ("mps_exporter_collector_success", "mps_exporter_collector_duration_seconds"), FIXED,
+    LabelBound("collector", ("mps_exporter_collector_success", "mps_exporter_collector_duration_seconds",
+                             "mps_exporter_collector_last_success_timestamp_seconds",
+                             "mps_exporter_collector_read_duration_seconds"), FIXED,
                "the exporter's collectors", "nvml, dcgm, control, proc, logs"),
 )
 

@@ -137,6 +137,12 @@ def _add_web(p: argparse.ArgumentParser) -> None:
                    help="exporter-toolkit web config: TLS and basic auth")
     p.add_argument("--web.max-requests", dest="max_requests", type=int, default=40,
                    help="scrapes of the metrics path served at once; more get 503 (0: no limit; default 40)")
+    p.add_argument("--scrape.max-duration", dest="scrape_max_seconds", type=float, default=5.0,
+                   help="seconds a scrape waits for the sources; a source later than that fails its collector "
+                        "and its last reading is served, marked (0: no limit; default 5)")
+    p.add_argument("--scrape.timeout-offset", dest="scrape_timeout_offset", type=float, default=0.5,
+                   help="seconds of Prometheus' scrape timeout (X-Prometheus-Scrape-Timeout-Seconds) kept for "
+                        "encoding and sending; the sources get the rest, at most --scrape.max-duration (default 0.5)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.serve_parser = serve
     dump = sub.add_parser("dump", help="run every enabled collector once, print the exposition, exit")
     _add_common(dump)
+    dump.add_argument("--textfile", default=None, metavar="PATH",
+                      help="write the exposition to PATH atomically (for node_exporter's textfile collector) "
+                           "instead of printing it")
     sub.add_parser("metrics", help="print the metric contract as a Markdown table")
     capture = sub.add_parser("capture", help="record what every source returns, and the MPS logs as they grow, "
                              "into one bundle file (docs/capture-format.md)")
@@ -235,6 +244,10 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
         value = getattr(ns, f"collector_{name}")
         if value is not None:
             cfg.collectors[name] = value
+    if command == "dump" and ns.textfile is not None:
+        if not ns.textfile or os.path.isdir(ns.textfile):
+            raise ConfigError(f"--textfile {ns.textfile!r}: give a file name, not a directory")
+        cfg.textfile = ns.textfile
     if command == "capture":
         if ns.duration <= 0 or ns.interval <= 0:
             raise ConfigError("--duration and --interval must be positive")
@@ -268,6 +281,9 @@ def _web_flags(cfg: Config, ns: argparse.Namespace, check_address: bool) -> None
     from .webconfig import load_web_config, resolve_listen_address  # PyYAML: not needed by `capture`
 
     cfg.listen_address, cfg.telemetry_path = ns.listen_address, ns.telemetry_path
+    cfg.scrape_max_seconds, cfg.scrape_timeout_offset = ns.scrape_max_seconds, ns.scrape_timeout_offset
+    if cfg.scrape_max_seconds < 0 or cfg.scrape_timeout_offset < 0:
+        raise ConfigError("--scrape.max-duration and --scrape.timeout-offset must not be negative")
     cfg.web_config_file, cfg.max_requests = ns.web_config_file, ns.max_requests
     if not cfg.telemetry_path.startswith("/"):
         raise ConfigError(f"--web.telemetry-path must start with '/': {cfg.telemetry_path!r}")

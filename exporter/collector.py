@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from prometheus_client.metrics_core import Metric
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .model import Outcome, Snapshot
+from .contract import READ_DURATION_BUCKETS
+from .model import Histogram, Outcome, Snapshot
 from .render import render
 from .sources.base import PartialFailure, ReadContext, Reader, Source
 from .sources.registry import SOURCES
@@ -116,9 +118,12 @@ class _Collection(ReadContext):
         return self._devices
 
     def wait(self, names: Sequence[str]) -> Snapshot:
+        # At most half the time left: the waiting read still needs time of its own, and
+        # one late source must not make the sources that wait for it late as well.
+        remaining = self.remaining()
         snap = Snapshot(now=self.now)
         futures = [(n, self.futures[n]) for n in names if n in self.futures]
-        wait_futures([f for _, f in futures], timeout=self.remaining())
+        wait_futures([f for _, f in futures], timeout=None if remaining is None else remaining / 2)
         for name, future in futures:
             if future.done() and future.result().reading is not None:
                 SOURCES[name].store(snap, future.result().reading)
@@ -135,6 +140,7 @@ class _SourceRun:
         self._lock = threading.Lock()
         self._inflight: Optional[Future[_Result]] = None
         self.last: Optional[_Result] = None  # the last successful read
+        self.durations = Histogram(READ_DURATION_BUCKETS)  # every read, late ones included
 
     def claim(self, collection: _Collection) -> Tuple[Future[_Result], Optional[threading.Thread]]:
         """This collection's read: the one still running for an earlier collection, or a
@@ -156,6 +162,8 @@ class _SourceRun:
         except Exception as e:  # a broken source must never break the scrape
             result = _Result(None, False, 0.0, collection.now, f"{type(e).__name__}: {e}")
         result.duration_seconds = time.perf_counter() - start
+        with self._lock:
+            self.durations.observe(result.duration_seconds)
         if result.ok:
             self.last = result
         self._on_done(self.name, result)
@@ -228,6 +236,8 @@ class MpsCollector(Collector):
                 snap.outcomes[name] = Outcome(result.ok, result.duration_seconds, last, result.error or None)
             if served is not None:
                 run.source.store(snap, served.reading)
+            with run._lock:
+                snap.read_durations[name] = run.durations.copy()
         if snap.nvml is not None and snap.nvml.gpus:
             self._devices = [g.index for g in snap.nvml.gpus]
         return snap
@@ -248,7 +258,12 @@ class MpsCollector(Collector):
                 self._failing[name] = message
 
 
-def build_registry(collector: MpsCollector) -> CollectorRegistry:
+def build_registry(collector: MpsCollector, process: bool = True) -> CollectorRegistry:
+    """The collector, and with `process` client_python's process_* metrics of the exporter
+    itself (CPU, memory, open files; Linux only). A one-shot dump leaves those out:
+    its own start-up is not the exporter's."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    if process:
+        ProcessCollector(registry=registry)
     return registry

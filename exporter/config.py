@@ -70,6 +70,9 @@ class Config:
     web_config_file: Optional[str] = None
     web_config: Optional["WebConfig"] = None  # the file, read and checked once by parse_args
     max_requests: int = 40  # --web.max-requests: scrapes at once; 0 = no cap
+    scrape_max_seconds: float = 5.0  # a scrape's wait for its sources; 0 = no limit
+    scrape_timeout_offset: float = 0.5  # of Prometheus' scrape timeout, kept for encoding and sending
+    textfile: Optional[str] = None  # dump: write here atomically instead of to stdout
     # Collector name -> True, False or "auto" where a flag or replay set it; a
     # collector not named here has its source's default (sources/registry.py).
     collectors: Dict[str, Union[bool, str]] = field(default_factory=dict)

@@ -103,6 +103,7 @@ METRICS.update(_specs(
     ("mps_log_lines_total", COUNTER, "daemon, file", "Log lines read (file control or server)."),
     ("mps_log_unrecognized_lines_total", COUNTER, "daemon, file", "Log lines no rule matched."),
     ("mps_log_truncated_lines_total", COUNTER, "daemon, file", "Log lines longer than the line cap; cut to the cap before parsing."),
+    ("mps_log_last_line_timestamp_seconds", GAUGE, "daemon, file", "Time written on the newest line read from the file: a log that stopped moving. control.log also logs the exporter's own commands."),
     ("mps_log_read_errors_total", COUNTER, "daemon, file, reason", "Times reading a log file began to fail: reason missing_directory, not_a_directory, permission_denied, not_regular_file, io_error or internal_error. While one lasts, collector_success{collector=\"logs\"} is 0."),
 ))
 METRICS.update(_specs(
@@ -110,8 +111,12 @@ METRICS.update(_specs(
     ("mps_exporter_build_info", GAUGE, "version, python_version", "Build facts (value 1)."),
     ("mps_exporter_collector_success", GAUGE, "collector", "1 if the collector's source answered in this scrape."),
     ("mps_exporter_collector_duration_seconds", GAUGE, "collector", "Time the collector took in this scrape."),
+    ("mps_exporter_collector_last_success_timestamp_seconds", GAUGE, "collector", "Time of the collection whose reading of the source is the latest complete one. Older than the scrape when the source failed or was late: its series are then that reading, or absent."),
+    ("mps_exporter_collector_read_duration_seconds", HISTOGRAM, "collector", "Time each read of the source took, reads that finished after their scrape's deadline included."),
 ))
 
+# Histogram buckets of mps_exporter_collector_read_duration_seconds: 1 ms to 10 s.
+READ_DURATION_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # Histogram buckets of mps_client_queue_wait_seconds: 50 ms to 10 min.
 QUEUE_WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 60, 120, 300, 600)
 # A queue wait longer than this, or negative, is a clock step or a corrupt timestamp.

@@ -7,8 +7,9 @@ data.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .logs.state import LogSnapshot
 
@@ -114,6 +115,33 @@ class ProcessFacts:
 
 # ------------------------------------------------------------------ one scrape
 @dataclass
+class Histogram:
+    """Observations in buckets of `bounds` (non-cumulative counts, the last one +Inf)."""
+
+    bounds: Sequence[float]
+    counts: List[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> List[Tuple[float, int]]:
+        out, running = [], 0
+        for bound, n in zip([*self.bounds, float("inf")], self.counts):
+            running += n
+            out.append((float(bound), running))
+        return out
+
+    def copy(self) -> "Histogram":
+        return Histogram(self.bounds, list(self.counts), self.total)
+
+
+@dataclass
 class Outcome:
     """How one collector did in one collection."""
 
@@ -136,3 +164,4 @@ class Snapshot:
     processes: Dict[int, ProcessFacts] = field(default_factory=dict)
     logs: Dict[str, LogSnapshot] = field(default_factory=dict)  # daemon name -> its log state
     outcomes: Dict[str, Outcome] = field(default_factory=dict)
+    read_durations: Dict[str, Histogram] = field(default_factory=dict)  # collector -> all its reads so far

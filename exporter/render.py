@@ -24,8 +24,8 @@ from .families import FamilyBuilder
 from .limits import Limits, client_limits
 from .logs.render import render_log_metrics
 from .logs.state import LogServer, LogSnapshot
-from .model import (DaemonReading, DcgmReading, GpuReading, Outcome, ProcessFacts, PsEntry, ServerFacts,
-                    Snapshot)
+from .model import (DaemonReading, DcgmReading, GpuReading, Histogram, Outcome, ProcessFacts, PsEntry,
+                    ServerFacts, Snapshot)
 
 __all__ = ["Outcome", "Snapshot", "render", "sharing_mode", "sm_utilization"]
 
@@ -41,7 +41,7 @@ NO_PROCESS = ProcessFacts(0)
 
 def render(snap: Snapshot) -> FamilyBuilder:
     out = FamilyBuilder()
-    render_self(out, snap.outcomes)
+    render_self(out, snap.outcomes, snap.read_durations)
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
     for gpu in gpus:
@@ -61,11 +61,14 @@ def render(snap: Snapshot) -> FamilyBuilder:
 
 
 # ---------------------------------------------------------------- the exporter
-def render_self(out: FamilyBuilder, outcomes: Mapping[str, Outcome]) -> None:
+def render_self(out: FamilyBuilder, outcomes: Mapping[str, Outcome], read_durations: Mapping[str, Histogram]) -> None:
     out.add("mps_exporter_build_info", 1, version=__version__, python_version=platform.python_version())
     for name, outcome in sorted(outcomes.items()):
         out.add("mps_exporter_collector_success", int(outcome.success), collector=name)
         out.add("mps_exporter_collector_duration_seconds", outcome.duration_seconds, collector=name)
+        out.add("mps_exporter_collector_last_success_timestamp_seconds", outcome.last_success_seconds, collector=name)
+    for name, hist in sorted(read_durations.items()):
+        out.add_histogram("mps_exporter_collector_read_duration_seconds", hist.cumulative(), hist.total, collector=name)
 
 
 # ---------------------------------------------------------------- GPUs

@@ -40,12 +40,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client.exposition import choose_encoder, generate_latest, gzip_accepted
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from . import __version__, runbook
-from .exposition import generate_text
+from .collector import scrape_timeout
 from .webconfig import RateLimit, WebConfig, bcrypt_cost, peer_sans, resolve_listen_address
 
 log = logging.getLogger(__name__)
@@ -369,12 +369,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _scrape(self, params: Dict[str, List[str]]) -> None:
         registry: Collector = self.server.app.registry
         encoder, content_type = choose_encoder(self.headers.get("Accept") or "")
-        if encoder is generate_latest:  # the classic text format: our faster, byte-identical encoder
-            encoder = generate_text
         if params.get("name[]"):
             registry = _OnlySamples(registry, params["name[]"])
         try:
-            body = encoder(registry)
+            with scrape_timeout(self.headers.get("X-Prometheus-Scrape-Timeout-Seconds")):
+                body = encoder(registry)
         except Exception as e:  # a broken collector must cost one scrape, not the server
             log.error("scrape failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR,

@@ -35,9 +35,12 @@ def build_readers(cfg: Config, backends: Optional[Backends] = None,
     return readers
 
 
-def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]],
-                    clock: Callable[[], float] = time.time) -> MpsCollector:
-    return MpsCollector(readers, clock=clock)
+def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
+                    bounded: bool = True) -> MpsCollector:
+    """`bounded`: scrapes wait for the sources at most as long as the scrape settings say
+    (serve); else every source is waited for (dump, capture)."""
+    max_seconds = cfg.scrape_max_seconds or None if bounded else None
+    return MpsCollector(readers, clock=clock, max_seconds=max_seconds, timeout_offset=cfg.scrape_timeout_offset)
 
 
 def stop_on_signals(stop: threading.Event) -> None:
@@ -48,13 +51,18 @@ def stop_on_signals(stop: threading.Event) -> None:
 
 
 def dump(cfg: Config, out: TextIO = sys.stdout) -> int:
-    """Every collector once, from the log files' beginning (a directory inspected offline)."""
+    """Every collector once, from the log files' beginning (a directory inspected offline),
+    printed, or written atomically to `cfg.textfile` (node_exporter's textfile collector
+    must never read half a file)."""
     readers = build_readers(cfg)
     for reader in readers.values():
         reader.catch_up()
-    registry = build_registry(build_collector(cfg, readers))
+    registry = build_registry(build_collector(cfg, readers, bounded=False), process=False)
     try:
-        out.write(generate_latest(registry).decode())
+        if cfg.textfile:
+            write_to_textfile(cfg.textfile, registry)
+        else:
+            out.write(generate_latest(registry).decode())
     finally:
         for reader in readers.values():
             reader.close()

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import List, Tuple
 
 import pytest
+from prometheus_client.exposition import generate_latest
 
 from mps_exporter import replay as replay_mod
 from mps_exporter.bundle import VERSION, BundleError, BundleWriter, load
@@ -30,7 +31,6 @@ from mps_exporter.capture import LogTap, Recorder, capture, concrete_timezone, h
 from mps_exporter.cli import parse_args
 from mps_exporter.codec import encode
 from mps_exporter.config import Config
-from mps_exporter.exposition import generate_text
 from mps_exporter.model import GpuReading, NvmlReading
 from mps_exporter.render import render
 from mps_exporter.wiring import build_collector, build_readers
@@ -56,11 +56,14 @@ class ManualClock:
 
 def exposition(snap) -> str:
     families = render(snap).families()
-    return generate_text(SimpleNamespace(collect=lambda: families)).decode()
+    return generate_latest(SimpleNamespace(collect=lambda: families)).decode()
 
 
 def masked(text: str) -> str:
-    return re.sub(r"^(mps_exporter_collector_duration_seconds\{[^}]*\}) \S+$", r"\1 <duration>", text, flags=re.M)
+    """Timings, and what depends on the history of collections rather than on the moment."""
+    text = re.sub(r"^(mps_exporter_collector_duration_seconds\{[^}]*\}) \S+$", r"\1 <duration>", text, flags=re.M)
+    return re.sub(r"^mps_exporter_collector_(read_duration_seconds|last_success_timestamp_seconds)\S* \S+\n", "",
+                  text, flags=re.M)
 
 
 def pieces(data: bytes, n: int) -> List[bytes]:

@@ -26,13 +26,17 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 def exposition(collector: MpsCollector) -> str:
-    return generate_latest(build_registry(collector)).decode()
+    return generate_latest(build_registry(collector, process=False)).decode()
 
 
 def normalized(text: str) -> str:
     """Mask what legitimately changes between runs: durations and the Python version."""
     text = text.replace(str(scenarios.CAPTURE), "<capture>")
     text = re.sub(r'^(mps_exporter_collector_duration_seconds\{[^}]*\}) \S+$', r"\1 <duration>", text, flags=re.M)
+    text = re.sub(r'^(mps_exporter_collector_read_duration_seconds_(?:bucket|sum)\{[^}]*\}) \S+$', r"\1 <duration>",
+                  text, flags=re.M)
+    text = re.sub(r'^(mps_exporter_collector_last_success_timestamp_seconds\{[^}]*\}) \S+$', r"\1 <time>", text,
+                  flags=re.M)
     return re.sub(r'python_version="[^"]*"', 'python_version="<python>"', text)
 
 
@@ -192,3 +196,10 @@ def test_first_collection_asks_the_daemon_about_every_gpu(tmp_path):
         scen = scenarios.synthetic(tmp_path, gpus=3, clients_per_gpu=1, clients_per_pod=1)
         text = exposition(scen.collector())
         assert len(series(text, "mps_server_pinned_memory_limit_bytes")) == 3
+
+
+def test_the_served_registry_has_the_process_metrics(tmp_path):
+    text = generate_latest(build_registry(scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1).collector())).decode()
+    cpu = series(text, "process_cpu_seconds_total")
+    assert len(cpu) == 1 and float(cpu[0].split()[-1]) > 0
+    assert series(text, "process_resident_memory_bytes") and series(text, "mps_gpu_up")

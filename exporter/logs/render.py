@@ -37,6 +37,7 @@ def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: 
         out.add("mps_log_lines_total", snap.lines.get(file, 0), daemon=daemon, file=file)
         out.add("mps_log_unrecognized_lines_total", snap.unrecognized.get(file, 0), daemon=daemon, file=file)
         out.add("mps_log_truncated_lines_total", snap.truncated.get(file, 0), daemon=daemon, file=file)
+        out.add("mps_log_last_line_timestamp_seconds", snap.last_line_times.get(file), daemon=daemon, file=file)
         for reason in READ_ERROR_REASONS:
             out.add("mps_log_read_errors_total", snap.read_errors.get((file, reason), 0), daemon=daemon,
                     file=file, reason=reason)

@@ -175,7 +175,7 @@ class LogSnapshot:
     daemon_pid: Optional[int] = None
     daemon_version: str = ""
     daemon_running: Optional[bool] = None  # None: the logs have not said
-    last_line_time: Optional[float] = None  # timestamp of the newest line read
+    last_line_times: Dict[str, float] = field(default_factory=dict)  # file -> timestamp of its newest line
     pending: List[PendingClient] = field(default_factory=list)  # still waiting, oldest first
     recent_events: List[LogEvent] = field(default_factory=list)  # oldest first, at most MAX_RECENT_EVENTS
     # Set by the pipeline, not the state machine: how reading the files goes.
@@ -200,7 +200,7 @@ class LogState:
         self._exited_set: Set[int] = set()
         self._orphans: "OrderedDict[int, LogServer]" = OrderedDict()
         self._in_command = False
-        self._last_ts = 0.0  # newest line timestamp (published as last_line_time)
+        self._last_ts: Dict[str, float] = {}  # file -> newest line timestamp (published as last_line_times)
         self._open_reports: Dict[int, str] = {}  # server pid -> topic of the fatal report being read
         self._recent: Deque[LogEvent] = deque(maxlen=MAX_RECENT_EVENTS)
         self._handlers: Dict[type, Callable[[Any], None]] = {
@@ -229,8 +229,8 @@ class LogState:
                 s.unrecognized[file] = s.unrecognized.get(file, 0) + 1
             return
         ts = result[0]
-        if ts > self._last_ts:
-            self._last_ts = ts
+        if ts > self._last_ts.get(file, 0.0):
+            self._last_ts[file] = ts
         if self._open_reports and file == "server" and not _in_report(result):
             self._open_reports.pop(result[1], None)
         if isinstance(result, Noise):
@@ -478,7 +478,7 @@ class LogState:
             server_start_failures=s.server_start_failures, fatal_gpu_errors=s.fatal_gpu_errors,
             commands=dict(s.commands), lines=dict(s.lines), unrecognized=dict(s.unrecognized),
             truncated=dict(s.truncated), daemon_pid=s.daemon_pid, daemon_version=s.daemon_version,
-            daemon_running=s.daemon_running, last_line_time=self._last_ts or None,
+            daemon_running=s.daemon_running, last_line_times=dict(self._last_ts),
             pending=[PendingClient(p.pid, p.uid, p.reason, p.pushed_at) for p in waiting],
             recent_events=[e.copy() for e in self._recent],
         )
@@ -497,7 +497,7 @@ class LogState:
             "queue_wait": {r: {"counts": h.counts, "sum": h.total, "implausible": h.implausible}
                            for r, h in s.queue_wait.items()},
             "daemon": {"pid": s.daemon_pid, "version": s.daemon_version, "running": s.daemon_running,
-                       "last_line_time": self._last_ts or None},
+                       "last_line_times": dict(self._last_ts)},
             "servers": [_server_dict(srv) for srv in self._servers.values()],
             "orphans": [_server_dict(srv) for srv in self._orphans.values()],
             "pending": [[p.pid, p.uid, p.reason, p.pushed_at, p.served_at] for p in self._pending],
@@ -530,7 +530,9 @@ class LogState:
             s.queue_wait[r] = WaitHistogram(counts, float(h["sum"]), int(h.get("implausible", 0)))
         daemon = d["daemon"]
         s.daemon_pid, s.daemon_version = daemon["pid"], str(daemon["version"])
-        s.daemon_running, st._last_ts = daemon["running"], float(daemon["last_line_time"] or 0.0)
+        s.daemon_running = daemon["running"]
+        # A file from before the times were kept per file has one for both: not worth keeping.
+        st._last_ts = {str(f): float(t) for f, t in (daemon.get("last_line_times") or {}).items() if f in FILES}
         st._servers = {int(x["pid"]): _server_from(x) for x in d["servers"]}
         st._orphans = OrderedDict((int(x["pid"]), _server_from(x)) for x in d["orphans"])
         st._pending = [PendingClient(int(a), int(b), str(c), float(e), None if f is None else float(f))

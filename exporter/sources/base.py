@@ -32,8 +32,9 @@ class ReadContext:
         raise NotImplementedError
 
     def wait(self, names: Sequence[str]) -> Snapshot:
-        """Wait for these sources of the same collection; the snapshot so far.
-        A source that fails, is disabled or is late leaves its part empty."""
+        """Wait for these sources of the same collection (under a deadline, for at most
+        half the time left); the snapshot so far. A source that fails, is disabled or is
+        late leaves its part empty."""
         raise NotImplementedError
 
 

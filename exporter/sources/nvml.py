@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, List, Optional, Set, Tuple
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
 
 from ..config import Config
 from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot
@@ -42,6 +43,36 @@ GPM_METRICS: Tuple[Tuple[str, str], ...] = (
 # NVML returns this for usedGpuMemory it cannot tell; pynvml maps it to None,
 # but older versions and other wrappers pass it through.
 _VALUE_NOT_AVAILABLE_ULL = 2**64 - 1
+
+
+T = TypeVar("T")
+
+
+def concurrently(fn: Callable[[int], T], items: Iterable[int]) -> List[T]:
+    """fn over items, each in a thread of its own (the first in the caller's): NVML is
+    thread-safe and its calls release the GIL, so GPUs are read side by side and a
+    storm on one GPU does not add to the others' time. Results in the items' order."""
+    todo = list(items)
+    results: Dict[int, T] = {}
+    errors: List[BaseException] = []
+
+    def run(position: int, item: int) -> None:
+        try:
+            results[position] = fn(item)
+        except BaseException as e:  # raised again in the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, item), name=f"mps-read-nvml-{item}", daemon=True)
+               for i, item in enumerate(todo) if i > 0]
+    for t in threads:
+        t.start()
+    if todo:
+        run(0, todo[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[i] for i in range(len(todo))]
 
 
 class NvmlUnavailable(RuntimeError):
@@ -129,7 +160,7 @@ class NvmlSource:
             # The driver went away under us (unloaded, GPU lost): start over next time.
             self._initialised = False
             raise NvmlUnavailable(f"NVML stopped answering: {e}") from e
-        gpus = [self._read_gpu(nvml, index) for index in range(count)]
+        gpus = concurrently(lambda index: self._read_gpu(nvml, index), range(count))
         return NvmlReading(driver_version=driver, gpus=gpus)
 
     def _read_gpu(self, nvml: Any, index: int) -> GpuReading:

@@ -100,7 +100,7 @@ def test_percentile_nearest_rank():
 
 
 def test_exposition_lookup_on_the_golden_file():
-    e = Exposition(GOLDEN.read_text().replace("<duration>", "0.001"))  # placeholders of the golden file
+    e = Exposition(GOLDEN.read_text().replace("<duration>", "0.001").replace("<time>", "1.0"))  # placeholders of the golden file
     clients = e.label_set("mps_client_info", "pid")
     assert len(clients) == len(e.series("mps_client_memory_used_bytes"))
     assert e.value("mps_control_daemon_up", daemon="default") == 1

@@ -1,0 +1,356 @@
+"""The client storm on a real GPU (issue 12): many MPS clients arriving at once, both
+exporters scraped every second through it.
+
+    python3 tests/gpu/storm.py --work /tmp/mps-storm --out DIR [--clients 48] [--busy 12]
+
+- starts its own MPS control daemon (its own pipe and log directories; `quit` at the end
+  whatever happens) and mps-exporter (`serve`) with every NVML call timed per GPU
+  inside the exporter process (`timed-serve` below: thin wrappers around pynvml);
+- starts nvitop-exporter beside it;
+- scrapes both once a second (mps-exporter as Prometheus does: OpenMetrics, gzip and
+  `X-Prometheus-Scrape-Timeout-Seconds: 1`, the timeout Prometheus sends for a 1 s
+  interval), a few seconds idle, then through the storm: CLIENTS clients started at
+  once, BUSY of them multiplying matrices, the others holding memory; until every
+  client is ready and a while after;
+- once settled, every client's memory as mps-exporter serves it against nvidia-smi;
+- writes DIR/storm-report.json (the fields issue 12 asks for) and
+  DIR/storm-nvml-latency.json (every NVML call: seconds since the storm began, GPU,
+  function, seconds), the fixture bench/scrape_bench.py replays.
+
+CPU per scrape is each exporter's user+system time (/proc/PID/stat) over the storm
+divided by its scrapes: everything it did at this cadence, background threads included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import inspect
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+HERE = Path(__file__).resolve().parent
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.6,application/openmetrics-text;"
+                     "version=0.0.1;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
+MIB = 2**20
+
+
+# ---------------------------------------------------------------- in the exporter process
+def timed_serve(argv: List[str], calls_out: str) -> int:
+    """mps-exporter `serve` with every pynvml call timed: (monotonic start, gpu, function, seconds)."""
+    import pynvml
+
+    calls: List[Tuple[float, int, str, float]] = []
+    handles: Dict[int, int] = {}  # id(handle) -> GPU index
+
+    def wrap(name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds = time.monotonic() - start
+                gpu = handles.get(id(args[0]), -1) if args else -1
+                calls.append((start, gpu, name, seconds))
+        return timed
+
+    for name in dir(pynvml):
+        if name.startswith("nvml") and inspect.isfunction(getattr(pynvml, name)) and name != "nvmlDeviceGetHandleByIndex":
+            setattr(pynvml, name, wrap(name, getattr(pynvml, name)))
+    by_index = pynvml.nvmlDeviceGetHandleByIndex
+
+    def handle_by_index(index: int) -> Any:
+        start = time.monotonic()
+        handle = by_index(index)
+        handles[id(handle)] = index
+        calls.append((start, index, "nvmlDeviceGetHandleByIndex", time.monotonic() - start))
+        return handle
+
+    pynvml.nvmlDeviceGetHandleByIndex = handle_by_index
+    from mps_exporter.cli import main
+
+    try:
+        return main(argv)
+    finally:
+        with open(calls_out, "w") as f:
+            json.dump({"clock": "monotonic", "calls": calls}, f)
+
+
+# ---------------------------------------------------------------- the driver
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_http(url: str, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=5).read()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {seconds} s")
+
+
+class Scraper(threading.Thread):
+    """Scrapes one URL once a second (on the tick, never bunching up)."""
+
+    def __init__(self, name: str, url: str, pid: int, headers: Dict[str, str]) -> None:
+        super().__init__(name=name, daemon=True)
+        self.url, self.pid, self.headers = url, pid, headers
+        self.results: List[Dict[str, Any]] = []  # t, seconds, status, phase, bytes
+        self.phase = "idle"
+        self.stop_event = threading.Event()
+        self.last_text = ""
+
+    def run(self) -> None:
+        tick = time.monotonic()
+        while not self.stop_event.is_set():
+            start = time.monotonic()
+            status, size = 0, 0
+            try:
+                req = urllib.request.Request(self.url, headers=self.headers)
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    body = r.read()
+                    status = r.status
+                    if r.headers.get("Content-Encoding") == "gzip":
+                        body = gzip.decompress(body)
+                size = len(body)
+                self.last_text = body.decode()
+            except OSError as e:
+                status = -1
+                print(f"{self.name}: scrape failed: {e}", flush=True)
+            self.results.append({"t": start, "seconds": time.monotonic() - start, "status": status,
+                                 "phase": self.phase, "bytes": size, "cpu": cpu_seconds(self.pid)})
+            tick += 1.0
+            while tick <= time.monotonic():
+                tick += 1.0
+            self.stop_event.wait(tick - time.monotonic())
+
+
+def percentile(values: List[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1)))))]
+
+
+def scrape_stats(results: List[Dict[str, Any]], phases: Tuple[str, ...]) -> Dict[str, Any]:
+    rows = [r for r in results if r["phase"] in phases]
+    secs = [r["seconds"] for r in rows]
+    if not rows:
+        return {}
+    cpu = rows[-1]["cpu"] - rows[0]["cpu"]
+    return {"scrapes": len(rows), "failed": sum(1 for r in rows if r["status"] != 200),
+            "p50_seconds": round(percentile(secs, 50), 4), "p99_seconds": round(percentile(secs, 99), 4),
+            "max_seconds": round(max(secs), 4),
+            "cpu_seconds_per_scrape": round(cpu / max(1, len(rows) - 1), 5)}
+
+
+def series(text: str, name: str) -> List[Tuple[Dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels_text, value = line[len(name) + 1:].rsplit("} ", 1)
+            labels = dict(part.split("=", 1) for part in _split_labels(labels_text))
+            out.append(({k: v.strip('"') for k, v in labels.items()}, float(value.split()[0])))
+    return out
+
+
+def _split_labels(text: str) -> List[str]:
+    parts, cur, quoted = [], "", False
+    for ch in text:
+        if ch == '"':
+            quoted = not quoted
+        if ch == "," and not quoted:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + ([cur] if cur else [])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default="/tmp/mps-storm")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--clients", type=int, default=48)
+    ap.add_argument("--busy", type=int, default=12)
+    ap.add_argument("--idle-seconds", type=float, default=8)
+    ap.add_argument("--settle-seconds", type=float, default=15)
+    ap.add_argument("--max-storm-seconds", type=float, default=150)
+    args = ap.parse_args(argv)
+    work, out = Path(args.work), Path(args.out)
+    pipe, logs, clients_dir = work / "pipe", work / "log", work / "clients"
+    for d in (pipe, logs, clients_dir, out):
+        d.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+    procs: List[subprocess.Popen] = []
+    report: Dict[str, Any] = {"name": "h100-storm", "machine": "", "notes": []}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        report["machine"] = smi
+        report["gpus"] = len(smi.splitlines())
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, check=True)
+        calls_file = out / "calls.json"
+        exporter = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), "timed-serve", str(calls_file), "--", "serve",
+             "--mps.pipe-directory", str(pipe), "--mps.log-directory", str(logs), "--no-collector.dcgm",
+             "--web.listen-address", "127.0.0.1:10138"],
+            env=env, stdout=open(out / "exporter.log", "w"), stderr=subprocess.STDOUT)
+        procs.append(exporter)
+        nvitop = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from nvitop_exporter.cli import main; sys.exit(main())",
+             "--bind-address", "127.0.0.1", "--port", "10139", "--interval", "1.0"],
+            env=env, stdout=open(out / "nvitop-exporter.log", "w"), stderr=subprocess.STDOUT)
+        procs.append(nvitop)
+        wait_http("http://127.0.0.1:10138/metrics", 60)
+        wait_http("http://127.0.0.1:10139/metrics", 60)
+        ours = Scraper("mps-exporter", "http://127.0.0.1:10138/metrics", exporter.pid,
+                       {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip",
+                        "X-Prometheus-Scrape-Timeout-Seconds": "1"})
+        theirs = Scraper("nvitop-exporter", "http://127.0.0.1:10139/metrics", nvitop.pid,
+                         {"Accept-Encoding": "gzip"})
+        ours.start()
+        theirs.start()
+        time.sleep(args.idle_seconds)
+
+        # The storm: every client at once.
+        storm_start = time.monotonic()
+        ours.phase = theirs.phase = "storm"
+        stop_file = clients_dir / "stop"
+        clients = []
+        for i in range(args.clients):
+            busy = i < args.busy
+            cmd = [sys.executable, str(HERE / "workloads" / "gpu_client.py"), "0.5" if busy else "0.25",
+                   "--ready", str(clients_dir / f"ready-{i}"), "--stop", str(stop_file), "--max-seconds", "240",
+                   "--n", "4096"] + ([] if busy else ["--idle"])
+            clients.append(subprocess.Popen(cmd, env={**env, "TAG": f"c{i}"}, stdout=open(clients_dir / f"c{i}.out", "w"),
+                                            stderr=subprocess.STDOUT))
+        procs.extend(clients)
+        ready_at = None
+        while time.monotonic() - storm_start < args.max_storm_seconds:
+            ready = sum(1 for i in range(args.clients) if (clients_dir / f"ready-{i}").exists())
+            exited = [c for c in clients if c.poll() is not None]
+            if ready + len(exited) >= args.clients:
+                ready_at = time.monotonic()
+                break
+            time.sleep(0.5)
+        report["clients"] = args.clients
+        report["busy_clients"] = args.busy
+        report["clients_ready"] = sum(1 for i in range(args.clients) if (clients_dir / f"ready-{i}").exists())
+        report["clients_exited_early"] = [i for i, c in enumerate(clients) if c.poll() is not None]
+        report["storm_seconds_until_all_ready"] = None if ready_at is None else round(ready_at - storm_start, 2)
+        time.sleep(args.settle_seconds / 2)
+        ours.phase = theirs.phase = "settled"
+        time.sleep(args.settle_seconds / 2)
+
+        # Settled: every client's memory against nvidia-smi, from the same moment.
+        text = ours.last_text
+        smi_apps = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory",
+                                   "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+        text2 = ours.last_text
+        apps = {}
+        for line in smi_apps.strip().splitlines():
+            uuid, pid, used = [c.strip() for c in line.split(",")]
+            if used.isdigit():
+                apps[int(pid)] = int(used)
+        served = {int(l["pid"]): v for l, v in series(text, "mps_client_memory_used_bytes")}
+        served2 = {int(l["pid"]): v for l, v in series(text2, "mps_client_memory_used_bytes")}
+        client_pids = {c.pid for c in clients if c.poll() is None}
+        mismatches = []
+        for pid in sorted(client_pids):
+            want = apps.get(pid)
+            got = served.get(pid, served2.get(pid))
+            if want is None or got is None or int(round(got / MIB)) != want:
+                mismatches.append({"pid": pid, "nvidia_smi_mib": want, "exporter_mib": None if got is None else got / MIB})
+        report["memory_check"] = {"clients_compared": len(client_pids), "exact": len(client_pids) - len(mismatches),
+                                  "mismatches": mismatches}
+        ours.stop_event.set()
+        theirs.stop_event.set()
+        ours.join(35)
+        theirs.join(35)
+        stop_file.write_text("stop\n")
+        for c in clients:
+            try:
+                c.wait(60)
+            except subprocess.TimeoutExpired:
+                c.kill()
+
+        storm = ("storm", "settled")
+        s_ours, s_theirs = scrape_stats(ours.results, storm), scrape_stats(theirs.results, storm)
+        report.update({
+            "scrape_timeout_header_seconds": 1.0,
+            "scrape_p50_seconds": s_ours.get("p50_seconds"), "scrape_p99_seconds": s_ours.get("p99_seconds"),
+            "scrape_max_seconds": s_ours.get("max_seconds"),
+            "exporter_cpu_seconds_per_scrape": s_ours.get("cpu_seconds_per_scrape"),
+            "mps_exporter": {"idle": scrape_stats(ours.results, ("idle",)), "storm": s_ours,
+                             "storm_only": scrape_stats(ours.results, ("storm",))},
+            "nvitop_exporter": {"idle": scrape_stats(theirs.results, ("idle",)), "storm": s_theirs,
+                                "storm_only": scrape_stats(theirs.results, ("storm",))},
+            "scrapes": {"mps_exporter": ours.results, "nvitop_exporter": theirs.results},
+            "storm_started_monotonic": storm_start,
+        })
+    finally:
+        for p in procs[2:]:
+            if p.poll() is None:
+                p.kill()
+        for p in procs[:2]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=env, text=True, timeout=30)
+        (out / "storm-report.partial.json").write_text(json.dumps(report, indent=1, default=str))
+    return finish(report, out)
+
+
+def finish(report: Dict[str, Any], out: Path) -> int:
+    """Slow calls per GPU and function from the timed calls; the latency fixture."""
+    doc = json.loads((out / "calls.json").read_text())
+    start = report["storm_started_monotonic"]
+    calls = [(t - start, gpu, fn, sec) for t, gpu, fn, sec in doc["calls"]]
+    by_fn: Dict[Tuple[int, str], List[float]] = {}
+    for t, gpu, fn, sec in calls:
+        if t >= 0:
+            by_fn.setdefault((gpu, fn), []).append(sec)
+    slow = []
+    for (gpu, fn), secs in sorted(by_fn.items(), key=lambda kv: -max(kv[1])):
+        slow.append({"gpu": gpu, "function": fn, "calls": len(secs), "p50_seconds": round(statistics.median(secs), 6),
+                     "p99_seconds": round(percentile(secs, 99), 6), "max_seconds": round(max(secs), 6),
+                     "total_seconds": round(sum(secs), 4)})
+    report["slow_calls"] = slow[:12]
+    report["nvml_calls_during_storm"] = sum(len(v) for v in by_fn.values())
+    fixture = {"description": "Every NVML call mps-exporter made from 10 s before to the end of a client storm "
+                              "on one GPU (tests/gpu/storm.py): t seconds since the storm began, GPU index, "
+                              "pynvml function, seconds the call took.",
+               "machine": report.get("machine"), "clients": report.get("clients"),
+               "busy_clients": report.get("busy_clients"),
+               "calls": [[round(t, 4), gpu, fn, round(sec, 6)] for t, gpu, fn, sec in calls if t >= -10]}
+    (out / "storm-nvml-latency.json").write_text(json.dumps(fixture, separators=(",", ":")))
+    (out / "storm-report.json").write_text(json.dumps(report, indent=1, default=str))
+    summary = {k: report.get(k) for k in ("gpus", "clients", "scrape_p50_seconds", "scrape_p99_seconds",
+                                           "scrape_max_seconds", "exporter_cpu_seconds_per_scrape")}
+    print(json.dumps(summary), flush=True)
+    print(json.dumps({"nvitop": report.get("nvitop_exporter", {}).get("storm"),
+                      "memory": {k: v for k, v in report.get("memory_check", {}).items() if k != "mismatches"},
+                      "slow": report["slow_calls"][:6]}, indent=None), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "timed-serve":
+        rest = sys.argv[3:]
+        sys.exit(timed_serve(rest[1:] if rest[:1] == ["--"] else rest, sys.argv[2]))
+    sys.exit(main())
