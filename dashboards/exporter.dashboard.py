@@ -14,6 +14,16 @@ dashboard = build(
                    [target(m("mps_exporter_collector_success"), "{{instance}} {{collector}}")], w=8, max_one=True),
         timeseries("Collector duration", "Time each collector took in the scrape.", "s",
                    [target(m("mps_exporter_collector_duration_seconds"), "{{instance}} {{collector}}")], w=8),
+        timeseries("Age of the served reading",
+                   "Seconds since the collection whose reading of each source is served. Grows while a source "
+                   "fails or is late (past --scrape.max-duration or Prometheus' scrape timeout): its series are "
+                   "then its last complete reading, or absent.", "s",
+                   [target(f"time() - {m('mps_exporter_collector_last_success_timestamp_seconds')}",
+                           "{{instance}} {{collector}}")], w=8),
+        timeseries("Source read time p99", "99th percentile of each source's read time, late reads included.", "s",
+                   [target("histogram_quantile(0.99, sum by (instance, collector, le) (rate("
+                           f"{m('mps_exporter_collector_read_duration_seconds', '_bucket')}[$__rate_interval])))",
+                           "{{instance}} {{collector}}")], w=8),
         timeseries("Scrape duration", "How long Prometheus took to scrape each exporter.", "s",
                    [target(m("scrape_duration_seconds"), "{{instance}}")], w=8),
         timeseries("Samples per scrape", "Samples Prometheus took from each scrape.", "none",
@@ -35,6 +45,11 @@ dashboard = build(
                                   "truncated {{instance}} {{daemon}} {{file}}"),
                            target(f"rate({m('mps_log_read_errors_total')}[$__rate_interval])",
                                   "read errors {{instance}} {{daemon}} {{file}} {{reason}}")], w=8),
+        timeseries("Log silence", "Seconds since the time written on the newest line of each log file. "
+                   "control.log also logs the exporter's own commands; a server.log that stops moving while "
+                   "clients come and go is worth a look.", "s",
+                   [target(f"time() - {m('mps_log_last_line_timestamp_seconds')}", "{{instance}} {{daemon}} {{file}}")],
+                   w=8),
         timeseries("Control commands", "Commands the control daemon received per second, by verb (the exporter's "
                    "own included).", "cps",
                    [target(f"sum by (instance, daemon, command) (rate({m('mps_control_commands_total')}"
