@@ -57,7 +57,6 @@ CLIENT_KUBE = "namespace_pod_container:mps_client_info:kube"
 POD_MEMORY = "namespace_pod_gpu:mps_client_memory_used_bytes:sum"
 POD_LIMIT = "namespace_pod_gpu:mps_client_pinned_memory_limit_bytes:sum"
 POD_THREADS = "namespace_pod:mps_client_active_thread_ratio:sum"
-POD_CLIENTS = "namespace_pod:mps_clients:count"
 NODE_MODES = "instance_mode:mps_gpu_sharing_mode:sum"
 MODEL_MODES = "name_mode:mps_gpu_sharing_mode:sum"
 FLEET_MODES = "fleet_mode:mps_gpu_sharing_mode:sum"
@@ -80,12 +79,18 @@ EXPORTERS_UP = "job:mps_exporters_up:sum"
 _client_ratio = client_memory_ratio(job)
 CLIENT_NAMES = "namespace, pod, container"
 
-# One series per pod of the cluster (kube-state-metrics may run several replicas).
-_kube_pods = f'max by (pod_uid, namespace, pod) (label_replace({ksm("kube_pod_info")}, "pod_uid", "$1", "uid", "(.+)"))'
-_kube_containers = f"max by (container_id, container) ({bare_container_id(ksm('kube_pod_container_info', container_id='!='))})"
-# MPS clients in a pod kube-state-metrics knows, with its namespace and pod.
-_clients_in_pods = (f"{bare_container_id(job('mps_client_info', pod_uid='!='))}\n"
-                    f"  * on(pod_uid) group_left(namespace, pod)\n  {_kube_pods}")
+# kube-state-metrics' rows for the pods that have MPS clients only (`and on(uid)` first:
+# the cluster may have many more pods than MPS clients), one per pod or container
+# (kube-state-metrics may run several replicas).
+_mps_pods = f'label_replace({job("mps_client_info", pod_uid="!=")}, "uid", "$1", "pod_uid", "(.+)")'
+_kube_pods = (f'max by (pod_uid, namespace, pod) (label_replace(\n    {ksm("kube_pod_info")} and on(uid) {_mps_pods},\n'
+              f'    "pod_uid", "$1", "uid", "(.+)"))')
+_mps_containers = f"{ksm('kube_pod_container_info', container_id='!=')} and on(uid) {_mps_pods}"
+_kube_containers = f"max by (container_id, namespace, pod, container) ({bare_container_id(_mps_containers)})"
+_bare_clients = bare_container_id(job("mps_client_info", pod_uid="!="))
+# MPS clients whose container kube-state-metrics knows; else whose pod it knows.
+_client_kube = (f"{_bare_clients}\n  * on(container_id) group_left(namespace, pod, container)\n  {_kube_containers}\n"
+                f"or on({T}, daemon, pid)\n  {_bare_clients}\n  * on(pod_uid) group_left(namespace, pod)\n  {_kube_pods}")
 
 
 def _per_pod(metric: str, by: str) -> str:
@@ -113,9 +118,7 @@ RECORDINGS: Tuple[Recording, ...] = (
               f"p95 of the time clients waited on the pending list, over {C.QUEUE_WAIT_WINDOW}, by daemon and reason",
               HEAVY),
     Recording(
-        CLIENT_KUBE,
-        f"(\n  {_clients_in_pods}\n)\n* on(container_id) group_left(container)\n  {_kube_containers}\n"
-        f"or on({T}, daemon, pid)\n  {_clients_in_pods}",
+        CLIENT_KUBE, _client_kube,
         "each MPS client in a pod with its namespace, pod and container, from kube-state-metrics (pod UID and "
         "container id, runtime prefix stripped); nothing without kube-state-metrics", HEAVY),
     Recording(
@@ -134,8 +137,6 @@ RECORDINGS: Tuple[Recording, ...] = (
               "pinned memory limits in force for each pod's MPS clients, summed per node and GPU", HEAVY),
     Recording(POD_THREADS, _per_pod("mps_client_active_thread_ratio", "namespace, pod"),
               "active thread shares of each pod's MPS clients, summed per node", HEAVY),
-    Recording(POD_CLIENTS, f"count by ({T}, namespace, pod) ({CLIENT_KUBE})",
-              "MPS clients of each pod, per node", HEAVY),
     # fleet ---------------------------------------------------------------
     Recording(NODE_MODES, f"sum by ({T}, mode) ({job('mps_gpu_sharing_mode')})",
               "GPUs of each node by sharing mode (mps, time_slicing, exclusive, mig, idle)", FLEET),

@@ -9,9 +9,13 @@ POD_LEGEND = "{{namespace}}/{{pod}} on {{instance}}"
 GPU_LEGEND = POD_LEGEND + " GPU {{gpu}}"
 
 
+# MPS clients of each selected pod (counted here: one series per pod is not worth recording).
+POD_CLIENTS = f"count by (job, instance, namespace, pod) ({rec(R.CLIENT_KUBE, **POD)})"
+
+
 def on_pod_nodes(record: str) -> str:
     """A per-node record, only for the nodes the selected pods run on."""
-    return f"{record} and on(job, instance) {rec(R.POD_CLIENTS, **POD)}"
+    return f"{record} and on(job, instance) {rec(R.CLIENT_KUBE, **POD)}"
 
 
 dashboard = build(
@@ -50,7 +54,7 @@ dashboard = build(
                    "Sum of the active thread shares in force for each pod's MPS clients (1 = a whole GPU's SMs).",
                    "percentunit", [target(rec(R.POD_THREADS, **POD), POD_LEGEND)]),
         timeseries("MPS clients per pod", "MPS client processes of each pod.", "none",
-                   [target(rec(R.POD_CLIENTS, **POD), POD_LEGEND)]),
+                   [target(POD_CLIENTS, POD_LEGEND)]),
         row("Contention on the pods' nodes"),
         timeseries("Queued clients on the pods' nodes",
                    "Clients waiting on the MPS pending list of the nodes the selected pods run on: another "

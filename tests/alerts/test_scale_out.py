@@ -33,7 +33,7 @@ def test_vmagent_pair_victoria_metrics_and_vmalert_run_the_rules_and_the_fleet_d
     bundle = record_bundle(tmp_path, scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=2))
     rules = tmp_path / "rules.yml"
     rules.write_text(generate.prometheus_rules(interval_override="1s"))
-    with running_replays(bundle, EXPORTERS, tmp_path) as addresses, running_victoria_metrics(tmp_path) as vm, \
+    with running_replays([bundle] * EXPORTERS, tmp_path) as addresses, running_victoria_metrics(tmp_path) as vm, \
             running_vmagents(tmp_path, vm, addresses, members=2) as agents, \
             running_vmalert(tmp_path, vm, [str(rules)]) as alert:
         everyone = set(addresses)

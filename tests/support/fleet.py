@@ -2,17 +2,18 @@
 as a static exposition in its real format.
 
     bundle = record_bundle(tmp, scenarios.synthetic(tmp, gpus=2, clients_per_gpu=3, clients_per_pod=2))
-    with running_replays(bundle, 5) as addresses, serving_text(kube_state_metrics(pods)) as ksm:
+    with running_replays([bundle] * 5, tmp) as addresses, serving_text(kube_state_metrics(pods)) as ksm:
         ...
 
 `record_bundle` runs the real `capture` on a scenario's faked sources (with a
-control.log, so the log-derived series exist); `running_replays` starts N
-`mps-exporter replay --loop` processes of it, each on its own free port.
+control.log, so the log-derived series exist); `running_replays` starts one
+`mps-exporter replay --loop` process per bundle, each on its own free port.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterable, Iterator, List
+from typing import Dict, Iterable, Iterator, List, Sequence
 
 from mps_exporter.capture import capture
 from mps_exporter.wiring import build_readers
@@ -78,13 +79,13 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running_replays(bundle: Path, count: int, workdir: Path, timeout: float = 60.0) -> Iterator[List[str]]:
-    """`count` replay exporters of `bundle`, looping, each on a free 127.0.0.1 port; their addresses."""
+def running_replays(bundles: Sequence[Path], workdir: Path, timeout: float = 60.0) -> Iterator[List[str]]:
+    """One replay exporter per bundle, looping, each on a free 127.0.0.1 port; their addresses."""
     procs: List[subprocess.Popen] = []
     addresses: List[str] = []
     logs = []
     try:
-        for i in range(count):
+        for i, bundle in enumerate(bundles):
             address = f"127.0.0.1:{free_port()}"
             log = open(workdir / f"replay-{i}.log", "wb")
             logs.append(log)
@@ -131,6 +132,16 @@ def serving_text(text: str) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def renamed_bundle(bundle: Path, out: Path, renames: Dict[str, str]) -> Path:
+    """A copy of `bundle` with strings replaced (pod UIDs, container ids): the same
+    node, other pods."""
+    text = gzip.decompress(bundle.read_bytes()).decode()
+    for old, new in renames.items():
+        text = text.replace(old, new)
+    out.write_bytes(gzip.compress(text.encode(), compresslevel=1))
+    return out
 
 
 def kube_state_metrics(pods: Iterable[Pod]) -> str:
