@@ -56,6 +56,10 @@ NODE = lbl(C.NODE_LABEL)
 VALUE = "{{ $value }}"
 # ", pod <namespace>/<pod>" where the alert has them (kube-state-metrics joined), else nothing.
 IN_POD = "{{ with $labels.pod }}, pod {{ $labels.namespace }}/{{ . }}{{ end }}"
+# The client, or (--mps.client-granularity server: no pid) a pod's clients together.
+CLIENTS = ("{{ if $labels.pid }}MPS client {{ $labels.pid }} ({{ $labels.command }}, user {{ $labels.user }}"
+           + IN_POD + "){{ else }}The MPS clients of pod {{ with $labels.pod }}{{ $labels.namespace }}/{{ . }}"
+           "{{ else }}UID {{ $labels.pod_uid }}{{ end }} (together){{ end }}")
 
 
 def with_server_user(expr: str) -> str:
@@ -138,7 +142,7 @@ ALERTS: Tuple[Alert, ...] = (
         "ClientNearMemoryLimit", "oom",
         f"{CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}", C.CLIENT_MEMORY_FOR, "warning",
         "An MPS client is close to its pinned device memory limit.",
-        f"MPS client {lbl('pid')} ({lbl('command')}, user {lbl('user')}{IN_POD}) of server {lbl('server_pid')} "
+        f"{CLIENTS} of server {lbl('server_pid')} "
         f"on GPU {lbl('gpu')} of {NODE} uses {{{{ $value | humanizePercentage }}}} of its pinned device "
         f"memory limit: its next allocations fail with out-of-memory."),
     Alert(

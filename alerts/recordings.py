@@ -82,9 +82,15 @@ CLIENT_NAMES = "namespace, pod, container"
 # kube-state-metrics' rows for the pods that have MPS clients only (`and on(uid)` first:
 # the cluster may have many more pods than MPS clients), one per pod or container
 # (kube-state-metrics may run several replicas).
+def _kube_pods_of(series: str) -> str:
+    """kube_pod_info of the pods `series` (with a pod_uid label) names, by pod_uid."""
+    pods = f'label_replace({job(series, pod_uid="!=")}, "uid", "$1", "pod_uid", "(.+)")'
+    return (f'max by (pod_uid, namespace, pod) (label_replace(\n    {ksm("kube_pod_info")} and on(uid) {pods},\n'
+            f'    "pod_uid", "$1", "uid", "(.+)"))')
+
+
 _mps_pods = f'label_replace({job("mps_client_info", pod_uid="!=")}, "uid", "$1", "pod_uid", "(.+)")'
-_kube_pods = (f'max by (pod_uid, namespace, pod) (label_replace(\n    {ksm("kube_pod_info")} and on(uid) {_mps_pods},\n'
-              f'    "pod_uid", "$1", "uid", "(.+)"))')
+_kube_pods = _kube_pods_of("mps_client_info")
 _mps_containers = f"{ksm('kube_pod_container_info', container_id='!=')} and on(uid) {_mps_pods}"
 _kube_containers = f"max by (container_id, namespace, pod, container) ({bare_container_id(_mps_containers)})"
 _bare_clients = bare_container_id(job("mps_client_info", pod_uid="!="))
@@ -93,10 +99,20 @@ _client_kube = (f"{_bare_clients}\n  * on(container_id) group_left(namespace, po
                 f"or on({T}, daemon, pid)\n  {_bare_clients}\n  * on(pod_uid) group_left(namespace, pod)\n  {_kube_pods}")
 
 
-def _per_pod(metric: str, by: str) -> str:
-    """Sum of a per-client series over each pod's clients, by `by`."""
-    return (f"sum by ({T}, {by}) (\n  {job(metric)}\n"
+def _per_pod(metric: str, by: str, summed: str = "") -> str:
+    """Sum of a per-client series over each pod's clients, by `by`; or, from exporters
+    with --mps.client-granularity server, of the `summed` series (already per pod)."""
+    expr = (f"sum by ({T}, {by}) (\n  {job(metric)}\n"
             f"  * on({T}, daemon, pid) group_left(namespace, pod) {CLIENT_KUBE}\n)")
+    if summed:
+        expr += (f"\nor\nsum by ({T}, {by}) (\n  {job(summed, pod_uid='!=')}\n"
+                 f"  * on(pod_uid) group_left(namespace, pod) {_kube_pods_of(summed)}\n)")
+    return expr
+
+
+# --mps.client-granularity server: the share of the summed limits a pod's clients use on a GPU.
+_pod_ratio = (f"{job('mps_pod_client_memory_used_bytes')}\n  / on({T}, daemon, server_pid, pod_uid, gpu) group_left\n"
+              f"  {job('mps_pod_client_pinned_memory_limit_bytes')}")
 
 
 def _fleet_count(expr: str) -> str:
@@ -127,13 +143,18 @@ RECORDINGS: Tuple[Recording, ...] = (
         f"* on({T}, daemon, pid) group_left({CLIENT_NAMES}, server_pid, uid, user, command, container_id, pod_uid)\n"
         f"  {CLIENT_KUBE}\n"
         f"or on({T}, daemon, pid, gpu)\n  (\n  {_client_ratio}\n)\n{client_info_join(job)}\n"
-        f"or on({T}, daemon, pid, gpu)\n  {_client_ratio}",
+        f"or on({T}, daemon, pid, gpu)\n  {_client_ratio}\n"
+        f"or\n  (\n  {_pod_ratio}\n)\n  * on(pod_uid) group_left(namespace, pod) {_kube_pods_of('mps_pod_clients')}\n"
+        f"or on({T}, daemon, server_pid, pod_uid, gpu)\n  {_pod_ratio}",
         "each client's memory against its pinned limit, with its user and command, and its namespace, pod and "
-        "container where kube-state-metrics knows them (kept without them when mps_client_info is missing)",
+        "container where kube-state-metrics knows them (kept without them when mps_client_info is missing); "
+        "from exporters with --mps.client-granularity server, per server, pod and GPU",
         HEAVY),
-    Recording(POD_MEMORY, _per_pod("mps_client_memory_used_bytes", "namespace, pod, gpu"),
+    Recording(POD_MEMORY, _per_pod("mps_client_memory_used_bytes", "namespace, pod, gpu",
+                                   "mps_pod_client_memory_used_bytes"),
               "device memory of each pod's MPS clients, per node and GPU", HEAVY),
-    Recording(POD_LIMIT, _per_pod("mps_client_pinned_memory_limit_bytes", "namespace, pod, gpu"),
+    Recording(POD_LIMIT, _per_pod("mps_client_pinned_memory_limit_bytes", "namespace, pod, gpu",
+                                  "mps_pod_client_pinned_memory_limit_bytes"),
               "pinned memory limits in force for each pod's MPS clients, summed per node and GPU", HEAVY),
     Recording(POD_THREADS, _per_pod("mps_client_active_thread_ratio", "namespace, pod"),
               "active thread shares of each pod's MPS clients, summed per node", HEAVY),

@@ -64,7 +64,10 @@ _GPU_METRICS = ("mps_gpu_info", "mps_gpu_up", "mps_gpu_memory_total_bytes", "mps
                 "mps_gpu_sm_occupancy_ratio", "mps_gpu_tensor_active_ratio", "mps_gpu_dram_active_ratio",
                 "mps_gpu_power_watts", "mps_gpu_temperature_celsius", "mps_gpu_sharing_mode",
                 "mps_gpu_compute_processes", "mps_process_sm_utilization_ratio")
-_PER_GPU = ("mps_server_memory_used_bytes", "mps_server_sm_utilization_ratio", "mps_client_memory_used_bytes")
+# --mps.client-granularity server: the clients summed per server and pod.
+_POD_METRICS = ("mps_pod_clients", "mps_pod_client_memory_used_bytes", "mps_pod_client_pinned_memory_limit_bytes")
+_PER_GPU = ("mps_server_memory_used_bytes", "mps_server_sm_utilization_ratio", "mps_client_memory_used_bytes",
+            "mps_pod_client_memory_used_bytes")
 _DAEMON_METRICS = (
     "mps_control_daemon_up", "mps_control_daemon_info", "mps_default_active_thread_ratio",
     "mps_default_pinned_memory_limit_bytes", "mps_server_info", "mps_server_status", "mps_server_clients",
@@ -77,10 +80,10 @@ _DAEMON_METRICS = (
     "mps_server_starts_total", "mps_server_exits_total", "mps_server_start_failures_total",
     "mps_fatal_gpu_errors_total", "mps_control_commands_total", "mps_log_lines_total",
     "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total", "mps_log_read_errors_total",
-    "mps_log_last_line_timestamp_seconds")
+    "mps_log_last_line_timestamp_seconds") + _POD_METRICS
 _SERVER_METRICS = ("mps_server_info", "mps_server_status", "mps_server_clients", "mps_server_active_thread_ratio",
                    "mps_server_pinned_memory_limit_bytes", "mps_server_memory_used_bytes",
-                   "mps_server_sm_utilization_ratio", "mps_server_start_time_seconds", "mps_client_info")
+                   "mps_server_sm_utilization_ratio", "mps_server_start_time_seconds", "mps_client_info") + _POD_METRICS
 _CLIENT_METRICS = ("mps_client_info", "mps_client_memory_used_bytes", "mps_client_pinned_memory_limit_bytes",
                    "mps_client_active_thread_ratio", "mps_client_start_time_seconds")
 _LOG_FILE_METRICS = ("mps_log_lines_total", "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total",
@@ -90,7 +93,8 @@ _CUT = f"cut to {MAX_LABEL_CHARS} characters"
 LABELS: Tuple[LabelBound, ...] = (
     LabelBound("gpu", _GPU_METRICS + _PER_GPU + ("mps_default_pinned_memory_limit_bytes",
                                                   "mps_server_pinned_memory_limit_bytes",
-                                                  "mps_client_pinned_memory_limit_bytes"),
+                                                  "mps_client_pinned_memory_limit_bytes",
+                                                  "mps_pod_client_pinned_memory_limit_bytes"),
                DEVICE, "NVML device index; pinned limits: the device ordinal MPS names",
                "the node's GPUs (log-only ordinals: those of running servers)"),
     LabelBound("uuid", _GPU_METRICS + _PER_GPU, DEVICE, "NVML", "one per GPU"),
@@ -127,6 +131,8 @@ LABELS: Tuple[LabelBound, ...] = (
     LabelBound("container_id", ("mps_client_info",), INPUT, "/proc/PID/cgroup (64 hex digits)",
                f"one per running client; {_CUT}"),
     LabelBound("pod_uid", ("mps_client_info",), INPUT, "/proc/PID/cgroup (a UUID)", f"one per running client; {_CUT}"),
+    LabelBound("pod_uid", _POD_METRICS, INPUT, "/proc/PID/cgroup of the server's clients (a UUID, or empty)",
+               f"pods with MPS clients running now, per server; {_CUT}"),
     LabelBound("reason", ("mps_queued_clients", "mps_client_queue_wait_seconds",
                           "mps_client_queue_wait_implausible_total"), FIXED, "the log state machine",
                "server_starting, user_switch"),

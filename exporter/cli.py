@@ -20,7 +20,8 @@ from typing import Dict, NoReturn, Optional, Sequence, Tuple
 from . import __version__
 from .capture import capture
 from .config import (DEFAULT_DAEMON_NAME, DEFAULT_LISTEN, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY,
-                     CaptureOptions, Config, DaemonConfig, ReplayOptions, StatusOptions, load_daemons_file)
+                     GRANULARITIES, CaptureOptions, Config, DaemonConfig, ReplayOptions, StatusOptions,
+                     load_daemons_file)
 from .contract import markdown_table
 from .errors import ConfigError
 from .logs.parser import resolve_timezone
@@ -123,6 +124,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                        help=f"disable the {name} collector")
 
 
+def _add_granularity(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mps.client-granularity", dest="client_granularity", default="client",
+                   choices=list(GRANULARITIES),
+                   help="client: series per MPS client process (pid label; the default); server: client memory, "
+                        "limits and counts summed per MPS server and pod, no pid label (docs/cardinality.md)")
+
+
 def _add_logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log.level", dest="log_level", default="info", choices=["debug", "info", "warn", "error"])
     p.add_argument("--log.format", dest="log_format", default="logfmt", choices=["logfmt", "json"])
@@ -151,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     serve = sub.add_parser("serve", help="serve /metrics (the default)")
     _add_common(serve)
+    _add_granularity(serve)
     _add_web(serve)
     parser.serve_parser = serve
     dump = sub.add_parser("dump", help="run every enabled collector once, print the exposition, exit")
@@ -158,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--textfile", default=None, metavar="PATH",
                       help="write the exposition to PATH atomically (for node_exporter's textfile collector) "
                            "instead of printing it")
+    _add_granularity(dump)
     sub.add_parser("metrics", help="print the metric contract as a Markdown table")
     capture = sub.add_parser("capture", help="record what every source returns, and the MPS logs as they grow, "
                              "into one bundle file (docs/capture-format.md)")
@@ -176,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--speed", type=float, default=1.0, help="replay this many times faster (default 1)")
     replay.add_argument("--loop", action="store_true",
                         help="start over at the end of the bundle (always, for the shipped session)")
+    _add_granularity(replay)
     _add_web(replay)
     _add_logging(replay)
     status = sub.add_parser("status", help="collect once and print the node's MPS state as a report "
@@ -214,6 +225,7 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
     if command == "metrics":
         return cfg
     cfg.log_level, cfg.log_format = ns.log_level, ns.log_format
+    cfg.client_granularity = getattr(ns, "client_granularity", cfg.client_granularity)
     if getattr(ns, "listen_address", None) is not None:
         _web_flags(cfg, ns, check_address=command in ("serve", "replay"))
     if command == "replay":

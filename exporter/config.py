@@ -55,6 +55,10 @@ class ReplayOptions:
     loop: bool = False
 
 
+# --mps.client-granularity: per client process, or summed per server and pod.
+GRANULARITIES = ("client", "server")
+
+
 @dataclass
 class StatusOptions:
     bundle: Optional[str] = None  # read a capture bundle instead of this node
@@ -73,6 +77,9 @@ class Config:
     scrape_max_seconds: float = 5.0  # a scrape's wait for its sources; 0 = no limit
     scrape_timeout_offset: float = 0.5  # of Prometheus' scrape timeout, kept for encoding and sending
     textfile: Optional[str] = None  # dump: write here atomically instead of to stdout
+    # --mps.client-granularity: "client", a series set per client process (pid label);
+    # "server", client memory, limits and counts summed per server and pod (no pid).
+    client_granularity: str = "client"
     # Collector name -> True, False or "auto" where a flag or replay set it; a
     # collector not named here has its source's default (sources/registry.py).
     collectors: Dict[str, Union[bool, str]] = field(default_factory=dict)

@@ -83,6 +83,12 @@ METRICS.update(_specs(
     ("mps_client_start_time_seconds", GAUGE, "daemon, pid", "Unix time the client connected."),
 ))
 METRICS.update(_specs(
+    "MPS clients summed per server and pod (--mps.client-granularity server)",
+    ("mps_pod_clients", GAUGE, "daemon, server_pid, pod_uid", "MPS client processes of the server in the pod (pod_uid empty: processes in no pod); replaces the per-client series with --mps.client-granularity server."),
+    ("mps_pod_client_memory_used_bytes", GAUGE, "daemon, server_pid, pod_uid, gpu, uuid", "Device memory of the server's clients in the pod, summed."),
+    ("mps_pod_client_pinned_memory_limit_bytes", GAUGE, "daemon, server_pid, pod_uid, gpu", "Pinned memory limits in force for the server's clients in the pod, summed (clients without a limit add nothing)."),
+))
+METRICS.update(_specs(
     "Queueing and contention",
     ("mps_queued_clients", GAUGE, "daemon, reason", "Clients on the daemon's pending list: reason server_starting (no server yet, same user) or user_switch (another user's server must drain first)."),
     ("mps_queued_client_oldest_wait_seconds", GAUGE, "daemon", "Age of the oldest pending client; 0 when none."),

@@ -39,7 +39,9 @@ MPS_SERVER_COMMAND = "nvidia-cuda-mps"  # comm of nvidia-cuda-mps-server, cut to
 NO_PROCESS = ProcessFacts(0)
 
 
-def render(snap: Snapshot) -> FamilyBuilder:
+def render(snap: Snapshot, clients_by_server: bool = False) -> FamilyBuilder:
+    """clients_by_server (--mps.client-granularity server): the clients' memory, limits
+    and counts summed per server and pod instead of series per client process."""
     out = FamilyBuilder()
     render_self(out, snap.outcomes, snap.read_durations)
     gpus = snap.nvml.gpus if snap.nvml else []
@@ -54,7 +56,10 @@ def render(snap: Snapshot) -> FamilyBuilder:
         servers = render_servers(out, daemon, log_snap, snap.processes, joined)
         # NVML's MPS clients that no daemon listed belong to the only daemon there is.
         unlisted = [pid for pid in joined.mps_memory if pid not in listed] if len(snap.daemons) == 1 else []
-        render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
+        if clients_by_server:
+            render_pods(out, daemon, servers, unlisted, snap.processes, joined)
+        else:
+            render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
     for name, log_snap in snap.logs.items():
         render_log_metrics(out, name, log_snap, snap.now)
     return out
@@ -206,6 +211,21 @@ def render_servers(out: FamilyBuilder, d: DaemonReading, log_snap: Optional[LogS
 
 
 # ---------------------------------------------------------------- clients
+def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, server_limits: Mapping[int, Limits],
+                     default: Limits, joined: _GpuJoin
+                     ) -> Tuple[List[Tuple[GpuReading, Optional[int]]], List[GpuReading], Limits]:
+    """A client's memory per GPU (NVML's MPS list), the GPUs it is on (that list, else
+    the device `ps` names) and the limits in force for it."""
+    memory = joined.mps_memory.get(pid, [])
+    client_gpus = [gpu for gpu, _ in memory]
+    if row and not client_gpus:
+        gpu = joined.gpu_for_device(row.device)
+        client_gpus = [gpu] if gpu else []
+    server = None if row is None or row.server_pid is None else server_limits.get(row.server_pid, Limits())
+    limits = client_limits(Limits(proc.env_active_thread_percentage, proc.env_pinned_limits), server, default)
+    return memory, client_gpus, limits
+
+
 def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
                    log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
     """Rows of the daemon's `ps`, plus the NVML MPS clients in `unlisted`."""
@@ -221,17 +241,44 @@ def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[
                 pid=str(pid), uid="" if proc.uid is None else str(proc.uid), user=proc.user,
                 command=(row.command if row else "") or proc.command, namespace=row.namespace if row else "",
                 container_id=proc.container_id, pod_uid=proc.pod_uid)
-        memory = joined.mps_memory.get(pid, [])
-        client_gpus = [gpu for gpu, _ in memory]
-        if row and not client_gpus:
-            gpu = joined.gpu_for_device(row.device)
-            client_gpus = [gpu] if gpu else []
+        memory, client_gpus, limits = _client_in_force(pid, row, proc, server_limits, default, joined)
         for gpu, used in memory:
             out.add("mps_client_memory_used_bytes", used, **cp, gpu=str(gpu.index), uuid=gpu.uuid)
-        server = None if server_pid is None else server_limits.get(server_pid, Limits())
-        limits = client_limits(Limits(proc.env_active_thread_percentage, proc.env_pinned_limits), server, default)
         for gpu in client_gpus:
             out.add("mps_client_pinned_memory_limit_bytes", limits.pinned_bytes.get(gpu.index), **cp, gpu=str(gpu.index))
         share = limits.thread_percentage
         out.add("mps_client_active_thread_ratio", None if share is None else share / 100, **cp)
         out.add("mps_client_start_time_seconds", log_starts.get(pid) or proc.start_time_seconds, **cp)
+
+
+def render_pods(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
+                processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
+    """The clients render_clients would show, summed per (server, pod): no pid label,
+    so short-lived clients add no series."""
+    ps_rows = {c.pid: c for c in d.clients}
+    default = Limits(d.default_active_thread_percentage, d.default_pinned_limits)
+    counts: Dict[Tuple[str, str], int] = {}
+    memory: Dict[Tuple[str, str, int], int] = {}  # (server, pod, gpu index) -> bytes
+    limits: Dict[Tuple[str, str, int], int] = {}
+    for pid in sorted(set(ps_rows) | set(unlisted)):
+        row = ps_rows.get(pid)
+        proc = processes.get(pid) or ProcessFacts(pid)
+        key = ("" if row is None or row.server_pid is None else str(row.server_pid), proc.pod_uid)
+        counts[key] = counts.get(key, 0) + 1
+        used, client_gpus, own = _client_in_force(pid, row, proc, server_limits, default, joined)
+        for gpu, n in used:
+            if n is not None:
+                memory[key + (gpu.index,)] = memory.get(key + (gpu.index,), 0) + n
+        for gpu in client_gpus:
+            limit = own.pinned_bytes.get(gpu.index)
+            if limit is not None:
+                limits[key + (gpu.index,)] = limits.get(key + (gpu.index,), 0) + limit
+    for (server_pid, pod_uid), count in sorted(counts.items()):
+        out.add("mps_pod_clients", count, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid)
+    uuids = {gpu.index: gpu.uuid for gpu in joined.gpus}
+    for (server_pid, pod_uid, index), total in sorted(memory.items()):
+        out.add("mps_pod_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid,
+                gpu=str(index), uuid=uuids[index])
+    for (server_pid, pod_uid, index), limit_sum in sorted(limits.items()):
+        out.add("mps_pod_client_pinned_memory_limit_bytes", limit_sum, daemon=d.name, server_pid=server_pid,
+                pod_uid=pod_uid, gpu=str(index))

@@ -150,6 +150,7 @@ BAD_VALUES = {
     "--scrape.max-duration": ["abc", "-1"],
     "--scrape.timeout-offset": ["abc", "-0.5"],
     "--textfile": ["", "/"],
+    "--mps.client-granularity": ["pod", ""],
     "--out": ["", "/nonexistent/dir/x.jsonl.gz"],
     "--duration": ["abc", "0"],
     "--interval": ["abc", "-1"],

@@ -192,3 +192,40 @@ def test_process_without_a_new_sample_was_idle():
     # the same for the MPS server: an idle server reads 0, its series does not vanish
     r = samples(snapshot(nvml=NvmlReading("580", [busy_gpu(process_utilization=[])])))
     assert value(r, "mps_server_sm_utilization_ratio", server_pid="1589", gpu="0") == 0.0
+
+
+# ------------------------------------------------------- --mps.client-granularity
+def _samples(tmp_path, mode, **kw):
+    from tests.support import scenarios
+
+    scen = scenarios.synthetic(tmp_path / mode, **kw)
+    scen.cfg.client_granularity = mode
+    return [s for family in scen.collector().collect() for s in family.samples], scen
+
+
+def test_server_granularity_sums_clients_per_server_and_pod(tmp_path):
+    """8 GPUs x 48 clients, each in its own pod but the last: no pid label, and the same
+    memory, limits and client count in sums (one series per pod and GPU)."""
+    client, scen = _samples(tmp_path, "client", gpus=8, clients_per_gpu=48, clients_per_pod=1)
+    server, _ = _samples(tmp_path, "server", gpus=8, clients_per_gpu=48, clients_per_pod=1)
+    assert not any("pid" in s.labels for s in server)
+    assert not any(s.name.startswith("mps_client_") and not s.name.startswith("mps_client_queue") for s in server)
+
+    def total(samples, name):
+        return sum(s.value for s in samples if s.name == name)
+
+    assert total(server, "mps_pod_clients") == 8 * 48 == sum(1 for s in client if s.name == "mps_client_info")
+    assert total(server, "mps_pod_client_memory_used_bytes") == total(client, "mps_client_memory_used_bytes") > 0
+    assert total(server, "mps_pod_client_pinned_memory_limit_bytes") == \
+        total(client, "mps_client_pinned_memory_limit_bytes") > 0
+    # One series per pod; the bare process is counted under pod_uid "".
+    pods = {s.labels["pod_uid"]: s.value for s in server if s.name == "mps_pod_clients"}
+    assert len(pods) == 8 * 48 and pods[""] == 1 and set(pods) - {""} == {u for u, _ in scen.pods.values()}
+
+
+def test_server_granularity_cuts_a_node_of_bare_clients_by_4x(tmp_path):
+    """Issue 19: 8 GPUs x 48 clients outside pods (one MPS server): at least 4x fewer series."""
+    client, _ = _samples(tmp_path, "client", gpus=8, clients_per_gpu=48)
+    server, _ = _samples(tmp_path, "server", gpus=8, clients_per_gpu=48)
+    assert len(client) >= 4 * len(server), (len(client), len(server))
+    assert sum(s.value for s in server if s.name == "mps_pod_clients") == 8 * 48
