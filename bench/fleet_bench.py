@@ -11,7 +11,8 @@ node), waits until every rule group has been evaluated a few times, and measures
 - every dashboard query's time at the dashboards' default selection (per-node
   dashboards: the first node; Kubernetes: the first namespace, all its pods; fleet:
   no variables) as a range query over the default 3 h at a 15 s step;
-- `--granularity` modes: one exporter per mode, its series count.
+- the same at `--mps.client-granularity server` (--server-nodes), and one node's series
+  in both modes with its clients in pods and outside pods.
 
 It then extrapolates series, samples/s and rule time to 1,000 and 10,000 nodes.
 Prometheus evaluates the rule groups every RULE_INTERVAL here (their 1 m in production)
@@ -19,7 +20,7 @@ so that a short run sees several evaluations; the time of one evaluation does no
 depend on the interval. Data spans only the run (minutes, not 3 h): query times are
 what that much data costs.
 
-    python3 bench/fleet_bench.py [--nodes 10 50 100] [--out bench/results/fleet-....md]
+    python3 bench/fleet_bench.py [--nodes 10 50 100] [--server-nodes 10 100] [--out bench/results/fleet-....md]
 
 Prints a Markdown report (and writes it with --out); numbers, not a pass/fail.
 """
@@ -35,7 +36,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,7 +52,7 @@ SCRAPE_INTERVAL = 15.0  # Prometheus' default
 RULE_INTERVAL = "10s"
 EVALUATIONS = 3  # of every group, before measuring
 RANGE_SECONDS, STEP = 3 * 3600, "15s"  # Grafana's default time range for these dashboards
-REPEATS = 3
+REPEATS = 5
 
 
 def node_bundles(tmp: Path, count: int) -> Tuple[List[Path], List[Pod]]:
@@ -114,11 +115,11 @@ def own_series(prom: Prometheus) -> float:
     raise AssertionError("no prometheus_tsdb_head_series")
 
 
-def measure(n: int, tmp: Path) -> dict:
+def measure(n: int, tmp: Path, mode: str) -> dict:
     bundles, pods = node_bundles(tmp, n)
     rules = tmp / "rules.yml"
     rules.write_text(generate.prometheus_rules(interval_override=RULE_INTERVAL))
-    with running_replays(bundles, tmp, timeout=60 + n) as addresses, \
+    with running_replays(bundles, tmp, timeout=60 + n, flags=[f"--mps.client-granularity={mode}"]) as addresses, \
             serving_text(kube_state_metrics(pods)) as ksm, \
             running_prometheus(tmp, [*(Target(a, job="mps-exporter") for a in addresses),
                                      Target(ksm, job="kube-state-metrics")],
@@ -132,6 +133,7 @@ def measure(n: int, tmp: Path) -> dict:
 
         result = {
             "n": n,
+            "mode": mode,
             "series_per_node": per_node('{job="mps-exporter", __name__!~".+:.+"}'),
             "pid_series_per_node": per_node('{job="mps-exporter", pid!="", __name__!~".+:.+"}'),
             "recorded_per_node": per_node('{__name__=~".+:.+", instance!=""}'),
@@ -149,16 +151,11 @@ def measure(n: int, tmp: Path) -> dict:
         return result
 
 
-def granularity_series(tmp: Path, mode: str) -> Optional[float]:
-    """Series of one 8 x 48 node served with --mps.client-granularity MODE (None: no such flag)."""
-    from mps_exporter import config as exporter_config
-
-    if "client_granularity" not in {f.name for f in __import__("dataclasses").fields(exporter_config.Config)}:
-        return None
-    scen = scenarios.synthetic(tmp, gpus=GPUS, clients_per_gpu=CLIENTS_PER_GPU, clients_per_pod=1)
+def granularity_series(tmp: Path, mode: str, clients_per_pod: int) -> int:
+    """Series of one 8 x 48 node (no logs) served with --mps.client-granularity MODE."""
+    scen = scenarios.synthetic(tmp, gpus=GPUS, clients_per_gpu=CLIENTS_PER_GPU, clients_per_pod=clients_per_pod)
     scen.cfg.client_granularity = mode
-    collector = scen.collector()
-    return float(sum(len(f.samples) for f in collector.collect()))
+    return sum(len(f.samples) for f in scen.collector().collect())
 
 
 def fit(xs: List[float], ys: List[float]) -> Tuple[float, float]:
@@ -168,88 +165,109 @@ def fit(xs: List[float], ys: List[float]) -> Tuple[float, float]:
     return my - b * mx, b
 
 
-def report(results: List[dict], modes: Dict[str, Optional[float]], started: str) -> str:
+def _rule_table(results: List[dict]) -> List[str]:
     ns = [r["n"] for r in results]
     big = results[-1]
-    lines = [f"# Fleet benchmark ({started})", "",
-             f"`python3 bench/fleet_bench.py --nodes {' '.join(map(str, ns))}`: N replay exporters of one "
-             f"{GPUS} GPU x {CLIENTS_PER_GPU} client node (every client in its own pod, one namespace per node), "
-             f"kube-state-metrics' pods for all of them, one Prometheus "
-             f"({SCRAPE_INTERVAL:g} s scrapes, rule groups every {RULE_INTERVAL} for the run) with "
-             "alerts/prometheus/mps-exporter.rules.yml. Machine: shared 2-core VM (other jobs running).", "",
-             "## Series", "",
-             "| exporters | series per node | with `pid` | samples per scrape | recorded per node | "
-             "recorded fleet-wide | Prometheus head series |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in results:
-        lines.append(f"| {r['n']} | {r['series_per_node']:.0f} | {r['pid_series_per_node']:.0f} | "
-                     f"{r['samples_per_scrape']:.0f} | {r['recorded_per_node']:.0f} | {r['recorded_fleet']:.0f} | "
-                     f"{r['head_series']:.0f} |")
-    if any(v is not None for v in modes.values()):
-        c, s = modes.get("client"), modes.get("server")
-        lines += ["", f"`--mps.client-granularity` on one {GPUS} x {CLIENTS_PER_GPU} node: client {c:.0f} series, "
-                      f"server {s:.0f} series ({c / s:.1f}x fewer)." if c and s else ""]
-
-    lines += ["", "## Rule groups (one evaluation, mean of the last evaluations)", "",
-              "| group | " + " | ".join(f"{n} exporters" for n in ns) + f" | per target at {ns[-1]} |",
-              "| --- | " + " | ".join("---" for _ in ns) + " | --- |"]
-    names = sorted(big["groups"])
-    for g in names:
+    lines = ["| group | " + " | ".join(f"{n} exporters" for n in ns) + f" | per target at {ns[-1]} |",
+             "| --- | " + " | ".join("---" for _ in ns) + " | --- |"]
+    for g in sorted(big["groups"]):
         row = [f"{r['groups'].get(g, float('nan')) * 1000:.1f} ms" for r in results]
         lines.append(f"| {g} | " + " | ".join(row) + f" | {big['groups'][g] / big['n'] * 1000:.3f} ms |")
     total = [sum(r["groups"].values()) for r in results]
     lines.append("| **all** | " + " | ".join(f"{t * 1000:.1f} ms" for t in total) +
                  f" | {total[-1] / big['n'] * 1000:.3f} ms |")
+    return lines
+
+
+def _extrapolation(results: List[dict]) -> List[str]:
+    big = results[-1]
+    per_node = big["series_per_node"] + big["recorded_per_node"]
+    total = [sum(r["groups"].values()) for r in results]
+    a, b = fit([float(r["n"]) for r in results], total) if len(results) > 1 else (0.0, total[0] / big["n"])
+    lines = [f"`{big['mode']}` granularity: {per_node:.0f} series per node ({big['series_per_node']:.0f} scraped + "
+             f"{big['recorded_per_node']:.0f} recorded) plus {big['recorded_fleet']:.0f} fleet-wide; all rule "
+             f"groups take {a * 1000:.0f} ms + {b * 1000:.1f} ms per node per round (least squares over the runs).",
+             "", "| nodes | active series | samples/s at 15 s | samples/s at 5 s | all rule groups per round | "
+             "of a 1 m interval |", "| --- | --- | --- | --- | --- | --- |"]
+    for nodes in (1_000, 10_000):
+        series = nodes * per_node + big["recorded_fleet"]
+        scraped = nodes * big["series_per_node"]
+        rule_time = a + b * nodes
+        lines.append(f"| {nodes:,} | {series / 1e6:.2f} M | {scraped / 15 / 1e3:,.0f} k | {scraped / 5 / 1e3:,.0f} k"
+                     f" | {rule_time:,.1f} s | {rule_time / 60:.0%} |")
+    return lines
+
+
+def report(results: List[dict], servers: List[dict], one_node: Dict[str, int], started: str, argv: str) -> str:
+    ns = [r["n"] for r in results]
+    big = results[-1]
+    lines = [f"# Fleet benchmark ({started})", "",
+             f"`python3 bench/fleet_bench.py {argv}`: N replay exporters of one {GPUS} GPU x {CLIENTS_PER_GPU} "
+             "client node (every client in its own pod, one namespace per node; MPS logs on), "
+             "kube-state-metrics' pods for all of them, one Prometheus "
+             f"({SCRAPE_INTERVAL:g} s scrapes; rule groups every {RULE_INTERVAL} for the run, 1 m in production) "
+             "with alerts/prometheus/mps-exporter.rules.yml. Machine: a shared 2-core VM with other jobs "
+             "running: absolute times are pessimistic, ratios between runs are the point.", "",
+             "## Series per node", "",
+             "| granularity | exporters | series per node | with `pid` | samples per scrape | recorded per node | "
+             "recorded fleet-wide | Prometheus head series |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results + servers:
+        lines.append(f"| {r['mode']} | {r['n']} | {r['series_per_node']:.0f} | {r['pid_series_per_node']:.0f} | "
+                     f"{r['samples_per_scrape']:.0f} | {r['recorded_per_node']:.0f} | {r['recorded_fleet']:.0f} | "
+                     f"{r['head_series']:.0f} |")
+    lines += ["", f"One {GPUS} x {CLIENTS_PER_GPU} node without logs (`dump`-like, one collection), by "
+                  "`--mps.client-granularity`:", "",
+              "| clients | client | server | cut |", "| --- | --- | --- | --- |"]
+    for layout in ("outside pods", "one pod each"):
+        c, sv = one_node[f"client {layout}"], one_node[f"server {layout}"]
+        lines.append(f"| {layout} | {c} | {sv} | {c / sv:.1f}x |")
+
+    lines += ["", "## Rule groups: one evaluation (mean of the last evaluations)", "", "`client` granularity:", ""]
+    lines += _rule_table(results)
+    if servers:
+        lines += ["", "`server` granularity:", ""] + _rule_table(servers)
 
     lines += ["", "## Dashboard queries at the default selection", "",
-              "Sum over each dashboard's queries (range query, 3 h at 15 s, median of "
-              f"{REPEATS}); ratio = largest N / smallest N.", "",
+              "Sum over each dashboard's queries (`client` granularity; range query over 3 h at a 15 s step, "
+              f"median of {REPEATS}); ratio = {ns[-1]} / {ns[0]} exporters.", "",
               "| dashboard | queries | " + " | ".join(f"{n} exporters" for n in ns) + " | ratio |",
               "| --- | --- | " + " | ".join("---" for _ in ns) + " | --- |"]
-    dashboards = sorted({k.split("|")[0] for k in big["queries"]})
-    for d in dashboards:
+    for d in sorted({k.split("|")[0] for k in big["queries"]}):
         sums = [sum(t for k, t in r["queries"].items() if k.startswith(d + "|")) for r in results]
         count = sum(1 for k in big["queries"] if k.startswith(d + "|"))
-        lines.append(f"| {d} | {count} | " + " | ".join(f"{s * 1000:.0f} ms" for s in sums) +
+        lines.append(f"| {d} | {count} | " + " | ".join(f"{x * 1000:.0f} ms" for x in sums) +
                      f" | {sums[-1] / sums[0]:.2f}x |")
     slow = sorted(big["queries"].items(), key=lambda kv: -kv[1])[:8]
     lines += ["", f"Slowest queries at {big['n']} exporters:", ""]
     lines += [f"- {t * 1000:.1f} ms: {k.replace('|', ' / ')}" for k, t in slow]
 
-    # Extrapolation.
-    per_node = big["series_per_node"] + big["recorded_per_node"]
-    a, b = fit([float(r["n"]) for r in results], total)
-    lines += ["", "## Extrapolation", "",
-              f"Series grow with nodes ({per_node:.0f} per node: {big['series_per_node']:.0f} scraped + "
-              f"{big['recorded_per_node']:.0f} recorded); rule time as fitted over the runs "
-              f"({a * 1000:.1f} ms + {b * 1000:.3f} ms per node per round of all groups).", "",
-              "| nodes | active series | samples/s at 15 s | samples/s at 5 s | rule time per round | "
-              "share of a 1 m interval |", "| --- | --- | --- | --- | --- | --- |"]
-    for nodes in (1_000, 10_000):
-        series = nodes * per_node + big["recorded_fleet"]
-        rule_time = a + b * nodes
-        lines.append(f"| {nodes:,} | {series / 1e6:.2f} M | {nodes * big['series_per_node'] / 15 / 1e3:.0f} k | "
-                     f"{nodes * big['series_per_node'] / 5 / 1e3:.0f} k | {rule_time:.1f} s | "
-                     f"{rule_time / 60:.0%} |")
+    lines += ["", "## Extrapolation to 1,000 and 10,000 nodes", ""] + _extrapolation(results)
+    if servers:
+        lines += [""] + _extrapolation(servers)
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[10, 50, 100])
+    parser.add_argument("--server-nodes", type=int, nargs="*", default=[10, 100],
+                        help="also run these with --mps.client-granularity server")
     parser.add_argument("--out", help="also write the report here")
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    results = []
-    for n in sorted(args.nodes):
-        with tempfile.TemporaryDirectory(prefix=f"fleet-bench-{n}-") as tmp:
-            t0 = time.monotonic()
-            results.append(measure(n, Path(tmp)))
-            print(f"{n} exporters measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    modes = {}
+    runs: Dict[str, List[dict]] = {"client": [], "server": []}
+    for mode, nodes in (("client", args.nodes), ("server", args.server_nodes)):
+        for n in sorted(nodes):
+            with tempfile.TemporaryDirectory(prefix=f"fleet-bench-{n}-") as tmp:
+                t0 = time.monotonic()
+                runs[mode].append(measure(n, Path(tmp), mode))
+                print(f"{mode}: {n} exporters measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    one_node = {}
     for mode in ("client", "server"):
-        with tempfile.TemporaryDirectory() as tmp:
-            modes[mode] = granularity_series(Path(tmp), mode)
-    text = report(results, modes, started)
+        for layout, per_pod in (("outside pods", 0), ("one pod each", 1)):
+            with tempfile.TemporaryDirectory() as tmp:
+                one_node[f"{mode} {layout}"] = granularity_series(Path(tmp), mode, per_pod)
+    text = report(runs["client"], runs["server"], one_node, started, " ".join(sys.argv[1:]))
     print(text)
     if args.out:
         Path(args.out).write_text(text)

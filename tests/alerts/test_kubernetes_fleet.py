@@ -6,9 +6,10 @@ the project's rule file.
    container (kube-state-metrics writes container ids with runtime prefixes, the
    cgroup gives them bare), the bare process none; per-pod sums add up; every query
    of the Kubernetes and fleet dashboards returns data.
-2. Fleet: several exporters on loopback ports; the fleet dashboard's queries answer
-   for every one of them, and with one node selected the per-node dashboards show
-   for each node what they show for all.
+2. Fleet: several exporters on loopback ports, one of them with
+   --mps.client-granularity server; the fleet dashboard's queries answer for every one
+   of them; with one node selected the per-node dashboards show for each node what they
+   show for all, and the server-granularity node's per-pod sums.
 Rule groups' own intervals are cut to 1 s in a copy of the rule file.
 """
 
@@ -96,27 +97,38 @@ def test_pods_get_their_names_and_the_kubernetes_dashboard_has_data(tmp_path):
 
 
 def test_fleet_dashboard_answers_for_every_exporter(tmp_path):
-    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=2)
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=2, clients_per_pod=1)
     bundle = record_bundle(tmp_path, scen)
     with running_replays([bundle] * 4, tmp_path) as addresses, \
-            running_prometheus(tmp_path, [Target(a, job="mps-exporter") for a in addresses],
+            running_replays([bundle], tmp_path, flags=["--mps.client-granularity=server"]) as (summed,), \
+            running_prometheus(tmp_path, [Target(a, job="mps-exporter") for a in addresses + [summed]],
                                rule_files=[_rules(tmp_path)]) as prom:
+        everyone = set(addresses) | {summed}
         prom.wait_for_target_up()
         started = time.time()
         # Every per-node record the fleet dashboard reads has every exporter.
         for record in (R.NODE_QUEUED, R.NODE_HEADROOM, R.NODE_CLIENTS, R.NODE_MODES, R.NODE_FATAL):
             deadline = time.monotonic() + 30
-            while {r["metric"]["instance"] for r in prom.query(record)} != set(addresses):
+            while {r["metric"]["instance"] for r in prom.query(record)} != everyone:
                 assert time.monotonic() < deadline, f"{record}: {prom.query(record)}"
                 time.sleep(0.5)
-        assert prom.wait_for(f"{R.EXPORTERS_UP} == 4") and prom.query(R.FLEET_QUEUED_NODES)[0]["value"][1] == "4"
-        assert float(prom.query(R.FLEET_CLIENTS)[0]["value"][1]) == 4 * 4
-        assert {r["metric"]["mode"]: r["value"][1] for r in prom.query(R.FLEET_MODES)} == {"mps": "8"}
+        assert prom.wait_for(f"{R.EXPORTERS_UP} == 5") and prom.query(R.FLEET_QUEUED_NODES)[0]["value"][1] == "5"
+        assert float(prom.query(R.FLEET_CLIENTS)[0]["value"][1]) == 5 * 4
+        assert {r["metric"]["mode"]: r["value"][1] for r in prom.query(R.FLEET_MODES)} == {"mps": "10"}
+        # The summed node: no pid label anywhere, the same clients counted per server and pod.
+        assert prom.query(f'count({{instance="{summed}", pid!=""}})') == []
+        assert prom.query(f'sum(mps_pod_clients{{instance="{summed}"}})')[0]["value"][1] == "4"
         time.sleep(3)
         fleet = {"fleet"}
         per_node = {q.dashboard for q in queries()} - {"fleet", "kubernetes"}
         assert _empty_queries(prom, fleet, started) == []
         # The per-node dashboards open on one node: each node alone shows what all of them show.
         with_all = _empty_queries(prom, per_node, started)
+        # The per-pod sums come from the summed node alone; the client nodes show all the rest.
+        pod_sums = [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries()
+                    if q.dashboard in per_node and "mps_pod_client" in q.expr]
+        assert pod_sums and not set(pod_sums) & set(with_all)
         for address in addresses:
-            assert _empty_queries(prom, per_node, started, {"node": address}) == with_all, address
+            assert sorted(_empty_queries(prom, per_node, started, {"node": address})) == \
+                sorted(with_all + pod_sums), address
+        assert not set(pod_sums) & set(_empty_queries(prom, per_node, started, {"node": summed}))

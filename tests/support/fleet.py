@@ -79,8 +79,10 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running_replays(bundles: Sequence[Path], workdir: Path, timeout: float = 60.0) -> Iterator[List[str]]:
-    """One replay exporter per bundle, looping, each on a free 127.0.0.1 port; their addresses."""
+def running_replays(bundles: Sequence[Path], workdir: Path, timeout: float = 60.0,
+                    flags: Sequence[str] = ()) -> Iterator[List[str]]:
+    """One replay exporter per bundle, looping, each on a free 127.0.0.1 port and with
+    `flags` (e.g. --mps.client-granularity server); their addresses."""
     procs: List[subprocess.Popen] = []
     addresses: List[str] = []
     logs = []
@@ -91,7 +93,7 @@ def running_replays(bundles: Sequence[Path], workdir: Path, timeout: float = 60.
             logs.append(log)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "mps_exporter.cli", "replay", str(bundle), "--loop",
-                 f"--web.listen-address={address}", "--log.level=warn"],
+                 f"--web.listen-address={address}", "--log.level=warn", *flags],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
             addresses.append(address)
         deadline = time.monotonic() + timeout
