@@ -49,7 +49,7 @@ from tests.support.prometheus import Prometheus, Target, running_prometheus  # n
 
 GPUS, CLIENTS_PER_GPU = 8, 48
 SCRAPE_INTERVAL = 15.0  # Prometheus' default
-RULE_INTERVAL = "10s"
+RULE_INTERVAL = "20s"
 EVALUATIONS = 3  # of every group, before measuring
 RANGE_SECONDS, STEP = 3 * 3600, "15s"  # Grafana's default time range for these dashboards
 REPEATS = 5
