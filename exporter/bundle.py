@@ -31,7 +31,9 @@ FORMAT = "mps-exporter-capture"
 VERSION = 1
 SUFFIX = ".jsonl.gz"
 
-RECORDED = tuple(name for name, source in SOURCES.items() if source.recorded)
+def recorded_sources() -> Tuple[str, ...]:
+    """The sources a bundle holds readings of."""
+    return tuple(name for name, source in SOURCES.items() if source.recorded)
 
 
 class BundleError(Exception):
@@ -174,15 +176,15 @@ def _check_header(path: str, rec: Dict[str, Any]) -> Dict[str, Any]:
     if len({d["name"] for d in daemons}) != len(daemons):
         raise ValueError("header: a daemon name appears twice")
     sources = rec.get("sources")
-    if not isinstance(sources, list) or not set(sources) <= set(RECORDED):
-        raise ValueError(f"header: 'sources' must list some of {sorted(RECORDED)}")
+    if not isinstance(sources, list) or not set(sources) <= set(recorded_sources()):
+        raise ValueError(f"header: 'sources' must list some of {sorted(recorded_sources())}")
     return rec
 
 
 def _scrape(rec: Dict[str, Any]) -> Scrape:
     results: Dict[str, Any] = {}
     for name, entry in expect(rec.get("sources", {}), dict, "sources").items():
-        if name in RECORDED:
+        if name in SOURCES and SOURCES[name].recorded:
             results[name] = SOURCES[name].load(entry)
     return Scrape(t=decode(float, rec["t"]), now=decode(float, rec["now"]), results=results)
 

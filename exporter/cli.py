@@ -117,7 +117,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="directory holding DCGM's Python bindings (repeatable; default: the DCGM 3.x and 4.x install paths)")
     _add_logging(p)
     for name, source in SOURCES.items():
-        default = {True: "on", False: "off"}.get(source.default, source.default)
+        default = "on" if source.default is True else "off" if source.default is False else source.default
         p.add_argument(f"--collector.{name}", dest=f"collector_{name}", action="store_true", default=None,
                        help=f"enable the {name} collector: {source.help} (default: {default})")
         p.add_argument(f"--no-collector.{name}", dest=f"collector_{name}", action="store_false",

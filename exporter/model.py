@@ -165,3 +165,5 @@ class Snapshot:
     logs: Dict[str, LogSnapshot] = field(default_factory=dict)  # daemon name -> its log state
     outcomes: Dict[str, Outcome] = field(default_factory=dict)
     read_durations: Dict[str, Histogram] = field(default_factory=dict)  # collector -> all its reads so far
+    # Readings of sources that render their own families (Source.render), by source name.
+    extra: Dict[str, object] = field(default_factory=dict)

@@ -24,8 +24,18 @@ from .families import FamilyBuilder
 from .limits import Limits, client_limits
 from .logs.render import render_log_metrics
 from .logs.state import LogServer, LogSnapshot
-from .model import (DaemonReading, DcgmReading, GpuReading, Histogram, Outcome, ProcessFacts, PsEntry,
-                    ServerFacts, Snapshot)
+from .model import (
+    DaemonReading,
+    DcgmReading,
+    GpuReading,
+    Histogram,
+    Outcome,
+    ProcessFacts,
+    PsEntry,
+    ServerFacts,
+    Snapshot,
+)
+from .sources.registry import SOURCES
 
 __all__ = ["Outcome", "Snapshot", "render", "sharing_mode", "sm_utilization"]
 
@@ -62,6 +72,8 @@ def render(snap: Snapshot, clients_by_server: bool = False) -> FamilyBuilder:
             render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
     for name, log_snap in snap.logs.items():
         render_log_metrics(out, name, log_snap, snap.now)
+    for source in SOURCES.values():  # what a source renders alone
+        source.render(out, snap)
     return out
 
 
@@ -175,8 +187,8 @@ def render_servers(out: FamilyBuilder, d: DaemonReading, log_snap: Optional[LogS
     # The daemon's list; when it did not answer, the logs' running servers.
     servers = {s.pid: s for s in d.servers}
     if not d.up or d.error:
-        for pid, ls in log_servers.items():
-            if ls.running and pid not in servers:
+        for pid, running in log_servers.items():
+            if running.running and pid not in servers:
                 servers[pid] = ServerFacts(pid=pid, status=None)
     clients_per_server: Dict[int, int] = {}
     for c in d.clients:

@@ -36,7 +36,7 @@ from .config import Config, DaemonConfig
 from .logs.parser import resolve_timezone
 from .service import serve
 from .wiring import build_readers
-from .sources.base import Reader
+from .sources.base import ReadContext, Reader
 from .sources.registry import SOURCES
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,10 @@ class Player:
 
     def readers(self) -> Dict[str, Reader[Any]]:
         """The recorded sources, answering from the bundle."""
-        return {name: Reader(lambda ctx, n=name: self.result(n)) for name in self.bundle.header["sources"]}
+        return {name: Reader(self._answer(name)) for name in self.bundle.header["sources"]}
+
+    def _answer(self, name: str) -> Callable[[ReadContext], Any]:
+        return lambda ctx: self.result(name)
 
     # ------------------------------------------------------------ log files
     def feed(self) -> None:

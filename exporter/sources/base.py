@@ -3,7 +3,10 @@
 A source module ends with `SOURCE = SomeSource()`, a `Source` that says:
 - its collector name and flag default (`--collector.NAME`, `--no-collector.NAME`);
 - `build`: its live reader from the configuration (None: not available here);
-- `store`: where its reading goes in the `Snapshot` that render reads;
+- `store`: where its reading goes in the `Snapshot` that render reads, and `render`:
+  the families a source renders alone (default: its reading in `Snapshot.extra`,
+  rendered by its `render`; the sources joined into the GPU, server and client
+  tables store into the snapshot's typed fields instead);
 - `record`/`load`/`replay`: how a capture bundle holds its readings (the
   default: the reading as JSON, decoded back through `reading_type`).
 cli (flags), service (wiring), collector (reading), capture and replay iterate
@@ -17,6 +20,7 @@ from typing import Any, Callable, ClassVar, Generic, List, Optional, Sequence, T
 
 from ..codec import RecordedFailure, encode, recorded
 from ..config import Config
+from ..families import FamilyBuilder
 from ..model import Snapshot
 
 R = TypeVar("R")
@@ -83,11 +87,14 @@ class Source(Generic[R]):
         raise NotImplementedError
 
     def store(self, snap: Snapshot, reading: R) -> None:
-        raise NotImplementedError
+        snap.extra[self.name] = reading
+
+    def render(self, out: FamilyBuilder, snap: Snapshot) -> None:
+        """Families of this source alone, from `snap.extra[self.name]` (render.py calls it)."""
 
     # ---------------------------------------------------------- bundles
     def record(self, reading: R) -> Any:
-        return {"value": encode(reading)}
+        return record_value(reading)
 
     def record_failure(self, message: str) -> Any:
         return {"error": message}
@@ -98,7 +105,17 @@ class Source(Generic[R]):
 
     def replay(self, loaded: Any) -> R:
         """The reading again, or the recorded error raised again."""
-        if isinstance(loaded, RecordedFailure):
-            raise RecordedFailure(str(loaded))
-        result: R = loaded
+        result: R = replay_value(loaded)
         return result
+
+
+def record_value(reading: Any) -> Any:
+    """A reading as its bundle entry."""
+    return {"value": encode(reading)}
+
+
+def replay_value(loaded: Any) -> Any:
+    """A loaded bundle entry: its reading, or the recorded error raised again."""
+    if isinstance(loaded, RecordedFailure):
+        raise RecordedFailure(str(loaded))
+    return loaded

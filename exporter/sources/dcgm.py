@@ -116,11 +116,12 @@ class DcgmSource:
 
     def _reader_instance(self) -> Any:
         if self._reader is None:
-            if not self.available():
+            factory = self._factory if self.available() else None
+            if factory is None:
                 raise DcgmUnavailable(f"DCGM Python bindings not found ({self.unavailable_reason})")
             # Keyword names of DcgmReader.__init__ (DCGM 3.x and 4.x). `ignoreBlank`
             # is left out: 3.x does not know it, and both skip blanks by default.
-            self._reader = self._factory(
+            self._reader = factory(
                 hostname=self.hostname,
                 fieldIds=list(PROFILING_FIELDS),
                 updateFrequency=int(self.update_interval_seconds * 1_000_000),  # microseconds

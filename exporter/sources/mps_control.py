@@ -20,15 +20,16 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, cast
 
-from ..codec import expect
+from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
 from ..model import DaemonReading, PsEntry, ServerFacts, Snapshot
 from ..units import parse_size
-from .base import Backends, PartialFailure, ReadContext, Reader, Source
+from .base import Backends, PartialFailure, ReadContext, Reader, Source, record_value, replay_value
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # verb -> number of numeric arguments it takes. Nothing else is ever sent.
 READ_ONLY_COMMANDS: Dict[str, int] = {
@@ -234,17 +235,23 @@ class ControlSource:
     client: ControlClient
     facts_refresh_seconds: float = 60.0
     clock: Callable[[], float] = time.monotonic
-    _cache: Dict[tuple, _Cached] = field(default_factory=dict)
+    _cache: Dict[Tuple[object, ...], _Cached] = field(default_factory=dict)
     _version: Optional[str] = None
 
-    def _cached(self, key: tuple, read: Callable[[], object]) -> object:
+    def _cached(self, key: Tuple[object, ...], read: Callable[[], T]) -> T:
         hit = self._cache.get(key)
         now = self.clock()
         if hit is None or now - hit.read_at >= self.facts_refresh_seconds:
             hit = self._cache[key] = _Cached(read(), now)
-        return hit.value
+        return cast(T, hit.value)  # what this key's read returned
 
-    def _forget_servers_except(self, live: set) -> None:
+    def _percentage(self, verb: str, *args: object) -> Callable[[], float]:
+        return lambda: parse_percentage(self.client.run(verb, *args))
+
+    def _pinned_limit(self, verb: str, *args: object) -> Callable[[], Optional[int]]:
+        return lambda: parse_pinned_limit(self.client.run(verb, *args))
+
+    def _forget_servers_except(self, live: Set[int]) -> None:
         for key in [k for k in self._cache if k[0] == "server" and k[1] not in live]:
             del self._cache[key]
 
@@ -266,10 +273,10 @@ class ControlSource:
         try:
             reading.clients = parse_ps(self.client.run("ps"))
             reading.default_active_thread_percentage = self._cached(
-                ("default_atp",), lambda: parse_percentage(self.client.run("get_default_active_thread_percentage")))
+                ("default_atp",), self._percentage("get_default_active_thread_percentage"))
             for dev in devices:
-                limit = self._cached(("default_pinned", dev), lambda d=dev: parse_pinned_limit(
-                    self.client.run("get_default_device_pinned_mem_limit", d)))
+                limit = self._cached(("default_pinned", dev),
+                                     self._pinned_limit("get_default_device_pinned_mem_limit", dev))
                 if limit is not None:
                     reading.default_pinned_limits[dev] = limit
             self._forget_servers_except(set(server_pids))
@@ -289,12 +296,11 @@ class ControlSource:
     def _read_server(self, pid: int, devices: Sequence[int]) -> Optional[ServerFacts]:
         try:
             status = parse_server_status(self.client.run("get_server_status", pid))
-            atp = self._cached(("server", pid, "atp"), lambda: parse_percentage(
-                self.client.run("get_active_thread_percentage", pid)))
+            atp = self._cached(("server", pid, "atp"), self._percentage("get_active_thread_percentage", pid))
             limits = {}
             for dev in devices:
-                limit = self._cached(("server", pid, "pinned", dev), lambda d=dev: parse_pinned_limit(
-                    self.client.run("get_device_pinned_mem_limit", pid, d)))
+                limit = self._cached(("server", pid, "pinned", dev),
+                                     self._pinned_limit("get_device_pinned_mem_limit", pid, dev))
                 if limit is not None:
                     limits[dev] = limit
         except ServerNotFound:
@@ -333,16 +339,16 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
         snap.daemons = reading
 
     def record(self, reading: List[DaemonReading]) -> Any:
-        return [super(ControlSourceSpec, self).record(r) for r in reading]
+        return [record_value(r) for r in reading]
 
     def record_failure(self, message: str) -> Any:
         return [super().record_failure(message)]
 
     def load(self, entry: Any) -> Any:
-        return [super(ControlSourceSpec, self).load(e) for e in expect(entry, list, "control list")]
+        return [recorded(e, DaemonReading, self.name) for e in expect(entry, list, "control list")]
 
     def replay(self, loaded: Any) -> List[DaemonReading]:
-        return _checked([super(ControlSourceSpec, self).replay(r) for r in loaded])
+        return _checked([replay_value(r) for r in loaded])
 
 
 SOURCE = ControlSourceSpec()

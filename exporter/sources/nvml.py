@@ -236,7 +236,7 @@ class NvmlSource:
             if e.value == nvml.NVML_ERROR_NOT_SUPPORTED:  # GPU without MIG
                 return False
             raise
-        return current == nvml.NVML_DEVICE_MIG_ENABLE
+        return bool(current == nvml.NVML_DEVICE_MIG_ENABLE)
 
     def _read_optional(self, nvml: Any, handle: Any, gpu: GpuReading) -> None:
         i = gpu.index

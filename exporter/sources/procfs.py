@@ -132,7 +132,7 @@ class ProcSource:
     # pid -> (start ticks, facts). Everything read here is fixed for a process's
     # life (environ is the block it was started with), so a scrape reads only
     # /proc/PID/stat to tell a known process from a new one that reused its PID.
-    _known: Dict[int, Tuple[int, ProcessFacts]] = field(default_factory=dict)
+    _known: Dict[int, Tuple[Optional[int], ProcessFacts]] = field(default_factory=dict)
 
     def _read(self, pid: int, name: str) -> str:
         with open(os.path.join(self.root, str(pid), name), encoding="utf-8", errors="replace") as f:

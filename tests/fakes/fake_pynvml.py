@@ -41,7 +41,7 @@ from collections import Counter
 from ctypes import c_ulonglong
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from tests.support.data import CAPTURE  # noqa: E402
 
@@ -318,6 +318,9 @@ class FakeNvml:
         self.driver_version = driver_version
         self.errors: Dict[str, int] = dict(errors or {})
         self.latency_us: Dict[str, float] = dict(latency_us or {})
+        # (function, GPU index or -1) -> seconds the call takes; wins over latency_us
+        # (the scrape benchmark replays a recorded storm through it).
+        self.latency_of: Optional[Callable[[str, int], float]] = None
         self.clock_us = clock_us
         self.calls: Counter = Counter()
         self.live_gpm_samples: List[FakeGpmSample] = []
@@ -409,9 +412,11 @@ class FakeNvml:
     def _enter(self, fn: str, handle: Optional[FakeHandle] = None) -> Optional[FakeGpu]:
         """Count, sleep the injected latency, raise injected errors; the handle's GPU."""
         self.calls[fn] += 1
-        delay = self.latency_us.get(fn)
-        if delay:
-            time.sleep(delay / 1e6)
+        if self.latency_of is not None:
+            gpu_index = handle.index if isinstance(handle, FakeHandle) else -1
+            time.sleep(self.latency_of(fn, gpu_index))
+        elif self.latency_us.get(fn):
+            time.sleep(self.latency_us[fn] / 1e6)
         if fn in self.errors:
             raise NVMLError(self.errors[fn])
         if self._init_count == 0 and fn != "nvmlInit":
