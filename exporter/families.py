@@ -14,7 +14,7 @@ values are skipped (the series is absent, never a made-up number).
 from __future__ import annotations
 
 import math
-from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
@@ -94,9 +94,6 @@ class FamilyBuilder:
 
     def families(self) -> List[Metric]:
         return [f for f in self._families.values() if f.samples]
-
-    def names(self) -> Iterable[str]:
-        return [n for n, f in self._families.items() if f.samples]
 
 
 def _format_le(bound: float) -> str:
