@@ -69,6 +69,16 @@ QUEUE_WAIT_P95_SECONDS = 30
 QUEUE_WAIT_WINDOW = "10m"
 QUEUE_WAIT_FOR = "5m"
 
+# A client refused at the client limit hangs about 20-30 s and then fails with
+# cudaErrorDevicesUnavailable (4 of 52 clients on an H100, tests/gpu/reports/
+# h100-edges.md): every refusal is a job that did not run. Any refusal in the
+# window fires.
+CLIENT_REFUSAL_WINDOW = "10m"
+
+# A server that exits while clients are connected (SIGKILL, OOM killer, a crash)
+# takes their work with it (cudaErrorMpsRpcFailure in each client).
+SERVER_DEATH_WINDOW = "10m"
+
 # MPS admits at most 48 client processes per device (Volta and later). Warn
 # before new clients start failing to connect.
 MAX_CLIENTS_PER_DEVICE = 48

@@ -96,6 +96,13 @@ ALERTS: Tuple[Alert, ...] = (
         f"{VALUE} clients; MPS admits at most {C.MAX_CLIENTS_PER_DEVICE} per device and new clients "
         f"beyond that fail to connect."),
     Alert(
+        "ClientsRefused", "contention",
+        f"increase({job('mps_client_rejections_total')}[{C.CLIENT_REFUSAL_WINDOW}]) > 0", "0m", "warning",
+        "MPS servers refuse new clients.",
+        f"An MPS server of daemon {lbl('daemon')} on {NODE} refused {{{{ $value | printf \"%.0f\" }}}} "
+        f"client(s) ({lbl('reason')}) in the last {C.CLIENT_REFUSAL_WINDOW}: each refused process failed "
+        f"with 'CUDA-capable device(s) is/are busy or unavailable' after about half a minute."),
+    Alert(
         "GpuSaturatedShared", "contention",
         f"{job('mps_gpu_sm_active_ratio')} > {C.SATURATION_SM_ACTIVE_RATIO}\n"
         f"and {GPU_CLIENTS} >= {C.SATURATION_MIN_CLIENTS}", C.SATURATION_FOR, "warning",
@@ -115,6 +122,13 @@ ALERTS: Tuple[Alert, ...] = (
         "An MPS server handled a fatal GPU error.",
         f"MPS control daemon {lbl('daemon')} on {NODE} logged {{{{ $value | printf \"%.0f\" }}}} fatal GPU "
         f"error(s) in the last {C.FATAL_ERROR_WINDOW}: every client of the affected server lost its work."),
+    Alert(
+        "ServerExitedWithClients", "contention",
+        f"increase({job('mps_server_exits_with_clients_total')}[{C.SERVER_DEATH_WINDOW}]) > 0", "0m", "critical",
+        "An MPS server exited while clients were connected.",
+        f"{{{{ $value | printf \"%.0f\" }}}} MPS server(s) of daemon {lbl('daemon')} on {NODE} exited with "
+        f"clients still connected in the last {C.SERVER_DEATH_WINDOW} (killed or crashed; control.log "
+        f"says 'exited with status 0' all the same): those clients lost their work."),
     Alert(
         "ServerCrashLooping", "contention",
         f"sum without(status) (increase({job('mps_server_exits_total', status='!=0')}[{C.SERVER_LOOP_WINDOW}])) "

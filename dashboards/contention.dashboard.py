@@ -45,6 +45,25 @@ dashboard = build(
                    "user waited.",
                    "cps", [target(f"rate({m('mps_server_shutdown_deferrals_total')}[$__rate_interval])",
                                   DAEMON_LEGEND)]),
+        row("Refusals and deaths"),
+        timeseries("Refused clients",
+                   "Clients an MPS server refused, per interval, by reason (client_limit: 'Maximum number of "
+                   "clients (N) reached'; each refused process fails after about half a minute with "
+                   "cudaErrorDevicesUnavailable), beside the limit the last refusal named and the largest number of "
+                   "clients per server now.",
+                   "none", [target(f"increase({m('mps_client_rejections_total')}[$__rate_interval])",
+                                   DAEMON_LEGEND + " refused ({{reason}})"),
+                            target(m("mps_server_client_limit"), DAEMON_LEGEND + " limit"),
+                            target(f"max by (instance, daemon) ({m('mps_server_clients')})",
+                                   DAEMON_LEGEND + " clients of the fullest server")], w=12),
+        timeseries("Servers that exited with clients",
+                   "MPS servers that exited while clients were still connected, per interval (killed or crashed: "
+                   "their clients lost their work), beside all server exits by status.",
+                   "none", [target(f"increase({m('mps_server_exits_with_clients_total')}[$__rate_interval])",
+                                   DAEMON_LEGEND + " with clients"),
+                            target(f"sum by (instance, daemon, status) "
+                                   f"(increase({m('mps_server_exits_total')}[$__rate_interval]))",
+                                   DAEMON_LEGEND + " all, status {{status}}")], w=12),
         row("Saturation and faults"),
         timeseries("SM active", "Share of SMs busy per GPU (NVML GPM or DCGM); compare with the clients sharing it.",
                    "percentunit", [target(m("mps_gpu_sm_active_ratio"), "{{instance}} GPU {{gpu}}")],

@@ -74,10 +74,12 @@ _DAEMON_METRICS = (
     "mps_server_active_thread_ratio", "mps_server_pinned_memory_limit_bytes", "mps_server_memory_used_bytes",
     "mps_server_sm_utilization_ratio", "mps_server_start_time_seconds", "mps_client_info",
     "mps_client_memory_used_bytes", "mps_client_pinned_memory_limit_bytes", "mps_client_active_thread_ratio",
-    "mps_client_start_time_seconds", "mps_queued_clients", "mps_queued_client_oldest_wait_seconds",
+    "mps_client_start_time_seconds", "mps_client_priority", "mps_queued_clients", "mps_queued_client_oldest_wait_seconds",
     "mps_client_queue_wait_seconds", "mps_client_queue_wait_implausible_total", "mps_server_handoffs_total",
-    "mps_server_shutdown_deferrals_total", "mps_client_connections_total", "mps_client_disconnections_total",
-    "mps_server_starts_total", "mps_server_exits_total", "mps_server_start_failures_total",
+    "mps_server_shutdown_deferrals_total", "mps_client_rejections_total", "mps_server_client_limit",
+    "mps_client_connections_total", "mps_client_disconnections_total",
+    "mps_server_starts_total", "mps_server_exits_total", "mps_server_exits_with_clients_total",
+    "mps_server_start_failures_total",
     "mps_fatal_gpu_errors_total", "mps_control_commands_total", "mps_log_lines_total",
     "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total", "mps_log_read_errors_total",
     "mps_log_last_line_timestamp_seconds") + _POD_METRICS
@@ -85,7 +87,7 @@ _SERVER_METRICS = ("mps_server_info", "mps_server_status", "mps_server_clients",
                    "mps_server_pinned_memory_limit_bytes", "mps_server_memory_used_bytes",
                    "mps_server_sm_utilization_ratio", "mps_server_start_time_seconds", "mps_client_info") + _POD_METRICS
 _CLIENT_METRICS = ("mps_client_info", "mps_client_memory_used_bytes", "mps_client_pinned_memory_limit_bytes",
-                   "mps_client_active_thread_ratio", "mps_client_start_time_seconds")
+                   "mps_client_active_thread_ratio", "mps_client_start_time_seconds", "mps_client_priority")
 _LOG_FILE_METRICS = ("mps_log_lines_total", "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total",
                      "mps_log_read_errors_total", "mps_log_last_line_timestamp_seconds")
 _CUT = f"cut to {MAX_LABEL_CHARS} characters"
@@ -127,7 +129,8 @@ LABELS: Tuple[LabelBound, ...] = (
                "running clients (MPS admits at most 48 per GPU; the logs remember at most 4096)"),
     LabelBound("command", ("mps_client_info",), INPUT, "`ps` COMMAND column, else /proc/PID/comm",
                f"one per running client; {_CUT}"),
-    LabelBound("namespace", ("mps_client_info",), INPUT, "`ps` NAMESPACE column", f"one per running client; {_CUT}"),
+    LabelBound("pid_namespace", ("mps_client_info",), INPUT, "`ps` NAMESPACE column (a PID namespace)",
+               f"one per running client; {_CUT}"),
     LabelBound("container_id", ("mps_client_info",), INPUT, "/proc/PID/cgroup (64 hex digits)",
                f"one per running client; {_CUT}"),
     LabelBound("pod_uid", ("mps_client_info",), INPUT, "/proc/PID/cgroup (a UUID)", f"one per running client; {_CUT}"),
@@ -136,6 +139,8 @@ LABELS: Tuple[LabelBound, ...] = (
     LabelBound("reason", ("mps_queued_clients", "mps_client_queue_wait_seconds",
                           "mps_client_queue_wait_implausible_total"), FIXED, "the log state machine",
                "server_starting, user_switch"),
+    LabelBound("reason", ("mps_client_rejections_total",), FIXED, "the log state machine (server.log refusals)",
+               "client_limit, other"),
     LabelBound("command", ("mps_control_commands_total",), INPUT, "control.log `Cmd:<verb>`",
                f"`[a-z][a-z0-9_]{{0,47}}`, the first {MAX_COMMAND_VERBS} distinct verbs, then `other`: "
                f"at most {MAX_COMMAND_VERBS + 1} per daemon"),

@@ -68,18 +68,19 @@ METRICS.update(_specs(
     ("mps_server_info", GAUGE, "daemon, server_pid, uid, user", "A running MPS server (value 1)."),
     ("mps_server_status", GAUGE, "daemon, server_pid, status", "Server status as the daemon reports it: ACTIVE, INITIALIZING or FAULT (value 1)."),
     ("mps_server_clients", GAUGE, "daemon, server_pid", "Client processes connected to the server."),
-    ("mps_server_active_thread_ratio", GAUGE, "daemon, server_pid", "The server's active thread percentage / 100."),
-    ("mps_server_pinned_memory_limit_bytes", GAUGE, "daemon, server_pid, gpu", "The server's pinned device memory limit; absent where none is set."),
+    ("mps_server_active_thread_ratio", GAUGE, "daemon, server_pid", "The server's active thread percentage now / 100: binds clients that connect from now on, not those already connected."),
+    ("mps_server_pinned_memory_limit_bytes", GAUGE, "daemon, server_pid, gpu", "The server's pinned device memory limit now (get_device_pinned_mem_limit): binds clients that connect from now on, not those already connected; absent where none is set."),
     ("mps_server_memory_used_bytes", GAUGE, "daemon, server_pid, gpu, uuid", "Device memory held by the server process itself."),
     ("mps_server_sm_utilization_ratio", GAUGE, "daemon, server_pid, gpu, uuid", "NVML per-process SM utilization of the server PID; under MPS this is all of its clients' SM time."),
     ("mps_server_start_time_seconds", GAUGE, "daemon, server_pid", "Unix time the server became ready."),
 ))
 METRICS.update(_specs(
     "MPS clients",
-    ("mps_client_info", GAUGE, "daemon, server_pid, pid, uid, user, command, namespace, container_id, pod_uid", "A connected MPS client process (value 1); container_id and pod_uid empty where the cgroup shows none."),
+    ("mps_client_info", GAUGE, "daemon, server_pid, pid, uid, user, command, pid_namespace, container_id, pod_uid", "A connected MPS client process (value 1); pid_namespace is the PID namespace `ps` shows (not a Kubernetes namespace); container_id and pod_uid empty where the cgroup shows none."),
     ("mps_client_memory_used_bytes", GAUGE, "daemon, pid, gpu, uuid", "Device memory of the client, from NVML's MPS process list."),
-    ("mps_client_pinned_memory_limit_bytes", GAUGE, "daemon, pid, gpu", "Pinned memory limit that applies: the client's own CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, else its server's; absent where none applies."),
-    ("mps_client_active_thread_ratio", GAUGE, "daemon, pid", "Active thread limit that applies: the smaller of the client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and its server's, / 100."),
+    ("mps_client_pinned_memory_limit_bytes", GAUGE, "daemon, pid, gpu", "Pinned memory limit that binds the client: its own CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, else its server's limit as it was when the client connected (MPS logs; the server's limit now where the logs do not show the connection); absent where none applies."),
+    ("mps_client_active_thread_ratio", GAUGE, "daemon, pid", "Active thread limit that binds the client / 100: the smaller of its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and its server's percentage when it connected (MPS logs; the server's now where the logs do not show the connection)."),
+    ("mps_client_priority", GAUGE, "daemon, pid", "The client's CUDA_MPS_CLIENT_PRIORITY (0 normal, 1 below normal); absent where unset or unreadable."),
     ("mps_client_start_time_seconds", GAUGE, "daemon, pid", "Unix time the client connected."),
 ))
 METRICS.update(_specs(
@@ -96,6 +97,8 @@ METRICS.update(_specs(
     ("mps_client_queue_wait_implausible_total", COUNTER, "daemon, reason", "Queue waits outside 0 s to 1 day (a clock step or a corrupt timestamp): counted here instead of in mps_client_queue_wait_seconds."),
     ("mps_server_handoffs_total", COUNTER, "daemon", "Servers shut down so that another user's server could start."),
     ("mps_server_shutdown_deferrals_total", COUNTER, "daemon", "'Server will not shutdown' answers while another user waits."),
+    ("mps_client_rejections_total", COUNTER, "daemon, reason", "Client connections a server refused (server.log); reason client_limit: 'Maximum number of clients (N) reached' (the client fails with cudaErrorDevicesUnavailable after about 28 s)."),
+    ("mps_server_client_limit", GAUGE, "daemon", "Clients per device the server accepts, as its last refusal said ('Maximum number of clients (N) reached'); absent until a refusal."),
 ))
 METRICS.update(_specs(
     "From the MPS logs",
@@ -103,6 +106,7 @@ METRICS.update(_specs(
     ("mps_client_disconnections_total", COUNTER, "daemon", "Client processes that disconnected."),
     ("mps_server_starts_total", COUNTER, "daemon", "Servers that became ready."),
     ("mps_server_exits_total", COUNTER, "daemon, status", "Servers that exited, by exit status."),
+    ("mps_server_exits_with_clients_total", COUNTER, "daemon", "Servers that exited while clients were still connected (killed or crashed under them: the clients lost their work). control.log says 'exited with status 0' for these too."),
     ("mps_server_start_failures_total", COUNTER, "daemon", "Servers that failed to start."),
     ("mps_fatal_gpu_errors_total", COUNTER, "daemon", "Fatal GPU errors a server handled."),
     ("mps_control_commands_total", COUNTER, "daemon, command", "Commands the control daemon received, by verb (the exporter's own included)."),

@@ -7,7 +7,8 @@ contract: the exporter itself, GPUs, daemons, servers, clients, logs.
 Joins (see README "Where the numbers come from"):
 - clients: the daemon's `ps` (server, device, namespace, command) + NVML's MPS
   process list (memory by PID and GPU) + /proc (uid, container, env limits);
-- limits in force: limits.client_limits;
+- limits in force: limits.client_limits (the server's as the client connected,
+  from the logs, where they show it);
 - start times: the MPS logs when they saw the event, else /proc start time;
 - when the daemon does not answer, the servers the logs know to be running
   still get their info, limits and start time.
@@ -67,7 +68,7 @@ def render(snap: Snapshot, clients_by_server: bool = False) -> FamilyBuilder:
         # NVML's MPS clients that no daemon listed belong to the only daemon there is.
         unlisted = [pid for pid in joined.mps_memory if pid not in listed] if len(snap.daemons) == 1 else []
         if clients_by_server:
-            render_pods(out, daemon, servers, unlisted, snap.processes, joined)
+            render_pods(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
         else:
             render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
     for name, log_snap in snap.logs.items():
@@ -224,17 +225,20 @@ def render_servers(out: FamilyBuilder, d: DaemonReading, log_snap: Optional[LogS
 
 # ---------------------------------------------------------------- clients
 def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, server_limits: Mapping[int, Limits],
-                     default: Limits, joined: _GpuJoin
+                     default: Limits, joined: _GpuJoin, log_snap: Optional[LogSnapshot]
                      ) -> Tuple[List[Tuple[GpuReading, Optional[int]]], List[GpuReading], Limits]:
     """A client's memory per GPU (NVML's MPS list), the GPUs it is on (that list, else
-    the device `ps` names) and the limits in force for it."""
+    the device `ps` names) and the limits in force for it (its server's as it connected,
+    where the logs show that)."""
     memory = joined.mps_memory.get(pid, [])
     client_gpus = [gpu for gpu, _ in memory]
     if row and not client_gpus:
         gpu = joined.gpu_for_device(row.device)
         client_gpus = [gpu] if gpu else []
     server = None if row is None or row.server_pid is None else server_limits.get(row.server_pid, Limits())
-    limits = client_limits(Limits(proc.env_active_thread_percentage, proc.env_pinned_limits), server, default)
+    logged = log_snap.client_limits.get(pid) if log_snap is not None and server is not None else None
+    limits = client_limits(Limits(proc.env_active_thread_percentage, proc.env_pinned_limits), server, default,
+                           at_connect=None if logged is None else Limits(*logged))
     return memory, client_gpus, limits
 
 
@@ -251,20 +255,21 @@ def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[
         server_pid = row.server_pid if row else None
         out.add("mps_client_info", 1, daemon=d.name, server_pid="" if server_pid is None else str(server_pid),
                 pid=str(pid), uid="" if proc.uid is None else str(proc.uid), user=proc.user,
-                command=(row.command if row else "") or proc.command, namespace=row.namespace if row else "",
+                command=(row.command if row else "") or proc.command, pid_namespace=row.namespace if row else "",
                 container_id=proc.container_id, pod_uid=proc.pod_uid)
-        memory, client_gpus, limits = _client_in_force(pid, row, proc, server_limits, default, joined)
+        memory, client_gpus, limits = _client_in_force(pid, row, proc, server_limits, default, joined, log_snap)
         for gpu, used in memory:
             out.add("mps_client_memory_used_bytes", used, **cp, gpu=str(gpu.index), uuid=gpu.uuid)
         for gpu in client_gpus:
             out.add("mps_client_pinned_memory_limit_bytes", limits.pinned_bytes.get(gpu.index), **cp, gpu=str(gpu.index))
         share = limits.thread_percentage
         out.add("mps_client_active_thread_ratio", None if share is None else share / 100, **cp)
+        out.add("mps_client_priority", proc.env_client_priority, **cp)
         out.add("mps_client_start_time_seconds", log_starts.get(pid) or proc.start_time_seconds, **cp)
 
 
 def render_pods(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
-                processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
+                log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
     """The clients render_clients would show, summed per (server, pod): no pid label,
     so short-lived clients add no series."""
     ps_rows = {c.pid: c for c in d.clients}
@@ -277,7 +282,7 @@ def render_pods(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
         proc = processes.get(pid) or ProcessFacts(pid)
         key = ("" if row is None or row.server_pid is None else str(row.server_pid), proc.pod_uid)
         counts[key] = counts.get(key, 0) + 1
-        used, client_gpus, own = _client_in_force(pid, row, proc, server_limits, default, joined)
+        used, client_gpus, own = _client_in_force(pid, row, proc, server_limits, default, joined, log_snap)
         for gpu, n in used:
             if n is not None:
                 memory[key + (gpu.index,)] = memory.get(key + (gpu.index,), 0) + n

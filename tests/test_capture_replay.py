@@ -347,7 +347,19 @@ def test_shipped_bundle_is_a_real_gpu_session_with_servers_and_clients(tmp_path)
             seen.add("queued")
         if re.search(r'^mps_server_status\{[^}]*status="FAULT"[^}]*\} 1', text, re.M):
             seen.add("fault")
-    assert seen == {"mps_server_info", "mps_client_info", "mps_client_memory_used_bytes", "queued", "fault"}
+        # issue 16 point 5: what the earlier session never showed
+        seen |= {name for name in ("mps_default_pinned_memory_limit_bytes", "mps_server_pinned_memory_limit_bytes",
+                                   "mps_process_sm_utilization_ratio", "mps_client_priority", "mps_server_client_limit")
+                 if re.search(rf"^{name}\{{", text, re.M)}
+        if re.search(r'^mps_gpu_sharing_mode\{[^}]*mode="time_slicing"[^}]*\} 1', text, re.M):
+            seen.add("time_slicing")
+        for counter in ("mps_client_rejections_total", "mps_server_exits_with_clients_total"):
+            if re.search(rf'^{counter}\{{[^}}]*\}} [1-9]', text, re.M):
+                seen.add(counter)
+    assert seen == {"mps_server_info", "mps_client_info", "mps_client_memory_used_bytes", "queued", "fault",
+                    "mps_default_pinned_memory_limit_bytes", "mps_server_pinned_memory_limit_bytes",
+                    "mps_process_sm_utilization_ratio", "mps_client_priority", "mps_server_client_limit",
+                    "time_slicing", "mps_client_rejections_total", "mps_server_exits_with_clients_total"}
 
 
 def test_replay_flags_are_checked():

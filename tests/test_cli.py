@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.data import CAPTURE
+from tests.support.data import CAPTURE, EDGES
 from tests.support.tools import require
 EXE = [sys.executable, "-m", "mps_exporter.cli"]
 
@@ -72,6 +72,38 @@ def test_dump_of_a_captured_log_directory_passes_promtool():
     assert 'mps_server_handoffs_total{daemon="default"} 4.0' in res.stdout
     check = subprocess.run([require("promtool"), "check", "metrics"], input=res.stdout, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0 and not (check.stdout + check.stderr).strip(), check.stdout + check.stderr
+
+
+def dump(log_directory: Path) -> str:
+    res = subprocess.run(EXE + ["dump", "--mps.log-directory", str(log_directory), "--mps.pipe-directory", "/nonexistent",
+                                "--mps.control-binary", "/nonexistent/nvidia-cuda-mps-control", "--mps.log-timezone", "UTC",
+                                "--no-collector.nvml"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_dump_counts_refusals_and_a_server_killed_under_its_client():
+    """Real lines of the H100 run (an excerpt: three of its refusal lines, the server
+    SIGKILLed under client 3965 and the next one, shut down after its client left)."""
+    out = dump(Path(__file__).parent / "logs" / "fixtures" / "h100-edges-excerpt")
+    for sample in ('mps_client_rejections_total{daemon="default",reason="client_limit"} 3.0',
+                   'mps_server_client_limit{daemon="default"} 48.0',
+                   'mps_server_exits_with_clients_total{daemon="default"} 1.0',
+                   'mps_server_exits_total{daemon="default",status="0"} 2.0',
+                   'mps_log_unrecognized_lines_total{daemon="default",file="control"} 0.0',
+                   'mps_log_unrecognized_lines_total{daemon="default",file="server"} 0.0'):
+        assert sample in out, sample
+    # The whole run: 4 refusals, 4 exits with status 0, one of them under a client.
+    out = dump(EDGES)
+    for sample in ('mps_client_rejections_total{daemon="default",reason="client_limit"} 4.0',
+                   'mps_server_exits_with_clients_total{daemon="default"} 1.0',
+                   'mps_server_exits_total{daemon="default",status="0"} 4.0',
+                   # a refused client's context 0 connects, and `Client process P disconnected` comes twice;
+                   # the client of the killed server never disconnects
+                   'mps_client_connections_total{daemon="default"} 56.0',
+                   'mps_client_disconnections_total{daemon="default"} 55.0',
+                   'mps_log_unrecognized_lines_total{daemon="default",file="server"} 0.0'):
+        assert sample in out, sample
 
 
 @pytest.mark.parametrize("args,message", [

@@ -203,3 +203,13 @@ def test_the_served_registry_has_the_process_metrics(tmp_path):
     cpu = series(text, "process_cpu_seconds_total")
     assert len(cpu) == 1 and float(cpu[0].split()[-1]) > 0
     assert series(text, "process_resident_memory_bytes") and series(text, "mps_gpu_up")
+
+
+def test_client_priority_from_its_environment_and_the_pid_namespace_label(tmp_path):
+    """Client 1648 runs with CUDA_MPS_CLIENT_PRIORITY=1; 1647 and 1649 set none. The PID
+    namespace `ps` shows is `pid_namespace` (Kubernetes owns `namespace`)."""
+    text = exposition(scenarios.busy(tmp_path).collector())
+    assert series(text, "mps_client_priority") == ['mps_client_priority{daemon="default",pid="1648"} 1.0']
+    info = series(text, "mps_client_info")
+    assert len(info) == 3 and all('pid_namespace="4026531836"' in s and " namespace=" not in s and ",namespace=" not in s
+                                  and "{namespace=" not in s for s in info)

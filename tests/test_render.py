@@ -108,7 +108,7 @@ def test_server_table():
 def test_client_table_and_effective_limits():
     r = samples(snapshot(daemons=[busy_daemon(servers=[ServerFacts(1589, "ACTIVE", 50.0, {0: 2 << 30})])]))
     assert value(r, "mps_client_info", pid="1648", server_pid="1589", uid="0", user="root", command="python3",
-                 namespace="4026531836", container_id="c" * 64) == 1
+                 pid_namespace="4026531836", container_id="c" * 64) == 1
     assert value(r, "mps_client_memory_used_bytes", pid="1647", gpu="0", uuid=UUID) == 9437184000
     # 1648 set its own limit (4 GiB) in its env: that one applies, not the server's 2 GiB.
     assert value(r, "mps_client_pinned_memory_limit_bytes", pid="1648", gpu="0") == 4 << 30
@@ -129,6 +129,7 @@ def test_log_start_times_win_over_proc(monkeypatch):
     class Logs:
         servers = {1589: LogServer()}
         client_start_times = {1647: 1795234897.75}
+        client_limits: dict = {}
 
     r = samples(snapshot(logs={"default": Logs()}))
     assert value(r, "mps_server_start_time_seconds", server_pid="1589") == 1795234880.5

@@ -186,7 +186,7 @@ def test_json_is_what_metrics_publishes_at_the_same_instant(moment, tmp_path):
         csel = {**sel, "pid": str(c["pid"])}
         info = m.labels("mps_client_info", **csel)
         assert (str(c["server_pid"]), str(c["uid"]), c["user"], c["command"], c["pid_namespace"], c["container_id"],
-                c["pod_uid"]) == (info["server_pid"], info["uid"], info["user"], info["command"], info["namespace"],
+                c["pod_uid"]) == (info["server_pid"], info["uid"], info["user"], info["command"], info["pid_namespace"],
                                   info["container_id"], info["pod_uid"])
         assert c["memory_used_bytes"] == m.by_gpu("mps_client_memory_used_bytes", **csel) != {}
         assert c["pinned_memory_limit_bytes"] == m.by_gpu("mps_client_pinned_memory_limit_bytes", **csel)
@@ -227,7 +227,8 @@ def test_live_node_shows_each_client_with_its_pod_and_its_limit(tmp_path):
     text = out.getvalue()
     assert text.startswith("mps-exporter status: host ") and "sources: control ok, logs ok, nvml ok, proc ok" in text
     assert re.search(r"^  1589 +root \(0\) +ACTIVE +3 +100% ", text, re.M), text
-    row = re.search(r"^  1648 +1589 +root \(0\) +pod (\S+) ctr (\S+) +2\.79 GiB / 4\.00 GiB \(70%\) +25% +- +python3$", text, re.M)
+    # (and CUDA_MPS_CLIENT_PRIORITY=1: the PRIORITY column)
+    row = re.search(r"^  1648 +1589 +root \(0\) +pod (\S+) ctr (\S+) +2\.79 GiB / 4\.00 GiB \(70%\) +25% +1 +python3$", text, re.M)
     assert row and scenarios.POD_UID.startswith(row.group(1)) and scenarios.CONTAINER_ID.startswith(row.group(2)), text
     assert re.search(r"^  1647 +1589 +root \(0\) +- +8\.79 GiB / no limit +100% +- +python3$", text, re.M), text
 
@@ -252,7 +253,9 @@ def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
     assert re.search(r"^! nvml failed: ", out, re.M) and "GPUs: unknown: NVML failed" in out
     assert "MPS daemon default: DOWN" in out and "  defaults: unknown\n" in out  # not "no limit": nobody said
     # the logs still tell what happened, when
-    assert "  totals from the logs: handoffs 4, shutdown deferrals 12, fatal GPU errors 1," in out
+    totals = re.sub(r"\s+", " ", out[out.index("totals from the logs:"):])  # wrapped at 100 columns
+    assert "refused clients 0, servers exited with clients 0, handoffs 4, shutdown deferrals 12, fatal GPU errors 1," \
+        in totals, out
     assert re.search(r"^  2026-11-21 04:23:08\.506  fatal GPU error  server 2736, clients with a sticky error: 2755  ", out, re.M)
     assert res.stderr == ""  # the failures are in the report, not repeated as log lines
 

@@ -200,6 +200,17 @@ class ReportItem(NamedTuple):
     value: int
 
 
+class ClientRejected(NamedTuple):
+    """`Failed to accept new client. Maximum number of clients (48) reached.`: a client refused.
+
+    `limit` is the number the line gives (None for a refusal of another kind)."""
+
+    ts: float
+    pid: int
+    reason: str  # "client_limit" or "other"
+    limit: Optional[int]
+
+
 class ServerExiting(NamedTuple):
     """`Exiting` in server.log: the server process ends."""
 
@@ -237,7 +248,7 @@ Event = Union[
     ServerReady, ServerExited, ShutdownAttempt, ShutdownDeferred, UiOpened, UiClosed, Command,
     CommandOutput, ServerActiveThreads, ServerPinnedLimit, ClientContextConnected,
     ClientProcessConnected, ClientProcessDisconnected, FatalGpuError, ReportHeading, ReportItem,
-    ServerExiting, ServerStartFailed, Noise,
+    ClientRejected, ServerExiting, ServerStartFailed, Noise,
 ]
 
 ParseResult = Union[Event, Unrecognized]

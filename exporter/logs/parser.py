@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
-    ClientPushed, Command, CommandOutput, DaemonExited, DaemonStarted, DaemonVersion, FatalGpuError,
+    ClientPushed, ClientRejected, Command, CommandOutput, DaemonExited, DaemonStarted, DaemonVersion, FatalGpuError,
     Noise, ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
     ServerPinnedLimit, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
     UiClosed, UiOpened, Unrecognized,
@@ -289,7 +289,12 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
         (r"MPS is only supported on .*", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
     ),
     "All": _rules((r"All clients belonging to error trigg?ing process", "fatal_report"),),
-    "Failed": _rules((r"Failed to start\b", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),),
+    "Failed": _rules(
+        (r"Failed to start\b", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
+        (r"Failed to accept new client\. Maximum number of clients \((\d{1,10})\) reached",
+         lambda ts, pid, m: ClientRejected(ts, pid, "client_limit", int(m.group(1)))),
+        ("Failed to accept new client", lambda ts, pid, m: ClientRejected(ts, pid, "other", None)),
+    ),
 }
 
 _BARE_NUMBER = re.compile(r"-?\d{1,10}")

@@ -95,6 +95,7 @@ class LogPipeline:
             for file in FILES:
                 while self._poll_file(file):
                     pass
+            self._state.settle()
             self._publish()
             self._save(force=True)
         return self._snapshot
@@ -106,8 +107,11 @@ class LogPipeline:
             try:
                 with self._write_lock:
                     self._restore()
-                    for file in FILES:
-                        busy = self._poll_file(file) or busy
+                    for file in FILES:  # control.log first: see LogState.settle
+                        more = self._poll_file(file)
+                        busy = more or busy
+                    if not more and self._state.settle():  # server.log, read last, is at its end
+                        self._dirty = self._unsaved = True
                     if self._dirty:
                         self._publish()
                     self._save(force=False)

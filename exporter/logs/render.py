@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..families import FamilyBuilder
 from .events import FILES
 from .follower import READ_ERROR_REASONS
-from .state import REASONS, LogSnapshot
+from .state import REASONS, REJECTION_REASONS, LogSnapshot
 
 
 def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: float) -> None:
@@ -23,12 +23,18 @@ def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: 
     out.add("mps_queued_client_oldest_wait_seconds", snap.oldest_queued_wait(now), daemon=daemon)
     out.add("mps_server_handoffs_total", snap.handoffs, daemon=daemon)
     out.add("mps_server_shutdown_deferrals_total", snap.shutdown_deferrals, daemon=daemon)
+    for reason in REJECTION_REASONS:  # client_limit always (from 0, so rate() sees the first one)
+        n = snap.rejections.get(reason, 0)
+        if n or reason == "client_limit":
+            out.add("mps_client_rejections_total", n, daemon=daemon, reason=reason)
+    out.add("mps_server_client_limit", snap.client_limit, daemon=daemon)
 
     out.add("mps_client_connections_total", snap.client_connections, daemon=daemon)
     out.add("mps_client_disconnections_total", snap.client_disconnections, daemon=daemon)
     out.add("mps_server_starts_total", snap.server_starts, daemon=daemon)
     for status, n in sorted(snap.server_exits.items()):
         out.add("mps_server_exits_total", n, daemon=daemon, status=status)
+    out.add("mps_server_exits_with_clients_total", snap.exits_with_clients, daemon=daemon)
     out.add("mps_server_start_failures_total", snap.server_start_failures, daemon=daemon)
     out.add("mps_fatal_gpu_errors_total", snap.fatal_gpu_errors, daemon=daemon)
     for verb, n in sorted(snap.commands.items()):

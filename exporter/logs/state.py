@@ -28,20 +28,33 @@ for client connections, fatal errors and per-server settings):
   and `Server is handling a fatal GPU error.` of the same report count once.
 - Lines between `Cmd:` and `UI closed` that no rule knows are the command's
   output, not unrecognized lines.
+- Limits bind a client as they were when it connected: a server's limits are kept
+  as a history of changes (server.log's `... set to` lines at start, control.log's
+  `Cmd:set_device_pinned_mem_limit S D V` / `Cmd:set_active_thread_percentage S P`
+  while it runs) and each client's are looked up at its connection time.
+- A refused client is server.log's `Failed to accept new client. Maximum number
+  of clients (N) reached.`
+- A server exited with clients when control.log's `Server S exited` comes while
+  server.log still has clients connected to S (SIGKILL, a crash: control.log says
+  `status 0` either way). Decided once server.log has been read past the exit:
+  at its next line with a later time, or at `settle()` (the reader calls it after
+  each round in which it read server.log, after control.log, to its end).
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from ..bounds import OTHER, command_verb, exit_status
 from ..contract import MAX_PLAUSIBLE_QUEUE_WAIT, QUEUE_WAIT_BUCKETS
+from ..units import parse_size
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
-    ClientPushed, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
+    ClientPushed, ClientRejected, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
     ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
     ServerPinnedLimit, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
     UiClosed, UiOpened, Unrecognized,
@@ -58,6 +71,15 @@ MAX_SERVERS = 1024
 MAX_EXITED_MEMORY = 4096  # exited server PIDs remembered, so late server.log lines do not revive them
 MAX_ORPHAN_FACTS = 64  # server.log facts of servers control.log has not announced (yet)
 MAX_RECENT_EVENTS = 64  # the last events `mps-exporter status` lists with their times
+MAX_LIMIT_CHANGES = 64  # per server
+MAX_PENDING_EXITS = 4096
+MAX_ATTACHED = 4096  # clients per server remembered for the exits-with-clients check
+REJECTION_REASONS = ("client_limit", "other")
+THREADS = -1  # the "device" of an active thread percentage in a server's limit history
+
+# A client's limits as they were when it connected: (active thread percentage,
+# {device ordinal: pinned bytes}).
+ClientLimits = Tuple[Optional[float], Dict[int, int]]
 
 
 @dataclass
@@ -76,6 +98,9 @@ class LogServer:
     start_failure: Optional[str] = None  # server.log's reason, where it gave one
     # internal: the daemon itself asked it to shut down (not a Cmd:)
     daemon_shutdown: bool = False
+    # (time, device or THREADS, value) in time order: the files are read one after
+    # the other, so a change can arrive after a later one of the other file.
+    limit_changes: List[Tuple[float, int, float]] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -85,7 +110,34 @@ class LogServer:
         return LogServer(self.pid, self.uid, self.start_time, self.active_thread_percentage,
                          dict(self.pinned_limits), self.running, self.fatal_errors,
                          list(self.sticky_clients), list(self.reset_devices), self.start_failure,
-                         self.daemon_shutdown)
+                         self.daemon_shutdown, list(self.limit_changes))
+
+    def change_limit(self, ts: float, device: int, value: float) -> None:
+        bisect.insort(self.limit_changes, (ts, device, value))
+        if len(self.limit_changes) > MAX_LIMIT_CHANGES:
+            del self.limit_changes[1]  # keep the first: the limits the server started with
+        self.active_thread_percentage, self.pinned_limits = self._limits_until(float("inf"))
+
+    def _limits_until(self, ts: float) -> ClientLimits:
+        atp: Optional[float] = None
+        pinned: Dict[int, int] = {}
+        for when, device, value in self.limit_changes:
+            if when > ts:
+                break
+            if device == THREADS:
+                atp = value
+            elif value > 0:
+                pinned[device] = int(value)
+            else:  # 0 removes the limit
+                pinned.pop(device, None)
+        return atp, pinned
+
+    def limits_at(self, ts: float) -> Optional[ClientLimits]:
+        """The limits a client connecting at `ts` got; None where the logs do not reach back
+        to the server's start (a server's first limit line is its thread percentage)."""
+        if not self.limit_changes or self.limit_changes[0][0] > ts or self.limit_changes[0][1] != THREADS:
+            return None
+        return self._limits_until(ts)
 
 
 @dataclass
@@ -102,7 +154,8 @@ class LogEvent:
     """Something that went wrong or changed hands, kept with its time for `status`.
 
     kind: fatal_gpu_error (clients: the processes left with a sticky error), handoff
-    (a server the daemon shut down for a waiting client of another user), start_failure.
+    (a server the daemon shut down for a waiting client of another user), start_failure,
+    exit_with_clients (clients: those still connected), client_rejected (detail: why).
     """
 
     time: float
@@ -156,12 +209,16 @@ class LogSnapshot:
     servers: Dict[int, LogServer] = field(default_factory=dict)
     client_start_times: Dict[int, float] = field(default_factory=dict)
     client_servers: Dict[int, int] = field(default_factory=dict)  # client pid -> server pid
+    client_limits: Dict[int, ClientLimits] = field(default_factory=dict)  # client pid -> limits at connection
     queued: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
     oldest_queued_since: Optional[float] = None  # unix time of the oldest push still waiting
     queue_wait: Dict[str, WaitHistogram] = field(default_factory=lambda: {r: WaitHistogram() for r in REASONS})
     pushes: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
     handoffs: int = 0
     shutdown_deferrals: int = 0
+    rejections: Dict[str, int] = field(default_factory=dict)  # reason -> count
+    client_limit: Optional[int] = None  # "Maximum number of clients (N)" of the last refusal
+    exits_with_clients: int = 0
     client_connections: int = 0
     client_disconnections: int = 0
     server_starts: int = 0
@@ -203,6 +260,13 @@ class LogState:
         self._last_ts: Dict[str, float] = {}  # file -> newest line timestamp (published as last_line_times)
         self._open_reports: Dict[int, str] = {}  # server pid -> topic of the fatal report being read
         self._recent: Deque[LogEvent] = deque(maxlen=MAX_RECENT_EVENTS)
+        # exits with clients: server.log's clients per server, and exits not yet decided
+        self._attached: Dict[int, Set[int]] = {}
+        self._pending_exits: List[Tuple[float, int]] = []  # heap of (time of `Server S exited`, S)
+        self._unnamed = 0  # keys for 11.x clients, whose lines name no PID
+        # server pid -> the client whose context connected last: MPS logs a refusal right
+        # after the refused client's `Client {PID: P, Context ID: 1} connected`
+        self._last_connected: "OrderedDict[int, int]" = OrderedDict()
         self._handlers: Dict[type, Callable[[Any], None]] = {
             DaemonStarted: self._daemon_started, DaemonExited: self._daemon_exited,
             DaemonVersion: self._daemon_version, ClientPushed: self._client_pushed,
@@ -216,7 +280,7 @@ class LogState:
             ClientProcessDisconnected: self._process_disconnected,
             FatalGpuError: self._fatal_error, ReportHeading: self._report_heading,
             ReportItem: self._report_item, ServerExiting: self._server_exiting,
-            ServerStartFailed: self._start_failed,
+            ServerStartFailed: self._start_failed, ClientRejected: self._client_rejected,
         }
 
     # --------------------------------------------------------------- input
@@ -231,6 +295,8 @@ class LogState:
         ts = result[0]
         if ts > self._last_ts.get(file, 0.0):
             self._last_ts[file] = ts
+        if self._pending_exits and file == "server" and ts > self._pending_exits[0][0]:
+            self._decide_exits(before=ts)
         if self._open_reports and file == "server" and not _in_report(result):
             self._open_reports.pop(result[1], None)
         if isinstance(result, Noise):
@@ -243,6 +309,26 @@ class LogState:
 
     def count_truncated(self, file: str) -> None:
         self.s.truncated[file] = self.s.truncated.get(file, 0) + 1
+
+    def settle(self) -> bool:
+        """server.log has been read to its end after control.log: decide every exit seen.
+
+        True if there was one to decide (the state changed)."""
+        if not self._pending_exits:
+            return False
+        self._decide_exits(before=float("inf"))
+        return True
+
+    def _decide_exits(self, before: float) -> None:
+        pending = self._pending_exits
+        while pending and pending[0][0] < before:
+            self._decide_exit(*heapq.heappop(pending))
+
+    def _decide_exit(self, exited_at: float, server: int) -> None:
+        clients = self._attached.pop(server, None)
+        if clients:
+            self.s.exits_with_clients += 1
+            self._note(LogEvent(exited_at, "exit_with_clients", server, sorted(c for c in clients if c >= 0)[:64]))
 
     # ------------------------------------------------------- control.log
     def _daemon_started(self, ev: DaemonStarted) -> None:
@@ -319,6 +405,9 @@ class LogState:
         s = self.s
         status = exit_status(ev.status)
         s.server_exits[status] = s.server_exits.get(status, 0) + 1
+        heapq.heappush(self._pending_exits, (ev.ts, ev.server_pid))
+        if len(self._pending_exits) > MAX_PENDING_EXITS:  # decide the oldest with what is known
+            self._decide_exit(*heapq.heappop(self._pending_exits))
         srv = self._servers.get(ev.server_pid)
         if srv is not None:
             if srv.start_time is None:
@@ -352,6 +441,28 @@ class LogState:
         verb = command_verb(ev.verb, commands)
         commands[verb] = commands.get(verb, 0) + 1
         self._in_command = True
+        if verb in ("set_device_pinned_mem_limit", "set_active_thread_percentage"):
+            self._set_server_limit(ev)
+
+    def _set_server_limit(self, ev: Command) -> None:
+        """`set_device_pinned_mem_limit S D 3G` / `set_active_thread_percentage S 30`: from now on."""
+        args = ev.args.split()
+        if not args or not args[0].isdigit() or any(len(a) > 24 for a in args):  # bounded numbers only
+            return
+        srv = self._facts(int(args[0]))
+        if srv is None:
+            return
+        if ev.verb == "set_active_thread_percentage" and len(args) == 2:
+            try:
+                share = float(args[1])
+            except ValueError:
+                return
+            if 0 <= share <= 100:
+                srv.change_limit(ev.ts, THREADS, share)
+        elif ev.verb == "set_device_pinned_mem_limit" and len(args) == 3 and args[1].isdigit():
+            size = parse_size(args[2])
+            if size is not None:
+                srv.change_limit(ev.ts, int(args[1]), size)
 
     def _end_command(self, ev: Any) -> None:
         self._in_command = False
@@ -388,18 +499,32 @@ class LogState:
     def _active_threads(self, ev: ServerActiveThreads) -> None:
         srv = self._facts(ev.pid)
         if srv is not None:
-            srv.active_thread_percentage = ev.percentage
+            srv.change_limit(ev.ts, THREADS, ev.percentage)
 
     def _pinned_limit(self, ev: ServerPinnedLimit) -> None:
         srv = self._facts(ev.pid)
         if srv is not None:
-            srv.pinned_limits[ev.device] = ev.limit_bytes
+            srv.change_limit(ev.ts, ev.device, ev.limit_bytes)
+
+    def _attach(self, server: int, client: int) -> None:
+        clients = self._attached.get(server)
+        if clients is None:
+            clients = self._attached[server] = set()
+            if len(self._attached) > MAX_SERVERS:
+                self._attached.pop(next(iter(self._attached)))
+        if len(clients) < MAX_ATTACHED:
+            clients.add(client)
 
     def _context_connected(self, ev: ClientContextConnected) -> None:
+        self._last_connected[ev.pid] = ev.client_pid  # a refusal that follows names no PID: this is it
+        self._last_connected.move_to_end(ev.pid)
+        if len(self._last_connected) > MAX_SERVERS:
+            self._last_connected.popitem(last=False)
         known = self._clients.get(ev.client_pid)
         if known is not None and known[0] == ev.pid:
             return  # another context of a process already counted
         self.s.client_connections += 1
+        self._attach(ev.pid, ev.client_pid)
         self._clients[ev.client_pid] = (ev.pid, ev.ts)
         self._clients.move_to_end(ev.client_pid)
         if len(self._clients) > MAX_CLIENTS:
@@ -407,11 +532,28 @@ class LogState:
 
     def _process_connected(self, ev: ClientProcessConnected) -> None:
         self.s.client_connections += 1
+        self._unnamed -= 1
+        self._attach(ev.pid, self._unnamed)
 
     def _process_disconnected(self, ev: ClientProcessDisconnected) -> None:
-        self.s.client_disconnections += 1
+        attached = self._attached.get(ev.pid)
         if ev.client_pid is not None:
             self._clients.pop(ev.client_pid, None)
+            if attached is None or ev.client_pid not in attached:
+                return  # not connected (any more): a refused client logs `disconnected` twice
+            attached.discard(ev.client_pid)
+        elif attached:  # 11.x names no PID: one of its unnamed clients left
+            attached.discard(min(attached))
+        self.s.client_disconnections += 1
+
+    def _client_rejected(self, ev: ClientRejected) -> None:
+        s = self.s
+        s.rejections[ev.reason] = s.rejections.get(ev.reason, 0) + 1
+        if ev.limit is not None:
+            s.client_limit = ev.limit
+        client = self._last_connected.get(ev.pid)
+        self._note(LogEvent(ev.ts, "client_rejected", ev.pid, [] if client is None else [client],
+                            detail=f"maximum number of clients ({ev.limit}) reached" if ev.limit is not None else ev.reason))
 
     def _fatal_error(self, ev: FatalGpuError) -> None:
         if ev.pid in self._open_reports:
@@ -469,10 +611,12 @@ class LogState:
             servers={pid: srv.copy() for pid, srv in self._servers.items()},
             client_start_times={pid: since for pid, (_, since) in self._clients.items()},
             client_servers={pid: server for pid, (server, _) in self._clients.items()},
+            client_limits=self._client_limits(),
             queued=queued,
             oldest_queued_since=min((p.pushed_at for p in waiting), default=None),
             queue_wait={r: h.copy() for r, h in s.queue_wait.items()},
             pushes=dict(s.pushes), handoffs=s.handoffs, shutdown_deferrals=s.shutdown_deferrals,
+            rejections=dict(s.rejections), client_limit=s.client_limit, exits_with_clients=s.exits_with_clients,
             client_connections=s.client_connections, client_disconnections=s.client_disconnections,
             server_starts=s.server_starts, server_exits=dict(s.server_exits),
             server_start_failures=s.server_start_failures, fatal_gpu_errors=s.fatal_gpu_errors,
@@ -483,10 +627,20 @@ class LogState:
             recent_events=[e.copy() for e in self._recent],
         )
 
+    def _client_limits(self) -> Dict[int, ClientLimits]:
+        out = {}
+        for pid, (server, since) in self._clients.items():
+            srv = self._servers.get(server) or self._orphans.get(server)
+            limits = srv.limits_at(since) if srv is not None else None
+            if limits is not None:
+                out[pid] = limits
+        return out
+
     # ------------------------------------------------------ persistence
     _COUNTERS = ("handoffs", "shutdown_deferrals", "client_connections", "client_disconnections",
-                 "server_starts", "server_start_failures", "fatal_gpu_errors")
-    _COUNTER_MAPS = ("pushes", "server_exits", "commands", "lines", "unrecognized", "truncated")
+                 "server_starts", "server_start_failures", "fatal_gpu_errors", "exits_with_clients")
+    _COUNTER_MAPS = ("pushes", "server_exits", "commands", "lines", "unrecognized", "truncated", "rejections")
+    _ADDED_LATER = ("exits_with_clients", "rejections")  # absent from older state files
 
     def to_dict(self) -> Dict[str, Any]:
         """Everything needed to resume: JSON-safe."""
@@ -506,6 +660,10 @@ class LogState:
             "in_command": self._in_command,
             "open_reports": [[pid, topic] for pid, topic in self._open_reports.items()],
             "recent": [[e.time, e.kind, e.server_pid, e.clients, e.detail] for e in self._recent],
+            "client_limit": s.client_limit,
+            "attached": [[server, sorted(clients)] for server, clients in self._attached.items()],
+            "pending_exits": [[ts, server] for ts, server in self._pending_exits],
+            "unnamed": self._unnamed,
         }
 
     @classmethod
@@ -514,9 +672,10 @@ class LogState:
         st = cls()
         s = st.s
         for k in cls._COUNTERS:
-            setattr(s, k, int(d["counters"][k]))
+            setattr(s, k, int(d["counters"][k] if k not in cls._ADDED_LATER else d["counters"].get(k, 0)))
         for k in cls._COUNTER_MAPS:
-            getattr(s, k).update({str(name): int(n) for name, n in d["maps"][k].items()})
+            counts = d["maps"][k] if k not in cls._ADDED_LATER else d["maps"].get(k, {})
+            getattr(s, k).update({str(name): int(n) for name, n in counts.items()})
         exits: Dict[str, int] = {}  # a file from before the statuses were bounded
         for status, n in s.server_exits.items():
             label = exit_status(int(status)) if status.lstrip("-").isdigit() and len(status) < 12 else OTHER
@@ -545,6 +704,11 @@ class LogState:
         # absent from state files written before events were kept
         st._recent.extend(LogEvent(float(t), str(k), None if p is None else int(p), [int(c) for c in cs], str(x))
                           for t, k, p, cs, x in d.get("recent", []))
+        limit = d.get("client_limit")
+        s.client_limit = None if limit is None else int(limit)
+        st._attached = {int(a): {int(c) for c in b} for a, b in d.get("attached", [])}
+        st._pending_exits = sorted((float(a), int(b)) for a, b in d.get("pending_exits", []))
+        st._unnamed = int(d.get("unnamed", 0))
         return st
 
 
@@ -561,11 +725,13 @@ def _server_dict(srv: LogServer) -> Dict[str, Any]:
             "atp": srv.active_thread_percentage,
             "pinned": [[dev, n] for dev, n in srv.pinned_limits.items()], "running": srv.running,
             "fatal_errors": srv.fatal_errors, "sticky": srv.sticky_clients, "reset": srv.reset_devices,
-            "start_failure": srv.start_failure, "daemon_shutdown": srv.daemon_shutdown}
+            "start_failure": srv.start_failure, "daemon_shutdown": srv.daemon_shutdown,
+            "limit_changes": [list(c) for c in srv.limit_changes]}
 
 
 def _server_from(x: Dict[str, Any]) -> LogServer:
     return LogServer(int(x["pid"]), x["uid"], x["start_time"], x["atp"],
                      {int(dev): int(n) for dev, n in x["pinned"]}, bool(x["running"]),
                      int(x["fatal_errors"]), [int(v) for v in x["sticky"]], [int(v) for v in x["reset"]],
-                     x["start_failure"], bool(x["daemon_shutdown"]))
+                     x["start_failure"], bool(x["daemon_shutdown"]),
+                     [(float(a), int(b), float(c)) for a, b, c in x.get("limit_changes", [])])

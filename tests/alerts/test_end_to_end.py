@@ -13,6 +13,8 @@ this test appends to, so queueing comes out of the real log pipeline:
 2. OOM risk: client 1648 (own limit CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4G) grows
    from 2856 MiB to 3900 MiB (95 %) -> MpsClientNearMemoryLimit arrives with the
    client's labels; it shrinks back -> it resolves.
+3. A refused client: server.log says `Failed to accept new client. Maximum number
+   of clients (48) reached.` -> MpsClientsRefused arrives.
 
 While each alert fires, the Grafana-managed rule's query (recording rules inlined)
 must select the same series. At the end every query of every dashboard must have
@@ -63,6 +65,7 @@ WAIT = 30.0  # seconds any one step may take
 MIB = 1 << 20
 QUEUED = "MpsClientsQueuedBehindOtherUser"
 OOM = "MpsClientNearMemoryLimit"
+REFUSED = "MpsClientsRefused"
 
 
 # ----------------------------------------------------------------- webhook
@@ -219,6 +222,12 @@ class RecordedNode:
         with open(self.log_dir / "control.log", "a", encoding="utf-8") as f:
             f.writelines(f"[{stamp} Control {pid:>5}] {m}\n" for m in messages)
 
+    def server(self, pid: int, *messages: str) -> None:
+        """Append lines of server `pid` to server.log, stamped now (UTC)."""
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        with open(self.log_dir / "server.log", "a", encoding="utf-8") as f:
+            f.writelines(f"[{stamp} Server {pid:>5}] {m}\n" for m in messages)
+
     def set_client_memory(self, pid: int, used: int) -> None:
         gpu = self.nvml.gpus[0]
         for p in gpu.mps_processes + gpu.compute_processes:
@@ -293,9 +302,16 @@ def test_alerts_reach_the_receiver_and_dashboards_have_data(tmp_path):
             node.set_client_memory(1648, 2856 * MIB)
             assert webhook.wait_for("ticket", OOM, "resolved")["labels"] == labels
 
-            # Nothing else fired on this healthy node, and nothing paged.
+            # 3. Server 2521 refuses a client at MPS's client limit (the line as an H100 wrote it).
+            node.server(2521, "Failed to accept new client. Maximum number of clients (48) reached.")
+            alert = webhook.wait_for("ticket", REFUSED, "firing")
+            assert_grafana_rule_finds(prom, REFUSED, alert["labels"])
+            assert alert["labels"] == {"alertname": REFUSED, "severity": "warning", "job": "mps-exporter",
+                                       "instance": instance, "daemon": "default", "reason": "client_limit"}
+
+            # Nothing else fired on this node, and nothing paged.
             names = {s.split(":")[1] for s in webhook.summary()}
-            assert names == {QUEUED, OOM}, webhook.summary()
+            assert names == {QUEUED, OOM, REFUSED}, webhook.summary()
 
             # Every dashboard query has data to show over the scenario: at least one
             # number (not NaN) in a range query from its start to now.

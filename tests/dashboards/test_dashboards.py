@@ -221,3 +221,18 @@ def test_selector_helper_refuses_unknown_metrics():
     with pytest.raises(KeyError):
         common.m("mps_gpu_made_up_metric")
     assert common.m("mps_server_clients") == 'mps_server_clients{job=~"$job", instance=~"$node", daemon=~"$daemon"}'
+
+
+def test_runbook_links_name_dashboards_and_panels_that_exist():
+    """`Dashboard *X*` / `dashboard *X*, panel *Y*` in the runbook: X is a dashboard's
+    title (without "MPS / ") and Y a panel of it."""
+    panels = {}
+    for path in (ROOT / generate.JSON_DIR).glob("*.json"):
+        dash = json.loads(path.read_text())
+        panels[dash["title"].split(" / ", 1)[-1]] = {p["title"] for p in dash["panels"]}
+    text = re.sub(r"\s+", " ", (ROOT / "alerts" / "runbook.md").read_text())
+    refs = re.findall(r"[Dd]ashboard \*([^*]+)\*(?:, panels? \*([^*]+)\*)?", text)
+    assert len(refs) >= 10 and sum(1 for _, panel in refs if panel) >= 4
+    for dashboard, panel in refs:
+        assert dashboard in panels, f"runbook names a dashboard that does not exist: {dashboard}"
+        assert not panel or panel in panels[dashboard], f"dashboard {dashboard} has no panel {panel}"

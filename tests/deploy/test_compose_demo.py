@@ -1,6 +1,12 @@
 """The compose `demo` profile, minus Docker: the exporter's demo command (replay of
 the shipped session) scraped by the real Prometheus with the compose stack's own
-configuration and rule file. Only the addresses change (no container network here)."""
+configuration and rule file. Only the addresses change (no container network here).
+
+The shipped session (exporter/data/, recorded by tests/gpu/record_bundle.py) must show
+every panel: once it has played through, every expression of every dashboard returns
+data. The Kubernetes dashboard is the exception: it joins kube-state-metrics, which the
+demo has not; tests/alerts/test_kubernetes_fleet.py tests it with a kube-state-metrics
+exposition."""
 
 from __future__ import annotations
 
@@ -13,12 +19,20 @@ import urllib.request
 import pytest
 import yaml
 
+from dashboards.queries import concrete, queries
+from mps_exporter.bundle import load
+from mps_exporter.replay import shipped_bundle
 from tests.deploy.helpers import DEPLOY, ROOT, load_yaml
 from tests.support.prometheus import Prometheus, free_port, prometheus_binary, stop_process
 
 pytestmark = pytest.mark.slow
 
 COMPOSE_DIR = os.path.join(DEPLOY, "compose")
+# Bundle seconds per real second, and the scrape interval: the shortest scene of the
+# session (the client with CUDA_MPS_CLIENT_PRIORITY=1, about 9 s) must get several scrapes.
+SPEED = 3
+SCRAPE = "500ms"
+NEEDS_KUBE_STATE_METRICS = {"kubernetes"}  # tested by tests/alerts/test_kubernetes_fleet.py
 RULES = os.path.join(ROOT, "alerts", "prometheus", "mps-exporter.rules.yml")
 
 
@@ -40,7 +54,7 @@ def demo_exporter():
     command = load_yaml(os.path.join(COMPOSE_DIR, "compose.yaml"))["services"]["exporter-demo"]["command"]
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "mps_exporter.cli", *command, "--speed", "10", f"--web.listen-address=127.0.0.1:{port}"],
+        [sys.executable, "-m", "mps_exporter.cli", *command, "--speed", str(SPEED), f"--web.listen-address=127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(0.5)
@@ -50,6 +64,10 @@ def demo_exporter():
         stop_process(process)
 
 
+def _has_numbers(matrix: dict) -> bool:
+    return any(value != "NaN" for series in matrix["result"] for _, value in series["values"])
+
+
 def test_demo_stack_scrapes_and_evaluates_the_rules(demo_exporter, tmp_path):
     prometheus_binary()
     assert os.path.exists(RULES), "alerts/prometheus/mps-exporter.rules.yml is missing: run make generate"
@@ -57,7 +75,7 @@ def test_demo_stack_scrapes_and_evaluates_the_rules(demo_exporter, tmp_path):
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "mps-exporter"]
     instance = job["static_configs"][0]["labels"]["instance"]
     job["static_configs"][0]["targets"] = [demo_exporter]
-    job["scrape_interval"] = job["scrape_timeout"] = "1s"
+    job["scrape_interval"] = job["scrape_timeout"] = SCRAPE
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["scrape_configs"] = [job]  # the self-scrape job needs Prometheus' own port
     # What compose mounts into rules/, with the groups' own 1m intervals cut to 1s
@@ -73,6 +91,7 @@ def test_demo_stack_scrapes_and_evaluates_the_rules(demo_exporter, tmp_path):
     prom = Prometheus(str(tmp_path), config)
     try:
         prom.start()
+        started = time.time()
         (target,) = prom.wait_for_target_up(job="mps-exporter")
         assert target["labels"]["instance"] == instance
         up = prom.wait_for('mps_control_daemon_up{job="mps-exporter"}')
@@ -93,5 +112,13 @@ def test_demo_stack_scrapes_and_evaluates_the_rules(demo_exporter, tmp_path):
         assert evaluated, "rules not evaluated within 20s"
         assert {g["name"]: len(g["rules"]) for g in groups} == expected
         assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
+        # The whole session has played (plus a few scrapes): every panel has data.
+        played = load(shipped_bundle()).duration / SPEED
+        time.sleep(max(0.0, started + played + 4 - time.time()))
+        empty = [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries()
+                 if q.dashboard not in NEEDS_KUBE_STATE_METRICS and not _has_numbers(prom.api(
+                     "query_range", query=concrete(q.expr, rate_interval="10s"), start=str(started),
+                     end=str(time.time()), step="1"))]
+        assert empty == []
     finally:
         prom.stop()

@@ -177,6 +177,37 @@ def server_exit_statuses(control_log: List[LogLine]) -> Dict[str, int]:
     return counts
 
 
+_REFUSAL = re.compile(r"^Failed to accept new client\. Maximum number of clients \((\d+)\) reached")
+
+
+def client_refusals(server_log: List[LogLine]) -> List[int]:
+    """The limit number of each "Failed to accept new client ... (N) reached" line."""
+    return [int(m.group(1)) for line in server_log for m in [_REFUSAL.match(line.text)] if m]
+
+
+def exits_with_clients(control_log: List[LogLine], server_log: List[LogLine]) -> List[int]:
+    """Servers whose "Server S exited" line comes while server.log has a client of S
+    connected (a "Client {PID: P, ...} connected" of S and no "Client process P
+    disconnected" of S before the exit). Merges both logs by time."""
+    events = sorted([(l.time, 1, l) for l in control_log] + [(l.time, 0, l) for l in server_log],
+                    key=lambda e: (e[0], e[1]))
+    attached: Dict[int, set] = {}
+    out = []
+    for _, is_control, line in events:
+        if is_control:
+            m = _EXITED.match(line.text)
+            if m and attached.pop(int(m.group(1)), None):
+                out.append(int(m.group(1)))
+            continue
+        m = re.match(r"^Client \{PID: (\d+), Context ID: \d+\} connected", line.text)
+        if m:
+            attached.setdefault(line.pid, set()).add(int(m.group(1)))
+        m = re.match(r"^Client process (\d+) disconnected", line.text)
+        if m:
+            attached.get(line.pid, set()).discard(int(m.group(1)))
+    return out
+
+
 # --------------------------------------------------------------- statistics
 def percentile(values: List[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty list."""

@@ -63,6 +63,7 @@ class Client:
     mem_gib: float
     env: Dict[str, str] = field(default_factory=dict)
     uid: int = 0
+    grow: List[float] = field(default_factory=list)  # --grow steps (GiB held in all)
 
     @property
     def pid(self) -> int:
@@ -73,6 +74,10 @@ class Client:
 
     def text(self) -> str:
         return self.output.read_text(errors="replace") if self.output.exists() else ""
+
+    def ready_fields(self) -> List[str]:
+        """PID, time and SM count the client wrote when it was ready."""
+        return self.ready.read_text().split() if self.is_ready() else []
 
 
 class Session:
@@ -134,22 +139,34 @@ class Session:
 
     # -------------------------------------------------------------- clients
     def client(self, tag: str, mem_gib: float, device: int = 0, env: Optional[Dict[str, str]] = None,
-               uid: int = 0, n: int = 2048, idle: bool = False) -> Client:
+               uid: int = 0, n: int = 2048, idle: bool = False, grow: Optional[List[float]] = None,
+               mps: bool = True) -> Client:
         ready, stop, output = self.ready_dir / f"{tag}.ready", self.ready_dir / f"{tag}.stop", self.out_dir / f"{tag}.txt"
-        for p in (ready, stop):
+        for p in (ready, stop, *ready.parent.glob(f"{tag}.*.grow*")):
             p.unlink(missing_ok=True)
         argv = [sys.executable, str(self.scripts / "gpu_client.py"), str(mem_gib), "--ready", str(ready),
                 "--stop", str(stop), "--device", str(device), "--n", str(n), "--max-seconds", "240"]
         if idle:
             argv.append("--idle")
+        for gib in grow or []:
+            argv += ["--grow", str(gib)]
         if uid:
             argv = [sys.executable, str(self.scripts / "runas.py"), str(uid), *argv]
-        full_env = dict(self.env, TAG=tag, **(env or {}))
+        base = self.env if mps else {k: v for k, v in self.env.items() if not k.startswith("CUDA_MPS_")}
+        full_env = dict(base, TAG=tag, **(env or {}))
         with open(output, "w") as f:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd="/tmp")
-        c = Client(tag, proc, ready, stop, output, device, mem_gib, dict(env or {}), uid)
+        c = Client(tag, proc, ready, stop, output, device, mem_gib, dict(env or {}), uid, list(grow or []))
         self.clients.append(c)
         return c
+
+    def grow(self, c: Client, step: int, timeout: float = 60) -> str:
+        """Tell client `c` to take its grow step `step`; its answer (OK or FAIL ...)."""
+        result = Path(f"{c.ready}.grow{step}")
+        result.unlink(missing_ok=True)
+        Path(f"{c.stop}.grow{step}").touch()
+        wait_for(lambda: result.exists() and result.stat().st_size > 0 or c.proc.poll() is not None, timeout)
+        return result.read_text().strip() if result.exists() else f"no answer (exit {c.proc.poll()})"
 
     def run_script(self, tag: str, script: str, env: Optional[Dict[str, str]] = None) -> Client:
         output = self.out_dir / f"{tag}.txt"
@@ -268,6 +285,7 @@ class TruthCheck:
         self.raw = None  # rawcost.RawScrape, made once NVML is known to work
         self.perf: Dict[str, dict] = {}
         self.idle_cpu_rate: Dict[str, float] = {}
+        self.refusal_clients = 52
 
     # ------------------------------------------------------------ helpers
     def phase(self, name: str) -> None:
@@ -644,6 +662,146 @@ class TruthCheck:
         s.stop([bystander])
         r.facts["output of f_bystander"] = bystander.text().strip()[:600]
 
+    # ------------------------------------------------- MPS at its edges (issue 11)
+    def phase_refusals(self) -> None:
+        """More clients on one GPU than MPS accepts (48 on an H100 with MPS 13000): the
+        rest hang about 28 s and fail with cudaErrorDevicesUnavailable; server.log has
+        one 'Failed to accept new client' line per refusal."""
+        self.phase("refusals")
+        s, r = self.s, self.r
+        count = self.refusal_clients
+        e0 = self.scrape()
+        rej0 = e0.value("mps_client_rejections_total", reason="client_limit") or 0
+        lines0 = len(oracles.client_refusals(s.server_log()))
+        started = time.time()
+        clients = [s.client(f"r{i}", 0, device=0, n=64, idle=True) for i in range(count)]
+        s.wait_ready(clients, 240)  # the refused ones exit after ~28 s; the rest say ready
+        refused = [c for c in clients if not c.is_ready()]
+        for c in refused:
+            try:
+                c.proc.wait(max(1, 150 - (time.time() - started)))
+            except subprocess.TimeoutExpired:
+                pass
+        time.sleep(LOG_SETTLE)
+        lists = s.client_lists()
+        e = self.scrape()
+        limits = oracles.client_refusals(s.server_log())[lines0:]
+        accepted = sum(len(cs) for cs in lists.values())
+        failed = [c for c in refused if c.proc.poll() is not None]
+        r.facts["refusals: client outputs of the refused (first 2)"] = [c.text().strip()[-400:] for c in refused[:2]]
+        r.facts["refusals: refused clients' seconds from start to exit"] = sorted(
+            round(c.output.stat().st_mtime - started, 1) for c in failed)
+        r.facts["refusals: server.log refusal lines"] = [f"{x.time:%H:%M:%S.%f} {x.text}" for x in s.server_log()
+                                                         if x.text.startswith("Failed to accept")][:10]
+        r.check(f"refusals: {count} launched = accepted (get_client_list) + refused", count, accepted + len(refused))
+        r.check("refusals: every refused client failed with 'busy or unavailable' (cudaErrorDevicesUnavailable)",
+                len(refused), sum(1 for c in failed if "busy or unavailable" in c.text()))
+        r.check("refusals: refusal lines in server.log = refused clients", len(refused), len(limits))
+        r.check("refusals: mps_client_rejections_total{client_limit} delta = refusal lines in server.log", len(limits),
+                (e.value("mps_client_rejections_total", reason="client_limit") or 0) - rej0)
+        r.check("refusals: mps_server_client_limit = the number the refusal line gives", limits[-1] if limits else None,
+                e.value("mps_server_client_limit"))
+        r.check("refusals: mps_server_client_limit = clients accepted by the server", accepted,
+                e.value("mps_server_client_limit"))
+        r.check("refusals: mps_server_clients = len(get_client_list)", {str(k): len(v) for k, v in lists.items()},
+                {x.labels["server_pid"]: int(x.value) for x in e.series("mps_server_clients")})
+        s.stop(clients)
+        s.shutdown_servers()
+
+    def phase_limitchange(self) -> None:
+        """A server limit changed under a connected client D, then a client E connects;
+        both try to grow past the new limit. MPS binds each client to the limits in force
+        when it connected: the exporter's limit of each must be the one MPS enforced."""
+        self.phase("limitchange")
+        s, r = self.s, self.r
+        s.ctl("set_default_device_pinned_mem_limit 0 8G")  # D's server starts with 8G, D gets 8G
+        d = s.client("lc_D", 1, idle=True, grow=[3.5, 8.5])
+        s.wait_ready([d], 60)
+        (srv,) = s.servers()
+        before = (s.ctl(f"get_device_pinned_mem_limit {srv} 0").strip(), s.ctl(f"get_active_thread_percentage {srv}").strip())
+        r.facts["limitchange: server limits when D connected (get_device_pinned_mem_limit, get_active_thread_percentage)"] = before
+        r.facts["limitchange: set replies"] = [s.ctl(f"set_device_pinned_mem_limit {srv} 0 3G"),
+                                               s.ctl(f"set_active_thread_percentage {srv} 30")]
+        after = (s.ctl(f"get_device_pinned_mem_limit {srv} 0").strip(), s.ctl(f"get_active_thread_percentage {srv}").strip())
+        r.facts["limitchange: server limits after the change"] = after
+        e_client = s.client("lc_E", 1, idle=True, grow=[2.0, 3.5])
+        s.wait_ready([e_client], 60)
+        grown = {}
+        for c in (d, e_client):
+            for i, gib in enumerate(c.grow):
+                grown[(c.tag, gib)] = s.grow(c, i)
+        r.facts["limitchange: grow results"] = {f"{tag} to {gib} GiB": res for (tag, gib), res in grown.items()}
+        r.facts["limitchange: SM count each client's CUDA reports (D, E)"] = [d.ready_fields()[2:], e_client.ready_fields()[2:]]
+        time.sleep(FACTS_REFRESH + LOG_SETTLE)
+        e = self.scrape()
+        enforced = {}
+        for c in (d, e_client):
+            ok = [g for g in c.grow if grown[(c.tag, g)] == "OK"]
+            fail = [g for g in c.grow if grown[(c.tag, g)].startswith("FAIL")]
+            enforced[c.tag] = (max(ok, default=c.mem_gib), min(fail, default=None))
+        r.check("limitchange: MPS let D (connected before the change) grow to 3.5 GiB, not to 8.5", ["OK", False],
+                [grown[("lc_D", 3.5)], grown[("lc_D", 8.5)] == "OK"])
+        r.check("limitchange: MPS let E (connected after the change) grow to 2 GiB, not to 3.5", ["OK", False],
+                [grown[("lc_E", 2.0)], grown[("lc_E", 3.5)] == "OK"])
+        for c, want in ((d, oracles.parse_size_text(before[0])), (e_client, oracles.parse_size_text(after[0]))):
+            got = e.value("mps_client_pinned_memory_limit_bytes", pid=str(c.pid), gpu="0")
+            low, high = enforced[c.tag]
+            r.check(f"limitchange: {c.tag}: mps_client_pinned_memory_limit_bytes = server limit when it connected", want, got)
+            r.check_true(f"limitchange: {c.tag}: exporter limit within what MPS enforced (grew to {low} GiB, not to {high})",
+                         [low, high], None if got is None else got / GiB,
+                         got is not None and low * GiB <= got and (high is None or got < high * GiB))
+        r.check("limitchange: mps_client_active_thread_ratio = server percentage when each connected",
+                {"lc_D": float(before[1]) / 100, "lc_E": float(after[1]) / 100},
+                {c.tag: e.value("mps_client_active_thread_ratio", pid=str(c.pid)) for c in (d, e_client)})
+        r.check("limitchange: mps_server_pinned_memory_limit_bytes = get_device_pinned_mem_limit now",
+                oracles.parse_size_text(after[0]), e.value("mps_server_pinned_memory_limit_bytes", server_pid=str(srv), gpu="0"))
+        r.check("limitchange: mps_server_active_thread_ratio = get_active_thread_percentage now",
+                float(after[1]) / 100, e.value("mps_server_active_thread_ratio", server_pid=str(srv)), tolerance=1e-9)
+        r.facts["limitchange: server.log after the change"] = [
+            f"{x.time:%H:%M:%S.%f} {x.text}" for x in s.server_log() if x.pid == srv][-30:]
+        s.stop([d, e_client])
+        s.shutdown_servers()
+        s.ctl("set_default_device_pinned_mem_limit 0 0")
+
+    def phase_kill(self) -> None:
+        """A server SIGKILLed under a connected client (control.log still says 'exited with
+        status 0'), then a server that exits cleanly after its client left."""
+        self.phase("kill")
+        s, r = self.s, self.r
+        time.sleep(LOG_SETTLE)  # the baseline must include the last phase's exits (run 1 took it too early)
+        e0 = self.scrape()
+        w0 = e0.value("mps_server_exits_with_clients_total") or 0
+        x0 = {x.labels["status"]: x.value for x in e0.series("mps_server_exits_total")}
+        logged0 = oracles.server_exit_statuses(s.control_log())
+        victim = s.client("k_victim", 1)
+        s.wait_ready([victim], 60)
+        (srv,) = s.servers()
+        attached = s.client_lists().get(srv, [])
+        os.kill(srv, 9)
+        try:
+            victim.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            victim.proc.kill()
+        wait_for(lambda: any(f"Server {srv} exited" in x.text for x in s.control_log()), 20)
+        clean = s.client("k_clean", 0.5)
+        s.wait_ready([clean], 60)
+        s.stop([clean])
+        s.shutdown_servers()
+        time.sleep(LOG_SETTLE)
+        e = self.scrape()
+        r.facts["kill: output of the client whose server was killed"] = victim.text().strip()[-600:]
+        r.facts["kill: control.log lines of the killed server"] = [x.text for x in s.control_log() if f" {srv} " in f" {x.text} "]
+        r.check("kill: the client was connected when its server was killed (get_client_list)", [victim.pid], attached)
+        r.check("kill: the client failed (exit status not 0)", True, victim.proc.returncode not in (0, None))
+        with_clients = oracles.exits_with_clients(s.control_log(), s.server_log())
+        r.check("kill: servers that exited with clients in the logs (oracle) = the killed one", True, srv in with_clients)
+        r.check("kill: mps_server_exits_with_clients_total delta = 1 (killed), 0 for the clean exit", 1,
+                (e.value("mps_server_exits_with_clients_total") or 0) - w0)
+        exits = {x.labels["status"]: x.value - x0.get(x.labels["status"], 0) for x in e.series("mps_server_exits_total")}
+        logged = {k: n - logged0.get(k, 0) for k, n in oracles.server_exit_statuses(s.control_log()).items()}
+        r.check("kill: mps_server_exits_total delta by status = 'exited with status' lines in control.log (2 exits)",
+                {k: n for k, n in logged.items() if n}, {k: int(v) for k, v in exits.items() if v})
+
     def watch_status(self, client: Client, min_samples: int = 30, timeout: float = 45):
         """get_server_status of every server and mps_server_status, polled while `client` runs."""
         seen_ctl, seen_exp = [], []
@@ -681,8 +839,12 @@ class TruthCheck:
             lines = read(s.logdir / f"{f}.log").count("\n")
             r.check(f"logs: mps_log_lines_total{{file={f}}} = lines in {f}.log", lines,
                     e.value("mps_log_lines_total", file=f))
-        r.facts["mps_log_unrecognized_lines_total"] = {x.labels["file"]: x.value
-                                                       for x in e.series("mps_log_unrecognized_lines_total")}
+        r.check("logs: mps_client_rejections_total{client_limit} = refusal lines in server.log",
+                len(oracles.client_refusals(srv_log)), e.value("mps_client_rejections_total", reason="client_limit"))
+        r.check("logs: mps_server_exits_with_clients_total = exits with a client connected (both logs merged by time)",
+                len(oracles.exits_with_clients(ctl_log, srv_log)), e.value("mps_server_exits_with_clients_total"))
+        r.check("logs: no unrecognized lines", {"control": 0, "server": 0},
+                {x.labels["file"]: int(x.value) for x in e.series("mps_log_unrecognized_lines_total")})
         r.facts["mps_server_start_failures_total"] = e.value("mps_server_start_failures_total")
 
     # ---------------------------------------------------------------- run
@@ -767,6 +929,7 @@ def main(argv=None) -> int:
     ap.add_argument("--title", default="Truth check on one NVIDIA H200")
     ap.add_argument("--phases", default="idle,mixed,many,queue,limits,fault,quit")
     ap.add_argument("--many", type=int, default=32)
+    ap.add_argument("--refusal-clients", type=int, default=52, help="clients on GPU 0 in phase refusals")
     args = ap.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -775,6 +938,7 @@ def main(argv=None) -> int:
     s = Session(work, gpus)
     report = Report(args.title)
     check = TruthCheck(s, report)
+    check.refusal_clients = args.refusal_clients
     started = time.time()
     try:
         check.run([p for p in args.phases.split(",") if p])

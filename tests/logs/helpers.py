@@ -12,8 +12,9 @@ UTC = timezone.utc
 
 
 def at(text: str) -> float:
-    """'04:22:16.630' (on the capture's day, read as UTC) -> unix time."""
-    return datetime.strptime("2026-11-21 " + text, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC).timestamp()
+    """'04:22:16.630' (on the capture's day) or '2026-11-23 18:29:10.000', read as UTC -> unix time."""
+    text = text if " " in text else "2026-11-21 " + text
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC).timestamp()
 
 
 def line_time(line: str) -> Optional[float]:
@@ -23,9 +24,11 @@ def line_time(line: str) -> Optional[float]:
         return None
 
 
-def replay(files: Dict[str, Iterable[str]], until: Optional[str] = None, state: Optional[LogState] = None) -> LogState:
+def replay(files: Dict[str, Iterable[str]], until: Optional[str] = None, state: Optional[LogState] = None,
+           settle: bool = True) -> LogState:
     """Feed control then server lines (UTC timestamps) into a state machine, stopping
-    each file at the first line later than `until` ('HH:MM:SS.mmm')."""
+    each file at the first line later than `until` ('HH:MM:SS.mmm'); then settle() as
+    the pipeline does once server.log is read to its end."""
     state = state or LogState()
     limit = at(until) if until else None
     for file in ("control", "server"):
@@ -34,6 +37,8 @@ def replay(files: Dict[str, Iterable[str]], until: Optional[str] = None, state: 
             if limit is not None and t is not None and t > limit:
                 break
             state.apply(parse_line(line, file, UTC), file)
+    if settle:
+        state.settle()
     return state
 
 

@@ -252,3 +252,138 @@ def test_a_long_but_plausible_wait_is_summed():
               "23:00:01.000 NEW CLIENT 10 from user 0: Server already exists")
     hist = replay({"control": log}).snapshot().queue_wait["server_starting"]
     assert (hist.count, hist.total, hist.implausible) == (1, 23 * 3600.0, 0)
+
+
+# ---------------------------------------------------------------- MPS at its edges (issue 11)
+REFUSAL = "Failed to accept new client. Maximum number of clients (48) reached."  # verbatim, H100, MPS 13000
+
+
+def _server_with_client(pid: int, client: int, t: str) -> list:
+    return srv(pid, f"{t} Active Threads Percentage set to 100.0", f"{t} Server has started",
+               f"{t} Client {{PID: {client}, Context ID: 0}} connected")
+
+
+def test_refusals_are_counted_with_the_limit_the_line_gives():
+    server = _server_with_client(20, 30, "00:00:01.100") + srv(20, *(f"00:00:0{i}.000 {REFUSAL}" for i in (2, 3, 4)))
+    snap = replay({"control": ctl(*START, "00:00:01.000 Starting new server 20 for user 0",
+                                  "00:00:01.100 NEW SERVER 20: Ready"), "server": server}).snapshot()
+    assert snap.rejections == {"client_limit": 3} and snap.client_limit == 48
+    assert snap.unrecognized == {"control": 0, "server": 0}
+    assert [e.kind for e in snap.recent_events] == ["client_rejected"] * 3
+
+
+def test_a_refused_client_is_named_and_its_two_disconnect_lines_count_once():
+    """As server.log of the H100 run shows a refusal: the refused client's second context
+    connects, the refusal follows, `Client process P disconnected` comes twice."""
+    from tests.support.data import EDGES
+    lines = [l for l in (EDGES / "server.log").read_text().splitlines()
+             if "2786" in l or "Failed to accept" in l and "18:28:45.502" in l or "Server  3617] Active" in l]
+    snap = replay({"server": lines}).snapshot()
+    assert snap.rejections == {"client_limit": 1}
+    assert [(e.kind, e.clients) for e in snap.recent_events] == [("client_rejected", [2786])]
+    assert (snap.client_connections, snap.client_disconnections) == (1, 1)
+
+
+def _two_exits(killed_first: bool) -> dict:
+    """Server 20 is killed under client 30 (no disconnect, control.log says status 0);
+    server 21's client 31 leaves, then it shuts down cleanly."""
+    control = ctl(*START, "00:00:01.000 Starting new server 20 for user 0", "00:00:01.100 NEW SERVER 20: Ready",
+                  "00:00:05.000 Server 20 exited with status 0",
+                  "00:00:06.000 Starting new server 21 for user 0", "00:00:06.100 NEW SERVER 21: Ready",
+                  "00:00:09.000 NEW UI", "00:00:09.000 Cmd:shutdown_server 21", "00:00:09.001 UI closed",
+                  "00:00:09.200 Server 21 exited with status 0")
+    server = (_server_with_client(20, 30, "00:00:01.100") + _server_with_client(21, 31, "00:00:06.100")
+              + srv(21, "00:00:08.000 Client process 31 disconnected", "00:00:09.100 Server has been notified to shutdown",
+                    "00:00:09.100 Waiting for current clients to finish", "00:00:09.100 Exiting"))
+    return {"control": control, "server": server}
+
+
+def test_a_server_that_exits_with_a_client_attached_is_told_from_a_clean_exit():
+    files = _two_exits(True)
+    # As `dump` reads them: all of control.log, then all of server.log, then settle().
+    snap = replay(files).snapshot()
+    assert snap.exits_with_clients == 1 and snap.server_exits == {"0": 2}
+    assert [(e.kind, e.server_pid, e.clients) for e in snap.recent_events if e.kind == "exit_with_clients"] == [
+        ("exit_with_clients", 20, [30])]
+    # As the live reader meets them: both files in time order, settled after each line.
+    state = LogState()
+    lines = sorted([(l[1:24], "control", l) for l in files["control"]] + [(l[1:24], "server", l) for l in files["server"]])
+    for _, file, line in lines:
+        state.apply(st_parse(line, file), file)
+        state.settle()
+    assert state.snapshot().exits_with_clients == 1
+
+
+def test_an_exit_is_decided_only_once_server_log_is_read_past_it():
+    files = _two_exits(True)
+    state = replay({"control": files["control"][:4]}, settle=False)  # server 20's exit, server.log not read yet ...
+    assert state.snapshot().exits_with_clients == 0
+    for line in files["server"]:  # ... decided at the first server.log line after the exit
+        state.apply(st_parse(line, "server"), "server")
+        if line_ts(line) > "00:00:05.000":
+            break
+    assert state.snapshot().exits_with_clients == 1
+
+
+def test_client_limits_are_those_in_force_when_it_connected():
+    control = ctl(*START, "00:00:01.000 Starting new server 20 for user 0", "00:00:01.100 NEW SERVER 20: Ready",
+                  "00:00:03.000 NEW UI", "00:00:03.000 Cmd:set_device_pinned_mem_limit 20 0 3G", "00:00:03.001 UI closed",
+                  "00:00:03.100 NEW UI", "00:00:03.100 Cmd:set_active_thread_percentage 20 30", "00:00:03.101 UI closed")
+    server = srv(20, "00:00:01.100 Active Threads Percentage set to 100.0",
+                 "00:00:01.100 Device pinned memory limit for device 0 set to 0x200000000 bytes",
+                 "00:00:01.100 Server has started", "00:00:02.000 Client {PID: 30, Context ID: 0} connected",
+                 "00:00:04.000 Client {PID: 31, Context ID: 0} connected")
+    snap = replay({"control": control, "server": server}).snapshot()
+    assert snap.client_limits == {30: (100.0, {0: 8 << 30}), 31: (30.0, {0: 3 << 30})}
+    # the server's own limits are the newest
+    assert (snap.servers[20].active_thread_percentage, snap.servers[20].pinned_limits) == (30.0, {0: 3 << 30})
+    # `0` removes a limit; where the logs do not show the server's start, they give no client limits
+    control += ctl("00:00:05.000 NEW UI", "00:00:05.000 Cmd:set_device_pinned_mem_limit 20 0 0", "00:00:05.001 UI closed")
+    server += srv(20, "00:00:06.000 Client {PID: 32, Context ID: 0} connected")
+    snap = replay({"control": control, "server": server}).snapshot()
+    assert snap.client_limits[32] == (30.0, {}) and snap.client_limits[30] == (100.0, {0: 8 << 30})
+    snap = replay({"control": control, "server": server[2:]}).snapshot()  # no start lines: logs start later
+    assert snap.client_limits == {}
+
+
+def test_edge_state_survives_the_state_file_and_older_files_load():
+    files = _two_exits(True)
+    state = replay({"control": files["control"][:4], "server": files["server"][:3] + srv(20, f"00:00:02.000 {REFUSAL}")},
+                   settle=False)
+    state.s.exits_with_clients = 0
+    restored = LogState.from_dict(json.loads(json.dumps(state.to_dict())))
+    for line in files["server"][3:]:
+        restored.apply(st_parse(line, "server"), "server")
+    restored.settle()
+    snap = restored.snapshot()
+    assert (snap.rejections, snap.client_limit) == ({"client_limit": 1}, 48)
+    old = state.to_dict()
+    for key in ("attached", "pending_exits", "client_limit", "unnamed"):
+        del old[key]
+    del old["counters"]["exits_with_clients"], old["maps"]["rejections"]
+    assert LogState.from_dict(json.loads(json.dumps(old))).snapshot().exits_with_clients == 0
+
+
+def st_parse(line: str, file: str):
+    from mps_exporter.logs.parser import parse_line
+    from .helpers import UTC
+    return parse_line(line, file, UTC)
+
+
+def line_ts(line: str) -> str:
+    return line[12:24]
+
+
+def test_recorded_h100_run_limits_as_mps_enforced_them():
+    """tests/data/captures/h100-edges: client D (3867) connected to server 3884 under the
+    daemon default 8G; `set_device_pinned_mem_limit 3884 0 3G` and `set_active_thread_percentage
+    3884 30` followed; E (3907) connected after. MPS let D grow to 3.5 GiB (not 8.5: '3.87 GiB
+    free' of 8G) and refused E at 3.5 GiB ('725.45 MiB free' of 3G); E's CUDA saw 38 of 132 SMs."""
+    from tests.support.data import EDGES
+    files = {f: (EDGES / f"{f}.log").read_text().splitlines() for f in ("control", "server")}
+    snap = replay(files, until="2026-11-23 18:29:10.000").snapshot()
+    assert snap.client_limits[3867] == (100.0, {0: 8 << 30})
+    assert snap.client_limits[3907] == (30.0, {0: 3 << 30})
+    assert (snap.servers[3884].active_thread_percentage, snap.servers[3884].pinned_limits) == (30.0, {0: 3 << 30})
+    for client, free in ((EDGES / "clients" / "lc_D.txt", "3.87 GiB is free"), (EDGES / "clients" / "lc_E.txt", "725.45 MiB")):
+        assert free in client.read_text()

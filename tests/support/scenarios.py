@@ -26,7 +26,8 @@ from tests.fakes.fake_control import CAPTURE, FakeClient, FakeControlDaemon, Fak
 from tests.fakes.fake_procfs import FakeProcess, write_proc
 from tests.fakes.fake_pynvml import FakeNvml
 
-BUSY_CLIENT_ENV = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4G"}
+BUSY_CLIENT_ENV = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4G",
+                   "CUDA_MPS_CLIENT_PRIORITY": "1"}
 POD_UID = "1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"
 CONTAINER_ID = "9c" * 32
 
