@@ -129,7 +129,8 @@ def measure(n: int, tmp: Path, mode: str) -> dict:
         groups = wait_for_evaluations(prom, timeout=180)
 
         def per_node(expr: str) -> float:
-            return statistics.median(float(r["value"][1]) for r in prom.query(f"count by (instance) ({expr})"))
+            counts = [float(r["value"][1]) for r in prom.query(f"count by (instance) ({expr})")]
+            return statistics.median(counts) if counts else 0.0
 
         result = {
             "n": n,
@@ -253,6 +254,7 @@ def main() -> int:
     parser.add_argument("--server-nodes", type=int, nargs="*", default=[10, 100],
                         help="also run these with --mps.client-granularity server")
     parser.add_argument("--out", help="also write the report here")
+    parser.add_argument("--raw", help="append each run's measurements to this JSON Lines file as it ends")
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs: Dict[str, List[dict]] = {"client": [], "server": []}
@@ -261,6 +263,9 @@ def main() -> int:
             with tempfile.TemporaryDirectory(prefix=f"fleet-bench-{n}-") as tmp:
                 t0 = time.monotonic()
                 runs[mode].append(measure(n, Path(tmp), mode))
+                if args.raw:
+                    with open(args.raw, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(runs[mode][-1]) + "\n")
                 print(f"{mode}: {n} exporters measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     one_node = {}
     for mode in ("client", "server"):
