@@ -66,6 +66,10 @@ NODE_FAULTS = "instance:mps_servers_in_fault:count"
 FLEET_FAULTS = "fleet:mps_servers_in_fault:count"
 NODE_FATAL = "instance:mps_fatal_gpu_errors:rate5m"
 FLEET_FATAL = "fleet:mps_fatal_gpu_errors:rate5m"
+NODE_REFUSALS = "instance:mps_client_rejections:rate5m"
+FLEET_REFUSALS = "fleet:mps_client_rejections:rate5m"
+NODE_DEATHS = "instance:mps_server_exits_with_clients:rate5m"
+FLEET_DEATHS = "fleet:mps_server_exits_with_clients:rate5m"
 NODE_HEADROOM = "instance:mps_gpu_memory_headroom:min_ratio"
 FLEET_LOW_HEADROOM = "fleet:mps_gpus_low_memory_headroom:count"
 MODEL_MEMORY_USED = "name:mps_gpu_memory_used_bytes:sum"
@@ -174,6 +178,14 @@ RECORDINGS: Tuple[Recording, ...] = (
     Recording(NODE_FATAL, f"sum by ({T}) (rate({job('mps_fatal_gpu_errors_total')}[5m]))",
               "fatal GPU errors per second on each node", FLEET),
     Recording(FLEET_FATAL, f"sum({NODE_FATAL}) or vector(0)", "fatal GPU errors per second over the fleet", FLEET),
+    Recording(NODE_REFUSALS, f"sum by ({T}) (rate({job('mps_client_rejections_total')}[5m]))",
+              "client connections MPS servers refused per second on each node", FLEET),
+    Recording(FLEET_REFUSALS, f"sum({NODE_REFUSALS}) or vector(0)",
+              "client connections refused per second over the fleet", FLEET),
+    Recording(NODE_DEATHS, f"sum by ({T}) (rate({job('mps_server_exits_with_clients_total')}[5m]))",
+              "MPS servers per second that exited under connected clients, on each node", FLEET),
+    Recording(FLEET_DEATHS, f"sum({NODE_DEATHS}) or vector(0)",
+              "MPS servers per second that exited under connected clients, over the fleet", FLEET),
     Recording(NODE_HEADROOM, f"min by ({T}) (1 - {GPU_MEMORY_USAGE})",
               "share of memory free on each node's fullest GPU", FLEET),
     Recording(FLEET_LOW_HEADROOM, _fleet_count(f"{GPU_MEMORY_USAGE} > {1 - C.LOW_MEMORY_HEADROOM_RATIO:g}"),

@@ -60,6 +60,10 @@ dashboard = build(
                    "Clients waiting on the MPS pending list of the nodes the selected pods run on: another "
                    "user's server must drain, or the pod's own server is starting.",
                    "none", [target(on_pod_nodes(R.NODE_QUEUED), "{{instance}}")]),
+        timeseries("Refused clients on the pods' nodes",
+                   "Client connections MPS servers refused per second on those nodes (the server's client limit "
+                   "was reached): the refused process fails after about 28 s.",
+                   "cps", [target(on_pod_nodes(R.NODE_REFUSALS), "{{instance}}")]),
         timeseries("Fatal GPU errors on the pods' nodes",
                    "Fatal GPU errors MPS servers handled per second on those nodes: every client of the affected "
                    "server lost its work.",
