@@ -148,7 +148,7 @@ class Exporter:
                 return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"exporter did not start: {stderr_path.read_text()}")
+                    raise RuntimeError(f"exporter did not start: {stderr_path.read_text()}") from None
                 time.sleep(0.2)
 
     def scrape(self, timeout: float = 10) -> str:

@@ -28,7 +28,6 @@ import http.client
 import os
 import re
 import shutil
-import socket
 import ssl
 import statistics
 import subprocess

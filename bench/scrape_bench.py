@@ -103,7 +103,7 @@ class StormLatency:
         doc = json.loads(path.read_text())
         self.start = start
         self.by_fn: Dict[str, Tuple[List[float], List[float]]] = {}
-        for t, gpu, fn, seconds in doc["calls"]:
+        for t, _gpu, fn, seconds in doc["calls"]:
             times, secs = self.by_fn.setdefault(fn, ([], []))
             times.append(t)
             secs.append(seconds)

@@ -12,7 +12,6 @@ from typing import Any, Callable, Dict, Mapping, Optional, TextIO
 
 from prometheus_client import write_to_textfile
 from prometheus_client.exposition import generate_latest
-from prometheus_client.registry import CollectorRegistry
 
 from .collector import MpsCollector, build_registry
 from .config import Config

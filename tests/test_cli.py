@@ -1,13 +1,10 @@
 """The `mps-exporter` program itself, as a user runs it on a machine without a GPU."""
 
-import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 

@@ -7,13 +7,11 @@ Update the golden file after an intended change with:
 
 import os
 import re
-import shutil
 import subprocess
 import threading
 import time
 from pathlib import Path
 
-import pytest
 from prometheus_client.exposition import generate_latest
 
 from mps_exporter.collector import MpsCollector, SingleFlight, build_registry

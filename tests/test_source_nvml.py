@@ -9,7 +9,7 @@ import pytest
 
 from mps_exporter.sources.nvml import COMPUTE_MODES, NvmlSource, NvmlUnavailable
 from tests.fakes import fake_pynvml as fp
-from tests.fakes.fake_pynvml import CAPTURE, FakeNvml, load_capture
+from tests.fakes.fake_pynvml import FakeNvml, load_capture
 
 
 

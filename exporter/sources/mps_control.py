@@ -174,7 +174,7 @@ def subprocess_runner(argv: Sequence[str], stdin_text: str, env: Dict[str, str],
         except ProcessLookupError:
             pass
         proc.communicate()
-        raise ControlError(f"{argv[0]} did not answer within {timeout:g}s (killed)")
+        raise ControlError(f"{argv[0]} did not answer within {timeout:g}s (killed)") from None
     return proc.returncode, out.decode("utf-8", "replace")
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from tests.support.data import CAPTURE  # noqa: E402
+from tests.support.data import CAPTURE  # noqa: E402,F401  (re-exported to the tests)
 
 PS_HEADER = "PID       ID        SERVER         DEVICE                    NAMESPACE      COMMAND        "
 

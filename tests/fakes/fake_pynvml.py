@@ -40,7 +40,6 @@ import time
 from collections import Counter
 from ctypes import c_ulonglong
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from tests.support.data import CAPTURE  # noqa: E402

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -30,7 +29,6 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-import pytest
 import yaml
 from tests.support.tools import require
 
