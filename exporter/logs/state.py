@@ -267,6 +267,7 @@ class LogState:
         # server pid -> the client whose context connected last: MPS logs a refusal right
         # after the refused client's `Client {PID: P, Context ID: 1} connected`
         self._last_connected: "OrderedDict[int, int]" = OrderedDict()
+        self._failures_counted: "OrderedDict[int, None]" = OrderedDict()  # start failures counted from server.log
         self._handlers: Dict[type, Callable[[Any], None]] = {
             DaemonStarted: self._daemon_started, DaemonExited: self._daemon_exited,
             DaemonVersion: self._daemon_version, ClientPushed: self._client_pushed,
@@ -410,7 +411,7 @@ class LogState:
             self._decide_exit(*heapq.heappop(self._pending_exits))
         srv = self._servers.get(ev.server_pid)
         if srv is not None:
-            if srv.start_time is None:
+            if srv.start_time is None and ev.server_pid not in self._failures_counted:
                 s.server_start_failures += 1
                 self._note(LogEvent(ev.ts, "start_failure", ev.server_pid, detail=srv.start_failure or ""))
             elif srv.daemon_shutdown:
@@ -594,8 +595,17 @@ class LogState:
 
     def _start_failed(self, ev: ServerStartFailed) -> None:
         srv = self._facts(ev.pid)
-        if srv is not None:
-            srv.start_failure = ev.reason[:200]
+        if srv is None:
+            return  # control.log saw it exit: counted there
+        srv.start_failure = ev.reason[:200]
+        if ev.pid not in self._servers and ev.pid not in self._failures_counted:
+            # No `Starting new server` for it (control.log lost, cut, or elsewhere): the
+            # failure is counted here, and not again if control.log announces it later.
+            self.s.server_start_failures += 1
+            self._note(LogEvent(ev.ts, "start_failure", ev.pid, detail=srv.start_failure))
+            self._failures_counted[ev.pid] = None
+            if len(self._failures_counted) > MAX_SERVERS:
+                self._failures_counted.popitem(last=False)
 
     def _note(self, event: LogEvent) -> None:
         self._recent.append(event)

@@ -387,3 +387,24 @@ def test_recorded_h100_run_limits_as_mps_enforced_them():
     assert (snap.servers[3884].active_thread_percentage, snap.servers[3884].pinned_limits) == (30.0, {0: 3 << 30})
     for client, free in ((EDGES / "clients" / "lc_D.txt", "3.87 GiB is free"), (EDGES / "clients" / "lc_E.txt", "725.45 MiB")):
         assert free in client.read_text()
+
+
+def test_start_failures_server_log_alone_shows_are_counted_once():
+    """NVIDIA/k8s-device-plugin#685's server.log (roles `Other` and `Legacy Server`, `Failed
+    to start : invalid argument`) with no control.log beside it: each failure counts. With
+    control.log too (`Starting new server` ... `exited with status 1`), each counts once."""
+    from pathlib import Path
+    legacy = Path(__file__).parent / "fixtures" / "legacy"
+    files = {f: (legacy / f"{f}.log").read_text().splitlines() for f in ("control", "server")}
+    alone = replay({"server": files["server"]}).snapshot()
+    assert alone.server_start_failures == 2 and alone.unrecognized["server"] == 0
+    assert [(e.kind, e.server_pid, e.detail) for e in alone.recent_events] == [
+        ("start_failure", 95, "Failed to start : invalid argument"), ("start_failure", 98, "Failed to start : invalid argument")]
+    both = replay(files).snapshot()
+    assert both.server_start_failures == 2
+    # server.log read first (a live reader between two polls), then control.log: still once each
+    state = LogState()
+    for file in ("server", "control"):
+        for line in files[file]:
+            state.apply(st_parse(line, file), file)
+    assert state.snapshot().server_start_failures == 2
