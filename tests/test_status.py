@@ -18,10 +18,10 @@ from mps_exporter.bundle import load
 from mps_exporter.cli import parse_args
 from mps_exporter.collector import build_registry
 from mps_exporter.replay import shipped_bundle
+from mps_exporter.status import command
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mps_exporter.status import command
 from tests.support import scenarios
 from tests.support.data import CAPTURE
 from tests.support.shipped import moments, replayed
