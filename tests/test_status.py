@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import scenarios
 from tests.support.data import CAPTURE
-from tests.support.shipped import moments, replayed
+from tests.support.shipped import Moments, moments, replayed
 
 Sample = Tuple[str, Dict[str, str], float]
 
@@ -77,7 +77,7 @@ def report_at(at: float) -> Tuple[str, dict]:
 
 # ---------------------------------------------------------------- the report
 def test_report_at_a_moment_with_a_queued_client():
-    at = moments()[0]
+    at = moments().queued
     out, st = report_at(at)
     duration = load(shipped_bundle()).duration
     assert out.startswith(f"mps-exporter status: bundle {os.path.basename(shipped_bundle())} at {at:.1f} s of {duration:.1f} s\n")
@@ -99,7 +99,7 @@ def test_report_at_a_moment_with_a_queued_client():
 
 
 def test_report_at_the_fatal_gpu_error():
-    _, fault_at, fatal_at = moments()
+    fault_at, fatal_at = moments().fault, moments().fatal
     out, st = report_at(fault_at)  # the daemon says FAULT
     (faulty,) = [s for s in st["daemons"][0]["servers"] if s["status"] == "FAULT"]
     assert re.search(rf"^  {faulty['pid']} +\S+ \(\d+\) +FAULT ", out, re.M), out
@@ -112,6 +112,24 @@ def test_report_at_the_fatal_gpu_error():
     assert re.search(line, out, re.M), out
     totals = re.sub(r"\s+", " ", out[out.index("totals from the logs:"):])  # wrapped at 100 columns
     assert "fatal GPU errors 1," in totals
+
+
+def test_report_at_the_end_lists_refusals_and_a_server_that_died_under_its_clients():
+    out, st = report_at(moments().end)
+    (d,) = st["daemons"]
+    refused = [e for e in d["events"] if e["kind"] == "client_rejected"]
+    died = [e for e in d["events"] if e["kind"] == "exit_with_clients"]
+    assert refused and died
+    for e in refused:
+        assert re.search(rf"^  \S+ \S+  client refused   server {e['server_pid']} refused client {e['clients'][0]}: "
+                         rf"{re.escape(e['detail'])}  \(", out, re.M), out
+    for e in died:
+        assert re.search(rf"^  \S+ \S+  server died      server {e['server_pid']} exited with clients still connected: "
+                         rf"{' '.join(map(str, e['clients']))}  \(", out, re.M), out
+    assert f"  clients per device: at most {d['client_limit']} (as the last refusal said)\n" in out
+    totals = re.sub(r"\s+", " ", out[out.index("totals from the logs:"):])
+    assert f"refused clients {len(refused)} (reason client_limit: {len(refused)})," in totals
+    assert f"servers exited with clients {len(died)}," in totals
 
 
 def test_default_moment_is_the_end_of_the_recording():
@@ -127,21 +145,25 @@ def test_readme_samples_are_what_status_prints():
     section = readme.split("## On the node: `mps-exporter status`\n", 1)[1].split("\n## ", 1)[0]
     bundle, queued_at = re.search(r"`mps-exporter status --bundle exporter/data/(\S+) --at ([\d.]+)`", section).groups()
     fault_at = re.search(r"\(`--at ([\d.]+)`, from the server table on\)", section).group(1)
-    queued, fault = re.findall(r"^```\n(.*?)^```$", section, re.S | re.M)
+    queued, fault, end = re.findall(r"^```\n(.*?)^```$", section, re.S | re.M)
     regenerate = (f"README's status samples are stale: paste the output of `mps-exporter status --bundle "
                   f"exporter/data/{os.path.basename(shipped_bundle())} --at T` at a moment with a queued client "
-                  f"and at the fatal error (e.g. T = {moments()[0]} and {max(moments()[1:])}), naming those T")
+                  f"and at the fatal error (e.g. T = {moments().queued} and {moments().fatal}), naming those T, "
+                  f"and at its end (no --at), each from the part of the report shown")
     assert bundle == os.path.basename(shipped_bundle()), regenerate
     assert queued == status("--bundle", shipped_bundle(), "--at", queued_at).stdout, regenerate
     at_fault = status("--bundle", shipped_bundle(), "--at", fault_at).stdout
     assert fault == at_fault[at_fault.index("  SERVER"):], regenerate
+    at_end = status("--bundle", shipped_bundle()).stdout
+    assert end == at_end[at_end.index("  EVENTS"):], regenerate
     assert "  QUEUED " in queued and " FAULT " in fault and "fatal GPU error" in fault, regenerate
+    assert "client refused" in end and "server died" in end, regenerate
 
 
 # ---------------------------------------------------------------- status and /metrics agree
-@pytest.mark.parametrize("moment", ["queued", "fault", "fatal"])
+@pytest.mark.parametrize("moment", Moments._fields)
 def test_json_is_what_metrics_publishes_at_the_same_instant(moment, tmp_path):
-    at = moments()[["queued", "fault", "fatal"].index(moment)]
+    at = getattr(moments(), moment)
     st = status_json(at)
     m = Metrics(metrics_at(at, tmp_path))
 
@@ -208,13 +230,19 @@ def test_json_is_what_metrics_publishes_at_the_same_instant(moment, tmp_path):
     kinds = [e["kind"] for e in d["events"]]
     assert kinds.count("fatal_gpu_error") == m.one("mps_fatal_gpu_errors_total", **sel)
     assert kinds.count("handoff") == m.one("mps_server_handoffs_total", **sel)
+    assert kinds.count("client_rejected") == sum(v for _, v in m.rows("mps_client_rejections_total", **sel))
+    assert kinds.count("exit_with_clients") == m.one("mps_server_exits_with_clients_total", **sel)
 
     if moment == "queued":
         assert [q["reason"] for q in d["queued"]] == ["user_switch"] and d["queued_clients"]["user_switch"] == 1
     elif moment == "fault":
         assert "FAULT" in [s["status"] for s in d["servers"]]
-    else:
+    elif moment == "fatal":
         assert d["events"][-1]["kind"] == "fatal_gpu_error" and d["events"][-1]["clients"]
+    elif moment == "priority":
+        assert any(c["priority"] is not None for c in d["clients"])
+    else:  # the end: the session's refusals and its server killed under a client are among the events
+        assert {"client_rejected", "exit_with_clients"} <= set(kinds) and d["client_limit"] is not None
 
 
 # ---------------------------------------------------------------- a live node

@@ -57,7 +57,7 @@ def lines(screen: str) -> List[str]:
 
 def test_watch_refreshes_in_place_scrolls_and_quits(tmp_path):
     # The shipped session in real time from a little before a client is queued.
-    start = max(0.0, moments()[0] - 3)
+    start = max(0.0, moments().queued - 3)
     cmd = (f"{sys.executable} -m mps_exporter.cli status --bundle {shipped_bundle()} --at {start} --watch 0.5;"
            " echo status-exited-$?; sleep 600")
     term = Terminal(tmp_path, cmd)

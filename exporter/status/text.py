@@ -6,7 +6,6 @@ in bold and what went wrong in reverse video; printed, the lines are plain text.
 
 from __future__ import annotations
 
-import textwrap
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -92,11 +91,11 @@ def _daemon(d: DaemonStatus, now: float) -> List[Line]:
         defaults = [f"active threads {_percent(d.default_active_thread_ratio)}",
                     "pinned memory " + (_per_gpu(d.default_pinned_memory_limit_bytes)
                                         if d.default_pinned_memory_limit_bytes else "no limit")]
-    if d.client_limit is not None:
-        defaults.append(f"at most {d.client_limit:g} clients per device (as a refusal said)")
     out: List[Line] = [("", PLAIN), (head, HEADING if d.up else ALERT),
                        (f"  pipe {d.pipe_directory or '?'} | logs {d.log_directory or '?'}", PLAIN),
                        ("  defaults: " + ", ".join(defaults), PLAIN)]
+    if d.client_limit is not None:
+        out.append((f"  clients per device: at most {d.client_limit:g} (as the last refusal said)", PLAIN))
     out += _servers(d.servers, now)
     out += _clients(d.clients)
     out += _queued(d, now)
@@ -104,8 +103,7 @@ def _daemon(d: DaemonStatus, now: float) -> List[Line]:
     totals = _totals(d)
     if totals:
         out.append(("", PLAIN))
-        out += [(line, PLAIN) for line in textwrap.wrap(", ".join(totals), WIDTH, initial_indent="  totals from the logs: ",
-                                                        subsequent_indent="    ", break_on_hyphens=False)]
+        out += [(line, PLAIN) for line in _wrap("  totals from the logs: ", totals, "    ")]
     return out
 
 
@@ -181,6 +179,19 @@ def _table(indent: str, header: Sequence[str], rows: Sequence[Sequence[str]],
 
     flags = alert or [False] * len(rows)
     return [("", PLAIN), (fmt(header), HEADING)] + [(fmt(r), ALERT if a else PLAIN) for r, a in zip(rows, flags)]
+
+
+def _wrap(first: str, entries: Sequence[str], indent: str) -> List[str]:
+    """Entries joined by commas, a new line (indented) before one that would pass WIDTH;
+    an entry is never cut."""
+    lines = [first]
+    for i, entry in enumerate(entries):
+        entry += "," if i < len(entries) - 1 else ""
+        if lines[-1] != first and len(lines[-1]) + 1 + len(entry) > WIDTH:
+            lines.append(indent + entry)
+        else:
+            lines[-1] += ("" if lines[-1].endswith(" ") else " ") + entry
+    return lines
 
 
 def _bytes(n: Optional[float]) -> str:

@@ -235,7 +235,7 @@ def _daemon(m: Samples, name: str, snap: Snapshot) -> DaemonStatus:
         out.clients.append(ClientStatus(
             pid=int(labels["pid"]), server_pid=_int(labels["server_pid"]), uid=_int(labels["uid"]),
             user=labels["user"], command=labels["command"],
-            pid_namespace=labels.get("pid_namespace", labels.get("namespace", "")),  # "namespace" until issue 11 lands
+            pid_namespace=labels["pid_namespace"],
             container_id=labels["container_id"], pod_uid=labels["pod_uid"],
             memory_used_bytes=m.by_gpu("mps_client_memory_used_bytes", **c),
             pinned_memory_limit_bytes=m.by_gpu("mps_client_pinned_memory_limit_bytes", **c),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import tempfile
-from typing import Callable, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Tuple
 
 from mps_exporter.bundle import Bundle, load
 from mps_exporter.collector import MpsCollector
@@ -42,24 +42,33 @@ def replayed(tmp: str) -> Iterator[Tuple[Bundle, Callable[[float], MpsCollector]
             reader.close()
 
 
+class Moments(NamedTuple):
+    """Seconds into the shipped session."""
+
+    queued: float  # a client waits behind another user's server (the middle of its wait)
+    fault: float  # the first reading where the daemon says a server is in FAULT
+    fatal: float  # the first where the logs have the fatal GPU error (may be a reading later)
+    priority: float  # the first where a client has set CUDA_MPS_CLIENT_PRIORITY
+    end: float  # the end of the recording: every event of the session in the logs
+
+
 @functools.lru_cache(maxsize=None)
-def moments() -> Tuple[float, float, float]:
-    """(a moment with a client queued behind another user's server, the first reading where
-    the daemon says a server is in FAULT, the first where the logs have its fatal GPU error).
-    The last two can differ: the server's log lines may arrive a reading after the status."""
+def moments() -> Moments:
     queued: List[float] = []
-    fault = fatal = None
+    found: Dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp, replayed(tmp) as (bundle, at):
         for scrape in bundle.scrapes:
             snap = at(scrape.t).snapshot()
             if any(p.reason == "user_switch" for log in snap.logs.values() for p in log.pending):
                 queued.append(scrape.t)
-            if fault is None and any(s.status == "FAULT" for d in snap.daemons for s in d.servers):
-                fault = scrape.t
-            if fatal is None and any(log.fatal_gpu_errors for log in snap.logs.values()):
-                fatal = scrape.t
-            if fault is not None and fatal is not None:
-                break
-    assert queued and fault is not None and fatal is not None and queued[0] < fault, \
-        "the shipped session must queue a client, then have a fatal GPU error that puts its server in FAULT"
-    return queued[len(queued) // 2], fault, fatal  # the middle of the wait: some seconds so far
+            clients = {c.pid for d in snap.daemons for c in d.clients}
+            for name, seen in (("fault", any(s.status == "FAULT" for d in snap.daemons for s in d.servers)),
+                               ("fatal", any(log.fatal_gpu_errors for log in snap.logs.values())),
+                               ("priority", any(snap.processes[pid].env_client_priority is not None
+                                                for pid in clients if pid in snap.processes))):
+                if seen:
+                    found.setdefault(name, scrape.t)
+        assert queued and len(found) == 3 and queued[0] < found["fault"], (
+            "the shipped session must queue a client, have a fatal GPU error that puts its server in FAULT "
+            f"and a client with a priority; found {found}")
+        return Moments(queued[len(queued) // 2], found["fault"], found["fatal"], found["priority"], bundle.duration)
