@@ -295,6 +295,20 @@ def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
     assert st["gpus"] == [] and st["daemons"][0]["up"] is False
 
 
+def test_a_hung_source_shows_as_failed_after_a_scrape_s_wait(tmp_path):
+    # A control program that never answers (as a wedged daemon): status waits as long as a
+    # scrape would (--scrape.max-duration's default, 5 s), then prints what it has.
+    hung = tmp_path / "nvidia-cuda-mps-control"
+    hung.write_text("#!/bin/sh\nexec sleep 8\n")
+    hung.chmod(0o755)
+    res = status("--mps.control-binary", str(hung), "--mps.command-timeout", "10", "--no-collector.logs",
+                 "--path.procfs", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"^! control failed: no answer within 5 s$", res.stdout, re.M), res.stdout
+    assert "sources: control FAILED, nvml FAILED, proc ok" in res.stdout
+    assert "MPS daemon default: unknown (its control source did not answer)" in res.stdout
+
+
 # ---------------------------------------------------------------- flags
 @pytest.mark.parametrize("args, message", [
     (["--at", "3"], "--at needs --bundle"),

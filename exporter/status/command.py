@@ -5,7 +5,8 @@ as `serve`, and the view is read off the same rendered families (view.py). Like
 the exporter it only reads: the control daemon gets the same read-only commands,
 and the log pipelines run without the state file (a running exporter's is left alone).
 
-- live: the sources from the flags; the MPS logs read from their beginning, as `dump` does;
+- live: the sources from the flags, waited for as long as a scrape waits (5 s); the MPS
+  logs read from their beginning, as `dump` does;
 - `--bundle FILE [--at SECONDS]`: the replay machinery at that moment of the recording
   (its log chunks up to then, each source's last reading before then);
 - `--watch [SECONDS]`: the same collection again every SECONDS, in place (watch.py);
@@ -43,7 +44,8 @@ def _live(cfg: Config, backends: Optional[Backends]) -> Iterator[Callable[[], vi
     def collect() -> view.NodeStatus:
         for reader in readers.values():
             reader.catch_up()  # the logs: from the files' beginning, then what they grew by
-        return view.build(collector.snapshot(), origin)
+        # As long as a scrape would wait: a hung source shows as failed, the rest still prints.
+        return view.build(collector.snapshot(collector.budget(None)), origin, [d.name for d in cfg.daemons])
 
     try:
         yield collect
@@ -73,7 +75,8 @@ def _recorded(cfg: Config) -> Iterator[Callable[[], view.NodeStatus]]:
                 reader.catch_up()
             snap = collector.snapshot()
             _, t = player.position()
-            return view.build(snap, f"bundle {name} at {min(t, bundle.duration):.1f} s of {bundle.duration:.1f} s")
+            return view.build(snap, f"bundle {name} at {min(t, bundle.duration):.1f} s of {bundle.duration:.1f} s",
+                              [d.name for d in play_cfg.daemons])
 
         try:
             yield collect

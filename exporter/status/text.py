@@ -83,7 +83,7 @@ def _gpu_facts(g: GpuStatus) -> Tuple[List[str], List[str]]:
 
 # ---------------------------------------------------------------- daemons
 def _daemon(d: DaemonStatus, now: float) -> List[Line]:
-    state = "up" if d.up else "DOWN"
+    state = {True: "up", False: "DOWN", None: "unknown (its control source did not answer)"}[d.up]
     head = f"MPS daemon {d.name}: {state}" + (f" | version {d.version}" if d.version else "")
     if d.default_active_thread_ratio is None:  # the daemon did not answer: no telling what is set
         defaults = ["unknown"]

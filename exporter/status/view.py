@@ -120,7 +120,7 @@ class Counter:
 @dataclass
 class DaemonStatus:
     name: str
-    up: bool
+    up: Optional[bool]  # None: its control source did not answer in time (no reading at all)
     version: str = ""
     pipe_directory: str = ""
     log_directory: str = ""
@@ -172,17 +172,24 @@ def _number(v: float) -> float:
     return int(v) if float(v).is_integer() else v
 
 
+def _bool(v: Optional[float]) -> Optional[bool]:
+    return None if v is None else bool(v)
+
+
 def _int(text: Optional[str]) -> Optional[int]:
     return int(text) if text else None
 
 
 # ---------------------------------------------------------------- the view
-def build(snap: Snapshot, origin: str) -> NodeStatus:
-    """The view of one collection: its samples, as /metrics would publish them, plus the log state."""
+def build(snap: Snapshot, origin: str, daemons: Sequence[str] = ()) -> NodeStatus:
+    """The view of one collection: its samples, as /metrics would publish them, plus the log state.
+    `daemons`: the configured names, listed even where no source said anything of them."""
     m = Samples(render(snap).families())
     sources = [SourceStatus(name, o.success, o.error) for name, o in sorted(snap.outcomes.items())]
+    names = [labels["daemon"] for labels, _ in m.rows("mps_control_daemon_up")]
+    names += [n for n in [*snap.logs, *daemons] if n not in names]
     return NodeStatus(time=snap.now, origin=origin, sources=sources, gpus=_gpus(m),
-                      daemons=[_daemon(m, labels["daemon"], snap) for labels, _ in m.rows("mps_control_daemon_up")])
+                      daemons=[_daemon(m, name, snap) for name in dict.fromkeys(names)])
 
 
 def _gpus(m: Samples) -> List[GpuStatus]:
@@ -213,7 +220,7 @@ def _daemon(m: Samples, name: str, snap: Snapshot) -> DaemonStatus:
     d = {"daemon": name}
     info = next((lab for lab, _ in m.rows("mps_control_daemon_info", **d)), {})
     out = DaemonStatus(
-        name=name, up=bool(m.value("mps_control_daemon_up", **d)), version=info.get("version", ""),
+        name=name, up=_bool(m.value("mps_control_daemon_up", **d)), version=info.get("version", ""),
         pipe_directory=info.get("pipe_directory", ""), log_directory=info.get("log_directory", ""),
         default_active_thread_ratio=m.value("mps_default_active_thread_ratio", **d),
         default_pinned_memory_limit_bytes=m.by_gpu("mps_default_pinned_memory_limit_bytes", **d),
