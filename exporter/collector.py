@@ -133,10 +133,8 @@ class _Collection(ReadContext):
 class _SourceRun:
     """One source's reads: at most one outstanding; its last complete reading."""
 
-    def __init__(self, name: str, source: Source[Any], reader: Reader[Any],
-                 on_done: Callable[[str, _Result], None]) -> None:
+    def __init__(self, name: str, source: Source[Any], reader: Reader[Any]) -> None:
         self.name, self.source, self.reader = name, source, reader
-        self._on_done = on_done
         self._lock = threading.Lock()
         self._inflight: Optional[Future[_Result]] = None
         self.last: Optional[_Result] = None  # the last successful read
@@ -166,7 +164,6 @@ class _SourceRun:
             self.durations.observe(result.duration_seconds)
         if result.ok:
             self.last = result
-        self._on_done(self.name, result)
         future.set_result(result)
 
 
@@ -185,7 +182,7 @@ class MpsCollector(Collector):
         self.max_seconds = max_seconds
         self.timeout_offset = timeout_offset
         self.serve_last = serve_last
-        self._runs = {name: _SourceRun(name, SOURCES[name], reader, self._done) for name, reader in readers.items()}
+        self._runs = {name: _SourceRun(name, SOURCES[name], reader) for name, reader in readers.items()}
         self._devices: Optional[List[int]] = None
         self._failing: Dict[str, str] = {}
         self._failing_lock = threading.Lock()
@@ -232,6 +229,10 @@ class MpsCollector(Collector):
                 waited = time.perf_counter() - started
                 snap.outcomes[name] = Outcome(False, waited, run.last.taken_at if run.last else None, error)
             else:
+                if result.ok:
+                    self._note_recovery(name)
+                else:
+                    self._note_failure(name, result.error)
                 served = result if result.reading is not None else None
                 last = result.taken_at if result.ok else (run.last.taken_at if run.last else None)
                 snap.outcomes[name] = Outcome(result.ok, result.duration_seconds, last, result.error or None)
@@ -243,20 +244,18 @@ class MpsCollector(Collector):
             self._devices = [g.index for g in snap.nvml.gpus]
         return snap
 
-    def _done(self, name: str, result: _Result) -> None:
-        if not result.ok:
-            self._note_failure(name, result.error)
-            return
-        with self._failing_lock:
-            if self._failing.pop(name, None) is not None:
-                log.info("collector %s recovered", name)
-
+    # Logged as collections see them (not as reads end: a late read that ends well
+    # after its scrape is no recovery), when a failure starts or changes.
     def _note_failure(self, name: str, message: str) -> None:
-        # Log a failure when it starts or changes, not on every scrape.
         with self._failing_lock:
             if self._failing.get(name) != message:
                 log.warning("collector %s failed: %s", name, message)
                 self._failing[name] = message
+
+    def _note_recovery(self, name: str) -> None:
+        with self._failing_lock:
+            if self._failing.pop(name, None) is not None:
+                log.info("collector %s recovered", name)
 
 
 def build_registry(collector: MpsCollector, process: bool = True) -> CollectorRegistry:

@@ -183,3 +183,20 @@ def test_build_collector_bounds_serve_but_not_dump(tmp_path):
     assert build_collector(cfg, {}).max_seconds == 2.0
     assert build_collector(cfg, {}, bounded=False).max_seconds is None
     assert build_collector(Config(scrape_max_seconds=0), {}).max_seconds is None
+
+
+def test_a_late_read_that_ends_after_its_scrape_logs_no_recovery(gated, caplog):
+    collector, gate, _ = gated
+    text_of(collector)
+    gate.close()
+    with caplog.at_level("INFO", logger="mps_exporter.collector"):
+        text_of(collector)
+        gate.open()
+        [t.join(10) for t in threading.enumerate() if t.name == "mps-read-nvml"]
+        gate.close()
+        text_of(collector)  # late again: the same failure, not logged again
+        gate.open()
+        [t.join(10) for t in threading.enumerate() if t.name == "mps-read-nvml"]
+        text_of(collector)  # in time: recovered
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["collector nvml failed: no answer within 0.3 s", "collector nvml recovered"], messages
