@@ -125,3 +125,16 @@ def test_replay_serves_the_shipped_session_and_its_counters_go_on(installed):
     assert proc.returncode == 0, err
     listening = [line for line in err.splitlines() if "listening on" in line]
     assert len(listening) == 1 and f"127.0.0.1:{port}" in listening[0], err
+
+
+def test_status_reads_the_shipped_session_as_readme_shows(installed):
+    # README's bundle command, on the session inside the installed package: the wheel ships
+    # the status package, and its first sample is what it prints.
+    readme_command("mps-exporter status --bundle FILE --at ")
+    bundle_name, at = re.search(r"`mps-exporter status --bundle exporter/data/(\S+) --at ([\d.]+)`", README).groups()
+    env, _, work = installed
+    bundle = Path(env["PYTHONPATH"]) / "mps_exporter" / "data" / bundle_name
+    res = run(installed, "status", "--bundle", str(bundle), "--at", at)
+    assert res.returncode == 0, res.stderr
+    sample = README.split("## On the node: `mps-exporter status`\n", 1)[1].split("```\n", 2)[1]
+    assert res.stdout == sample
