@@ -391,3 +391,21 @@ def test_a_gpu_that_stays_down_is_warned_about_once(caplog):
         source.read()
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == ["NVML error on GPU 1: GPU is lost"] * 2  # down, up again, down again
+
+
+def test_gpus_are_read_side_by_side():
+    """Each GPU's memory call waits until every GPU's has begun: read one after
+    another, the first would wait for ever (the barrier breaks after 10 s)."""
+    import threading
+
+    nvml = FakeNvml.synthetic(gpus=3, clients_per_gpu=1)
+    barrier = threading.Barrier(3, timeout=10)
+
+    def latency(fn: str, gpu: int) -> float:
+        if fn == "nvmlDeviceGetMemoryInfo":
+            barrier.wait()
+        return 0.0
+
+    nvml.latency_of = latency
+    reading = NvmlSource(nvml).read()
+    assert [g.index for g in reading.gpus] == [0, 1, 2] and all(g.up for g in reading.gpus)
