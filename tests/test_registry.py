@@ -43,7 +43,7 @@ class ExampleSource(Source[Dict[str, float]]):
         return Reader(read)
 
     def render(self, out: FamilyBuilder, snap: Snapshot) -> None:
-        for fan, rpm in sorted(snap.extra.get(self.name, {}).items()):  # type: ignore[attr-defined]
+        for fan, rpm in sorted((self.reading(snap) or {}).items()):
             out.add("mps_example_fan_rpm", rpm, fan=fan)
 
 

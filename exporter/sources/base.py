@@ -16,7 +16,7 @@ the registry: adding a source is one module here plus its tests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Generic, List, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, ClassVar, Generic, List, Optional, Sequence, TypeVar, Union, cast
 
 from ..codec import RecordedFailure, encode, recorded
 from ..config import Config
@@ -90,7 +90,11 @@ class Source(Generic[R]):
         snap.extra[self.name] = reading
 
     def render(self, out: FamilyBuilder, snap: Snapshot) -> None:
-        """Families of this source alone, from `snap.extra[self.name]` (render.py calls it)."""
+        """Families of this source alone, from `self.reading(snap)` (render.py calls it)."""
+
+    def reading(self, snap: Snapshot) -> Optional[R]:
+        """What `store` put into the snapshot by default (None: no reading)."""
+        return cast(Optional[R], snap.extra.get(self.name))
 
     # ---------------------------------------------------------- bundles
     def record(self, reading: R) -> Any:
