@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=3900, help="seconds (default 65 min)")
     ap.add_argument("--warmup", type=float, default=600, help="seconds left out of the slopes (default 10 min)")
     ap.add_argument("--rate", type=int, default=200, help="log lines per second (default 200)")
+    ap.add_argument("--long-share", type=float, default=None, help="share of lines over the 64 KiB cap "
+                    "(default: bench/hostile.py's, about 0.4 %%)")
     ap.add_argument("--sample-every", type=float, default=10)
     ap.add_argument("--rotate-every", type=float, default=300)
     ap.add_argument("--vanish-every", type=float, default=900)
@@ -55,7 +57,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="mps-soak-"))
     logs = work / "mps-log"
     logs.mkdir()
-    writer = Writer(logs, seed=7)
+    writer = Writer(logs, seed=7) if args.long_share is None else Writer(logs, seed=7, long_share=args.long_share)
     exporter = Exporter(logs, work / "exporter.log", ["--mps.state-file", str(work / "state.json")])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
