@@ -10,11 +10,9 @@ and everything recovers by itself when a readable file comes back.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,6 +32,11 @@ from mps_exporter.logs.follower import (
 from tests.support.prometheus import free_port, stop_process
 
 EXE = [sys.executable, "-m", "mps_exporter.cli"]
+# Root reads every file whatever its mode. To meet a permission error for real, root runs the
+# exporter without the two capabilities that bypass file modes; it stays root, so it can still
+# read the checkout and the venv wherever they are (a clone in a 0700 directory included).
+WITHOUT_DAC_BYPASS = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                      "--bounding-set=-dac_override,-dac_read_search", "--"]
 # No GPU, no control daemon here: only the logs collector is under test.
 ONLY_LOGS = ["--no-collector.nvml", "--no-collector.dcgm", "--no-collector.control", "--no-collector.proc",
              "--mps.log-timezone", "UTC"]
@@ -245,8 +248,8 @@ def test_a_line_whose_handling_raises_costs_only_that_line(tmp_path):
 # ------------------------------------------------------------ the program
 def dump(directory: str, user: bool = False) -> subprocess.CompletedProcess:
     cmd = EXE + ["dump", "--mps.log-directory", directory] + ONLY_LOGS
-    if user and os.geteuid() == 0:  # root reads everything: be another user for real
-        cmd = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"] + cmd
+    if user and os.geteuid() == 0:
+        cmd = WITHOUT_DAC_BYPASS + cmd
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/")
 
 
@@ -273,21 +276,16 @@ def test_dump_of_a_file_as_directory(tmp_path):
 
 
 @pytest.fixture
-def world_dir() -> Iterator[Path]:
-    """A directory another user can reach (pytest's tmp_path is root's alone)."""
-    d = Path(tempfile.mkdtemp(prefix="mps-read-errors-", dir="/tmp"))
-    d.chmod(0o755)
-    try:
-        yield d
-    finally:
-        for p in [d] + list(d.rglob("*")):
-            if not p.is_symlink():
-                p.chmod(0o755)
-        shutil.rmtree(d)
+def work_dir(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, with every mode put back afterwards so that it can be removed."""
+    yield tmp_path
+    for p in [tmp_path] + list(tmp_path.rglob("*")):
+        if not p.is_symlink():
+            p.chmod(0o755)
 
 
-def test_dump_of_an_unreadable_directory(world_dir):
-    logs = world_dir / "mps-log"
+def test_dump_of_an_unreadable_directory(work_dir):
+    logs = work_dir / "mps-log"
     logs.mkdir()
     (logs / "control.log").write_text(LINE + "\n")
     logs.chmod(0o000)
@@ -297,8 +295,8 @@ def test_dump_of_an_unreadable_directory(world_dir):
     assert 'reason="permission_denied"} 1.0' in res.stdout
 
 
-def test_dump_of_an_unreadable_file_reads_the_other(world_dir):
-    logs = world_dir / "mps-log"
+def test_dump_of_an_unreadable_file_reads_the_other(work_dir):
+    logs = work_dir / "mps-log"
     logs.mkdir()
     (logs / "control.log").write_text(LINE + "\n")
     (logs / "server.log").write_text(SERVER_LINE + "\n")
@@ -309,9 +307,9 @@ def test_dump_of_an_unreadable_file_reads_the_other(world_dir):
     assert 'mps_log_read_errors_total{daemon="default",file="control",reason="permission_denied"} 1.0' in res.stdout
 
 
-def test_dump_of_a_readable_directory_is_quiet(world_dir):
-    (world_dir / "control.log").write_text(LINE + "\n")
-    res = dump(str(world_dir), user=True)
+def test_dump_of_a_readable_directory_is_quiet(work_dir):
+    (work_dir / "control.log").write_text(LINE + "\n")
+    res = dump(str(work_dir), user=True)
     assert 'mps_exporter_collector_success{collector="logs"} 1.0' in res.stdout
     assert "level=warn" not in res.stderr, res.stderr
 
@@ -335,8 +333,8 @@ def wait_for_metrics(port: int, proc: subprocess.Popen, want: str, limit: float 
 
 
 @pytest.mark.parametrize("make", ["fifo", "device", "directory", "unreadable"])
-def test_serve_with_a_bad_control_log_reads_server_log_and_ends_on_sigterm(world_dir, make):
-    logs = world_dir / "mps-log"
+def test_serve_with_a_bad_control_log_reads_server_log_and_ends_on_sigterm(work_dir, make):
+    logs = work_dir / "mps-log"
     logs.mkdir()
     as_other_user: list = []
     if make == "fifo":
@@ -348,8 +346,8 @@ def test_serve_with_a_bad_control_log_reads_server_log_and_ends_on_sigterm(world
     else:
         (logs / "control.log").write_text(LINE + "\n")
         (logs / "control.log").chmod(0o000)
-        if os.geteuid() == 0:  # root reads everything: be another user for real
-            as_other_user = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+        if os.geteuid() == 0:
+            as_other_user = WITHOUT_DAC_BYPASS
     (logs / "server.log").write_text(SERVER_LINE + "\n")
     (logs / "server.log").chmod(0o666)
     reason = "permission_denied" if make == "unreadable" else "not_regular_file"
