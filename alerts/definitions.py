@@ -56,10 +56,14 @@ NODE = lbl(C.NODE_LABEL)
 VALUE = "{{ $value }}"
 # ", pod <namespace>/<pod>" where the alert has them (kube-state-metrics joined), else nothing.
 IN_POD = "{{ with $labels.pod }}, pod {{ $labels.namespace }}/{{ . }}{{ end }}"
-# The client, or (--mps.client-granularity server: no pid) a pod's clients together.
+# The client; or (--mps.client-granularity server) the fullest client of a server, marked
+# clients="fullest"; or (--mps.client-granularity pod) a pod's clients together.
 CLIENTS = ("{{ if $labels.pid }}MPS client {{ $labels.pid }} ({{ $labels.command }}, user {{ $labels.user }}"
-           + IN_POD + "){{ else }}The MPS clients of pod {{ with $labels.pod }}{{ $labels.namespace }}/{{ . }}"
+           + IN_POD + "){{ else if $labels.clients }}The fullest MPS client"
+           "{{ else }}The MPS clients of pod {{ with $labels.pod }}{{ $labels.namespace }}/{{ . }}"
            "{{ else }}UID {{ $labels.pod_uid }}{{ end }} (together){{ end }}")
+# --mps.client-granularity server: per server and GPU, the client nearest its limit.
+FULLEST_CLIENT = f'label_replace({job("mps_server_client_pinned_memory_usage_max_ratio")}, "clients", "fullest", "", "")'
 
 
 def with_server_user(expr: str) -> str:
@@ -154,7 +158,8 @@ ALERTS: Tuple[Alert, ...] = (
     # OOM -----------------------------------------------------------------
     Alert(
         "ClientNearMemoryLimit", "oom",
-        f"{CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}", C.CLIENT_MEMORY_FOR, "warning",
+        f"{CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}\nor\n{FULLEST_CLIENT} > {C.CLIENT_MEMORY_LIMIT_RATIO}",
+        C.CLIENT_MEMORY_FOR, "warning",
         "An MPS client is close to its pinned device memory limit.",
         f"{CLIENTS} of server {lbl('server_pid')} "
         f"on GPU {lbl('gpu')} of {NODE} uses {{{{ $value | humanizePercentage }}}} of its pinned device "

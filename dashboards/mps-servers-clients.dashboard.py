@@ -75,8 +75,8 @@ dashboard = build(
                    "or its server's, whichever is smaller).",
                    "percentunit", [target(f"{m('mps_client_active_thread_ratio')} {CLIENT_INFO_JOIN}",
                                           "{{instance}} pid {{pid}} {{command}} ({{user}})")], max_one=True),
-        table("Clients per server and pod (--mps.client-granularity server)",
-              "From exporters run with --mps.client-granularity server, which sum their clients per MPS server and "
+        table("Clients per server and pod (--mps.client-granularity pod)",
+              "From exporters run with --mps.client-granularity pod, which sum their clients per MPS server and "
               "pod instead of one series set per client: client count, device memory and pinned limits in force, "
               "per server, pod (empty: processes outside pods) and GPU.",
               [row_query(m("mps_pod_clients")),
@@ -84,6 +84,16 @@ dashboard = build(
                row_query(m("mps_pod_client_pinned_memory_limit_bytes"))],
               units={"Value #A": "none", "Value #B": "bytes", "Value #C": "bytes"},
               rename={"Value #A": "clients", "Value #B": "memory", "Value #C": "pinned limits"}, h=8),
+        table("Clients per server (--mps.client-granularity server)",
+              "From exporters run with --mps.client-granularity server, which sum their clients per MPS server: "
+              "device memory and pinned limits in force, summed per server and GPU, and the share of its limit "
+              "the fullest client uses (a sum would hide one client at its limit).",
+              [row_query(m("mps_server_client_memory_used_bytes")),
+               row_query(m("mps_server_client_pinned_memory_limit_bytes")),
+               row_query(m("mps_server_client_pinned_memory_usage_max_ratio"))],
+              units={"Value #A": "bytes", "Value #B": "bytes", "Value #C": "percentunit"},
+              rename={"Value #A": "memory", "Value #B": "pinned limits", "Value #C": "fullest client / its limit"},
+              h=8),
         row("Lifecycle"),
         timeseries("Client connections", "Client processes connecting and disconnecting, per second (MPS logs).",
                    "cps", [target(f"rate({m('mps_client_connections_total')}[$__rate_interval])",

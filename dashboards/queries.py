@@ -16,6 +16,7 @@ class Query(NamedTuple):
     panel: str
     ref_id: str
     expr: str
+    instant: bool = False  # Grafana runs it as an instant query (tables)
 
 
 def queries(json_dir: Path = JSON_DIR) -> Iterator[Query]:
@@ -23,7 +24,7 @@ def queries(json_dir: Path = JSON_DIR) -> Iterator[Query]:
         dash = json.loads(path.read_text())
         for panel in dash["panels"]:
             for t in panel.get("targets", []):
-                yield Query(path.stem, panel["title"], t["refId"], t["expr"])
+                yield Query(path.stem, panel["title"], t["refId"], t["expr"], bool(t.get("instant")))
 
 
 VARIABLES = ("job", "node", "gpu", "daemon", "namespace", "pod")

@@ -64,10 +64,12 @@ _GPU_METRICS = ("mps_gpu_info", "mps_gpu_up", "mps_gpu_memory_total_bytes", "mps
                 "mps_gpu_sm_occupancy_ratio", "mps_gpu_tensor_active_ratio", "mps_gpu_dram_active_ratio",
                 "mps_gpu_power_watts", "mps_gpu_temperature_celsius", "mps_gpu_sharing_mode",
                 "mps_gpu_compute_processes", "mps_process_sm_utilization_ratio")
-# --mps.client-granularity server: the clients summed per server and pod.
+# --mps.client-granularity pod and server: the clients summed per server and pod, or per server.
 _POD_METRICS = ("mps_pod_clients", "mps_pod_client_memory_used_bytes", "mps_pod_client_pinned_memory_limit_bytes")
+_SUM_METRICS = _POD_METRICS + ("mps_server_client_memory_used_bytes", "mps_server_client_pinned_memory_limit_bytes",
+                               "mps_server_client_pinned_memory_usage_max_ratio")
 _PER_GPU = ("mps_server_memory_used_bytes", "mps_server_sm_utilization_ratio", "mps_client_memory_used_bytes",
-            "mps_pod_client_memory_used_bytes")
+            "mps_pod_client_memory_used_bytes", "mps_server_client_memory_used_bytes")
 _DAEMON_METRICS = (
     "mps_control_daemon_up", "mps_control_daemon_info", "mps_default_active_thread_ratio",
     "mps_default_pinned_memory_limit_bytes", "mps_server_info", "mps_server_status", "mps_server_clients",
@@ -82,10 +84,10 @@ _DAEMON_METRICS = (
     "mps_server_start_failures_total",
     "mps_fatal_gpu_errors_total", "mps_control_commands_total", "mps_log_lines_total",
     "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total", "mps_log_read_errors_total",
-    "mps_log_last_line_timestamp_seconds") + _POD_METRICS
+    "mps_log_last_line_timestamp_seconds") + _SUM_METRICS
 _SERVER_METRICS = ("mps_server_info", "mps_server_status", "mps_server_clients", "mps_server_active_thread_ratio",
                    "mps_server_pinned_memory_limit_bytes", "mps_server_memory_used_bytes",
-                   "mps_server_sm_utilization_ratio", "mps_server_start_time_seconds", "mps_client_info") + _POD_METRICS
+                   "mps_server_sm_utilization_ratio", "mps_server_start_time_seconds", "mps_client_info") + _SUM_METRICS
 _CLIENT_METRICS = ("mps_client_info", "mps_client_memory_used_bytes", "mps_client_pinned_memory_limit_bytes",
                    "mps_client_active_thread_ratio", "mps_client_start_time_seconds", "mps_client_priority")
 _LOG_FILE_METRICS = ("mps_log_lines_total", "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total",
@@ -96,7 +98,9 @@ LABELS: Tuple[LabelBound, ...] = (
     LabelBound("gpu", _GPU_METRICS + _PER_GPU + ("mps_default_pinned_memory_limit_bytes",
                                                   "mps_server_pinned_memory_limit_bytes",
                                                   "mps_client_pinned_memory_limit_bytes",
-                                                  "mps_pod_client_pinned_memory_limit_bytes"),
+                                                  "mps_pod_client_pinned_memory_limit_bytes",
+                                                  "mps_server_client_pinned_memory_limit_bytes",
+                                                  "mps_server_client_pinned_memory_usage_max_ratio"),
                DEVICE, "NVML device index; pinned limits: the device ordinal MPS names",
                "the node's GPUs (log-only ordinals: those of running servers)"),
     LabelBound("uuid", _GPU_METRICS + _PER_GPU, DEVICE, "NVML", "one per GPU"),

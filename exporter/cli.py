@@ -127,8 +127,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _add_granularity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mps.client-granularity", dest="client_granularity", default="client",
                    choices=list(GRANULARITIES),
-                   help="client: series per MPS client process (pid label; the default); server: client memory, "
-                        "limits and counts summed per MPS server and pod, no pid label (docs/cardinality.md)")
+                   help="client: series per MPS client process (pid label; the default); pod: client memory, "
+                        "limits and counts summed per MPS server and pod, no pid label; server: client memory "
+                        "and limits summed per MPS server, no pid or pod (docs/cardinality.md)")
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:

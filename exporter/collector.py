@@ -176,9 +176,9 @@ class MpsCollector(Collector):
 
     def __init__(self, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
                  max_seconds: Optional[float] = None, timeout_offset: float = DEFAULT_TIMEOUT_OFFSET,
-                 serve_last: bool = True, clients_by_server: bool = False) -> None:
+                 serve_last: bool = True, granularity: str = "client") -> None:
         self.clock = clock
-        self.clients_by_server = clients_by_server  # --mps.client-granularity server
+        self.granularity = granularity  # --mps.client-granularity
         self.max_seconds = max_seconds
         self.timeout_offset = timeout_offset
         self.serve_last = serve_last
@@ -195,7 +195,7 @@ class MpsCollector(Collector):
         return self._collect_once()
 
     def _collect(self) -> List[Metric]:
-        return render(self.snapshot(self.budget(_scrape_timeout.get())), self.clients_by_server).families()
+        return render(self.snapshot(self.budget(_scrape_timeout.get())), self.granularity).families()
 
     def budget(self, scrape_timeout: Optional[float]) -> Optional[float]:
         """Seconds a collection may take: the scrape's timeout less the offset (half the

@@ -55,8 +55,9 @@ class ReplayOptions:
     loop: bool = False
 
 
-# --mps.client-granularity: per client process, or summed per server and pod.
-GRANULARITIES = ("client", "server")
+# --mps.client-granularity, finest first: per client process; summed per server and
+# pod; summed per server (docs/cardinality.md: series per node for each).
+GRANULARITIES = ("client", "pod", "server")
 
 
 @dataclass
@@ -78,7 +79,8 @@ class Config:
     scrape_timeout_offset: float = 0.5  # of Prometheus' scrape timeout, kept for encoding and sending
     textfile: Optional[str] = None  # dump: write here atomically instead of to stdout
     # --mps.client-granularity: "client", a series set per client process (pid label);
-    # "server", client memory, limits and counts summed per server and pod (no pid).
+    # "pod", client memory, limits and counts summed per server and pod (no pid);
+    # "server", client memory and limits summed per server (no pid, no pod).
     client_granularity: str = "client"
     # Collector name -> True, False or "auto" where a flag or replay set it; a
     # collector not named here has its source's default (sources/registry.py).

@@ -84,10 +84,16 @@ METRICS.update(_specs(
     ("mps_client_start_time_seconds", GAUGE, "daemon, pid", "Unix time the client connected."),
 ))
 METRICS.update(_specs(
-    "MPS clients summed per server and pod (--mps.client-granularity server)",
-    ("mps_pod_clients", GAUGE, "daemon, server_pid, pod_uid", "MPS client processes of the server in the pod (pod_uid empty: processes in no pod); replaces the per-client series with --mps.client-granularity server."),
+    "MPS clients summed per server and pod (--mps.client-granularity pod)",
+    ("mps_pod_clients", GAUGE, "daemon, server_pid, pod_uid", "MPS client processes of the server in the pod (pod_uid empty: processes in no pod); replaces the per-client series with --mps.client-granularity pod."),
     ("mps_pod_client_memory_used_bytes", GAUGE, "daemon, server_pid, pod_uid, gpu, uuid", "Device memory of the server's clients in the pod, summed."),
     ("mps_pod_client_pinned_memory_limit_bytes", GAUGE, "daemon, server_pid, pod_uid, gpu", "Pinned memory limits in force for the server's clients in the pod, summed (clients without a limit add nothing)."),
+))
+METRICS.update(_specs(
+    "MPS clients summed per server (--mps.client-granularity server)",
+    ("mps_server_client_memory_used_bytes", GAUGE, "daemon, server_pid, gpu, uuid", "Device memory of the server's clients, summed (server_pid empty: clients NVML lists that no server's `ps` row names); with mps_server_clients, replaces the per-client series with --mps.client-granularity server."),
+    ("mps_server_client_pinned_memory_limit_bytes", GAUGE, "daemon, server_pid, gpu", "Pinned memory limits in force for the server's clients, summed (clients without a limit add nothing)."),
+    ("mps_server_client_pinned_memory_usage_max_ratio", GAUGE, "daemon, server_pid, gpu", "The largest share of its pinned memory limit that one of the server's clients uses on the GPU (clients without a limit left out): what a sum would hide."),
 ))
 METRICS.update(_specs(
     "Queueing and contention",

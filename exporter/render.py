@@ -50,9 +50,10 @@ MPS_SERVER_COMMAND = "nvidia-cuda-mps"  # comm of nvidia-cuda-mps-server, cut to
 NO_PROCESS = ProcessFacts(0)
 
 
-def render(snap: Snapshot, clients_by_server: bool = False) -> FamilyBuilder:
-    """clients_by_server (--mps.client-granularity server): the clients' memory, limits
-    and counts summed per server and pod instead of series per client process."""
+def render(snap: Snapshot, granularity: str = "client") -> FamilyBuilder:
+    """granularity (--mps.client-granularity): "client", series per client process;
+    "pod", the clients' memory, limits and counts summed per server and pod; "server",
+    their memory and limits summed per server (config.GRANULARITIES)."""
     out = FamilyBuilder()
     render_self(out, snap.outcomes, snap.read_durations)
     gpus = snap.nvml.gpus if snap.nvml else []
@@ -67,10 +68,10 @@ def render(snap: Snapshot, clients_by_server: bool = False) -> FamilyBuilder:
         servers = render_servers(out, daemon, log_snap, snap.processes, joined)
         # NVML's MPS clients that no daemon listed belong to the only daemon there is.
         unlisted = [pid for pid in joined.mps_memory if pid not in listed] if len(snap.daemons) == 1 else []
-        if clients_by_server:
-            render_pods(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
-        else:
+        if granularity == "client":
             render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
+        else:
+            render_sums(out, daemon, servers, unlisted, log_snap, snap.processes, joined, by_pod=granularity == "pod")
     for name, log_snap in snap.logs.items():
         render_log_metrics(out, name, log_snap, snap.now)
     for source in SOURCES.values():  # what a source renders alone
@@ -268,34 +269,52 @@ def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[
         out.add("mps_client_start_time_seconds", log_starts.get(pid) or proc.start_time_seconds, **cp)
 
 
-def render_pods(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
-                log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
-    """The clients render_clients would show, summed per (server, pod): no pid label,
-    so short-lived clients add no series."""
+def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
+                log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin,
+                by_pod: bool) -> None:
+    """The clients render_clients would show, summed per server and (by_pod) pod: no pid
+    label, so short-lived clients add no series. Per server alone, the fullest client's
+    share of its limit is kept too: a sum over clients would hide one at its limit."""
     ps_rows = {c.pid: c for c in d.clients}
     default = Limits(d.default_active_thread_percentage, d.default_pinned_limits)
     counts: Dict[Tuple[str, str], int] = {}
     memory: Dict[Tuple[str, str, int], int] = {}  # (server, pod, gpu index) -> bytes
     limits: Dict[Tuple[str, str, int], int] = {}
+    fullest: Dict[Tuple[str, str, int], float] = {}  # largest memory / limit of one client
     for pid in sorted(set(ps_rows) | set(unlisted)):
         row = ps_rows.get(pid)
         proc = processes.get(pid) or ProcessFacts(pid)
-        key = ("" if row is None or row.server_pid is None else str(row.server_pid), proc.pod_uid)
+        key = ("" if row is None or row.server_pid is None else str(row.server_pid), proc.pod_uid if by_pod else "")
         counts[key] = counts.get(key, 0) + 1
         used, client_gpus, own = _client_in_force(pid, row, proc, server_limits, default, joined, log_snap)
-        for gpu, n in used:
-            if n is not None:
-                memory[key + (gpu.index,)] = memory.get(key + (gpu.index,), 0) + n
         for gpu in client_gpus:
             limit = own.pinned_bytes.get(gpu.index)
             if limit is not None:
                 limits[key + (gpu.index,)] = limits.get(key + (gpu.index,), 0) + limit
-    for (server_pid, pod_uid), count in sorted(counts.items()):
-        out.add("mps_pod_clients", count, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid)
+        for gpu, n in used:
+            if n is None:
+                continue
+            memory[key + (gpu.index,)] = memory.get(key + (gpu.index,), 0) + n
+            limit = own.pinned_bytes.get(gpu.index)
+            if limit:
+                fullest[key + (gpu.index,)] = max(fullest.get(key + (gpu.index,), 0.0), n / limit)
     uuids = {gpu.index: gpu.uuid for gpu in joined.gpus}
-    for (server_pid, pod_uid, index), total in sorted(memory.items()):
-        out.add("mps_pod_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid,
-                gpu=str(index), uuid=uuids[index])
-    for (server_pid, pod_uid, index), limit_sum in sorted(limits.items()):
-        out.add("mps_pod_client_pinned_memory_limit_bytes", limit_sum, daemon=d.name, server_pid=server_pid,
-                pod_uid=pod_uid, gpu=str(index))
+    if by_pod:
+        for (server_pid, pod_uid), count in sorted(counts.items()):
+            out.add("mps_pod_clients", count, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid)
+        for (server_pid, pod_uid, index), total in sorted(memory.items()):
+            out.add("mps_pod_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid,
+                    pod_uid=pod_uid, gpu=str(index), uuid=uuids[index])
+        for (server_pid, pod_uid, index), limit_sum in sorted(limits.items()):
+            out.add("mps_pod_client_pinned_memory_limit_bytes", limit_sum, daemon=d.name, server_pid=server_pid,
+                    pod_uid=pod_uid, gpu=str(index))
+        return
+    for (server_pid, _, index), total in sorted(memory.items()):
+        out.add("mps_server_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid, gpu=str(index),
+                uuid=uuids[index])
+    for (server_pid, _, index), limit_sum in sorted(limits.items()):
+        out.add("mps_server_client_pinned_memory_limit_bytes", limit_sum, daemon=d.name, server_pid=server_pid,
+                gpu=str(index))
+    for (server_pid, _, index), ratio in sorted(fullest.items()):
+        out.add("mps_server_client_pinned_memory_usage_max_ratio", ratio, daemon=d.name, server_pid=server_pid,
+                gpu=str(index))

@@ -40,7 +40,7 @@ def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]], clock: Call
     (serve); else every source is waited for (dump, capture)."""
     max_seconds = cfg.scrape_max_seconds or None if bounded else None
     return MpsCollector(readers, clock=clock, max_seconds=max_seconds, timeout_offset=cfg.scrape_timeout_offset,
-                        clients_by_server=cfg.client_granularity == "server")
+                        granularity=cfg.client_granularity)
 
 
 def stop_on_signals(stop: threading.Event) -> None:

@@ -180,7 +180,7 @@ BAD_VALUES = {
     "--scrape.max-duration": ["abc", "-1"],
     "--scrape.timeout-offset": ["abc", "-0.5"],
     "--textfile": ["", "/"],
-    "--mps.client-granularity": ["pod", ""],
+    "--mps.client-granularity": ["pid", "node", ""],
     "--out": ["", "/nonexistent/dir/x.jsonl.gz"],
     "--duration": ["abc", "0"],
     "--interval": ["abc", "-1"],

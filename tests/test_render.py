@@ -204,29 +204,60 @@ def _samples(tmp_path, mode, **kw):
     return [s for family in scen.collector().collect() for s in family.samples], scen
 
 
-def test_server_granularity_sums_clients_per_server_and_pod(tmp_path):
+def _total(samples, name):
+    return sum(s.value for s in samples if s.name == name)
+
+
+def test_pod_granularity_sums_clients_per_server_and_pod(tmp_path):
     """8 GPUs x 48 clients, each in its own pod but the last: no pid label, and the same
     memory, limits and client count in sums (one series per pod and GPU)."""
     client, scen = _samples(tmp_path, "client", gpus=8, clients_per_gpu=48, clients_per_pod=1)
-    server, _ = _samples(tmp_path, "server", gpus=8, clients_per_gpu=48, clients_per_pod=1)
-    assert not any("pid" in s.labels for s in server)
-    assert not any(s.name.startswith("mps_client_") and not s.name.startswith("mps_client_queue") for s in server)
-
-    def total(samples, name):
-        return sum(s.value for s in samples if s.name == name)
-
-    assert total(server, "mps_pod_clients") == 8 * 48 == sum(1 for s in client if s.name == "mps_client_info")
-    assert total(server, "mps_pod_client_memory_used_bytes") == total(client, "mps_client_memory_used_bytes") > 0
-    assert total(server, "mps_pod_client_pinned_memory_limit_bytes") == \
-        total(client, "mps_client_pinned_memory_limit_bytes") > 0
+    pod, _ = _samples(tmp_path, "pod", gpus=8, clients_per_gpu=48, clients_per_pod=1)
+    assert not any("pid" in s.labels for s in pod)
+    assert not any(s.name.startswith("mps_client_") and not s.name.startswith("mps_client_queue") for s in pod)
+    assert _total(pod, "mps_pod_clients") == 8 * 48 == sum(1 for s in client if s.name == "mps_client_info")
+    assert _total(pod, "mps_pod_client_memory_used_bytes") == _total(client, "mps_client_memory_used_bytes") > 0
+    assert _total(pod, "mps_pod_client_pinned_memory_limit_bytes") == \
+        _total(client, "mps_client_pinned_memory_limit_bytes") > 0
     # One series per pod; the bare process is counted under pod_uid "".
-    pods = {s.labels["pod_uid"]: s.value for s in server if s.name == "mps_pod_clients"}
+    pods = {s.labels["pod_uid"]: s.value for s in pod if s.name == "mps_pod_clients"}
     assert len(pods) == 8 * 48 and pods[""] == 1 and set(pods) - {""} == {u for u, _ in scen.pods.values()}
+    assert not any(s.name.startswith("mps_server_client_") for s in pod)
 
 
-def test_server_granularity_cuts_a_node_of_bare_clients_by_4x(tmp_path):
-    """Issue 19: 8 GPUs x 48 clients outside pods (one MPS server): at least 4x fewer series."""
-    client, _ = _samples(tmp_path, "client", gpus=8, clients_per_gpu=48)
-    server, _ = _samples(tmp_path, "server", gpus=8, clients_per_gpu=48)
+def test_server_granularity_sums_clients_per_server(tmp_path):
+    """The same clients summed per server and GPU: no pid or pod label; the same memory and
+    limits in sums; the fullest client's memory / limit per server and GPU, as computed
+    from the per-client series."""
+    client, _ = _samples(tmp_path, "client", gpus=8, clients_per_gpu=48, clients_per_pod=1)
+    server, _ = _samples(tmp_path, "server", gpus=8, clients_per_gpu=48, clients_per_pod=1)
+    assert not any({"pid", "pod_uid"} & set(s.labels) for s in server)
+    assert not any(s.name.startswith(("mps_client_info", "mps_client_memory", "mps_pod_")) for s in server)
+    assert _total(server, "mps_server_client_memory_used_bytes") == _total(client, "mps_client_memory_used_bytes") > 0
+    assert _total(server, "mps_server_client_pinned_memory_limit_bytes") == \
+        _total(client, "mps_client_pinned_memory_limit_bytes") > 0
+    server_of = {s.labels["pid"]: s.labels["server_pid"] for s in client if s.name == "mps_client_info"}
+    limit = {(s.labels["pid"], s.labels["gpu"]): s.value for s in client
+             if s.name == "mps_client_pinned_memory_limit_bytes"}
+    expected = {}
+    for s in client:
+        if s.name == "mps_client_memory_used_bytes" and limit.get((s.labels["pid"], s.labels["gpu"])):
+            key = (server_of[s.labels["pid"]], s.labels["gpu"])
+            expected[key] = max(expected.get(key, 0.0), s.value / limit[(s.labels["pid"], s.labels["gpu"])])
+    fullest = {(s.labels["server_pid"], s.labels["gpu"]): s.value for s in server
+               if s.name == "mps_server_client_pinned_memory_usage_max_ratio"}
+    assert fullest == expected and len(fullest) == 8
+    # A sum hides what the max shows: the per-server ratio of sums is below the fullest client.
+    assert any(v > _total([s for s in server if s.labels.get("gpu") == g], "mps_server_client_memory_used_bytes")
+               / _total([s for s in server if s.labels.get("gpu") == g], "mps_server_client_pinned_memory_limit_bytes")
+               for (_, g), v in fullest.items())
+
+
+@pytest.mark.parametrize("clients_per_pod", [0, 1, 6])
+def test_server_granularity_cuts_an_8x48_node_by_4x(tmp_path, clients_per_pod):
+    """Issue 19: 8 GPUs x 48 clients, outside pods, one pod each, or six to a pod: at least
+    4x fewer series at --mps.client-granularity server, and the clients all counted."""
+    client, _ = _samples(tmp_path, "client", gpus=8, clients_per_gpu=48, clients_per_pod=clients_per_pod)
+    server, _ = _samples(tmp_path, "server", gpus=8, clients_per_gpu=48, clients_per_pod=clients_per_pod)
     assert len(client) >= 4 * len(server), (len(client), len(server))
-    assert sum(s.value for s in server if s.name == "mps_pod_clients") == 8 * 48
+    assert _total(server, "mps_server_clients") == 8 * 48

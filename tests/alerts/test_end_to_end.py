@@ -53,6 +53,7 @@ from tests.fakes.fake_pynvml import (
     FakeProcess,
 )
 from tests.support import scenarios
+from tests.support.fleet import SUMMED_METRICS
 from tests.support.prometheus import Target, free_port, running_prometheus, stop_process
 from tests.support.tools import require
 
@@ -314,10 +315,10 @@ def test_alerts_reach_the_receiver_and_dashboards_have_data(tmp_path):
 
             # Every dashboard query has data to show over the scenario: at least one
             # number (not NaN) in a range query from its start to now.
-            # (The Kubernetes dashboard needs kube-state-metrics, the per-pod sums an exporter
-            # with --mps.client-granularity server: test_kubernetes_fleet.py.)
+            # (The Kubernetes dashboard needs kube-state-metrics, the per-pod and per-server sums
+            # an exporter with --mps.client-granularity pod or server: test_kubernetes_fleet.py.)
             empty = [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries()
-                     if q.dashboard != "kubernetes" and "mps_pod_client" not in q.expr and not _has_numbers(prom.api("query_range", query=concrete(q.expr, rate_interval="10s"),
+                     if q.dashboard != "kubernetes" and not any(m.search(q.expr) for m in SUMMED_METRICS.values()) and not _has_numbers(prom.api("query_range", query=concrete(q.expr, rate_interval="10s"),
                                                   start=str(started), end=str(time.time()), step="1"))]
             assert empty == []
     finally:

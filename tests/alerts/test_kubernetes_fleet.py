@@ -7,9 +7,9 @@ the project's rule file.
    cgroup gives them bare), the bare process none; per-pod sums add up; every query
    of the Kubernetes and fleet dashboards returns data.
 2. Fleet: several exporters on loopback ports, one of them with
-   --mps.client-granularity server; the fleet dashboard's queries answer for every one
-   of them; with one node selected the per-node dashboards show for each node what they
-   show for all, and the server-granularity node's per-pod sums.
+   --mps.client-granularity pod and one with server; the fleet dashboard's queries
+   answer for every one of them; with one node selected the per-node dashboards show
+   for each node what they show for all, and each summing node its own sums.
 Rule groups' own intervals are cut to 1 s in a copy of the rule file.
 """
 
@@ -25,7 +25,7 @@ from alerts import generate
 from alerts import recordings as R
 from dashboards.queries import concrete, queries
 from tests.support import scenarios
-from tests.support.fleet import Pod, kube_state_metrics, record_bundle, running_replays, serving_text
+from tests.support.fleet import SUMMED_METRICS, Pod, kube_state_metrics, record_bundle, running_replays, serving_text
 from tests.support.prometheus import Prometheus, Target, running_prometheus
 
 pytestmark = pytest.mark.slow
@@ -100,10 +100,12 @@ def test_fleet_dashboard_answers_for_every_exporter(tmp_path):
     scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=2, clients_per_pod=1)
     bundle = record_bundle(tmp_path, scen)
     with running_replays([bundle] * 4, tmp_path) as addresses, \
-            running_replays([bundle], tmp_path, flags=["--mps.client-granularity=server"]) as (summed,), \
-            running_prometheus(tmp_path, [Target(a, job="mps-exporter") for a in addresses + [summed]],
+            running_replays([bundle], tmp_path, flags=["--mps.client-granularity=pod"]) as (per_pod,), \
+            running_replays([bundle], tmp_path, flags=["--mps.client-granularity=server"]) as (per_server,), \
+            running_prometheus(tmp_path, [Target(a, job="mps-exporter") for a in addresses + [per_pod, per_server]],
                                rule_files=[_rules(tmp_path)]) as prom:
-        everyone = set(addresses) | {summed}
+        summing = {"pod": per_pod, "server": per_server}
+        everyone = set(addresses) | set(summing.values())
         prom.wait_for_target_up()
         started = time.time()
         # Every per-node record the fleet dashboard reads has every exporter.
@@ -112,23 +114,30 @@ def test_fleet_dashboard_answers_for_every_exporter(tmp_path):
             while {r["metric"]["instance"] for r in prom.query(record)} != everyone:
                 assert time.monotonic() < deadline, f"{record}: {prom.query(record)}"
                 time.sleep(0.5)
-        assert prom.wait_for(f"{R.EXPORTERS_UP} == 5") and prom.query(R.FLEET_QUEUED_NODES)[0]["value"][1] == "5"
-        assert float(prom.query(R.FLEET_CLIENTS)[0]["value"][1]) == 5 * 4
-        assert {r["metric"]["mode"]: r["value"][1] for r in prom.query(R.FLEET_MODES)} == {"mps": "10"}
-        # The summed node: no pid label anywhere, the same clients counted per server and pod.
-        assert prom.query(f'count({{instance="{summed}", pid!=""}})') == []
-        assert prom.query(f'sum(mps_pod_clients{{instance="{summed}"}})')[0]["value"][1] == "4"
+        assert prom.wait_for(f"{R.EXPORTERS_UP} == 6") and prom.query(R.FLEET_QUEUED_NODES)[0]["value"][1] == "6"
+        assert float(prom.query(R.FLEET_CLIENTS)[0]["value"][1]) == 6 * 4
+        assert {r["metric"]["mode"]: r["value"][1] for r in prom.query(R.FLEET_MODES)} == {"mps": "12"}
+        # The summing nodes: no pid label anywhere, the same clients counted per server and
+        # pod; per server, no pod either, and the same memory as the per-client node's.
+        for node in summing.values():
+            assert prom.query(f'count({{instance="{node}", pid!=""}})') == []
+        assert prom.query(f'sum(mps_pod_clients{{instance="{per_pod}"}})')[0]["value"][1] == "4"
+        assert prom.query(f'count({{instance="{per_server}", pod_uid!=""}})') == []
+        assert prom.query(f'sum(mps_server_client_memory_used_bytes{{instance="{per_server}"}})')[0]["value"][1] == \
+            prom.query(f'sum(mps_client_memory_used_bytes{{instance="{addresses[0]}"}})')[0]["value"][1]
         time.sleep(3)
         fleet = {"fleet"}
         per_node = {q.dashboard for q in queries()} - {"fleet", "kubernetes"}
         assert _empty_queries(prom, fleet, started) == []
         # The per-node dashboards open on one node: each node alone shows what all of them show.
         with_all = _empty_queries(prom, per_node, started)
-        # The per-pod sums come from the summed node alone; the client nodes show all the rest.
-        pod_sums = [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries()
-                    if q.dashboard in per_node and "mps_pod_client" in q.expr]
-        assert pod_sums and not set(pod_sums) & set(with_all)
+        # Each granularity's sums come from its node alone; the client nodes show all the rest.
+        sums = {mode: [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries()
+                       if q.dashboard in per_node and metric.search(q.expr)] for mode, metric in SUMMED_METRICS.items()}
+        every_sum = sums["pod"] + sums["server"]
+        assert sums["pod"] and sums["server"] and not set(every_sum) & set(with_all)
         for address in addresses:
             assert sorted(_empty_queries(prom, per_node, started, {"node": address})) == \
-                sorted(with_all + pod_sums), address
-        assert not set(pod_sums) & set(_empty_queries(prom, per_node, started, {"node": summed}))
+                sorted(with_all + every_sum), address
+        for mode, node in summing.items():
+            assert not set(sums[mode]) & set(_empty_queries(prom, per_node, started, {"node": node})), mode

@@ -35,9 +35,9 @@ COMPOSE_DIR = os.path.join(DEPLOY, "compose")
 SPEED = 3
 SCRAPE = "500ms"
 NEEDS_KUBE_STATE_METRICS = {"kubernetes"}  # tested by tests/alerts/test_kubernetes_fleet.py
-# Panels of the other client granularity (`--mps.client-granularity server`: mps_pod_*
-# series instead of per-client ones); the demo runs the default, per client.
-OTHER_GRANULARITY = "(--mps.client-granularity server)"
+# Panels of the other client granularities (`--mps.client-granularity pod` or `server`:
+# sums instead of per-client series); the demo runs the default, per client.
+OTHER_GRANULARITIES = ("(--mps.client-granularity pod)", "(--mps.client-granularity server)")
 RULES = os.path.join(ROOT, "alerts", "prometheus", "mps-exporter.rules.yml")
 
 
@@ -121,7 +121,7 @@ def test_demo_stack_scrapes_and_evaluates_the_rules(demo_exporter, tmp_path):
         played = load(shipped_bundle()).duration / SPEED
         time.sleep(max(0.0, started + played + 4 - time.time()))
         empty = [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries()
-                 if q.dashboard not in NEEDS_KUBE_STATE_METRICS and OTHER_GRANULARITY not in q.panel
+                 if q.dashboard not in NEEDS_KUBE_STATE_METRICS and not q.panel.endswith(OTHER_GRANULARITIES)
                  and not _has_numbers(prom.api(
                      "query_range", query=concrete(q.expr, rate_interval="10s"), start=str(started),
                      end=str(time.time()), step="1"))]

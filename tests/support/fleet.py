@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -29,6 +30,9 @@ from mps_exporter.capture import capture
 from mps_exporter.wiring import build_readers
 from tests.support.prometheus import free_port, stop_process
 from tests.support.scenarios import Scenario
+
+# What only an exporter at each summing --mps.client-granularity serves.
+SUMMED_METRICS = {"pod": re.compile(r"\bmps_pod_client"), "server": re.compile(r"\bmps_server_client_(memory|pinned)")}
 
 # A control daemon's log: a server for uid 1000 started, then a client of uid 2000
 # waits for it to drain: every replayed node has one client queued.
