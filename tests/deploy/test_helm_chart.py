@@ -281,6 +281,7 @@ def test_dashboards_become_sidecar_configmaps():
     ({"mps": {"daemons": [{"name": "x", "resource": "nvidia.com/gpu", "pipeDirectory": "/p"}]}}, "oneOf"),
     ({"image": {"repository": "r", "digest": "latest"}}, "digest"),
     ({"logLevel": "verbose"}, "logLevel"),
+    ({"clientGranularity": "pid"}, "clientGranularity"),
     ({"serviceMonitor": {"interval": "30 seconds"}}, "interval"),
     ({"colectors": {}}, "colectors"),
 ])
