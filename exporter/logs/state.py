@@ -240,9 +240,11 @@ class LogSnapshot:
     problems: Tuple[str, ...] = ()  # why a file cannot be read now (messages naming the path); () when fine
 
     def oldest_queued_wait(self, now: float) -> float:
-        if self.oldest_queued_since is None:
-            return 0.0
-        return max(0.0, now - self.oldest_queued_since)
+        """Age of the oldest pending client, among waits of 0 s to MAX_PLAUSIBLE_QUEUE_WAIT:
+        a push dated 1970 or next year (a corrupt line, a clock step) is no wait, and would
+        hold the gauge at decades for as long as that client stays pending."""
+        waits = (now - p.pushed_at for p in self.pending)
+        return max((w for w in waits if 0.0 <= w <= MAX_PLAUSIBLE_QUEUE_WAIT), default=0.0)
 
 
 class LogState:

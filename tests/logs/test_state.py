@@ -25,6 +25,22 @@ def srv(pid: int, *rows: str) -> list:
 START = ("00:00:00.000 Starting control daemon using socket /tmp/mps/control",)
 
 
+def test_oldest_wait_leaves_out_pushes_dated_1970_or_in_the_future():
+    """A corrupt push line (1970, or a day ahead) does not hold the oldest-wait gauge at
+    decades: the plausible waits decide it, and with none it is 0."""
+    log = ctl(*START,
+              "00:00:01.000 NEW CLIENT 10 from user 0: Server is not ready, push client to pending list")
+    log.insert(1, "[1970-01-01 00:00:01.000 Control   100] NEW CLIENT 11 from user 0: Server is not ready, "
+                  "push client to pending list")
+    log += ["[2026-11-22 00:00:02.000 Control   100] NEW CLIENT 12 from user 0: Server is not ready, "
+            "push client to pending list"]
+    snap = replay({"control": log}).snapshot()
+    assert snap.queued["server_starting"] == 3  # all three are pending: counted
+    assert snap.oldest_queued_wait(at("00:00:04.000")) == pytest.approx(3.0)  # client 10's wait only
+    only_corrupt = replay({"control": [log[0], log[1], log[-1]]}).snapshot()
+    assert only_corrupt.queued["server_starting"] == 2 and only_corrupt.oldest_queued_wait(at("00:00:04.000")) == 0
+
+
 def test_cold_start_queue_then_admission():
     log = ctl(*START,
               "00:00:01.000 NEW CLIENT 10 from user 0: Server is not ready, push client to pending list",
