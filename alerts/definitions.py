@@ -18,7 +18,6 @@ from .expressions import job, memory_fill_prediction, server_info_join
 from .recordings import (  # noqa: F401 (RECORDINGS, Recording: generate.py's and the tests' view of the rules)
     CLIENT_MEMORY_USAGE,
     DAEMON_UP_MAX,
-    GPU_CLIENTS,
     GPU_MEMORY_USAGE,
     QUEUE_WAIT_P95,
     RECORDINGS,
@@ -109,7 +108,7 @@ ALERTS: Tuple[Alert, ...] = (
     Alert(
         "GpuSaturatedShared", "contention",
         f"{job('mps_gpu_sm_active_ratio')} > {C.SATURATION_SM_ACTIVE_RATIO}\n"
-        f"and {GPU_CLIENTS} >= {C.SATURATION_MIN_CLIENTS}", C.SATURATION_FOR, "warning",
+        f"and {job('mps_gpu_clients')} >= {C.SATURATION_MIN_CLIENTS}", C.SATURATION_FOR, "warning",
         "A GPU shared by several MPS clients is saturated.",
         f"GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} has had {{{{ $value | humanizePercentage }}}} "
         f"of its SMs active for {C.SATURATION_FOR} while at least {C.SATURATION_MIN_CLIENTS} MPS clients "

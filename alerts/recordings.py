@@ -49,7 +49,6 @@ def bare_container_id(expr: str) -> str:
 
 # ------------------------------------------------------------------ names
 GPU_MEMORY_USAGE = "mps:gpu_memory_usage:ratio"
-GPU_CLIENTS = "mps:gpu_clients:count"
 CLIENT_MEMORY_USAGE = "mps:client_pinned_memory_usage:ratio"
 QUEUE_WAIT_P95 = "mps:client_queue_wait_seconds:p95"
 DAEMON_UP_MAX = f"instance_daemon:mps_control_daemon_up:max{C.DAEMON_SEEN_STEP}"
@@ -127,8 +126,6 @@ def _fleet_count(expr: str) -> str:
 RECORDINGS: Tuple[Recording, ...] = (
     # rules ---------------------------------------------------------------
     Recording(GPU_MEMORY_USAGE, gpu_memory_ratio(job), "share of each GPU's memory in use"),
-    Recording(GPU_CLIENTS, f"count without(daemon, pid) ({job('mps_client_memory_used_bytes')})",
-              "MPS clients holding memory on each GPU"),
     # heavy ---------------------------------------------------------------
     Recording(DAEMON_UP_MAX, f"max_over_time({job('mps_control_daemon_up')}[{C.DAEMON_SEEN_STEP}])",
               f"1 if the control daemon answered within the last {C.DAEMON_SEEN_STEP}: alerts range over this "

@@ -63,7 +63,7 @@ _GPU_METRICS = ("mps_gpu_info", "mps_gpu_up", "mps_gpu_memory_total_bytes", "mps
                 "mps_gpu_utilization_ratio", "mps_gpu_memory_utilization_ratio", "mps_gpu_sm_active_ratio",
                 "mps_gpu_sm_occupancy_ratio", "mps_gpu_tensor_active_ratio", "mps_gpu_dram_active_ratio",
                 "mps_gpu_power_watts", "mps_gpu_temperature_celsius", "mps_gpu_sharing_mode",
-                "mps_gpu_compute_processes", "mps_process_sm_utilization_ratio")
+                "mps_gpu_compute_processes", "mps_gpu_clients", "mps_process_sm_utilization_ratio")
 # --mps.client-granularity pod and server: the clients summed per server and pod, or per server.
 _POD_METRICS = ("mps_pod_clients", "mps_pod_client_memory_used_bytes", "mps_pod_client_pinned_memory_limit_bytes")
 _SUM_METRICS = _POD_METRICS + ("mps_server_client_memory_used_bytes", "mps_server_client_pinned_memory_limit_bytes",

@@ -54,6 +54,7 @@ METRICS.update(_specs(
     ("mps_gpu_temperature_celsius", GAUGE, GPU, "GPU core temperature."),
     ("mps_gpu_sharing_mode", GAUGE, "gpu, uuid, mode", "How the GPU is shared: mps, time_slicing, exclusive, mig or idle (value 1)."),
     ("mps_gpu_compute_processes", GAUGE, GPU, "Compute processes NVML lists on the GPU (MPS server and clients included)."),
+    ("mps_gpu_clients", GAUGE, GPU, "MPS client processes on the GPU (NVML's MPS process list), at every --mps.client-granularity."),
     ("mps_process_sm_utilization_ratio", GAUGE, "gpu, uuid, pid", "Per-process SM utilization on GPUs not under MPS (under MPS NVML attributes it all to the server)."),
 ))
 METRICS.update(_specs(

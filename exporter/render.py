@@ -126,6 +126,7 @@ def render_gpu(out: FamilyBuilder, gpu: GpuReading, driver: str, dcgm: DcgmReadi
     mode = sharing_mode(gpu, server_pids, processes)
     out.add("mps_gpu_sharing_mode", 1, **g, mode=mode)
     out.add("mps_gpu_compute_processes", len(gpu.compute_processes), **g)
+    out.add("mps_gpu_clients", len(gpu.mps_clients), **g)
     if mode != "mps":  # under MPS NVML gives all SM time to the server: no per-client number
         for pid, ratio in sm_utilization(gpu).items():
             out.add("mps_process_sm_utilization_ratio", ratio, **g, pid=str(pid))
