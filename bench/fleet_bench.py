@@ -156,6 +156,10 @@ def measure(n: int, tmp: Path, mode: str) -> dict:
         prom.wait_for_target_up(timeout=120)
         groups = wait_for_evaluations(prom, timeout=180)
 
+        def count(expr: str) -> float:
+            rows = prom.query(f"count({expr})")
+            return float(rows[0]["value"][1]) if rows else 0.0
+
         def per_node(expr: str) -> float:
             counts = [float(r["value"][1]) for r in prom.query(f"count by (instance) ({expr})")]
             return statistics.median(counts) if counts else 0.0
@@ -165,8 +169,11 @@ def measure(n: int, tmp: Path, mode: str) -> dict:
             "mode": mode,
             "series_per_node": per_node('{job="mps-exporter", __name__!~".+:.+"}'),
             "pid_series_per_node": per_node('{job="mps-exporter", pid!="", __name__!~".+:.+"}'),
-            "recorded_per_node": per_node('{__name__=~".+:.+", instance!=""}'),
-            "recorded_fleet": float(prom.query('count({__name__=~".+:.+", instance=""})')[0]["value"][1]),
+            # Records keyed by pod or container (kube-state-metrics' names) have no instance
+            # but grow with the nodes: per node, with the per-instance ones.
+            "recorded_per_node": per_node('{__name__=~".+:.+", instance!=""}') + count(
+                '{__name__=~".+:.+", instance="", pod_uid!=""} or {__name__=~".+:.+", instance="", container_id!=""}') / n,
+            "recorded_fleet": count('{__name__=~".+:.+", instance="", pod_uid="", container_id=""}'),
             "head_series": own_series(prom),
             "samples_per_scrape": statistics.median(
                 float(r["value"][1]) for r in prom.query('scrape_samples_scraped{job="mps-exporter"}')),
