@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 from . import config as C
 from .expressions import TARGET as T
-from .expressions import client_info_join, client_memory_ratio, gpu_memory_ratio, job, matchers
+from .expressions import CLIENT_INFO_LABELS, client_memory_ratio, gpu_memory_ratio, job, matchers
 from .expressions import queue_wait_quantile
 
 RULES, HEAVY, FLEET = "rules", "heavy", "fleet"
@@ -52,6 +52,8 @@ GPU_MEMORY_USAGE = "mps:gpu_memory_usage:ratio"
 CLIENT_MEMORY_USAGE = "mps:client_pinned_memory_usage:ratio"
 QUEUE_WAIT_P95 = "mps:client_queue_wait_seconds:p95"
 DAEMON_UP_MAX = f"instance_daemon:mps_control_daemon_up:max{C.DAEMON_SEEN_STEP}"
+KUBE_PODS = "pod_uid:mps_kube_pod_info:max"
+KUBE_CONTAINERS = "container_id:mps_kube_pod_container_info:max"
 CLIENT_KUBE = "namespace_pod_container:mps_client_info:kube"
 POD_MEMORY = "namespace_pod_gpu:mps_client_memory_used_bytes:sum"
 POD_LIMIT = "namespace_pod_gpu:mps_client_pinned_memory_limit_bytes:sum"
@@ -82,24 +84,21 @@ EXPORTERS_UP = "job:mps_exporters_up:sum"
 _client_ratio = client_memory_ratio(job)
 CLIENT_NAMES = "namespace, pod, container"
 
-# kube-state-metrics' rows for the pods that have MPS clients only (`and on(uid)` first:
-# the cluster may have many more pods than MPS clients), one per pod or container
-# (kube-state-metrics may run several replicas).
-def _kube_pods_of(series: str) -> str:
-    """kube_pod_info of the pods `series` (with a pod_uid label) names, by pod_uid."""
-    pods = f'label_replace({job(series, pod_uid="!=")}, "uid", "$1", "pod_uid", "(.+)")'
-    return (f'max by (pod_uid, namespace, pod) (label_replace(\n    {ksm("kube_pod_info")} and on(uid) {pods},\n'
-            f'    "pod_uid", "$1", "uid", "(.+)"))')
-
-
-_mps_pods = f'label_replace({job("mps_client_info", pod_uid="!=")}, "uid", "$1", "pod_uid", "(.+)")'
-_kube_pods = _kube_pods_of("mps_client_info")
-_mps_containers = f"{ksm('kube_pod_container_info', container_id='!=')} and on(uid) {_mps_pods}"
-_kube_containers = f"max by (container_id, namespace, pod, container) ({bare_container_id(_mps_containers)})"
+# kube-state-metrics' rows for the pods that have MPS clients only, recorded once per round
+# (KUBE_PODS, KUBE_CONTAINERS) for every rule that needs names: the cluster may have many
+# more pods than MPS clients, and each rule that read kube-state-metrics itself selected
+# all of them again. `max by`: kube-state-metrics may run several replicas.
+_mps_pod_uids = (f'label_replace(group by (pod_uid) ({job("mps_client_info", pod_uid="!=")} '
+                 f'or {job("mps_pod_clients", pod_uid="!=")}), "uid", "$1", "pod_uid", "(.+)")')
+_kube_pods = (f'max by (pod_uid, namespace, pod) (label_replace(\n  {ksm("kube_pod_info")} and on(uid) {_mps_pod_uids},\n'
+              f'  "pod_uid", "$1", "uid", "(.+)"))')
+_kube_containers = ("max by (container_id, namespace, pod, container) ("
+                    + bare_container_id(f"\n  {ksm('kube_pod_container_info', container_id='!=')} and on(uid) "
+                                        f"{_mps_pod_uids}") + ")")
 _bare_clients = bare_container_id(job("mps_client_info", pod_uid="!="))
 # MPS clients whose container kube-state-metrics knows; else whose pod it knows.
-_client_kube = (f"{_bare_clients}\n  * on(container_id) group_left(namespace, pod, container)\n  {_kube_containers}\n"
-                f"or on({T}, daemon, pid)\n  {_bare_clients}\n  * on(pod_uid) group_left(namespace, pod)\n  {_kube_pods}")
+_client_kube = (f"{_bare_clients}\n  * on(container_id) group_left(namespace, pod, container)\n  {KUBE_CONTAINERS}\n"
+                f"or on({T}, daemon, pid)\n  {_bare_clients}\n  * on(pod_uid) group_left(namespace, pod)\n  {KUBE_PODS}")
 
 
 def _per_pod(metric: str, by: str, summed: str = "") -> str:
@@ -109,7 +108,7 @@ def _per_pod(metric: str, by: str, summed: str = "") -> str:
             f"  * on({T}, daemon, pid) group_left(namespace, pod) {CLIENT_KUBE}\n)")
     if summed:
         expr += (f"\nor\nsum by ({T}, {by}) (\n  {job(summed, pod_uid='!=')}\n"
-                 f"  * on(pod_uid) group_left(namespace, pod) {_kube_pods_of(summed)}\n)")
+                 f"  * on(pod_uid) group_left(namespace, pod) {KUBE_PODS}\n)")
     return expr
 
 
@@ -134,6 +133,12 @@ RECORDINGS: Tuple[Recording, ...] = (
     Recording(QUEUE_WAIT_P95, queue_wait_quantile(job, 0.95, C.QUEUE_WAIT_WINDOW),
               f"p95 of the time clients waited on the pending list, over {C.QUEUE_WAIT_WINDOW}, by daemon and reason",
               HEAVY),
+    Recording(KUBE_PODS, _kube_pods,
+              "namespace and pod of each pod with MPS clients (or --mps.client-granularity pod sums), by pod UID, "
+              "from kube-state-metrics: the one rule that reads all of its pods", HEAVY),
+    Recording(KUBE_CONTAINERS, _kube_containers,
+              "namespace, pod and container of each container of those pods, by container id (runtime prefix "
+              "stripped), from kube-state-metrics: the one rule that reads all of its containers", HEAVY),
     Recording(
         CLIENT_KUBE, _client_kube,
         "each MPS client in a pod with its namespace, pod and container, from kube-state-metrics (pod UID and "
@@ -141,15 +146,15 @@ RECORDINGS: Tuple[Recording, ...] = (
     Recording(
         CLIENT_MEMORY_USAGE,
         f"(\n  {_client_ratio}\n)\n"
-        f"* on({T}, daemon, pid) group_left({CLIENT_NAMES}, server_pid, uid, user, command, container_id, pod_uid)\n"
-        f"  {CLIENT_KUBE}\n"
-        f"or on({T}, daemon, pid, gpu)\n  (\n  {_client_ratio}\n)\n{client_info_join(job)}\n"
+        f"* on({T}, daemon, pid) group_left({CLIENT_NAMES}, {CLIENT_INFO_LABELS})\n"
+        f"  ({CLIENT_KUBE} or on({T}, daemon, pid) {job('mps_client_info')})\n"
         f"or on({T}, daemon, pid, gpu)\n  {_client_ratio}\n"
-        f"or\n  (\n  {_pod_ratio}\n)\n  * on(pod_uid) group_left(namespace, pod) {_kube_pods_of('mps_pod_clients')}\n"
+        f"or\n  (\n  {_pod_ratio}\n)\n  * on(pod_uid) group_left(namespace, pod) {KUBE_PODS}\n"
         f"or on({T}, daemon, server_pid, pod_uid, gpu)\n  {_pod_ratio}",
         "each client's memory against its pinned limit, with its user and command, and its namespace, pod and "
         "container where kube-state-metrics knows them (kept without them when mps_client_info is missing); "
-        "from exporters with --mps.client-granularity server, per server, pod and GPU",
+        "from exporters with --mps.client-granularity pod, per server, pod and GPU (one join: the names come from "
+        "the kube record where it has the client, else from mps_client_info)",
         HEAVY),
     Recording(POD_MEMORY, _per_pod("mps_client_memory_used_bytes", "namespace, pod, gpu",
                                    "mps_pod_client_memory_used_bytes"),

@@ -26,7 +26,7 @@ from grafanalib.core import (
 
 from alerts import config as C
 from alerts.expressions import client_info_join, matchers, server_info_join
-from alerts.recordings import CLIENT_KUBE, RECORDINGS
+from alerts.recordings import KUBE_PODS, RECORDINGS
 from mps_exporter.contract import METRICS
 
 # Grafana's schema version of the JSON model these dashboards are written for
@@ -72,10 +72,11 @@ def node_variables() -> List[Template]:
 
 
 def kubernetes_variables() -> List[Template]:
-    """Namespace (the first one by default) and pod (All of it), from the recorded client names."""
+    """Namespace (the first one by default) and pod (All of it), from the recorded names of
+    the pods with MPS clients (per client, or summed per pod by the exporter)."""
     return [
-        _query_variable("namespace", "Namespace", f"label_values({CLIENT_KUBE}, namespace)", all_by_default=False),
-        _query_variable("pod", "Pod", f'label_values({CLIENT_KUBE}{{namespace=~"$namespace"}}, pod)'),
+        _query_variable("namespace", "Namespace", f"label_values({KUBE_PODS}, namespace)", all_by_default=False),
+        _query_variable("pod", "Pod", f'label_values({KUBE_PODS}{{namespace=~"$namespace"}}, pod)'),
     ]
 
 
