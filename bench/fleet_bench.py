@@ -61,7 +61,7 @@ EVALUATIONS = 3  # of every group, before measuring
 # Range queries read the last WINDOW seconds before scraping stopped: the same data per
 # series in every run (Grafana's default 3 h reads more samples per series, alike at any N).
 WINDOW, STEP = 75, "15s"
-REPEATS = 5
+REPEATS = 15
 
 
 def node_bundles(tmp: Path, count: int) -> Tuple[List[Path], List[Pod]]:
