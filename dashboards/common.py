@@ -89,6 +89,12 @@ def rec(record: str, **variables: str) -> str:
     return f"{record}{{{', '.join(parts)}}}" if parts else record
 
 
+def node_rec(record: str, *labels: str) -> str:
+    """A recorded series on a per-node dashboard: selected by the job and node
+    variables and by those of `labels` (gpu, daemon) the record keeps."""
+    return rec(record, job="job", **{C.NODE_LABEL: "node"}, **{label: VARIABLE_OF_LABEL[label] for label in labels})
+
+
 def m(name: str, suffix: str = "", **extra: str) -> str:
     """A selector for a contract metric with the dashboard variables that apply
     to its labels, e.g. m("mps_gpu_power_watts") ->

@@ -1,8 +1,9 @@
 """Memory and OOM risk: GPUs filling up, clients near their pinned limits."""
 
 from alerts import config as C
-from alerts.expressions import client_memory_ratio, gpu_memory_ratio, memory_fill_prediction
-from dashboards.common import CLIENT_INFO_JOIN, build, m, row, target, timeseries
+from alerts import recordings as R
+from alerts.expressions import gpu_memory_ratio, memory_fill_prediction
+from dashboards.common import CLIENT_INFO_JOIN, build, m, node_rec, row, target, timeseries
 
 GPU_LEGEND = "{{instance}} GPU {{gpu}}"
 CLIENT_LEGEND = "{{instance}} GPU {{gpu}} pid {{pid}} {{command}} ({{user}})"
@@ -23,13 +24,20 @@ dashboard = build(
                    "bytes", [target(memory_fill_prediction(m), "predicted " + GPU_LEGEND),
                              target(m("mps_gpu_memory_total_bytes"), "total " + GPU_LEGEND)]),
         row("Clients"),
+        # The record the MpsClientNearMemoryLimit alert reads: the panel shows what the alert
+        # sees, and a selection of one record, not a join of three series per client at
+        # query time (the slowest panel of the per-node dashboards before, issue 19).
         timeseries("Client memory against its limit",
                    "Each client's device memory over the pinned limit that applies to it; allocations beyond 100 % "
-                   "fail with out-of-memory.",
-                   "percentunit", [target(f"({client_memory_ratio(m)}) {CLIENT_INFO_JOIN}", CLIENT_LEGEND)],
+                   f"fail with out-of-memory. Recorded every {C.HEAVY_RULES_INTERVAL} by {R.CLIENT_MEMORY_USAGE}, "
+                   "the series the MpsClientNearMemoryLimit alert reads; from exporters with "
+                   "--mps.client-granularity pod, one line per server, pod and GPU.",
+                   "percentunit", [target(node_rec(R.CLIENT_MEMORY_USAGE, "gpu", "daemon"),
+                                          CLIENT_LEGEND + " {{namespace}} {{pod}}")],
                    max_one=True),
+        # topk before the join: the join then matches ten clients, not all of the node's.
         timeseries("Largest clients", "The ten MPS clients holding the most device memory.", "bytes",
-                   [target(f"topk(10, {m('mps_client_memory_used_bytes')} {CLIENT_INFO_JOIN})", CLIENT_LEGEND)]),
+                   [target(f"topk(10, {m('mps_client_memory_used_bytes')}) {CLIENT_INFO_JOIN}", CLIENT_LEGEND)]),
         timeseries("Server memory", "Device memory of the MPS server processes themselves.", "bytes",
                    [target(m("mps_server_memory_used_bytes"), "{{instance}} GPU {{gpu}} server {{server_pid}}")]),
         timeseries("Pinned memory limits",

@@ -190,6 +190,19 @@ def test_fleet_and_kubernetes_dashboards_read_recorded_series_only():
                     assert re.search(re.escape(n) + r'\{namespace=~"\$namespace", pod=~"\$pod"\}', q.expr), q
 
 
+def test_per_node_dashboards_select_recorded_series_by_node():
+    """A per-node dashboard that reads a record (the memory one reads the ratio the
+    MpsClientNearMemoryLimit alert reads) selects it by job and node like a raw
+    series: one node's panel never reads the fleet's records."""
+    recorded = [(q, name) for q in queries(ROOT / generate.JSON_DIR) if q.dashboard not in VARIABLES
+                for name in _recorded_names(q.expr)]
+    assert any(name == "mps:client_pinned_memory_usage:ratio" for _, name in recorded)
+    for q, name in recorded:
+        assert name in RECORDED and RECORDED[name].group != "fleet", q
+        selector = re.search(re.escape(name) + r"\{([^}]*)\}", q.expr)
+        assert selector and 'job=~"$job"' in selector.group(1) and 'instance=~"$node"' in selector.group(1), q
+
+
 def test_queries_use_contract_metrics_and_the_variables():
     for q in queries(ROOT / generate.JSON_DIR):
         for series, metric in _metric_names(q.expr):
