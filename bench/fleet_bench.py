@@ -13,7 +13,12 @@ node), waits until every rule group has been evaluated a few times, and measures
   no variables) as Grafana asks (tables: an instant query; graphs: a range query over
   the last WINDOW seconds, the same data in every run, at a 15 s step), the fastest of
   REPEATS, with scraping and rule evaluation stopped (reloaded without them; the data
-  stays), so that the time is the query's, not the machine's load;
+  stays), so that the time is the query's, not the machine's load. The `client` runs'
+  Prometheus servers stay up until all of them are measured, and each query is asked
+  of every run in turn, REPEATS rounds: a change in the machine's load between runs
+  (this machine is shared) then slows every run alike instead of skewing the ratio.
+  With --baseline-dashboards DIR, the dashboard JSON in DIR (an older version, say)
+  is timed in the same rounds, for a before/after in one report;
 - the same at `--mps.client-granularity pod` and `server` (--pod-nodes, --server-nodes),
   and one node's series in each mode with its clients outside pods, one pod each, or
   six to a pod.
@@ -24,7 +29,8 @@ so that a short run sees several evaluations; the time of one evaluation does no
 depend on the interval. Data spans only the run (minutes, not 3 h): query times are
 what that much data costs.
 
-    python3 bench/fleet_bench.py [--nodes 10 50 100] [--pod-nodes 10 100] [--server-nodes 10 100] [--out bench/results/fleet-....md]
+    python3 bench/fleet_bench.py [--nodes 10 50 100] [--pod-nodes 10 100] [--server-nodes 10 100]
+        [--baseline-dashboards DIR] [--out bench/results/fleet-....md]
 
 Prints a Markdown report (and writes it with --out); numbers, not a pass/fail.
 """
@@ -32,6 +38,7 @@ Prints a Markdown report (and writes it with --out); numbers, not a pass/fail.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import statistics
@@ -41,14 +48,14 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from alerts import generate  # noqa: E402
 from mps_exporter.config import GRANULARITIES  # noqa: E402
-from dashboards.queries import Query, concrete, queries  # noqa: E402
+from dashboards.queries import JSON_DIR, Query, concrete, queries  # noqa: E402
 from tests.support import scenarios  # noqa: E402
 from tests.support.fleet import Pod, kube_state_metrics, record_bundle, renamed_bundle, running_replays  # noqa: E402
 from tests.support.fleet import serving_text  # noqa: E402
@@ -97,21 +104,45 @@ def wait_for_evaluations(prom: Prometheus, timeout: float) -> Dict[str, List[flo
     return {name: [t for _, t in sorted(v.items())][1:] for name, v in seen.items()}
 
 
-def timed_query(prom: Prometheus, expr: str, instant: bool, end: float) -> float:
+def query_once(prom: Prometheus, expr: str, instant: bool, end: float) -> float:
     """As Grafana asks: tables an instant query at `end`, graphs a range query up to it."""
     if instant:
         path, params = "query", urllib.parse.urlencode({"query": expr, "time": end})
     else:
         path, params = "query_range", urllib.parse.urlencode(
             {"query": expr, "start": end - WINDOW, "end": end, "step": STEP})
-    times = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(f"{prom.url}/api/v1/{path}?{params}", timeout=60) as resp:
-            body = json.load(resp)
-        times.append(time.perf_counter() - t0)
-        assert body["status"] == "success", body
-    return min(times)  # the machine is shared: the fastest of the repeats is the query's own cost
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(f"{prom.url}/api/v1/{path}?{params}", timeout=60) as resp:
+        body = json.load(resp)
+    elapsed = time.perf_counter() - t0
+    assert body["status"] == "success", body
+    return elapsed
+
+
+class QuietRun(NamedTuple):
+    """A measured run's Prometheus, scraping and rules stopped, its data kept."""
+
+    prom: Prometheus
+    end: float  # the last moment with data
+    first_node: str
+
+
+def time_dashboards(runs: Sequence[QuietRun], dashboards: Sequence[Path]) -> List[Dict[str, Dict[str, float]]]:
+    """Per run, per dashboard JSON directory: every query's fastest of REPEATS. Each
+    query is asked of every run in turn, round after round, so that the machine's
+    load at any moment falls on all runs alike (the fastest is the query's own cost)."""
+    timings: List[Dict[str, Dict[str, float]]] = [{str(d): {} for d in dashboards} for _ in runs]
+    for directory in dashboards:
+        for q in queries(directory):
+            key = f"{q.dashboard}|{q.panel}|{q.ref_id}"
+            exprs = [concrete(q.expr, "1m", default_selection(q, run.first_node)) for run in runs]
+            best = [float("inf")] * len(runs)
+            for _ in range(REPEATS):
+                for i, run in enumerate(runs):
+                    best[i] = min(best[i], query_once(run.prom, exprs[i], q.instant, run.end))
+            for i in range(len(runs)):
+                timings[i][str(directory)][key] = best[i]
+    return timings
 
 
 def quiet(prom: Prometheus) -> None:
@@ -143,16 +174,21 @@ def own_series(prom: Prometheus) -> float:
     raise AssertionError("no prometheus_tsdb_head_series")
 
 
-def measure(n: int, tmp: Path, mode: str) -> dict:
+def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack) -> Tuple[dict, QuietRun]:
+    """One run's numbers, and its Prometheus quiet (scraping and rules stopped, the
+    exporters gone), left running in `keep` for the dashboard queries."""
     bundles, pods = node_bundles(tmp, n)
     rules = tmp / "rules.yml"
     rules.write_text(generate.prometheus_rules(interval_override=RULE_INTERVAL))
-    with running_replays(bundles, tmp, timeout=60 + n, flags=[f"--mps.client-granularity={mode}"]) as addresses, \
-            serving_text(kube_state_metrics(pods)) as ksm, \
+    with contextlib.ExitStack() as scraped:
+        addresses = scraped.enter_context(
+            running_replays(bundles, tmp, timeout=60 + n, flags=[f"--mps.client-granularity={mode}"]))
+        ksm = scraped.enter_context(serving_text(kube_state_metrics(pods)))
+        prom = keep.enter_context(
             running_prometheus(tmp, [*(Target(a, job="mps-exporter") for a in addresses),
                                      Target(ksm, job="kube-state-metrics")],
                                rule_files=[str(rules)], scrape_interval=SCRAPE_INTERVAL,
-                               evaluation_interval=SCRAPE_INTERVAL) as prom:
+                               evaluation_interval=SCRAPE_INTERVAL))
         prom.wait_for_target_up(timeout=120)
         groups = wait_for_evaluations(prom, timeout=180)
 
@@ -178,15 +214,10 @@ def measure(n: int, tmp: Path, mode: str) -> dict:
             "samples_per_scrape": statistics.median(
                 float(r["value"][1]) for r in prom.query('scrape_samples_scraped{job="mps-exporter"}')),
             "groups": {name: statistics.mean(t) for name, t in groups.items() if t},
-            "queries": {},
         }
         end = time.time() - 5  # a moment before the last scrape
         quiet(prom)
-        first = sorted(addresses)[0]
-        for q in queries():
-            expr = concrete(q.expr, "1m", default_selection(q, first))
-            result["queries"][f"{q.dashboard}|{q.panel}|{q.ref_id}"] = timed_query(prom, expr, q.instant, end)
-        return result
+        return result, QuietRun(prom, end, sorted(addresses)[0])
 
 
 def granularity_series(tmp: Path, mode: str, clients_per_pod: int) -> int:
@@ -236,6 +267,19 @@ def _extrapolation(results: List[dict]) -> List[str]:
     return lines
 
 
+def _dashboard_table(results: List[dict], key: str) -> List[str]:
+    """Per dashboard: its queries' times summed, per run, and the largest run's over the smallest's."""
+    ns = [r["n"] for r in results]
+    lines = ["| dashboard | queries | " + " | ".join(f"{n} exporters" for n in ns) + " | ratio |",
+             "| --- | --- | " + " | ".join("---" for _ in ns) + " | --- |"]
+    for d in sorted({k.split("|")[0] for k in results[-1][key]}):
+        sums = [sum(t for k, t in r[key].items() if k.startswith(d + "|")) for r in results]
+        count = sum(1 for k in results[-1][key] if k.startswith(d + "|"))
+        lines.append(f"| {d} | {count} | " + " | ".join(f"{x * 1000:.0f} ms" for x in sums) +
+                     f" | {sums[-1] / sums[0]:.2f}x |")
+    return lines
+
+
 LAYOUTS = (("outside pods", 0), ("one pod each", 1), ("six to a pod", 6))
 
 
@@ -275,15 +319,13 @@ def report(results: List[dict], others: Dict[str, List[dict]], one_node: Dict[st
 
     lines += ["", "## Dashboard queries at the default selection", "",
               "Sum over each dashboard's queries (`client` granularity; tables an instant query, graphs a range "
-              f"query over the last {WINDOW} s of data at a 15 s step; fastest of {REPEATS}, scraping and rules "
-              f"stopped); ratio = {ns[-1]} / {ns[0]} exporters.", "",
-              "| dashboard | queries | " + " | ".join(f"{n} exporters" for n in ns) + " | ratio |",
-              "| --- | --- | " + " | ".join("---" for _ in ns) + " | --- |"]
-    for d in sorted({k.split("|")[0] for k in big["queries"]}):
-        sums = [sum(t for k, t in r["queries"].items() if k.startswith(d + "|")) for r in results]
-        count = sum(1 for k in big["queries"] if k.startswith(d + "|"))
-        lines.append(f"| {d} | {count} | " + " | ".join(f"{x * 1000:.0f} ms" for x in sums) +
-                     f" | {sums[-1] / sums[0]:.2f}x |")
+              f"query over the last {WINDOW} s of data at a 15 s step; scraping and rules stopped; each query "
+              f"asked of every run in turn, {REPEATS} rounds, the fastest kept); ratio = {ns[-1]} / {ns[0]} "
+              "exporters.", ""]
+    lines += _dashboard_table(results, "queries")
+    if "baseline_queries" in big:
+        lines += ["", f"The same for the dashboards in `{big['baseline']}` (--baseline-dashboards), timed in the "
+                      "same rounds:", ""] + _dashboard_table(results, "baseline_queries")
     slow = sorted(big["queries"].items(), key=lambda kv: -kv[1])[:8]
     lines += ["", f"Slowest queries at {big['n']} exporters:", ""]
     lines += [f"- {t * 1000:.1f} ms: {k.replace('|', ' / ')}" for k, t in slow]
@@ -295,6 +337,16 @@ def report(results: List[dict], others: Dict[str, List[dict]], one_node: Dict[st
     return "\n".join(lines) + "\n"
 
 
+def _time_dashboards(results: List[dict], quiet_runs: List[QuietRun], baseline: Optional[Path]) -> None:
+    t0 = time.monotonic()
+    dirs = [JSON_DIR] + ([baseline] if baseline else [])
+    for result, timings in zip(results, time_dashboards(quiet_runs, dirs)):
+        result["queries"] = timings[str(JSON_DIR)]
+        if baseline:
+            result["baseline"], result["baseline_queries"] = str(baseline), timings[str(baseline)]
+    print(f"dashboards timed in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[10, 50, 100])
@@ -302,20 +354,33 @@ def main() -> int:
                         help="also run these with --mps.client-granularity pod")
     parser.add_argument("--server-nodes", type=int, nargs="*", default=[10, 100],
                         help="also run these with --mps.client-granularity server")
+    parser.add_argument("--baseline-dashboards", type=Path, metavar="DIR",
+                        help="also time the dashboard JSON in DIR (e.g. an older commit's dashboards/json)")
     parser.add_argument("--out", help="also write the report here")
-    parser.add_argument("--raw", help="append each run's measurements to this JSON Lines file as it ends")
+    parser.add_argument("--raw", help="append each run's measurements to this JSON Lines file")
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs: Dict[str, List[dict]] = {mode: [] for mode in GRANULARITIES}
     for mode, nodes in (("client", args.nodes), ("pod", args.pod_nodes), ("server", args.server_nodes)):
-        for n in sorted(nodes):
-            with tempfile.TemporaryDirectory(prefix=f"fleet-bench-{n}-") as tmp:
+        # Only the `client` runs' dashboards are timed: their Prometheus servers stay up
+        # until every run is measured, then answer the dashboards' queries side by side.
+        with contextlib.ExitStack() as keep:
+            quiet_runs = []
+            for n in sorted(nodes):
                 t0 = time.monotonic()
-                runs[mode].append(measure(n, Path(tmp), mode))
-                if args.raw:
-                    with open(args.raw, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(runs[mode][-1]) + "\n")
+                with contextlib.ExitStack() as this_run:
+                    tmp = Path(this_run.enter_context(tempfile.TemporaryDirectory(prefix=f"fleet-bench-{n}-")))
+                    result, quiet_run = measure(n, tmp, mode, this_run)
+                    if mode == "client":
+                        keep.enter_context(this_run.pop_all())  # Prometheus and its data stay
+                runs[mode].append(result)
+                quiet_runs.append(quiet_run)
                 print(f"{mode}: {n} exporters measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+            if mode == "client" and quiet_runs:
+                _time_dashboards(runs[mode], quiet_runs, args.baseline_dashboards)
+        if args.raw:
+            with open(args.raw, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in runs[mode])
     one_node = {}
     for mode in GRANULARITIES:
         for layout, per_pod in LAYOUTS:
