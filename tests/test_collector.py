@@ -7,6 +7,7 @@ Update the golden file after an intended change with:
 
 import os
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 from prometheus_client.exposition import generate_latest
 
 from mps_exporter.collector import MpsCollector, SingleFlight, build_registry
+from mps_exporter.config import DaemonConfig
+from mps_exporter.wiring import build_collector
 from mps_exporter.sources.base import Reader
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support import scenarios
@@ -94,6 +97,34 @@ def test_hung_daemon_fails_only_control(tmp_path):
     assert 'mps_exporter_collector_success{collector="nvml"} 1.0' in text
     assert 'mps_control_daemon_up{daemon="default"} 0.0' in text
     assert len(series(text, "mps_client_memory_used_bytes")) == 2  # NVML still answers for the clients
+
+
+def test_a_set_command_in_control_log_shows_the_new_limit_in_the_next_scrape(tmp_path):
+    """Limits are cached for facts_refresh_seconds (every command costs a process and five
+    control.log lines), but a `Cmd:set_*` line read from control.log makes the next
+    collection read them again: a changed limit shows at once, not a minute later."""
+    scen = scenarios.busy(tmp_path)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("control.log", "server.log"):
+        shutil.copy(scenarios.CAPTURE / name, logs / name)
+    scen.cfg.daemons = [DaemonConfig("default", "/tmp/mps/pipe", str(logs))]
+    readers = scen.readers()
+    collector = build_collector(scen.cfg, readers)
+    limit = 'mps_server_pinned_memory_limit_bytes{daemon="default",gpu="0",server_pid="1589"}'
+    assert series(exposition(collector), "mps_server_pinned_memory_limit_bytes") == []
+    scen.daemon.servers[0].pinned_limits = {0: "3G"}  # what set_device_pinned_mem_limit 1589 0 3G does
+    before = len(scen.daemon.received)
+    assert series(exposition(collector), "mps_server_pinned_memory_limit_bytes") == []  # cached
+    assert not any(c.startswith("get_device_pinned_mem_limit") for c in scen.daemon.received[before:])
+    with open(logs / "control.log", "a", encoding="utf-8") as f:
+        f.write("[2026-11-21 04:24:00.000 Control  1419] Cmd:get_server_list\n")  # a read changes nothing
+    readers["logs"].catch_up()
+    assert series(exposition(collector), "mps_server_pinned_memory_limit_bytes") == []
+    with open(logs / "control.log", "a", encoding="utf-8") as f:
+        f.write("[2026-11-21 04:24:01.000 Control  1419] Cmd:set_device_pinned_mem_limit 1589 0 3G\n")
+    readers["logs"].catch_up()
+    assert series(exposition(collector), "mps_server_pinned_memory_limit_bytes") == [f"{limit} {3 * 2**30:.9e}"]
 
 
 def test_nvml_error_on_one_gpu_of_several(tmp_path):

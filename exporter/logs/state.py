@@ -226,6 +226,9 @@ class LogSnapshot:
     server_start_failures: int = 0
     fatal_gpu_errors: int = 0
     commands: Dict[str, int] = field(default_factory=dict)
+    # `Cmd:set_*` lines seen: when it grows, the control source reads the limits again at
+    # once instead of serving its cached ones for up to a minute.
+    limit_commands: int = 0
     lines: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
     unrecognized: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
     truncated: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
@@ -444,6 +447,8 @@ class LogState:
         verb = command_verb(ev.verb, commands)
         commands[verb] = commands.get(verb, 0) + 1
         self._in_command = True
+        if ev.verb.startswith("set_"):  # the raw verb: `verb` may be bounded to "other"
+            self.s.limit_commands += 1
         if verb in ("set_device_pinned_mem_limit", "set_active_thread_percentage"):
             self._set_server_limit(ev)
 
@@ -632,7 +637,7 @@ class LogState:
             client_connections=s.client_connections, client_disconnections=s.client_disconnections,
             server_starts=s.server_starts, server_exits=dict(s.server_exits),
             server_start_failures=s.server_start_failures, fatal_gpu_errors=s.fatal_gpu_errors,
-            commands=dict(s.commands), lines=dict(s.lines), unrecognized=dict(s.unrecognized),
+            commands=dict(s.commands), limit_commands=s.limit_commands, lines=dict(s.lines), unrecognized=dict(s.unrecognized),
             truncated=dict(s.truncated), daemon_pid=s.daemon_pid, daemon_version=s.daemon_version,
             daemon_running=s.daemon_running, last_line_times=dict(self._last_ts),
             pending=[PendingClient(p.pid, p.uid, p.reason, p.pushed_at) for p in waiting],
@@ -650,9 +655,9 @@ class LogState:
 
     # ------------------------------------------------------ persistence
     _COUNTERS = ("handoffs", "shutdown_deferrals", "client_connections", "client_disconnections",
-                 "server_starts", "server_start_failures", "fatal_gpu_errors", "exits_with_clients")
+                 "server_starts", "server_start_failures", "fatal_gpu_errors", "exits_with_clients", "limit_commands")
     _COUNTER_MAPS = ("pushes", "server_exits", "commands", "lines", "unrecognized", "truncated", "rejections")
-    _ADDED_LATER = ("exits_with_clients", "rejections")  # absent from older state files
+    _ADDED_LATER = ("exits_with_clients", "rejections", "limit_commands")  # absent from older state files
 
     def to_dict(self) -> Dict[str, Any]:
         """Everything needed to resume: JSON-safe."""

@@ -4,8 +4,9 @@ Each command is one process (`echo CMD | nvidia-cuda-mps-control`) that costs
 about 2 ms and writes about five lines into control.log, so a scrape sends few:
 `get_server_list`, `ps` and one `get_server_status` per server. Per-server
 limits and the daemon defaults change only through `set_*` commands, so they
-are read when a server first appears and then at most every
-`facts_refresh_seconds`.
+are read when a server first appears, again in the scrape after control.log
+shows a `Cmd:set_*` line (the logs source counts them), and otherwise at most
+every `facts_refresh_seconds`.
 
 The exporter never changes MPS: `ControlClient` sends only the verbs in
 `READ_ONLY_COMMANDS`, with numeric arguments, one command per process.
@@ -237,6 +238,7 @@ class ControlSource:
     clock: Callable[[], float] = time.monotonic
     _cache: Dict[Tuple[object, ...], _Cached] = field(default_factory=dict)
     _version: Optional[str] = None
+    _limit_commands: Optional[int] = None  # LogSnapshot.limit_commands at the last read
 
     def _cached(self, key: Tuple[object, ...], read: Callable[[], T]) -> T:
         hit = self._cache.get(key)
@@ -255,7 +257,18 @@ class ControlSource:
         for key in [k for k in self._cache if k[0] == "server" and k[1] not in live]:
             del self._cache[key]
 
-    def read(self, devices: Sequence[int]) -> DaemonReading:
+    def _note_limit_commands(self, count: Optional[int]) -> None:
+        """Every cached fact is a limit or default: a `set_*` command in control.log since
+        the last read may have changed any of them."""
+        if count is not None and count != self._limit_commands:
+            if self._limit_commands is not None:
+                self._cache.clear()
+            self._limit_commands = count
+
+    def read(self, devices: Sequence[int], limit_commands: Optional[int] = None) -> DaemonReading:
+        """`limit_commands`: how many `Cmd:set_*` lines this daemon's control.log has shown
+        (None: its logs are not read); a change re-reads the cached limits now."""
+        self._note_limit_commands(limit_commands)
         reading = DaemonReading(name=self.daemon.name, up=False, pipe_directory=self.daemon.pipe_directory,
                                 log_directory=self.daemon.log_directory)
         try:
@@ -331,7 +344,9 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
 
         def read(ctx: ReadContext) -> List[DaemonReading]:
             devices = ctx.devices()
-            return _checked([s.read(devices) for s in sources])
+            logs = ctx.wait(("logs",)).logs  # no I/O: the followers' last snapshots
+            return _checked([s.read(devices, logs[s.daemon.name].limit_commands if s.daemon.name in logs else None)
+                             for s in sources])
 
         return Reader(read, source=sources)
 

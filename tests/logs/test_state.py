@@ -362,6 +362,20 @@ def test_client_limits_are_those_in_force_when_it_connected():
     assert snap.client_limits == {}
 
 
+def test_set_commands_are_counted_for_the_control_source():
+    """Every `Cmd:set_*` counts, even after the verb table is full ("other"); reads do not."""
+    state = LogState()
+    from mps_exporter.logs.parser import parse_line
+    for i in range(bounds.MAX_COMMAND_VERBS):
+        state.apply(parse_line(f"[2026-11-21 00:00:01.000 Control 1] Cmd:verb{i}", "control"), "control")
+    for line in ("Cmd:get_server_list", "Cmd:get_default_device_pinned_mem_limit 0", "Cmd:ps",
+                 "Cmd:set_default_device_pinned_mem_limit 0 2G", "Cmd:set_default_active_thread_percentage 25",
+                 "Cmd:set_device_pinned_mem_limit 20 0 3G"):
+        state.apply(parse_line(f"[2026-11-21 00:00:02.000 Control 1] {line}", "control"), "control")
+    snap = state.snapshot()
+    assert snap.limit_commands == 3 and snap.commands["other"] == 6
+
+
 def test_edge_state_survives_the_state_file_and_older_files_load():
     files = _two_exits(True)
     state = replay({"control": files["control"][:4], "server": files["server"][:3] + srv(20, f"00:00:02.000 {REFUSAL}")},
