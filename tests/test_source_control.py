@@ -136,18 +136,21 @@ def test_facts_are_reread_after_refresh_interval_and_for_new_servers():
 def test_a_new_set_command_in_control_log_rereads_every_limit_at_once():
     daemon = FakeControlDaemon.busy_capture()
     source = make_source(daemon, refresh=60, clock=lambda: 0.0)
-    source.read(devices=[0], limit_commands=2)
+    source.read(devices=[0], limit_commands=lambda: 2)
     daemon.servers[0].active_thread_percentage, daemon.servers[0].pinned_limits = 30.0, {0: "3G"}
     daemon.default_active_thread_percentage, daemon.default_pinned_limits = 25.0, {0: "2G"}
-    r = source.read(devices=[0], limit_commands=2)  # no new set_* line: cached
+    r = source.read(devices=[0], limit_commands=lambda: 2)  # no new set_* line: cached
     assert (r.servers[0].active_thread_percentage, r.servers[0].pinned_limits) == (100.0, {})
     assert (r.default_active_thread_percentage, r.default_pinned_limits) == (100.0, {})
-    r = source.read(devices=[0], limit_commands=3)
+    r = source.read(devices=[0], limit_commands=lambda: 3)
     assert (r.servers[0].active_thread_percentage, r.servers[0].pinned_limits) == (30.0, {0: 3 << 30})
     assert (r.default_active_thread_percentage, r.default_pinned_limits) == (25.0, {0: 2 << 30})
     first = len(daemon.received)
-    source.read(devices=[0], limit_commands=3)  # and cached again
+    source.read(devices=[0], limit_commands=lambda: 3)  # and cached again
     assert daemon.received[first:] == ["get_server_list\n", "ps\n", "get_server_status 1589\n"]
+    asked_after = []  # the commands sent when the count is asked: waiting for the logs overlaps them
+    source.read(devices=[0], limit_commands=lambda: asked_after.append(list(daemon.received[-2:])) or 3)
+    assert asked_after == [["get_server_list\n", "ps\n"]]
     first = len(daemon.received)
     source.read(devices=[0])  # logs not read: the refresh interval alone
     assert daemon.received[first:] == ["get_server_list\n", "ps\n", "get_server_status 1589\n"]

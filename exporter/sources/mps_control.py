@@ -265,10 +265,10 @@ class ControlSource:
                 self._cache.clear()
             self._limit_commands = count
 
-    def read(self, devices: Sequence[int], limit_commands: Optional[int] = None) -> DaemonReading:
+    def read(self, devices: Sequence[int], limit_commands: Callable[[], Optional[int]] = lambda: None) -> DaemonReading:
         """`limit_commands`: how many `Cmd:set_*` lines this daemon's control.log has shown
-        (None: its logs are not read); a change re-reads the cached limits now."""
-        self._note_limit_commands(limit_commands)
+        (None: its logs are not read); a change re-reads the cached limits now. Asked after
+        `get_server_list` and `ps`, so that waiting for the logs' reading costs nothing."""
         reading = DaemonReading(name=self.daemon.name, up=False, pipe_directory=self.daemon.pipe_directory,
                                 log_directory=self.daemon.log_directory)
         try:
@@ -285,6 +285,7 @@ class ControlSource:
         reading.version = self._version
         try:
             reading.clients = parse_ps(self.client.run("ps"))
+            self._note_limit_commands(limit_commands())
             reading.default_active_thread_percentage = self._cached(
                 ("default_atp",), self._percentage("get_default_active_thread_percentage"))
             for dev in devices:
@@ -342,11 +343,15 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
         sources = [ControlSource(d, ControlClient(d.pipe_directory, cfg.control_binary, cfg.command_timeout, **runner),
                                  facts_refresh_seconds=cfg.facts_refresh_seconds) for d in cfg.daemons]
 
+        def limit_commands(ctx: ReadContext, daemon: str) -> Callable[[], Optional[int]]:
+            def count() -> Optional[int]:
+                logs = ctx.wait(("logs",)).logs  # no I/O: the followers' last snapshots
+                return logs[daemon].limit_commands if daemon in logs else None
+            return count
+
         def read(ctx: ReadContext) -> List[DaemonReading]:
             devices = ctx.devices()
-            logs = ctx.wait(("logs",)).logs  # no I/O: the followers' last snapshots
-            return _checked([s.read(devices, logs[s.daemon.name].limit_commands if s.daemon.name in logs else None)
-                             for s in sources])
+            return _checked([s.read(devices, limit_commands(ctx, s.daemon.name)) for s in sources])
 
         return Reader(read, source=sources)
 

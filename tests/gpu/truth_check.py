@@ -46,7 +46,9 @@ from scrape import Exposition, scrape  # noqa: E402
 
 WORKLOADS = HERE / "workloads"
 SECOND_UID = 1500
-FACTS_REFRESH = 5.0  # --mps.facts-refresh of the exporter: defaults set mid-run show up after this
+# --mps.facts-refresh of the exporter, its default: limits and defaults set mid-run must show
+# up in the scrape after control.log's `Cmd:set_*` line, not this long after.
+FACTS_REFRESH = 60.0
 LOG_SETTLE = 1.0  # the log pipeline polls every 0.25 s; wait this long before comparing log numbers
 GiB = 2**30
 
@@ -560,7 +562,7 @@ class TruthCheck:
             r.facts[f"reply set_default_device_pinned_mem_limit {dev} {default_limit[dev]}"] = \
                 s.ctl(f"set_default_device_pinned_mem_limit {dev} {default_limit[dev]}")
         r.facts["reply set_default_active_thread_percentage 50"] = s.ctl("set_default_active_thread_percentage 50")
-        time.sleep(FACTS_REFRESH + 1)
+        time.sleep(LOG_SETTLE)  # the Cmd:set_* lines, not the refresh interval, make them re-read
         plain = s.client("l_plain", 1)
         own = s.client("l_env", 1.5, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
                                           "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3G"})
@@ -724,6 +726,13 @@ class TruthCheck:
                                                s.ctl(f"set_active_thread_percentage {srv} 30")]
         after = (s.ctl(f"get_device_pinned_mem_limit {srv} 0").strip(), s.ctl(f"get_active_thread_percentage {srv}").strip())
         r.facts["limitchange: server limits after the change"] = after
+        time.sleep(LOG_SETTLE)
+        e_set = self.scrape()  # the server appeared seconds ago: its limits are cached for FACTS_REFRESH
+        r.check("limitchange: the scrape after the Cmd:set_* lines shows the server's new limits (not "
+                f"--mps.facts-refresh {FACTS_REFRESH:g} s later)",
+                [oracles.parse_size_text(after[0]), float(after[1]) / 100],
+                [e_set.value("mps_server_pinned_memory_limit_bytes", server_pid=str(srv), gpu="0"),
+                 e_set.value("mps_server_active_thread_ratio", server_pid=str(srv))])
         e_client = s.client("lc_E", 1, idle=True, grow=[2.0, 3.5])
         s.wait_ready([e_client], 60)
         grown = {}
@@ -732,7 +741,7 @@ class TruthCheck:
                 grown[(c.tag, gib)] = s.grow(c, i)
         r.facts["limitchange: grow results"] = {f"{tag} to {gib} GiB": res for (tag, gib), res in grown.items()}
         r.facts["limitchange: SM count each client's CUDA reports (D, E)"] = [d.ready_fields()[2:], e_client.ready_fields()[2:]]
-        time.sleep(FACTS_REFRESH + LOG_SETTLE)
+        time.sleep(LOG_SETTLE)
         e = self.scrape()
         enforced = {}
         for c in (d, e_client):
