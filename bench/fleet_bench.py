@@ -18,7 +18,8 @@ node), waits until every rule group has been evaluated a few times, and measures
   of every run in turn, REPEATS rounds: a change in the machine's load between runs
   (this machine is shared) then slows every run alike instead of skewing the ratio.
   With --baseline-dashboards DIR, the dashboard JSON in DIR (an older version, say)
-  is timed in the same rounds, for a before/after in one report;
+  is timed in the same rounds, query by query beside the current one, for a
+  before/after in one report;
 - the same at `--mps.client-granularity pod` and `server` (--pod-nodes, --server-nodes),
   and one node's series in each mode with its clients outside pods, one pod each, or
   six to a pod.
@@ -69,6 +70,7 @@ EVALUATIONS = 3  # of every group, before measuring
 # series in every run (Grafana's default 3 h reads more samples per series, alike at any N).
 WINDOW, STEP = 75, "15s"
 REPEATS = 15
+SLOWEST_RULES = 6  # listed per granularity in the report
 
 
 def node_bundles(tmp: Path, count: int) -> Tuple[List[Path], List[Pod]]:
@@ -88,20 +90,29 @@ def node_bundles(tmp: Path, count: int) -> Tuple[List[Path], List[Pod]]:
     return bundles, pods
 
 
-def wait_for_evaluations(prom: Prometheus, timeout: float) -> Dict[str, List[float]]:
-    """Each group's evaluationTime over its last EVALUATIONS evaluations."""
-    seen: Dict[str, Dict[str, float]] = {}
+def wait_for_evaluations(prom: Prometheus, timeout: float) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
+    """Each group's evaluationTime over its last EVALUATIONS evaluations, and each rule's
+    mean over them ("group / record or alert": seconds)."""
+    seen: Dict[str, Dict[str, Tuple[float, Dict[str, float]]]] = {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for g in prom.rules():
             seen.setdefault(g["name"], {})
             if not g["lastEvaluation"].startswith("0001"):
-                seen[g["name"]][g["lastEvaluation"]] = float(g["evaluationTime"])
+                rules = {f"{g['name']} / {r['name']}": float(r.get("evaluationTime", 0.0)) for r in g["rules"]}
+                seen[g["name"]][g["lastEvaluation"]] = (float(g["evaluationTime"]), rules)
         if seen and all(len(v) >= EVALUATIONS + 1 for v in seen.values()):
             break
         time.sleep(1.0)
     # The first evaluation also compiles and warms caches: leave it out.
-    return {name: [t for _, t in sorted(v.items())][1:] for name, v in seen.items()}
+    kept = {name: [t for _, t in sorted(v.items())][1:] for name, v in seen.items()}
+    per_rule: Dict[str, List[float]] = {}
+    for evaluations in kept.values():
+        for _, rules in evaluations:
+            for rule, t in rules.items():
+                per_rule.setdefault(rule, []).append(t)
+    return ({name: [t for t, _ in v] for name, v in kept.items()},
+            {rule: statistics.mean(ts) for rule, ts in per_rule.items()})
 
 
 def query_once(prom: Prometheus, expr: str, instant: bool, end: float) -> float:
@@ -128,20 +139,21 @@ class QuietRun(NamedTuple):
 
 
 def time_dashboards(runs: Sequence[QuietRun], dashboards: Sequence[Path]) -> List[Dict[str, Dict[str, float]]]:
-    """Per run, per dashboard JSON directory: every query's fastest of REPEATS. Each
-    query is asked of every run in turn, round after round, so that the machine's
-    load at any moment falls on all runs alike (the fastest is the query's own cost)."""
-    timings: List[Dict[str, Dict[str, float]]] = [{str(d): {} for d in dashboards} for _ in runs]
-    for directory in dashboards:
-        for q in queries(directory):
-            key = f"{q.dashboard}|{q.panel}|{q.ref_id}"
-            exprs = [concrete(q.expr, "1m", default_selection(q, run.first_node)) for run in runs]
-            best = [float("inf")] * len(runs)
-            for _ in range(REPEATS):
+    """Per run, per dashboard JSON directory: every query's fastest of REPEATS. One
+    dashboard at a time, each round asks every query of every directory of every run in
+    turn, so that the machine's load at any moment falls on all runs and both sets alike
+    (the fastest is the query's own cost)."""
+    sets = {str(d): list(queries(d)) for d in dashboards}
+    timings: List[Dict[str, Dict[str, float]]] = [{d: {} for d in sets} for _ in runs]
+    for name in sorted({q.dashboard for qs in sets.values() for q in qs}):
+        work = [(d, f"{q.dashboard}|{q.panel}|{q.ref_id}", q.instant,
+                 [concrete(q.expr, "1m", default_selection(q, run.first_node)) for run in runs])
+                for d, qs in sets.items() for q in qs if q.dashboard == name]
+        for _ in range(REPEATS):
+            for d, key, instant, exprs in work:
                 for i, run in enumerate(runs):
-                    best[i] = min(best[i], query_once(run.prom, exprs[i], q.instant, run.end))
-            for i in range(len(runs)):
-                timings[i][str(directory)][key] = best[i]
+                    took = query_once(run.prom, exprs[i], instant, run.end)
+                    timings[i][d][key] = min(timings[i][d].get(key, took), took)
     return timings
 
 
@@ -190,7 +202,7 @@ def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack) -> Tuple[d
                                rule_files=[str(rules)], scrape_interval=SCRAPE_INTERVAL,
                                evaluation_interval=SCRAPE_INTERVAL))
         prom.wait_for_target_up(timeout=120)
-        groups = wait_for_evaluations(prom, timeout=180)
+        groups, rules_time = wait_for_evaluations(prom, timeout=180)
 
         def count(expr: str) -> float:
             rows = prom.query(f"count({expr})")
@@ -214,6 +226,7 @@ def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack) -> Tuple[d
             "samples_per_scrape": statistics.median(
                 float(r["value"][1]) for r in prom.query('scrape_samples_scraped{job="mps-exporter"}')),
             "groups": {name: statistics.mean(t) for name, t in groups.items() if t},
+            "rules": rules_time,
         }
         end = time.time() - 5  # a moment before the last scrape
         quiet(prom)
@@ -316,6 +329,10 @@ def report(results: List[dict], others: Dict[str, List[dict]], one_node: Dict[st
     for mode, runs in others.items():
         if runs:
             lines += ["", f"`{mode}` granularity:", ""] + _rule_table(runs)
+    for r in [results[-1]] + [runs[-1] for runs in others.values() if runs]:
+        slowest = sorted(r["rules"].items(), key=lambda kv: -kv[1])[:SLOWEST_RULES]
+        lines += ["", f"Slowest rules at `{r['mode']}` granularity, {r['n']} exporters (one evaluation):", ""]
+        lines += [f"- {t * 1000:.1f} ms ({t / r['n'] * 1000:.2f} ms per target): {rule}" for rule, t in slowest]
 
     lines += ["", "## Dashboard queries at the default selection", "",
               "Sum over each dashboard's queries (`client` granularity; tables an instant query, graphs a range "
