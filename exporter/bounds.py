@@ -144,7 +144,7 @@ LABELS: Tuple[LabelBound, ...] = (
                           "mps_client_queue_wait_implausible_total"), FIXED, "the log state machine",
                "server_starting, user_switch"),
     LabelBound("reason", ("mps_client_rejections_total",), FIXED, "the log state machine (server.log refusals)",
-               "client_limit, other"),
+               "client_limit, invalid_credentials, other"),
     LabelBound("command", ("mps_control_commands_total",), INPUT, "control.log `Cmd:<verb>`",
                f"`[a-z][a-z0-9_]{{0,47}}`, the first {MAX_COMMAND_VERBS} distinct verbs, then `other`: "
                f"at most {MAX_COMMAND_VERBS + 1} per daemon"),

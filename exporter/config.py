@@ -89,9 +89,12 @@ class Config:
     control_binary: str = "nvidia-cuda-mps-control"
     command_timeout: float = 2.0
     # Server facts (thread percentage, pinned limits) and daemon defaults change
-    # only through set_* commands; re-read them at most this often.
+    # only through set_* commands; re-read them after one (control.log) or this often.
     facts_refresh_seconds: float = 60.0
     procfs: str = "/proc"
+    # Whether the log pipelines ask procfs if queued clients still exist (logs/liveness.py);
+    # replay turns it off: a bundle's PIDs are another machine's.
+    queued_client_liveness: bool = True
     dcgm_bindings: Sequence[str] = DEFAULT_DCGM_BINDINGS
     state_file: Optional[str] = None
     log_timezone: str = "local"

@@ -104,7 +104,7 @@ METRICS.update(_specs(
     ("mps_client_queue_wait_implausible_total", COUNTER, "daemon, reason", "Queue waits outside 0 s to 1 day (a clock step or a corrupt timestamp): counted here instead of in mps_client_queue_wait_seconds."),
     ("mps_server_handoffs_total", COUNTER, "daemon", "Servers shut down so that another user's server could start."),
     ("mps_server_shutdown_deferrals_total", COUNTER, "daemon", "'Server will not shutdown' answers while another user waits."),
-    ("mps_client_rejections_total", COUNTER, "daemon, reason", "Client connections a server refused (server.log); reason client_limit: 'Maximum number of clients (N) reached' (the client fails with cudaErrorDevicesUnavailable after about 28 s)."),
+    ("mps_client_rejections_total", COUNTER, "daemon, reason", "Client connections a server refused (server.log); reason client_limit: 'Maximum number of clients (N) reached' (the client fails with cudaErrorDevicesUnavailable after about 28 s); invalid_credentials: 'User did not send valid credentials' (driver 580: the connection of a client killed while queued, handed to its user's new server)."),
     ("mps_server_client_limit", GAUGE, "daemon", "Clients per device the server accepts, as its last refusal said ('Maximum number of clients (N) reached'); absent until a refusal."),
 ))
 METRICS.update(_specs(

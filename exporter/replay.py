@@ -176,6 +176,7 @@ def replay_config(cfg: Config, bundle: Bundle, log_dirs: Dict[str, str]) -> Conf
     play.collectors.update({name: name in h["sources"] for name, source in SOURCES.items() if source.recorded})
     play.collectors["logs"] = bool(h.get("logs")) and bool(play.daemons)
     play.log_timezone = str(h.get("log_timezone") or "UTC")
+    play.queued_client_liveness = False
     try:
         resolve_timezone(play.log_timezone)
     except ValueError as e:

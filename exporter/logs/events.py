@@ -207,7 +207,7 @@ class ClientRejected(NamedTuple):
 
     ts: float
     pid: int
-    reason: str  # "client_limit" or "other"
+    reason: str  # "client_limit", "invalid_credentials" or "other"
     limit: Optional[int]
 
 

@@ -234,6 +234,10 @@ def _limit(text: str) -> int:
 
 
 _SERVER_RULES: Dict[str, List[_Rule]] = {
+    # A server refusing a connection the daemon handed it: on driver 580, that of a client
+    # that was killed while it waited on the pending list (tests/gpu/reports/h100-queuedeath.md).
+    "User": _rules(("User did not send valid credentials",
+                    lambda ts, pid, m: ClientRejected(ts, pid, "invalid_credentials", None)),),
     "Client": _rules(
         (r"Client \{PID: (-?\d{1,10}), Context ID: \d+\} connected$",
          lambda ts, pid, m: ClientContextConnected(ts, pid, int(m.group(1)))),

@@ -1,7 +1,9 @@
 """One MPS daemon's log pipeline: followers -> parser -> state machine -> snapshot.
 
 A background thread polls `control.log` and `server.log` every POLL_SECONDS and
-publishes a fresh `LogSnapshot` after each round that read lines. A scrape calls
+publishes a fresh `LogSnapshot` after each round that read lines. While clients are
+queued it also asks /proc, every LIVENESS_SECONDS, whether they still exist
+(liveness.py: the logs never say that a queued client died). A scrape calls
 `snapshot()`, which returns the last published copy: it never reads a file and
 never waits for the reader thread.
 
@@ -23,6 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from .events import FILES
 from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, ReadError
+from .liveness import ProcLiveness
 from .parser import parse_line, resolve_timezone
 from .state import LogSnapshot, LogState
 from .statefile import StateStore
@@ -32,12 +35,14 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25
 SAVE_SECONDS = 5.0  # the state file is written at most this often (and at stop)
 PUBLISH_LINES = 100_000  # while catching up on a long log, publish every this many lines
+LIVENESS_SECONDS = 2.0  # how often /proc is asked about queued clients (a stat per client)
 
 
 class LogPipeline:
     def __init__(self, daemon: str, log_directory: str, timezone: str = "local",
                  state_store: Optional[StateStore] = None,
-                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, proc_root: Optional[str] = None) -> None:
+        """proc_root: the /proc to ask whether queued clients still exist (None: never ask)."""
         self.daemon = daemon
         self.log_directory = log_directory
         self._tz = resolve_timezone(timezone)  # ValueError for an unknown zone: a config error
@@ -45,6 +50,8 @@ class LogPipeline:
         self._followers: Dict[str, FileFollower] = {
             f: FileFollower(os.path.join(log_directory, f + ".log"), max_line_bytes) for f in FILES}
         self._state = LogState()
+        self._liveness = ProcLiveness(proc_root) if proc_root else None
+        self._next_liveness = 0.0  # time.monotonic() of the next look at /proc
         self._snapshot = LogSnapshot()
         self._write_lock = threading.Lock()  # read_once and the thread never interleave
         self._stop = threading.Event()
@@ -96,6 +103,7 @@ class LogPipeline:
                 while self._poll_file(file):
                     pass
             self._state.settle()
+            self._forget_gone()
             self._publish()
             self._save(force=True)
         return self._snapshot
@@ -112,6 +120,9 @@ class LogPipeline:
                         busy = more or busy
                     if not more and self._state.settle():  # server.log, read last, is at its end
                         self._dirty = self._unsaved = True
+                    if time.monotonic() >= self._next_liveness:
+                        self._next_liveness = time.monotonic() + LIVENESS_SECONDS
+                        self._forget_gone()
                     if self._dirty:
                         self._publish()
                     self._save(force=False)
@@ -121,6 +132,10 @@ class LogPipeline:
                     log.exception("log pipeline %s: reading %s failed", self.daemon, self.log_directory)
             if not busy:
                 self._stop.wait(POLL_SECONDS)
+
+    def _forget_gone(self) -> None:
+        if self._liveness is not None and self._state.forget_gone(self._liveness, time.time()):
+            self._dirty = self._unsaved = True
 
     def _poll_file(self, file: str) -> bool:
         """Read and apply what is new in one file; True if more may wait (a full batch

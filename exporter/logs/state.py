@@ -47,7 +47,7 @@ import bisect
 import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Set, Tuple
 
 from ..bounds import OTHER, command_verb, exit_status
 from ..contract import MAX_PLAUSIBLE_QUEUE_WAIT, QUEUE_WAIT_BUCKETS
@@ -74,7 +74,7 @@ MAX_RECENT_EVENTS = 64  # the last events `mps-exporter status` lists with their
 MAX_LIMIT_CHANGES = 64  # per server
 MAX_PENDING_EXITS = 4096
 MAX_ATTACHED = 4096  # clients per server remembered for the exits-with-clients check
-REJECTION_REASONS = ("client_limit", "other")
+REJECTION_REASONS = ("client_limit", "invalid_credentials", "other")
 THREADS = -1  # the "device" of an active thread percentage in a server's limit history
 
 # A client's limits as they were when it connected: (active thread percentage,
@@ -140,6 +140,14 @@ class LogServer:
         return self._limits_until(ts)
 
 
+class Liveness(Protocol):
+    """What forget_gone asks about processes (liveness.ProcLiveness reads /proc)."""
+
+    def sees_daemon(self, pid: int) -> bool: ...
+
+    def gone(self, pid: int) -> bool: ...
+
+
 @dataclass
 class PendingClient:
     pid: int
@@ -155,7 +163,9 @@ class LogEvent:
 
     kind: fatal_gpu_error (clients: the processes left with a sticky error), handoff
     (a server the daemon shut down for a waiting client of another user), start_failure,
-    exit_with_clients (clients: those still connected), client_rejected (detail: why).
+    exit_with_clients (clients: those still connected), client_rejected (detail: why),
+    left_queue (clients: a queued client whose process is gone; its time is when that
+    was seen, not a log line's).
     """
 
     time: float
@@ -226,6 +236,9 @@ class LogSnapshot:
     server_start_failures: int = 0
     fatal_gpu_errors: int = 0
     commands: Dict[str, int] = field(default_factory=dict)
+    # Queued clients whose process was gone before they were served (liveness.py): the logs
+    # never say that they left.
+    queued_gone: int = 0
     # `Cmd:set_*` lines seen: when it grows, the control source reads the limits again at
     # once instead of serving its cached ones for up to a minute.
     limit_commands: int = 0
@@ -257,6 +270,7 @@ class LogState:
         self.s = LogSnapshot()  # counters and the published parts live here
         self._servers: Dict[int, LogServer] = {}
         self._pending: List[PendingClient] = []
+        self._pusher_pid: Optional[int] = None  # the PID that logged the last push
         self._clients: "OrderedDict[int, Tuple[int, float]]" = OrderedDict()  # pid -> (server, since)
         self._exited: Deque[int] = deque()
         self._exited_set: Set[int] = set()
@@ -365,6 +379,22 @@ class LogState:
         if len(self._pending) >= MAX_PENDING:
             self._pending.pop(0)
         self._pending.append(PendingClient(ev.client_pid, ev.uid, reason, ev.ts))
+        self._pusher_pid = ev.pid  # the daemon, where no `Starting control daemon` line was read
+
+    def forget_gone(self, liveness: Liveness, now: float) -> int:
+        """Drop the waiting clients whose process is gone (liveness.py says why and when
+        /proc is asked at all); how many. The daemon is the one that logged the pushes."""
+        waiting = [p for p in self._pending if p.served_at is None]
+        daemon = self.s.daemon_pid if self.s.daemon_pid is not None else self._pusher_pid
+        if not waiting or daemon is None or not liveness.sees_daemon(daemon):
+            return 0
+        gone = [p for p in waiting if liveness.gone(p.pid)]
+        for p in gone:
+            self._pending.remove(p)
+            self.s.queued_gone += 1
+            self._note(LogEvent(now, "left_queue", None, [p.pid],
+                                f"uid {p.uid}, {p.reason}, queued {now - p.pushed_at:.0f} s: its process is gone"))
+        return len(gone)
 
     def _client_accepted(self, ev: ClientAccepted) -> None:
         for i, p in enumerate(self._pending):
@@ -637,7 +667,7 @@ class LogState:
             client_connections=s.client_connections, client_disconnections=s.client_disconnections,
             server_starts=s.server_starts, server_exits=dict(s.server_exits),
             server_start_failures=s.server_start_failures, fatal_gpu_errors=s.fatal_gpu_errors,
-            commands=dict(s.commands), limit_commands=s.limit_commands, lines=dict(s.lines), unrecognized=dict(s.unrecognized),
+            commands=dict(s.commands), limit_commands=s.limit_commands, queued_gone=s.queued_gone, lines=dict(s.lines), unrecognized=dict(s.unrecognized),
             truncated=dict(s.truncated), daemon_pid=s.daemon_pid, daemon_version=s.daemon_version,
             daemon_running=s.daemon_running, last_line_times=dict(self._last_ts),
             pending=[PendingClient(p.pid, p.uid, p.reason, p.pushed_at) for p in waiting],
@@ -655,9 +685,10 @@ class LogState:
 
     # ------------------------------------------------------ persistence
     _COUNTERS = ("handoffs", "shutdown_deferrals", "client_connections", "client_disconnections",
-                 "server_starts", "server_start_failures", "fatal_gpu_errors", "exits_with_clients", "limit_commands")
+                 "server_starts", "server_start_failures", "fatal_gpu_errors", "exits_with_clients", "limit_commands",
+                 "queued_gone")
     _COUNTER_MAPS = ("pushes", "server_exits", "commands", "lines", "unrecognized", "truncated", "rejections")
-    _ADDED_LATER = ("exits_with_clients", "rejections", "limit_commands")  # absent from older state files
+    _ADDED_LATER = ("exits_with_clients", "rejections", "limit_commands", "queued_gone")  # absent from older files
 
     def to_dict(self) -> Dict[str, Any]:
         """Everything needed to resume: JSON-safe."""

@@ -51,8 +51,9 @@ class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
         if not cfg.daemons:
             return None
         store = StateStore(cfg.state_file) if cfg.state_file else None
-        pipelines = {d.name: LogPipeline(d.name, d.log_directory, timezone=cfg.log_timezone, state_store=store)
-                     for d in cfg.daemons}
+        liveness = cfg.procfs if cfg.queued_client_liveness else None
+        pipelines = {d.name: LogPipeline(d.name, d.log_directory, timezone=cfg.log_timezone, state_store=store,
+                                         proc_root=liveness) for d in cfg.daemons}
         return pipelines_reader(pipelines)
 
     def store(self, snap: Snapshot, reading: Dict[str, LogSnapshot]) -> None:

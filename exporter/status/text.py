@@ -16,7 +16,8 @@ TITLE, HEADING, ALERT, PLAIN = "title", "heading", "alert", ""
 
 WIDTH = 100  # where the totals wrap; tables and events keep a line per row
 _EVENT_NAMES = {"fatal_gpu_error": "fatal GPU error", "handoff": "handoff", "start_failure": "start failure",
-                "exit_with_clients": "server died", "client_rejected": "client refused"}
+                "exit_with_clients": "server died", "client_rejected": "client refused",
+                "left_queue": "left the queue"}
 _COUNTER_NAMES = {
     "mps_client_rejections_total": "refused clients",
     "mps_server_exits_with_clients_total": "servers exited with clients",
@@ -154,7 +155,10 @@ def _events(events: Sequence[Event], now: float) -> List[Line]:
     for e in events:
         what = _EVENT_NAMES.get(e.kind, e.kind)
         text = f"  {_datetime(e.time, millis=True)}  {what:<16} server {e.server_pid if e.server_pid is not None else '?'}"
-        if e.kind == "fatal_gpu_error" and e.clients:
+        if e.kind == "left_queue":  # a client, not a server
+            text = f"  {_datetime(e.time, millis=True)}  {what:<16} client {e.clients[0] if e.clients else '?'}"
+            text += f" ({e.detail})" if e.detail else ""
+        elif e.kind == "fatal_gpu_error" and e.clients:
             text += ", clients with a sticky error: " + " ".join(map(str, e.clients))
         elif e.kind == "exit_with_clients":
             text += " exited with clients still connected" + (": " + " ".join(map(str, e.clients)) if e.clients else "")
@@ -165,7 +169,7 @@ def _events(events: Sequence[Event], now: float) -> List[Line]:
             text += " shut down for a waiting client of another user"
         elif e.detail:
             text += f": {e.detail}"
-        out.append((text + f"  ({_duration(now - e.time)} ago)", ALERT if e.kind != "handoff" else PLAIN))
+        out.append((text + f"  ({_duration(now - e.time)} ago)", ALERT if e.kind not in ("handoff", "left_queue") else PLAIN))
     return out
 
 

@@ -104,7 +104,7 @@ class QueuedClient:
 @dataclass
 class Event:
     time: float
-    kind: str  # fatal_gpu_error, handoff, start_failure, exit_with_clients, client_rejected
+    kind: str  # fatal_gpu_error, handoff, start_failure, exit_with_clients, client_rejected, left_queue
     server_pid: Optional[int]
     clients: List[int]
     detail: str

@@ -12,6 +12,11 @@ R=/tmp/results; rm -rf $R; mkdir -p $R
 quit_all() {
   for d in /tmp/mps-truth/pipe /tmp/mps-bundle/pipe; do
     [ -d $d ] && echo quit | CUDA_MPS_PIPE_DIRECTORY=$d timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1
+    # A daemon that did not answer quit (one hung in phase queuedeath): kill it and its
+    # servers, found by their pipe directory, so that none outlives this run.
+    for p in $(pgrep -f nvidia-cuda-mps); do
+      tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx "CUDA_MPS_PIPE_DIRECTORY=$d" && kill -9 $p
+    done
   done
   for w in /tmp/mps-truth /tmp/mps-bundle; do
     [ -d $w ] && mkdir -p $R/$(basename $w) && cp -r $w/log $w/clients $w/*.log $R/$(basename $w)/ 2>/dev/null

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -50,6 +51,7 @@ SECOND_UID = 1500
 # up in the scrape after control.log's `Cmd:set_*` line, not this long after.
 FACTS_REFRESH = 60.0
 LOG_SETTLE = 1.0  # the log pipeline polls every 0.25 s; wait this long before comparing log numbers
+LIVENESS_SECONDS = 2.0  # how often the log pipeline asks /proc about queued clients (logs/pipeline.py)
 GiB = 2**30
 
 
@@ -130,9 +132,33 @@ class Session:
         return False
 
     def quit(self) -> str:
-        out = self.ctl("quit") if self.daemon_running() else "(no daemon)"
+        """`quit`; a daemon that does not answer it (one hung in phase queuedeath's run 1) is
+        killed, with its servers: the report is written whatever MPS does."""
+        if not self.daemon_running():
+            return "(no daemon)"
+        try:
+            out = self.ctl("quit")
+        except subprocess.TimeoutExpired:
+            out = f"(no answer in 10 s: killed {self.kill_daemon()})"
         wait_for(lambda: not self.daemon_running(), 20)
         return out
+
+    def kill_daemon(self) -> List[int]:
+        """SIGKILL this session's MPS daemon and servers (their CUDA_MPS_PIPE_DIRECTORY is ours)."""
+        mine = f"CUDA_MPS_PIPE_DIRECTORY={self.pipe}".encode()
+        killed = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                proc = Path("/proc", entry)
+                if b"nvidia-cuda-mps" in (proc / "cmdline").read_bytes() and \
+                        mine in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry), signal.SIGKILL)
+                    killed.append(int(entry))
+            except (OSError, ProcessLookupError):
+                continue
+        return killed
 
     def shutdown_servers(self) -> None:
         for s in self.servers():
@@ -219,6 +245,20 @@ class Session:
 
     def server_log(self) -> List[oracles.LogLine]:
         return oracles.parse_log(read(self.logdir / "server.log"))
+
+
+def events_only(lines: List[oracles.LogLine]) -> List[str]:
+    """control.log lines outside command blocks (`NEW UI` ... `UI closed`): what the
+    daemon did on its own, without the exporter's and this script's commands."""
+    out, in_command = [], False
+    for x in lines:
+        if x.text.startswith("NEW UI"):
+            in_command = True
+        elif x.text.startswith("UI closed"):
+            in_command = False
+        elif not in_command:
+            out.append(x.text)
+    return out[:40]
 
 
 def run(argv: List[str], timeout: float = 30) -> str:
@@ -502,6 +542,18 @@ class TruthCheck:
         self.measure("30 busy clients", rounds=200)
         s.stop(clients)
 
+    def queue_behind_root(self, phase: str, tag: str) -> Tuple[Client, Client, Exposition]:
+        """A uid 0 client holding its server, then a uid 1500 client pushed to the pending
+        list behind it (checked in control.log); a scrape 2 s later."""
+        s = self.s
+        first = s.client(f"{tag}_root", 0.5)
+        s.wait_ready([first], 60)
+        second = s.client(f"{tag}_user", 0.5, uid=SECOND_UID)
+        pushed = wait_for(lambda: any(w.client_pid == second.pid for w in oracles.queue_waits(s.control_log())), 60)
+        self.r.check(f"{phase}: uid 1500 client pushed to the pending list (control.log)", True, pushed)
+        time.sleep(2.0)
+        return first, second, self.scrape()
+
     def phase_queue(self) -> None:
         self.phase("queue")
         s, r = self.s, self.r
@@ -509,13 +561,7 @@ class TruthCheck:
         h0 = (e0.value("mps_client_queue_wait_seconds_count", reason="user_switch") or 0,
               e0.value("mps_client_queue_wait_seconds_sum", reason="user_switch") or 0)
         handoffs0 = e0.value("mps_server_handoffs_total") or 0
-        first = s.client("q_root", 0.5)
-        s.wait_ready([first], 60)
-        second = s.client("q_user", 0.5, uid=SECOND_UID)
-        pushed = wait_for(lambda: any(w.client_pid == second.pid for w in oracles.queue_waits(s.control_log())), 60)
-        r.check("queue: uid 1500 client pushed to the pending list (control.log)", True, pushed)
-        time.sleep(2.0)
-        e = self.scrape()
+        first, second, e = self.queue_behind_root("queue", "q")
         waits = oracles.queue_waits(s.control_log())
         pending = [w for w in waits if w.admitted is None]
         r.check("queue: mps_queued_clients{user_switch} = pending user-switch pushes in control.log",
@@ -552,6 +598,58 @@ class TruthCheck:
         r.check("queue: client user label = passwd name of the /proc/PID owner", user,
                 next(iter(e3.label_set("mps_client_info", "user", pid=str(second.pid))), None))
         s.stop([second])
+
+    def phase_queuedeath(self) -> None:
+        """A client queued behind another user's server is killed while it waits (a job
+        cancelled in the queue): it must stop counting as queued within seconds, or the
+        queueing alert pages until the other user's server drains. Then the other user's
+        client leaves: run 1 saw MPS start the dead client's user's server, hand it the dead
+        connection (`User did not send valid credentials`) and stop answering."""
+        self.phase("queuedeath")
+        s, r = self.s, self.r
+        first, second, e = self.queue_behind_root("queuedeath", "qd")
+        r.check("queuedeath: the waiting client counts as queued", 1, e.value("mps_queued_clients", reason="user_switch"))
+        control0, server0 = len(s.control_log()), len(s.server_log())
+        second.proc.kill()
+        second.proc.wait()
+        time.sleep(LIVENESS_SECONDS + LOG_SETTLE)
+        e2 = self.scrape()
+        r.check(f"queuedeath: the killed client no longer counts as queued {LIVENESS_SECONDS + LOG_SETTLE:g} s later "
+                "(queued, oldest wait)", [0, 0],
+                [e2.value("mps_queued_clients", reason="user_switch"), e2.value("mps_queued_client_oldest_wait_seconds")])
+        r.facts["queuedeath: control.log after the kill (commands left out)"] = events_only(s.control_log()[control0:])
+        control1 = len(s.control_log())
+        s.stop([first])
+        # uid 0's server drains with backoff (up to 6.4 s between tries); then MPS starts uid 1500's.
+        started = wait_for(lambda: oracles.count_text(s.control_log()[control1:], r"^Starting new server \d+ for user 1500")
+                           > 0, 30)
+        r.facts["queuedeath: MPS started a server for the dead client's user"] = started
+        time.sleep(LOG_SETTLE + 1)
+        refused = oracles.count_text(s.server_log()[server0:], r"^User did not send valid credentials")
+        r.facts["queuedeath: control.log after the blocking client left (commands left out)"] = \
+            events_only(s.control_log()[control1:])
+        r.facts["queuedeath: server.log after the kill"] = [x.text for x in s.server_log()[server0:]][:40]
+        e3 = self.scrape()
+        r.check("queuedeath: mps_client_rejections_total{invalid_credentials} = 'User did not send valid "
+                "credentials' lines in server.log", refused,
+                e3.value("mps_client_rejections_total", reason="invalid_credentials") or 0)
+        r.check("queuedeath: nothing queued after the handoff", 0, e3.value("mps_queued_clients", reason="user_switch"))
+        try:
+            s.ctl("get_server_list", timeout=5)
+            answers = True
+        except subprocess.TimeoutExpired:
+            answers = False
+        r.facts["queuedeath: the control daemon answers get_server_list afterwards"] = answers
+        if answers:
+            s.shutdown_servers()
+            return
+        time.sleep(3.0)  # the exporter's --mps.command-timeout is 2 s
+        e4 = self.scrape()
+        r.check("queuedeath: a daemon that stopped answering is reported (mps_control_daemon_up, collector control)",
+                [0, 0], [e4.value("mps_control_daemon_up"),
+                         e4.value("mps_exporter_collector_success", collector="control")])
+        r.facts["queuedeath: hung daemon and servers killed (pids), then a new daemon"] = [s.kill_daemon(),
+                                                                                           s.start_daemon()]
 
     def phase_limits(self) -> None:
         self.phase("limits")

@@ -14,3 +14,8 @@ CAPTURE = DATA / "captures" / "h200-driver580-a"
 # MPS's client limit of 48), a server limit changed under a connected client, a server
 # SIGKILLed under its client; whole control.log and server.log, and client outputs.
 EDGES = DATA / "captures" / "h100-edges"
+# A client of uid 1500 SIGKILLed while queued behind uid 0's server, on an H100
+# (tests/gpu/reports/h100-queuedeath-run1.out, h100-queuedeath.md): the logs never say it left; its user's
+# server then refuses its connection (`User did not send valid credentials`) and the
+# control daemon stops answering.
+QUEUE_DEATH = DATA / "captures" / "h100-queuedeath"
