@@ -101,6 +101,7 @@ METRICS.update(_specs(
     ("mps_queued_clients", GAUGE, "daemon, reason", "Clients on the daemon's pending list: reason server_starting (no server yet, same user) or user_switch (another user's server must drain first)."),
     ("mps_queued_client_oldest_wait_seconds", GAUGE, "daemon", "Age of the oldest pending client; 0 when none (a push dated more than a day back or in the future, a corrupt line or a clock step, is left out, as in mps_client_queue_wait_implausible_total)."),
     ("mps_client_queue_wait_seconds", HISTOGRAM, "daemon, reason", "Time from 'pushed to pending list' to admission."),
+    ("mps_queued_clients_gone_total", COUNTER, "daemon", "Queued clients whose process was gone before a server took them (killed or cancelled while waiting): the logs never say so, the exporter asks /proc where it shares the daemon's PID namespace."),
     ("mps_client_queue_wait_implausible_total", COUNTER, "daemon, reason", "Queue waits outside 0 s to 1 day (a clock step or a corrupt timestamp): counted here instead of in mps_client_queue_wait_seconds."),
     ("mps_server_handoffs_total", COUNTER, "daemon", "Servers shut down so that another user's server could start."),
     ("mps_server_shutdown_deferrals_total", COUNTER, "daemon", "'Server will not shutdown' answers while another user waits."),

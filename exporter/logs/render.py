@@ -21,6 +21,7 @@ def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: 
                           daemon=daemon, reason=reason)
         out.add("mps_client_queue_wait_implausible_total", hist.implausible, daemon=daemon, reason=reason)
     out.add("mps_queued_client_oldest_wait_seconds", snap.oldest_queued_wait(now), daemon=daemon)
+    out.add("mps_queued_clients_gone_total", snap.queued_gone, daemon=daemon)
     out.add("mps_server_handoffs_total", snap.handoffs, daemon=daemon)
     out.add("mps_server_shutdown_deferrals_total", snap.shutdown_deferrals, daemon=daemon)
     for reason in REJECTION_REASONS:  # client_limit always (from 0, so rate() sees the first one)

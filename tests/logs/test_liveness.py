@@ -15,8 +15,10 @@ from typing import Iterable, Iterator, List, Tuple
 
 import pytest
 
+from mps_exporter.families import FamilyBuilder
 from mps_exporter.logs.liveness import ProcLiveness
 from mps_exporter.logs.pipeline import LogPipeline
+from mps_exporter.logs.render import render_log_metrics
 from tests.support.data import QUEUE_DEATH
 
 from .helpers import at, replay
@@ -59,6 +61,10 @@ def test_a_queued_client_whose_process_is_gone_stops_counting():
     assert (event.kind, event.clients, event.time) == ("left_queue", [KILLED], now)
     assert "uid 1500, user_switch, queued 6 s" in event.detail
     assert state.forget_gone(liveness, now + 2) == 0  # once
+    out = FamilyBuilder()
+    render_log_metrics(out, "default", snap, now)
+    served = {s.name: s.value for fam in out.families() for s in fam.samples}
+    assert served["mps_queued_clients_gone_total"] == 1 and served["mps_queued_client_oldest_wait_seconds"] == 0
 
 
 def test_a_live_queued_client_stays():
