@@ -131,7 +131,7 @@ def query_once(prom: Prometheus, expr: str, instant: bool, end: float) -> float:
 
 
 class QuietRun(NamedTuple):
-    """A measured run's Prometheus, scraping and rules stopped, its data kept."""
+    """A measured run's Prometheus, kept for the dashboard queries (quiet() it first)."""
 
     prom: Prometheus
     end: float  # the last moment with data
@@ -187,8 +187,8 @@ def own_series(prom: Prometheus) -> float:
 
 
 def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack) -> Tuple[dict, QuietRun]:
-    """One run's numbers, and its Prometheus quiet (scraping and rules stopped, the
-    exporters gone), left running in `keep` for the dashboard queries."""
+    """One run's numbers, and its Prometheus, left running in `keep` (the exporters
+    stop on return) for the caller to quiet and time dashboards on, or stop."""
     bundles, pods = node_bundles(tmp, n)
     rules = tmp / "rules.yml"
     rules.write_text(generate.prometheus_rules(interval_override=RULE_INTERVAL))
@@ -229,7 +229,6 @@ def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack) -> Tuple[d
             "rules": rules_time,
         }
         end = time.time() - 5  # a moment before the last scrape
-        quiet(prom)
         return result, QuietRun(prom, end, sorted(addresses)[0])
 
 
@@ -387,11 +386,12 @@ def main() -> int:
                 t0 = time.monotonic()
                 with contextlib.ExitStack() as this_run:
                     tmp = Path(this_run.enter_context(tempfile.TemporaryDirectory(prefix=f"fleet-bench-{n}-")))
-                    result, quiet_run = measure(n, tmp, mode, this_run)
+                    result, kept = measure(n, tmp, mode, this_run)
                     if mode == "client":
+                        quiet(kept.prom)
                         keep.enter_context(this_run.pop_all())  # Prometheus and its data stay
+                        quiet_runs.append(kept)
                 runs[mode].append(result)
-                quiet_runs.append(quiet_run)
                 print(f"{mode}: {n} exporters measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
             if mode == "client" and quiet_runs:
                 _time_dashboards(runs[mode], quiet_runs, args.baseline_dashboards)

@@ -18,7 +18,7 @@ telling them apart would trust the log's clock and time zone.
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import Optional, Tuple
 
 
 def _stat_state(text: str) -> Optional[str]:
@@ -32,17 +32,17 @@ class ProcLiveness:
 
     def __init__(self, root: str = "/proc") -> None:
         self.root = root
-        self._daemons: Dict[int, bool] = {}  # daemon pid -> its cmdline is the MPS control daemon's
+        self._daemon: Optional[Tuple[int, bool]] = None  # (pid, its cmdline is the control daemon's)
 
     def sees_daemon(self, pid: int) -> bool:
         """`pid` is a running nvidia-cuda-mps-control here (asked once per daemon PID)."""
-        if pid not in self._daemons:
+        if self._daemon is None or self._daemon[0] != pid:
             try:
                 with open(os.path.join(self.root, str(pid), "cmdline"), "rb") as f:
-                    self._daemons = {pid: b"nvidia-cuda-mps-control" in f.read()}
+                    self._daemon = (pid, b"nvidia-cuda-mps-control" in f.read())
             except OSError:
                 return False  # not (yet) visible: asked again next time
-        return self._daemons[pid]
+        return self._daemon[1]
 
     def gone(self, pid: int) -> bool:
         """No process `pid` runs here (none, or a zombie); False when /proc cannot tell."""

@@ -154,9 +154,12 @@ def _events(events: Sequence[Event], now: float) -> List[Line]:
     out: List[Line] = [("", PLAIN), (f"  EVENTS (the last {len(events)}, from the logs)", PLAIN)]
     for e in events:
         what = _EVENT_NAMES.get(e.kind, e.kind)
-        text = f"  {_datetime(e.time, millis=True)}  {what:<16} server {e.server_pid if e.server_pid is not None else '?'}"
-        if e.kind == "left_queue":  # a client, not a server
-            text = f"  {_datetime(e.time, millis=True)}  {what:<16} client {e.clients[0] if e.clients else '?'}"
+        if e.kind == "left_queue":  # about a client, not a server
+            subject = f"client {e.clients[0] if e.clients else '?'}"
+        else:
+            subject = f"server {e.server_pid if e.server_pid is not None else '?'}"
+        text = f"  {_datetime(e.time, millis=True)}  {what:<16} {subject}"
+        if e.kind == "left_queue":
             text += f" ({e.detail})" if e.detail else ""
         elif e.kind == "fatal_gpu_error" and e.clients:
             text += ", clients with a sticky error: " + " ".join(map(str, e.clients))

@@ -44,6 +44,7 @@ import oracles  # noqa: E402
 from oracles import MIB, Samples  # noqa: E402
 from report import Report  # noqa: E402
 from scrape import Exposition, scrape  # noqa: E402
+from mps_exporter.logs.pipeline import LIVENESS_SECONDS  # noqa: E402  (how often queued clients are checked)
 
 WORKLOADS = HERE / "workloads"
 SECOND_UID = 1500
@@ -51,7 +52,6 @@ SECOND_UID = 1500
 # up in the scrape after control.log's `Cmd:set_*` line, not this long after.
 FACTS_REFRESH = 60.0
 LOG_SETTLE = 1.0  # the log pipeline polls every 0.25 s; wait this long before comparing log numbers
-LIVENESS_SECONDS = 2.0  # how often the log pipeline asks /proc about queued clients (logs/pipeline.py)
 GiB = 2**30
 
 
