@@ -19,7 +19,7 @@ from typing import Dict, NoReturn, Optional, Sequence, Tuple
 
 from . import __version__
 from .capture import capture
-from .config import (DEFAULT_DAEMON_NAME, DEFAULT_LISTEN, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY,
+from .config import (DEFAULT_DAEMON_NAME, DEFAULT_PAUSE_AFTER, DEFAULT_REFRESH_INTERVAL, DEFAULT_LISTEN, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY,
                      GRANULARITIES, CaptureOptions, Config, DaemonConfig, ReplayOptions, StatusOptions,
                      load_daemons_file)
 from .contract import markdown_table
@@ -155,6 +155,17 @@ def _add_web(p: argparse.ArgumentParser) -> None:
                         "encoding and sending; the sources get the rest, at most --scrape.max-duration (default 0.5)")
 
 
+def _add_refresh(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--collector.refresh-interval", dest="refresh_interval", type=float,
+                   default=DEFAULT_REFRESH_INTERVAL,
+                   help="seconds between background reads of the sources that are slow or slow down in a client "
+                        "storm (NVML, DCGM); a scrape serves their latest reading, at most two intervals old. 0: "
+                        f"read them in every scrape (default {DEFAULT_REFRESH_INTERVAL:g})")
+    p.add_argument("--collector.pause-after", dest="pause_after", type=float, default=DEFAULT_PAUSE_AFTER,
+                   help="seconds without a scrape after which the background reads pause; the next scrape reads "
+                        f"and resumes them (default {DEFAULT_PAUSE_AFTER:g})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _TopParser(prog=PROG, description="Prometheus exporter for NVIDIA MPS.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -163,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(serve)
     _add_granularity(serve)
     _add_web(serve)
+    _add_refresh(serve)
     parser.serve_parser = serve
     dump = sub.add_parser("dump", help="run every enabled collector once, print the exposition, exit")
     _add_common(dump)
@@ -230,6 +242,8 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
     cfg.client_granularity = getattr(ns, "client_granularity", cfg.client_granularity)
     if getattr(ns, "listen_address", None) is not None:
         _web_flags(cfg, ns, check_address=command in ("serve", "replay"))
+    if command == "serve":
+        _refresh_flags(cfg, ns)
     if command == "replay":
         if ns.speed <= 0:
             raise ConfigError(f"--speed must be positive, not {ns.speed}")
@@ -307,6 +321,14 @@ def _web_flags(cfg: Config, ns: argparse.Namespace, check_address: bool) -> None
         resolve_listen_address(cfg.listen_address)
     if cfg.web_config_file:  # read once, here: a bad file fails at start-up, not at the first request
         cfg.web_config = load_web_config(cfg.web_config_file)
+
+
+def _refresh_flags(cfg: Config, ns: argparse.Namespace) -> None:
+    cfg.refresh_interval, cfg.pause_after = ns.refresh_interval, ns.pause_after
+    if not cfg.refresh_interval >= 0:
+        raise ConfigError(f"--collector.refresh-interval must be 0 (read at scrape) or more, not {ns.refresh_interval}")
+    if not cfg.pause_after > 0:
+        raise ConfigError(f"--collector.pause-after must be positive, not {ns.pause_after}")
 
 
 def _check_timezone(name: str) -> None:

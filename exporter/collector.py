@@ -14,6 +14,11 @@ its own thread, and join the results (render.py) into fresh families.
   hung NVML call cannot pile up threads.
 - Concurrent scrapes share the collection in flight instead of stacking up
   behind slow NVML calls (one took 350 ms under 30 busy clients in the capture).
+- Sources that declare `background` (NVML, DCGM) are read by a refresher thread
+  every `refresh_interval` seconds (--collector.refresh-interval) instead: a scrape
+  serves their latest reading while it is at most two intervals old, and reads
+  (or joins the read in flight) like any other source when it is older. With no
+  scrape for `pause_after` seconds the refresher stops reading until the next one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from .config import DEFAULT_PAUSE_AFTER
 from .contract import READ_DURATION_BUCKETS
 from .model import Histogram, Outcome, Snapshot
 from .render import render
@@ -138,6 +144,7 @@ class _SourceRun:
         self._lock = threading.Lock()
         self._inflight: Optional[Future[_Result]] = None
         self.last: Optional[_Result] = None  # the last successful read
+        self.latest: Optional[_Result] = None  # the last finished read, failed or not
         self.durations = Histogram(READ_DURATION_BUCKETS)  # every read, late ones included
 
     def claim(self, collection: _Collection) -> Tuple[Future[_Result], Optional[threading.Thread]]:
@@ -164,7 +171,18 @@ class _SourceRun:
             self.durations.observe(result.duration_seconds)
         if result.ok:
             self.last = result
+        self.latest = result
         future.set_result(result)
+
+    def fresh(self, now: float, max_age: float) -> Optional["Future[_Result]"]:
+        """The latest reading as a finished read, where it was taken at most `max_age`
+        seconds before `now` (None: older, or none yet)."""
+        latest = self.latest
+        if latest is None or now - latest.taken_at > max_age:
+            return None
+        done: Future[_Result] = Future()
+        done.set_result(latest)
+        return done
 
 
 class MpsCollector(Collector):
@@ -172,21 +190,74 @@ class MpsCollector(Collector):
 
     `max_seconds`: the longest a collection waits for its sources (None: no
     limit); a scrape's own timeout, less `timeout_offset`, shortens it.
-    `serve_last`: a late source's last complete reading is served (marked)."""
+    `serve_last`: a late source's last complete reading is served (marked).
+    `refresh_interval`: seconds between two background reads of the `background`
+    sources once `start` is called (0: they are read in every scrape);
+    `pause_after`: seconds without a collection after which those reads pause."""
 
     def __init__(self, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
                  max_seconds: Optional[float] = None, timeout_offset: float = DEFAULT_TIMEOUT_OFFSET,
-                 serve_last: bool = True, granularity: str = "client") -> None:
+                 serve_last: bool = True, granularity: str = "client", refresh_interval: float = 0.0,
+                 pause_after: float = DEFAULT_PAUSE_AFTER) -> None:
         self.clock = clock
         self.granularity = granularity  # --mps.client-granularity
         self.max_seconds = max_seconds
         self.timeout_offset = timeout_offset
         self.serve_last = serve_last
+        self.refresh_interval = refresh_interval
+        self.pause_after = pause_after
         self._runs = {name: _SourceRun(name, SOURCES[name], reader) for name, reader in readers.items()}
         self._devices: Optional[List[int]] = None
         self._failing: Dict[str, str] = {}
         self._failing_lock = threading.Lock()
         self._collect_once = SingleFlight(self._collect)
+        self._refreshed = [run for run in self._runs.values() if run.source.background] if refresh_interval > 0 else []
+        self._last_collection = time.monotonic()
+        self._wake = threading.Event()  # a collection after a pause, or close()
+        self._stopped = threading.Event()
+        self._refresher: Optional[threading.Thread] = None
+        self.refreshes = 0  # background rounds so far (tests, benchmarks)
+
+    # ------------------------------------------------------------ background reads
+    def start(self) -> None:
+        """Start the refresher (serve); without it every source is read at scrape time."""
+        if self._refreshed and self._refresher is None:
+            self._refresher = threading.Thread(target=self._refresh_loop, name="mps-refresh", daemon=True)
+            self._refresher.start()
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        if self._refresher is not None:
+            self._refresher.join(timeout=5)
+
+    def _refresh_loop(self) -> None:
+        while not self._stopped.is_set():
+            idle = time.monotonic() - self._last_collection
+            if idle > self.pause_after:  # nobody reads: nothing to read for
+                self._wake.clear()
+                if time.monotonic() - self._last_collection > self.pause_after:
+                    self._wake.wait()
+                continue
+            started = time.monotonic()
+            self.refresh()
+            self._stopped.wait(max(0.0, started + self.refresh_interval - time.monotonic()))
+
+    def refresh(self) -> None:
+        """One background round: read the background sources, each claimed as a
+        collection claims it (at most one read in flight), waiting at most as long as
+        a scrape would (max_seconds) for them."""
+        deadline = None if self.max_seconds is None else time.monotonic() + self.max_seconds
+        collection = _Collection(self.clock(), deadline, self._devices)
+        threads = []
+        for run in self._refreshed:
+            collection.futures[run.name], thread = run.claim(collection)
+            threads.append(thread)
+        for thread in threads:
+            if thread is not None:
+                thread.start()
+        wait_futures(list(collection.futures.values()), timeout=collection.remaining())
+        self.refreshes += 1
 
     def describe(self) -> Iterable[Metric]:
         return []  # keeps registration from running a whole collection
@@ -209,9 +280,15 @@ class MpsCollector(Collector):
     def snapshot(self, budget: Optional[float] = None) -> Snapshot:
         """One collection; `budget`: seconds to wait for the sources (None: all of them)."""
         started = time.perf_counter()
+        self._note_collection()
         collection = _Collection(self.clock(), None if budget is None else time.monotonic() + budget, self._devices)
         threads = []
         for name, run in self._runs.items():  # all claimed first: a read may wait for another
+            refreshed = self._refresher is not None and run in self._refreshed
+            latest = run.fresh(collection.now, 2 * self.refresh_interval) if refreshed else None
+            if latest is not None:
+                collection.futures[name] = latest
+                continue
             collection.futures[name], thread = run.claim(collection)
             threads.append(thread)
         for thread in threads:
@@ -243,6 +320,10 @@ class MpsCollector(Collector):
         if snap.nvml is not None and snap.nvml.gpus:
             self._devices = [g.index for g in snap.nvml.gpus]
         return snap
+
+    def _note_collection(self) -> None:
+        self._last_collection = time.monotonic()
+        self._wake.set()  # after the time: a refresher about to pause sees it, or is woken
 
     # Logged as collections see them (not as reads end: a late read that ends well
     # after its scrape is no recovery), when a failure starts or changes.

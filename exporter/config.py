@@ -25,6 +25,11 @@ DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 DEFAULT_LOG_DIRECTORY = "/var/log/nvidia-mps"
 DEFAULT_DAEMON_NAME = "default"
 
+# --collector.refresh-interval and --collector.pause-after. The pause outlasts the longest
+# usual scrape interval (Prometheus' 1 m), so that only an exporter nobody scrapes pauses.
+DEFAULT_REFRESH_INTERVAL = 1.0
+DEFAULT_PAUSE_AFTER = 300.0
+
 # DCGM puts its Python bindings here: 3.x, then 4.x (datacenter-gpu-manager-4).
 DEFAULT_DCGM_BINDINGS = (
     "/usr/local/dcgm/bindings/python3",
@@ -77,6 +82,11 @@ class Config:
     max_requests: int = 40  # --web.max-requests: scrapes at once; 0 = no cap
     scrape_max_seconds: float = 5.0  # a scrape's wait for its sources; 0 = no limit
     scrape_timeout_offset: float = 0.5  # of Prometheus' scrape timeout, kept for encoding and sending
+    # --collector.refresh-interval: seconds between background reads of the slow sources
+    # (Source.background); 0 = read them in every scrape. --collector.pause-after: those
+    # reads stop after this many seconds without a scrape.
+    refresh_interval: float = DEFAULT_REFRESH_INTERVAL
+    pause_after: float = DEFAULT_PAUSE_AFTER
     textfile: Optional[str] = None  # dump: write here atomically instead of to stdout
     # --mps.client-granularity: "client", a series set per client process (pid label);
     # "pod", client memory, limits and counts summed per server and pod (no pid);

@@ -22,6 +22,7 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
     for reader in readers.values():
         reader.start()
     collector = build_collector(cfg, readers, clock)
+    collector.start()
     # Start-up objects (modules, parsers, NVML bindings) live as long as the process:
     # keep them out of the garbage collector's full passes, which otherwise land
     # inside scrapes as latency spikes.
@@ -32,6 +33,7 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
         serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, cfg.web_config,
                    max_requests=cfg.max_requests, ready=ready, stop=stop)
     finally:
+        collector.close()
         for reader in readers.values():
             reader.close()
     return 0

@@ -40,7 +40,8 @@ def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]], clock: Call
     (serve); else every source is waited for (dump, capture)."""
     max_seconds = cfg.scrape_max_seconds or None if bounded else None
     return MpsCollector(readers, clock=clock, max_seconds=max_seconds, timeout_offset=cfg.scrape_timeout_offset,
-                        granularity=cfg.client_granularity)
+                        granularity=cfg.client_granularity, refresh_interval=cfg.refresh_interval,
+                        pause_after=cfg.pause_after)
 
 
 def stop_on_signals(stop: threading.Event) -> None:

@@ -180,6 +180,8 @@ BAD_VALUES = {
     "--web.max-requests": ["abc", "-1"],
     "--scrape.max-duration": ["abc", "-1"],
     "--scrape.timeout-offset": ["abc", "-0.5"],
+    "--collector.refresh-interval": ["abc", "-1", "nan"],
+    "--collector.pause-after": ["abc", "0", "-1"],
     "--textfile": ["", "/"],
     "--mps.client-granularity": ["pid", "node", ""],
     "--out": ["", "/nonexistent/dir/x.jsonl.gz"],

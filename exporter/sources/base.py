@@ -79,6 +79,10 @@ class Source(Generic[R]):
     default: ClassVar[Union[bool, str]] = True  # "auto": on where its library is found
     recorded: ClassVar[bool] = True  # False: capture and replay carry its input instead (the logs)
     reading_type: ClassVar[Any] = None  # what a read returns, for decoding bundles
+    # True: read between scrapes by the collector's refresher (--collector.refresh-interval),
+    # for reads that are slow or slow down in a client storm; scrapes serve the latest one.
+    # False: read in every scrape (cheap at scrape time, docs/performance.md says why).
+    background: ClassVar[bool] = False
 
     def enabled(self, cfg: Config) -> bool:
         return cfg.collectors.get(self.name, self.default) is not False

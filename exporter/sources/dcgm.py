@@ -158,6 +158,7 @@ class DcgmSourceSpec(Source[DcgmReading]):
     help = "SM activity, occupancy, tensor and DRAM activity from DCGM (wins over NVML GPM)"
     default = "auto"
     reading_type = DcgmReading
+    background = True
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[DcgmReading]]:
         if cfg.collectors.get("nvml") is False:

@@ -341,6 +341,7 @@ class NvmlSourceSpec(Source[NvmlReading]):
     name = "nvml"
     help = "GPUs, their compute and MPS process lists, per-process SM utilization, GPM activity"
     reading_type = NvmlReading
+    background = True
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[NvmlReading]]:
         source = NvmlSource(backends.nvml_module)
