@@ -85,7 +85,7 @@ _DAEMON_METRICS = (
     "mps_server_start_failures_total",
     "mps_fatal_gpu_errors_total", "mps_control_commands_total", "mps_log_lines_total",
     "mps_log_unrecognized_lines_total", "mps_log_truncated_lines_total", "mps_log_read_errors_total",
-    "mps_log_last_line_timestamp_seconds") + _SUM_METRICS
+    "mps_log_last_line_timestamp_seconds", "mps_exporter_control_commands_total") + _SUM_METRICS
 _SERVER_METRICS = ("mps_server_info", "mps_server_status", "mps_server_clients", "mps_server_active_thread_ratio",
                    "mps_server_pinned_memory_limit_bytes", "mps_server_memory_used_bytes",
                    "mps_server_sm_utilization_ratio", "mps_server_start_time_seconds", "mps_client_info") + _SUM_METRICS
@@ -149,6 +149,9 @@ LABELS: Tuple[LabelBound, ...] = (
     LabelBound("command", ("mps_control_commands_total",), INPUT, "control.log `Cmd:<verb>`",
                f"`[a-z][a-z0-9_]{{0,47}}`, the first {MAX_COMMAND_VERBS} distinct verbs, then `other`: "
                f"at most {MAX_COMMAND_VERBS + 1} per daemon"),
+    LabelBound("command", ("mps_exporter_control_commands_total",), FIXED,
+               "the exporter's read-only verbs (sources/mps_control.py READ_ONLY_COMMANDS)",
+               "one per read-only verb"),
     LabelBound("file", _LOG_FILE_METRICS, FIXED, "the log pipeline", "control, server"),
     LabelBound("reason", ("mps_log_read_errors_total",), FIXED, "the log follower",
                "missing_directory, not_a_directory, permission_denied, not_regular_file, io_error, internal_error"),

@@ -105,8 +105,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mps.command-timeout", dest="command_timeout", type=float, default=2.0,
                    help="seconds one control command may take before it is killed (default 2)")
     p.add_argument("--mps.facts-refresh", dest="facts_refresh_seconds", type=float, default=60.0,
-                   help="seconds between re-reads of per-server limits and daemon defaults; a Cmd:set_* line in "
-                        "control.log makes the next scrape re-read them (default 60)")
+                   help="where the logs are not read: seconds between re-reads of per-server limits and daemon "
+                        "defaults (with the logs, a Cmd:set_* line in control.log makes the next scrape re-read "
+                        "them, and nothing else does) (default 60)")
     p.add_argument("--mps.state-file", dest="state_file", default=None,
                    help="file where the log follower keeps offsets and counters across restarts")
     p.add_argument("--mps.log-timezone", dest="log_timezone", default="local",

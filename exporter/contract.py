@@ -131,6 +131,7 @@ METRICS.update(_specs(
     ("mps_exporter_collector_duration_seconds", GAUGE, "collector", "Time the collector took in this scrape."),
     ("mps_exporter_collector_last_success_timestamp_seconds", GAUGE, "collector", "Time of the collection whose reading of the source is the latest complete one. Older than the scrape when the source failed or was late: its series are then that reading, or absent."),
     ("mps_exporter_collector_read_duration_seconds", HISTOGRAM, "collector", "Time each read of the source took, reads that finished after their scrape's deadline included."),
+    ("mps_exporter_control_commands_total", COUNTER, "daemon, command", "Commands the exporter sent to the control daemon, by verb. MPS echoes each into control.log, which it never rotates (about 5 lines; ps one more per client): at a steady state the exporter sends get_server_list alone (docs/logs.md)."),
 ))
 
 # Histogram buckets of mps_exporter_collector_read_duration_seconds: 1 ms to 10 s.

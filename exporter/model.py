@@ -95,6 +95,9 @@ class DaemonReading:
     # Set when the daemon could not be read for a reason other than "not
     # running" (timeout, missing binary, unparsable reply): the collector fails.
     error: Optional[str] = None
+    # verb -> commands the exporter has sent this daemon since it started (each one
+    # is echoed into control.log)
+    commands_sent: Dict[str, int] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------- /proc

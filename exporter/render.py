@@ -180,6 +180,8 @@ def render_daemon(out: FamilyBuilder, d: DaemonReading) -> None:
         out.add("mps_default_active_thread_ratio", d.default_active_thread_percentage / 100, daemon=d.name)
     for dev, limit in sorted(d.default_pinned_limits.items()):
         out.add("mps_default_pinned_memory_limit_bytes", limit, daemon=d.name, gpu=str(dev))
+    for verb, sent in sorted(d.commands_sent.items()):
+        out.add("mps_exporter_control_commands_total", sent, daemon=d.name, command=verb)
 
 
 # ---------------------------------------------------------------- servers

@@ -133,27 +133,132 @@ def test_facts_are_reread_after_refresh_interval_and_for_new_servers():
     assert {(s.pid, s.status, s.active_thread_percentage) for s in r.servers} == {(1589, "ACTIVE", 30.0), (2521, "INITIALIZING", 25.0)}
 
 
+def signals(log_changes=None, limit_commands=None, nvml=None, daemon_pid=546):
+    marks = mc.ChangeSignals(log_changes, None if limit_commands is None else (limit_commands, daemon_pid),
+                             None if nvml is None else frozenset(nvml))
+    return lambda: marks
+
+
+def sent_by(source, daemon, **kwargs):
+    """The commands one read sends."""
+    first = len(daemon.received)
+    reading = source.read(devices=[0], signals=signals(**kwargs))
+    return [line.strip() for line in daemon.received[first:]], reading
+
+
 def test_a_new_set_command_in_control_log_rereads_every_limit_at_once():
     daemon = FakeControlDaemon.busy_capture()
     source = make_source(daemon, refresh=60, clock=lambda: 0.0)
-    source.read(devices=[0], limit_commands=lambda: 2)
+    sent_by(source, daemon, log_changes=5, limit_commands=2)
     daemon.servers[0].active_thread_percentage, daemon.servers[0].pinned_limits = 30.0, {0: "3G"}
     daemon.default_active_thread_percentage, daemon.default_pinned_limits = 25.0, {0: "2G"}
-    r = source.read(devices=[0], limit_commands=lambda: 2)  # no new set_* line: cached
+    _, r = sent_by(source, daemon, log_changes=5, limit_commands=2)  # no new set_* line: cached
     assert (r.servers[0].active_thread_percentage, r.servers[0].pinned_limits) == (100.0, {})
     assert (r.default_active_thread_percentage, r.default_pinned_limits) == (100.0, {})
-    r = source.read(devices=[0], limit_commands=lambda: 3)
+    _, r = sent_by(source, daemon, log_changes=5, limit_commands=3)
     assert (r.servers[0].active_thread_percentage, r.servers[0].pinned_limits) == (30.0, {0: 3 << 30})
     assert (r.default_active_thread_percentage, r.default_pinned_limits) == (25.0, {0: 2 << 30})
-    first = len(daemon.received)
-    source.read(devices=[0], limit_commands=lambda: 3)  # and cached again
-    assert daemon.received[first:] == ["get_server_list\n", "ps\n", "get_server_status 1589\n"]
-    asked_after = []  # the commands sent when the count is asked: waiting for the logs overlaps them
-    source.read(devices=[0], limit_commands=lambda: asked_after.append(list(daemon.received[-2:])) or 3)
-    assert asked_after == [["get_server_list\n", "ps\n"]]
-    first = len(daemon.received)
-    source.read(devices=[0])  # logs not read: the refresh interval alone
-    assert daemon.received[first:] == ["get_server_list\n", "ps\n", "get_server_status 1589\n"]
+    assert sent_by(source, daemon, log_changes=5, limit_commands=3)[0] == ["get_server_list"]  # cached again
+    # A new daemon (its PID in control.log) starts with its own defaults: read again.
+    daemon.default_active_thread_percentage = 50.0
+    sent, r = sent_by(source, daemon, log_changes=6, limit_commands=3, daemon_pid=700)
+    assert "get_default_active_thread_percentage" in sent and r.default_active_thread_percentage == 50.0
+
+
+def test_with_the_logs_read_limits_never_expire_by_time():
+    now = [0.0]
+    daemon = FakeControlDaemon.busy_capture()
+    source = make_source(daemon, refresh=60, clock=lambda: now[0])
+    sent_by(source, daemon, log_changes=1, limit_commands=0)
+    sent_by(source, daemon, log_changes=1, limit_commands=0)
+    now[0] = 3600
+    assert sent_by(source, daemon, log_changes=1, limit_commands=0)[0] == ["get_server_list"]
+
+
+def test_steady_state_sends_get_server_list_alone():
+    daemon = FakeControlDaemon.busy_capture()
+    source = make_source(daemon)
+    first, _ = sent_by(source, daemon, log_changes=10, limit_commands=0)
+    assert first[:3] == ["get_server_list", "ps", "get_default_active_thread_percentage"]
+    # The second `ps` confirms the first (a client may arrive between two lines of an answer).
+    assert sent_by(source, daemon, log_changes=10, limit_commands=0)[0] == ["get_server_list", "ps"]
+    for _ in range(5):
+        sent, r = sent_by(source, daemon, log_changes=10, limit_commands=0)
+        assert sent == ["get_server_list"]
+        # ... and the reading is the same as when every command was sent
+        assert sorted(c.pid for c in r.clients) == [1647, 1648, 1649]
+        assert [(s.pid, s.status) for s in r.servers] == [(1589, "ACTIVE")]
+    assert r.commands_sent == {"get_server_list": 7, "ps": 2, "get_server_status": 1,
+                               "get_default_active_thread_percentage": 1, "get_default_device_pinned_mem_limit": 1,
+                               "get_active_thread_percentage": 1, "get_device_pinned_mem_limit": 1}
+
+
+def test_a_client_arriving_shows_in_the_next_read():
+    daemon = FakeControlDaemon.busy_capture()
+    source = make_source(daemon)
+    for _ in range(3):
+        sent_by(source, daemon, log_changes=10, limit_commands=0)
+    daemon.clients.append(FakeClient(1700, 1589, UUID, 9))
+    # The logs saw it (`NEW CLIENT`): ps at once.
+    sent, r = sent_by(source, daemon, log_changes=11, limit_commands=0)
+    assert sent == ["get_server_list", "ps", "get_server_status 1589"] and 1700 in {c.pid for c in r.clients}
+    assert sent_by(source, daemon, log_changes=11, limit_commands=0)[0] == ["get_server_list", "ps"]
+    assert sent_by(source, daemon, log_changes=11, limit_commands=0)[0] == ["get_server_list"]
+    # Without the logs, NVML's MPS process list tells: a new PID there, ps again.
+    nvml = {(0, 1647), (0, 1648), (0, 1649), (0, 1700)}
+    other = make_source(daemon)
+    for _ in range(2):
+        sent_by(other, daemon, nvml=nvml)
+    assert sent_by(other, daemon, nvml=nvml)[0] == ["get_server_list", "get_server_status 1589"]
+    daemon.clients.append(FakeClient(1701, 1589, UUID, 10))
+    sent, r = sent_by(other, daemon, nvml=nvml | {(0, 1701)})
+    assert "ps" in sent and 1701 in {c.pid for c in r.clients}
+    # A client that leaves changes the server list or the logs or NVML too: each one alone re-reads.
+    daemon.clients = [c for c in daemon.clients if c.pid != 1701]
+    sent, r = sent_by(other, daemon, nvml=nvml)
+    assert "ps" in sent and 1701 not in {c.pid for c in r.clients}
+
+
+def test_a_new_server_in_the_list_is_read_whatever_the_signals_say():
+    daemon = FakeControlDaemon.busy_capture()
+    source = make_source(daemon)
+    for _ in range(3):
+        sent_by(source, daemon, log_changes=1, limit_commands=0)
+    daemon.servers.append(FakeServer(2521, status="INITIALIZING"))
+    sent, r = sent_by(source, daemon, log_changes=1, limit_commands=0)
+    assert "ps" in sent and "get_server_status 2521" in sent
+    assert {(s.pid, s.status) for s in r.servers} == {(1589, "ACTIVE"), (2521, "INITIALIZING")}
+    # A server not ACTIVE is asked every time until it is.
+    assert "get_server_status 2521" in sent_by(source, daemon, log_changes=1, limit_commands=0)[0]
+    daemon.servers[1].status = "ACTIVE"
+    sent_by(source, daemon, log_changes=1, limit_commands=0)
+    assert sent_by(source, daemon, log_changes=1, limit_commands=0)[0] == ["get_server_list"]
+
+
+def test_without_any_signal_every_read_sends_ps_and_status():
+    daemon = FakeControlDaemon.busy_capture()
+    source = make_source(daemon)
+    source.read(devices=[0])
+    for _ in range(2):
+        assert sent_by(source, daemon)[0] == ["get_server_list", "ps", "get_server_status 1589"]
+
+
+def test_a_ps_that_failed_is_sent_again_under_the_same_signals():
+    daemon = FakeControlDaemon.busy_capture()
+    garbled = []
+
+    def runner(argv, stdin_text, env, timeout):
+        rc, out = daemon(argv, stdin_text, env, timeout)
+        return (rc, "garbage\n") if stdin_text == "ps\n" and garbled and garbled.pop() else (rc, out)
+
+    source = mc.ControlSource(DaemonConfig("default", "/p", "/l"), mc.ControlClient("/p", runner=runner))
+    sent_by(source, daemon, log_changes=1, limit_commands=0)
+    daemon.clients.append(FakeClient(1700, 1589, UUID, 9))
+    garbled.append(True)
+    _, r = sent_by(source, daemon, log_changes=1, limit_commands=0)  # the confirming ps fails
+    assert r.error and "ps header" in r.error
+    sent, r = sent_by(source, daemon, log_changes=1, limit_commands=0)
+    assert "ps" in sent and r.error is None and 1700 in {c.pid for c in r.clients}
 
 
 def test_no_daemon_is_down_not_an_error():

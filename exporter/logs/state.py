@@ -242,6 +242,10 @@ class LogSnapshot:
     # `Cmd:set_*` lines seen: when it grows, the control source reads the limits again at
     # once instead of serving its cached ones for up to a minute.
     limit_commands: int = 0
+    # Lines after which the daemon's `get_server_list`, `ps` or `get_server_status` may
+    # answer differently (clients and servers coming and going, faults, daemon restarts):
+    # while it stands still, the control source sends none but `get_server_list`.
+    control_changes: int = 0
     lines: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
     unrecognized: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
     truncated: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
@@ -326,6 +330,8 @@ class LogState:
         handler = self._handlers.get(type(result))
         if handler is not None:
             handler(result)
+            if type(result) in _CONTROL_CHANGES:
+                s.control_changes += 1
 
     def count_truncated(self, file: str) -> None:
         self.s.truncated[file] = self.s.truncated.get(file, 0) + 1
@@ -668,6 +674,7 @@ class LogState:
             server_starts=s.server_starts, server_exits=dict(s.server_exits),
             server_start_failures=s.server_start_failures, fatal_gpu_errors=s.fatal_gpu_errors,
             commands=dict(s.commands), limit_commands=s.limit_commands, queued_gone=s.queued_gone,
+            control_changes=s.control_changes,
             lines=dict(s.lines), unrecognized=dict(s.unrecognized),
             truncated=dict(s.truncated), daemon_pid=s.daemon_pid, daemon_version=s.daemon_version,
             daemon_running=s.daemon_running, last_line_times=dict(self._last_ts),
@@ -687,9 +694,9 @@ class LogState:
     # ------------------------------------------------------ persistence
     _COUNTERS = ("handoffs", "shutdown_deferrals", "client_connections", "client_disconnections",
                  "server_starts", "server_start_failures", "fatal_gpu_errors", "exits_with_clients", "limit_commands",
-                 "queued_gone")
+                 "queued_gone", "control_changes")
     _COUNTER_MAPS = ("pushes", "server_exits", "commands", "lines", "unrecognized", "truncated", "rejections")
-    _ADDED_LATER = ("exits_with_clients", "rejections", "limit_commands", "queued_gone")  # absent from older files
+    _ADDED_LATER = ("exits_with_clients", "rejections", "limit_commands", "queued_gone", "control_changes")  # absent from older files
 
     def to_dict(self) -> Dict[str, Any]:
         """Everything needed to resume: JSON-safe."""
@@ -762,6 +769,12 @@ class LogState:
 
 
 _REPORT_EVENTS = (FatalGpuError, ReportHeading, ReportItem)
+# The events that change who the daemon lists (`get_server_list`, `ps`) or a server's status.
+_CONTROL_CHANGES = frozenset({
+    DaemonStarted, DaemonExited, ClientPushed, ClientAccepted, ServerStarting, ServerReady, ServerExited,
+    ServerExiting, ServerStartFailed, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    ClientRejected, FatalGpuError,
+})
 
 
 def _in_report(ev: ParseResult) -> bool:

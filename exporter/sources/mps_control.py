@@ -1,12 +1,9 @@
 """The MPS control daemon: read-only commands through `nvidia-cuda-mps-control`.
 
 Each command is one process (`echo CMD | nvidia-cuda-mps-control`) that costs
-about 2 ms and writes about five lines into control.log, so a scrape sends few:
-`get_server_list`, `ps` and one `get_server_status` per server. Per-server
-limits and the daemon defaults change only through `set_*` commands, so they
-are read when a server first appears, again in the scrape after control.log
-shows a `Cmd:set_*` line (the logs source counts them), and otherwise at most
-every `facts_refresh_seconds`.
+about 2 ms and writes about five lines into control.log (`ps`: one more per
+client), so a scrape sends only what can have changed (`ControlSource`): at a
+steady state, `get_server_list` alone.
 
 The exporter never changes MPS: `ControlClient` sends only the verbs in
 `READ_ONLY_COMMANDS`, with numeric arguments, one command per process.
@@ -21,7 +18,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, cast
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
@@ -222,6 +219,19 @@ class ControlClient:
 
 
 # ------------------------------------------------------------------ source
+@dataclass(frozen=True)
+class ChangeSignals:
+    """What tells the control source, without a command, that an answer may have changed.
+
+    None where the signal is not there (the logs or NVML not read): with neither,
+    every scrape sends `ps` and `get_server_status`, and cached limits expire after
+    `facts_refresh_seconds`."""
+
+    log_changes: Optional[int] = None  # LogSnapshot.control_changes: clients, servers, faults
+    limits: Optional[Tuple[int, Optional[int]]] = None  # (LogSnapshot.limit_commands, daemon pid)
+    nvml_clients: Optional[FrozenSet[Tuple[int, int]]] = None  # (GPU index, pid) of NVML's MPS processes
+
+
 @dataclass
 class _Cached:
     value: object
@@ -229,8 +239,27 @@ class _Cached:
 
 
 @dataclass
+class _Listing:
+    """The last `ps` and `get_server_status` answers and the signals they were read under."""
+
+    key: Tuple[object, ...]
+    clients: List[PsEntry]
+    settled: bool  # this `ps` answered as the one before it did
+
+
+@dataclass
 class ControlSource:
-    """Reads one control daemon into a `DaemonReading`."""
+    """Reads one control daemon into a `DaemonReading`.
+
+    MPS echoes every command and its answer into control.log, which it never
+    rotates: at 15 s scrapes a `ps` of 384 clients alone adds 1.4 M lines a day. So a
+    command is sent only when its answer can have changed: `get_server_list` every
+    scrape (it says the daemon is up); `ps` when the server list, the logs' client and
+    server events or NVML's MPS process lists moved since the last `ps`, and once more
+    after a `ps` that answered differently from the one before it (a client between
+    two lines); `get_server_status` when the server list or the logs moved, or while a
+    server is not ACTIVE; limits and defaults when a server first appears and after a
+    `Cmd:set_*` line (docs/logs.md has the counts)."""
 
     daemon: DaemonConfig
     client: ControlClient
@@ -238,54 +267,81 @@ class ControlSource:
     clock: Callable[[], float] = time.monotonic
     _cache: Dict[Tuple[object, ...], _Cached] = field(default_factory=dict)
     _version: Optional[str] = None
-    _limit_commands: Optional[int] = None  # LogSnapshot.limit_commands at the last read
+    _limits_mark: Optional[Tuple[int, Optional[int]]] = None  # ChangeSignals.limits at the last read
+    _listing: Optional[_Listing] = None
+    _statuses: Dict[int, str] = field(default_factory=dict)  # server pid -> status, while _status_key holds
+    _status_key: Tuple[object, ...] = ()
+    sent: Dict[str, int] = field(default_factory=dict)  # verb -> commands sent to the daemon
+
+    def _run(self, verb: str, *args: object) -> str:
+        self.sent[verb] = self.sent.get(verb, 0) + 1
+        return self.client.run(verb, *args)
 
     def _cached(self, key: Tuple[object, ...], read: Callable[[], T]) -> T:
         hit = self._cache.get(key)
         now = self.clock()
-        if hit is None or now - hit.read_at >= self.facts_refresh_seconds:
+        # Where the logs are read, a `Cmd:set_*` line clears the cache: no need to expire it.
+        expired = self._limits_mark is None and hit is not None and now - hit.read_at >= self.facts_refresh_seconds
+        if hit is None or expired:
             hit = self._cache[key] = _Cached(read(), now)
         return cast(T, hit.value)  # what this key's read returned
 
     def _percentage(self, verb: str, *args: object) -> Callable[[], float]:
-        return lambda: parse_percentage(self.client.run(verb, *args))
+        return lambda: parse_percentage(self._run(verb, *args))
 
     def _pinned_limit(self, verb: str, *args: object) -> Callable[[], Optional[int]]:
-        return lambda: parse_pinned_limit(self.client.run(verb, *args))
+        return lambda: parse_pinned_limit(self._run(verb, *args))
 
     def _forget_servers_except(self, live: Set[int]) -> None:
         for key in [k for k in self._cache if k[0] == "server" and k[1] not in live]:
             del self._cache[key]
 
-    def _note_limit_commands(self, count: Optional[int]) -> None:
-        """Every cached fact is a limit or default: a `set_*` command in control.log since
-        the last read may have changed any of them."""
-        if count is not None and count != self._limit_commands:
-            if self._limit_commands is not None:
-                self._cache.clear()
-            self._limit_commands = count
+    def _note_limits(self, mark: Optional[Tuple[int, Optional[int]]]) -> None:
+        """Every cached fact is a limit or default: a `set_*` command in control.log (or a
+        new daemon) since the last read may have changed any of them."""
+        if mark != self._limits_mark:
+            self._cache.clear()
+            self._limits_mark = mark
 
-    def read(self, devices: Sequence[int], limit_commands: Callable[[], Optional[int]] = lambda: None) -> DaemonReading:
-        """`limit_commands`: how many `Cmd:set_*` lines this daemon's control.log has shown
-        (None: its logs are not read); a change re-reads the cached limits now. Asked after
-        `get_server_list` and `ps`, so that waiting for the logs' reading costs nothing."""
+    def _forget(self) -> None:
+        self._cache.clear()
+        self._listing, self._statuses = None, {}
+
+    def _clients(self, key: Tuple[object, ...], watched: bool) -> List[PsEntry]:
+        """`ps`, or its last answer while nothing says it changed."""
+        last = self._listing
+        if watched and last is not None and last.key == key and last.settled:
+            return last.clients
+        clients = parse_ps(self._run("ps"))
+        settled = last is not None and last.clients == clients
+        self._listing = _Listing(key, clients, settled)
+        return clients
+
+    def read(self, devices: Sequence[int], signals: Callable[[], ChangeSignals] = ChangeSignals) -> DaemonReading:
+        """`signals`: what the logs and NVML say now (asked after `get_server_list`)."""
         reading = DaemonReading(name=self.daemon.name, up=False, pipe_directory=self.daemon.pipe_directory,
                                 log_directory=self.daemon.log_directory)
         try:
-            server_pids = parse_pid_list(self.client.run("get_server_list"))
+            server_pids = parse_pid_list(self._run("get_server_list"))
         except DaemonNotRunning:
-            self._cache.clear()
-            return reading
+            self._forget()
+            return self._counted(reading)
         except ControlError as e:
             reading.error = str(e)
-            return reading
+            return self._counted(reading)
         reading.up = True
         if self._version is None:
             self._version = self.client.version()
         reading.version = self._version
+        seen = signals()
         try:
-            reading.clients = parse_ps(self.client.run("ps"))
-            self._note_limit_commands(limit_commands())
+            servers = tuple(sorted(server_pids))
+            reading.clients = self._clients((servers, seen.log_changes, seen.nvml_clients),
+                                            seen.log_changes is not None or seen.nvml_clients is not None)
+            self._note_limits(seen.limits)
+            status_key = (servers, seen.log_changes)
+            if seen.log_changes is None or status_key != self._status_key:
+                self._statuses, self._status_key = {}, status_key
             reading.default_active_thread_percentage = self._cached(
                 ("default_atp",), self._percentage("get_default_active_thread_percentage"))
             for dev in devices:
@@ -299,17 +355,31 @@ class ControlSource:
                 if facts is not None:
                     reading.servers.append(facts)
         except DaemonNotRunning:  # quit between two commands
+            self._forget()
             reading.up = False
             reading.clients, reading.servers = [], []
         except ControlError as e:
+            self._listing, self._statuses = None, {}  # asked again next time
             reading.error = str(e)
         live = {s.pid for s in reading.servers}
         reading.clients = [c for c in reading.clients if c.server_pid in live]
+        return self._counted(reading)
+
+    def _counted(self, reading: DaemonReading) -> DaemonReading:
+        reading.commands_sent = dict(self.sent)
         return reading
+
+    def _status(self, pid: int) -> str:
+        """A server's status, asked again only while it is not ACTIVE or after a change."""
+        status = self._statuses.get(pid)
+        if status is None or status != "ACTIVE":
+            status = parse_server_status(self._run("get_server_status", pid))
+            self._statuses[pid] = status
+        return status
 
     def _read_server(self, pid: int, devices: Sequence[int]) -> Optional[ServerFacts]:
         try:
-            status = parse_server_status(self.client.run("get_server_status", pid))
+            status = self._status(pid)
             atp = self._cached(("server", pid, "atp"), self._percentage("get_active_thread_percentage", pid))
             limits = {}
             for dev in devices:
@@ -319,6 +389,7 @@ class ControlSource:
                     limits[dev] = limit
         except ServerNotFound:
             log.debug("server %d exited during the scrape", pid)
+            self._statuses.pop(pid, None)
             return None
         return ServerFacts(pid=pid, status=status, active_thread_percentage=atp, pinned_limits=limits)
 
@@ -343,15 +414,20 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
         sources = [ControlSource(d, ControlClient(d.pipe_directory, cfg.control_binary, cfg.command_timeout, **runner),
                                  facts_refresh_seconds=cfg.facts_refresh_seconds) for d in cfg.daemons]
 
-        def limit_commands(ctx: ReadContext, daemon: str) -> Callable[[], Optional[int]]:
-            def count() -> Optional[int]:
-                logs = ctx.wait(("logs",)).logs  # no I/O: the followers' last snapshots
-                return logs[daemon].limit_commands if daemon in logs else None
-            return count
+        def signals(ctx: ReadContext, daemon: str) -> Callable[[], ChangeSignals]:
+            def seen() -> ChangeSignals:
+                snap = ctx.wait(("logs", "nvml"))  # the logs: no I/O, their last snapshots
+                logs = snap.logs.get(daemon)
+                nvml = None if snap.nvml is None else frozenset(
+                    (g.index, p.pid) for g in snap.nvml.gpus for p in g.mps_clients)
+                if logs is None:
+                    return ChangeSignals(nvml_clients=nvml)
+                return ChangeSignals(logs.control_changes, (logs.limit_commands, logs.daemon_pid), nvml)
+            return seen
 
         def read(ctx: ReadContext) -> List[DaemonReading]:
             devices = ctx.devices()
-            return _checked([s.read(devices, limit_commands(ctx, s.daemon.name)) for s in sources])
+            return _checked([s.read(devices, signals(ctx, s.daemon.name)) for s in sources])
 
         return Reader(read, source=sources)
 

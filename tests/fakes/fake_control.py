@@ -15,7 +15,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tests.support.data import CAPTURE  # noqa: E402,F401  (re-exported to the tests)
 
@@ -65,6 +65,13 @@ class FakeControlDaemon:
     vanish_after_list: Sequence[int] = ()  # servers that exit right after get_server_list
     received: List[str] = field(default_factory=list)
     envs: List[Dict[str, str]] = field(default_factory=list)
+    # Where MPS would echo each command and its answer (None: nowhere), as driver 580
+    # does: `Accepting connection...`, `NEW UI`, `Cmd:<line>`, one line per line of the
+    # answer, `UI closed`; stamped by `clock` and `pid` (the daemon's).
+    control_log: Optional[Path] = None
+    clock: Callable[[], float] = time.time
+    pid: int = 546
+    log_lines: int = 0  # lines echoed into control_log
 
     # --- runner interface
     def __call__(self, argv: Sequence[str], stdin_text: str, env: Dict[str, str], timeout: float) -> Tuple[int, str]:
@@ -81,7 +88,19 @@ class FakeControlDaemon:
             time.sleep(self.latency_seconds)
         if not self.running:
             return 1, "Cannot find MPS control daemon process\n"
-        return 0, self.answer(stdin_text.strip())
+        out = self.answer(stdin_text.strip())
+        self.echo(["Accepting connection...", "NEW UI", "Cmd:" + stdin_text.strip(), *out.splitlines(), "UI closed"])
+        return 0, out
+
+    def echo(self, messages: Sequence[str]) -> None:
+        """Append these messages to control_log, as the daemon logs them."""
+        if self.control_log is None:
+            return
+        now = self.clock()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}"
+        with open(self.control_log, "a", encoding="utf-8") as f:
+            f.writelines(f"[{stamp} Control {self.pid:>5}] {m}\n" for m in messages)
+        self.log_lines += len(messages)
 
     # --- the daemon's replies, formatted as in the capture
     def _server(self, pid: int) -> Optional[FakeServer]:
