@@ -10,11 +10,13 @@ generate:
 	$(PYTHON) -m alerts.generate
 	$(PYTHON) -m dashboards.generate
 	$(PYTHON) deploy/kubernetes/generate.py
+	$(PYTHON) docs/generate.py
 
 check-generated:
 	$(PYTHON) -m alerts.generate --check
 	$(PYTHON) -m dashboards.generate --check
 	$(PYTHON) deploy/kubernetes/generate.py --check
+	$(PYTHON) docs/generate.py --check
 
 lint:
 	promtool check rules alerts/prometheus/mps-exporter.rules.yml

@@ -27,7 +27,7 @@ from grafanalib.core import (
 from alerts import config as C
 from alerts.expressions import client_info_join, matchers, server_info_join
 from alerts.recordings import KUBE_PODS, RECORDINGS
-from mps_exporter.contract import METRICS
+from mps_exporter.catalog import METRICS
 
 # Grafana's schema version of the JSON model these dashboards are written for
 # (Grafana 10.4 / 11); older Grafana versions refuse newer schemas, newer ones migrate.

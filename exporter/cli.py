@@ -10,6 +10,7 @@ config file ends the program with one clear line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -22,9 +23,8 @@ from .capture import capture
 from .config import (DEFAULT_DAEMON_NAME, DEFAULT_PAUSE_AFTER, DEFAULT_REFRESH_INTERVAL, DEFAULT_LISTEN, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY,
                      GRANULARITIES, CaptureOptions, Config, DaemonConfig, ReplayOptions, StatusOptions,
                      load_daemons_file)
-from .contract import markdown_table
+from .catalog import metrics_markdown
 from .errors import ConfigError
-from .logs.parser import resolve_timezone
 from .sources.registry import SOURCES
 from .units import parse_size
 from .wiring import dump
@@ -33,6 +33,7 @@ from .wiring import dump
 # must run where it is missing, so those modules are imported where they are used.
 
 log = logging.getLogger("mps_exporter")
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(Config)) - {"settings"}
 
 
 # ---------------------------------------------------------------- logging
@@ -100,25 +101,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help=f"pipe directory of the MPS control daemon (default: $CUDA_MPS_PIPE_DIRECTORY or {DEFAULT_PIPE_DIRECTORY})")
     p.add_argument("--mps.log-directory", dest="log_directory", default=env_log,
                    help=f"log directory of the MPS control daemon (default: $CUDA_MPS_LOG_DIRECTORY or {DEFAULT_LOG_DIRECTORY})")
-    p.add_argument("--mps.control-binary", dest="control_binary", default="nvidia-cuda-mps-control",
-                   help="the nvidia-cuda-mps-control program")
-    p.add_argument("--mps.command-timeout", dest="command_timeout", type=float, default=2.0,
-                   help="seconds one control command may take before it is killed (default 2)")
-    p.add_argument("--mps.facts-refresh", dest="facts_refresh_seconds", type=float, default=60.0,
-                   help="where the logs are not read: seconds between re-reads of per-server limits and daemon "
-                        "defaults (with the logs, a Cmd:set_* line in control.log makes the next scrape re-read "
-                        "them, and nothing else does) (default 60)")
-    p.add_argument("--mps.state-file", dest="state_file", default=None,
-                   help="file where the log follower keeps offsets and counters across restarts")
-    p.add_argument("--mps.log-timezone", dest="log_timezone", default="local",
-                   help="time zone of MPS log timestamps, an IANA name or 'local' (default local)")
     p.add_argument("--config.file", dest="config_file", default=None,
                    help="YAML file listing several control daemons (name, pipe_directory, log_directory)")
-    p.add_argument("--path.procfs", dest="procfs", default="/proc", help="procfs mount point (default /proc)")
-    p.add_argument("--dcgm.bindings-path", dest="dcgm_bindings", action="append", default=None,
-                   help="directory holding DCGM's Python bindings (repeatable; default: the DCGM 3.x and 4.x install paths)")
     _add_logging(p)
+    defaults = Config()
     for name, source in SOURCES.items():
+        for flag in source.flags:  # the sources' own flags, defaults from Config
+            p.add_argument(flag.name, dest=flag.dest, type=flag.type, help=flag.help, metavar=flag.metavar,
+                           action="append" if flag.repeatable else "store",
+                           default=None if flag.repeatable else getattr(defaults, flag.dest, flag.default))
         default = "on" if source.default is True else "off" if source.default is False else source.default
         p.add_argument(f"--collector.{name}", dest=f"collector_{name}", action="store_true", default=None,
                        help=f"enable the {name} collector: {source.help} (default: {default})")
@@ -250,25 +241,10 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
             raise ConfigError(f"--speed must be positive, not {ns.speed}")
         cfg.replay = ReplayOptions(ns.bundle, ns.speed, ns.loop)
         return cfg  # daemons and collectors come from the bundle
-    for key in ("control_binary", "command_timeout", "facts_refresh_seconds", "state_file",
-                "log_timezone", "procfs"):
-        setattr(cfg, key, getattr(ns, key))
-    for flag, value in (("--mps.pipe-directory", ns.pipe_directory), ("--mps.log-directory", ns.log_directory),
-                        ("--mps.control-binary", cfg.control_binary), ("--path.procfs", cfg.procfs)):
+    for flag, value in (("--mps.pipe-directory", ns.pipe_directory), ("--mps.log-directory", ns.log_directory)):
         if not value:
             raise ConfigError(f"{flag} must not be empty")
-    if cfg.command_timeout <= 0:
-        raise ConfigError("--mps.command-timeout must be positive")
-    if cfg.facts_refresh_seconds < 0:
-        raise ConfigError("--mps.facts-refresh must not be negative")
-    # Paths that may appear later (a mount, a daemon's directories) are not checked here.
-    if cfg.state_file is not None and (not cfg.state_file or os.path.isdir(cfg.state_file)):
-        raise ConfigError(f"--mps.state-file {cfg.state_file!r}: give a file name, not a directory")
-    _check_timezone(cfg.log_timezone)
-    if ns.dcgm_bindings:
-        if not all(ns.dcgm_bindings):
-            raise ConfigError("--dcgm.bindings-path must not be empty")
-        cfg.dcgm_bindings = tuple(ns.dcgm_bindings)
+    _source_flags(cfg, ns)
     for name in SOURCES:
         value = getattr(ns, f"collector_{name}")
         if value is not None:
@@ -294,6 +270,24 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
     else:
         cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, ns.pipe_directory, ns.log_directory)]
     return cfg
+
+
+def _source_flags(cfg: Config, ns: argparse.Namespace) -> None:
+    """The sources' own flags into cfg: a Config field, else cfg.settings."""
+    for source in SOURCES.values():
+        for flag in source.flags:
+            value = getattr(ns, flag.dest)
+            if value is None and flag.repeatable:
+                continue  # not given: the Config default stands
+            if value is not None and flag.check is not None:
+                try:
+                    value = flag.check(value)
+                except ValueError as e:
+                    raise ConfigError(f"{flag.name} {e}") from e
+            if flag.dest in CONFIG_FIELDS:
+                setattr(cfg, flag.dest, value)
+            else:
+                cfg.settings[flag.dest] = value
 
 
 def _status_options(ns: argparse.Namespace) -> StatusOptions:
@@ -332,18 +326,11 @@ def _refresh_flags(cfg: Config, ns: argparse.Namespace) -> None:
         raise ConfigError(f"--collector.pause-after must be positive, not {ns.pause_after}")
 
 
-def _check_timezone(name: str) -> None:
-    try:
-        resolve_timezone(name)
-    except ValueError as e:
-        raise ConfigError(f"--mps.log-timezone: {e}") from e
-
-
 # ---------------------------------------------------------------- dispatch
 def main(argv: Optional[Sequence[str]] = None) -> int:
     command, cfg = parse_args(argv)
     if command == "metrics":
-        sys.stdout.write(markdown_table())
+        sys.stdout.write(metrics_markdown())
         return 0
     setup_logging(cfg.log_level, cfg.log_format)
     if command == "dump":

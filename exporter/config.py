@@ -9,7 +9,7 @@ on stderr and exit code 2.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 from .errors import ConfigError
 
@@ -108,6 +108,8 @@ class Config:
     dcgm_bindings: Sequence[str] = DEFAULT_DCGM_BINDINGS
     state_file: Optional[str] = None
     log_timezone: str = "local"
+    # Settings of sources' own flags that no field above holds (sources/base.Flag).
+    settings: Dict[str, Any] = field(default_factory=dict)
     log_level: str = "info"
     log_format: str = "logfmt"
     capture: CaptureOptions = field(default_factory=CaptureOptions)

@@ -19,10 +19,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
-from .bounds import INPUT_LABELS, MAX_LABEL_CHARS
-from .contract import COUNTER, HISTOGRAM, METRICS, MetricSpec
-
-_NONE: FrozenSet[str] = frozenset()
+from .contract import COUNTER, DECLARED, HISTOGRAM, MAX_LABEL_CHARS, MetricSpec
 
 
 class ContractError(ValueError):
@@ -55,9 +52,9 @@ class FamilyBuilder:
         self._families: Dict[str, Metric] = {}
 
     def _family(self, name: str) -> Tuple[MetricSpec, Metric]:
-        spec = METRICS.get(name)
+        spec = DECLARED.get(name)
         if spec is None:
-            raise ContractError(f"{name} is not in the metric contract")
+            raise ContractError(f"{name} is not declared (contract.table)")
         fam = self._families.get(name)
         if fam is None:
             fam = Metric(_family_name(spec), spec.help, spec.type)
@@ -75,7 +72,7 @@ class FamilyBuilder:
         if value != value:  # NaN: no number to publish
             return
         _check_labels(spec, labels)
-        fam.samples.append(Sample(spec.name, _label_values(labels, INPUT_LABELS.get(name, _NONE)), value, None))
+        fam.samples.append(Sample(spec.name, _label_values(labels, spec.input_labels), value, None))
 
     def add_histogram(self, name: str, bucket_counts: Sequence[Tuple[float, float]], total: float, /, **labels: object) -> None:
         """bucket_counts: (upper bound, cumulative count) pairs ending with +Inf."""
@@ -83,7 +80,7 @@ class FamilyBuilder:
         if spec.type != HISTOGRAM:
             raise ContractError(f"{name} is not a histogram")
         _check_labels(spec, labels)
-        base = _label_values(labels, INPUT_LABELS.get(name, _NONE))
+        base = _label_values(labels, spec.input_labels)
         count = 0.0
         for bound, cumulative in bucket_counts:
             le = "+Inf" if math.isinf(bound) else _format_le(bound)

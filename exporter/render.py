@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 from . import __version__
+from .contract import (CLIENT_PID, CONFIG, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVER_PID, UID, USER, UUID, Label,
+                       counter, gauge, histogram, table)
 from .families import FamilyBuilder
 from .limits import Limits, client_limits
 from .logs.render import render_log_metrics
@@ -39,6 +41,138 @@ from .model import (
 from .sources.registry import SOURCES
 
 __all__ = ["Outcome", "Snapshot", "render", "sharing_mode", "sm_utilization"]
+
+# ---------------------------------------------------------------- the declarations
+MODE = Label("mode", FIXED, "the exporter's classification", "mps, time_slicing, exclusive, mig, idle")
+PROCESS_PID = Label("pid", INPUT, "NVML's process list of a GPU not under MPS",
+                    "processes running on the GPU now; gone when they end")
+SERVER_STATUS = Label("status", FIXED, "control daemon `get_server_status`",
+                      "ACTIVE, INITIALIZING, FAULT (anything else is a control error)")
+POD_UID = Label("pod_uid", INPUT, "/proc/PID/cgroup of the server's clients (a UUID, or empty)",
+                f"pods with MPS clients running now, per server; {CUT}")
+# The collector names are the registry's (catalog.py writes them into the docs).
+COLLECTOR = Label("collector", FIXED, "the exporter's collectors", "{collectors}")
+
+GPU_METRICS = table(
+    "GPU",
+    gauge("mps_gpu_info", "Static facts about a GPU (value 1).", GPU, UUID,
+          Label("name", DEVICE, "NVML", "one per GPU"), Label("driver_version", DEVICE, "NVML", "one per node"),
+          Label("compute_mode", DEVICE, "NVML", "NVML's compute modes"),
+          Label("mig_mode", DEVICE, "NVML", "enabled or disabled")),
+    gauge("mps_gpu_up", "1 if NVML answered for this GPU in this scrape.", GPU, UUID),
+    gauge("mps_gpu_memory_total_bytes", "Total device memory.", GPU, UUID),
+    gauge("mps_gpu_memory_used_bytes", "Used device memory.", GPU, UUID),
+    gauge("mps_gpu_utilization_ratio", "NVML GPU utilization: share of time any kernel ran. Saturates with one tiny "
+          "kernel stream; not a contention signal under MPS.", GPU, UUID),
+    gauge("mps_gpu_memory_utilization_ratio", "NVML memory controller busy ratio.", GPU, UUID),
+    gauge("mps_gpu_sm_active_ratio", "Share of SMs busy over the last interval (NVML GPM or DCGM field 1002).",
+          GPU, UUID),
+    gauge("mps_gpu_sm_occupancy_ratio", "SM occupancy over the last interval (NVML GPM or DCGM field 1003).",
+          GPU, UUID),
+    gauge("mps_gpu_tensor_active_ratio", "Tensor pipe activity over the last interval (NVML GPM any-tensor or DCGM "
+          "field 1004).", GPU, UUID),
+    gauge("mps_gpu_dram_active_ratio", "DRAM bandwidth activity over the last interval (NVML GPM or DCGM field "
+          "1005).", GPU, UUID),
+    gauge("mps_gpu_power_watts", "Power draw.", GPU, UUID),
+    gauge("mps_gpu_temperature_celsius", "GPU core temperature.", GPU, UUID),
+    gauge("mps_gpu_sharing_mode", "How the GPU is shared: mps, time_slicing, exclusive, mig or idle (value 1).",
+          GPU, UUID, MODE),
+    gauge("mps_gpu_compute_processes", "Compute processes NVML lists on the GPU (MPS server and clients included).",
+          GPU, UUID),
+    gauge("mps_gpu_clients", "MPS client processes on the GPU (NVML's MPS process list), at every "
+          "--mps.client-granularity.", GPU, UUID),
+    gauge("mps_process_sm_utilization_ratio", "Per-process SM utilization on GPUs not under MPS (under MPS NVML "
+          "attributes it all to the server).", GPU, UUID, PROCESS_PID),
+)
+DAEMON_METRICS = table(
+    "MPS control daemon",
+    gauge("mps_control_daemon_up", "1 if the MPS control daemon answered a control command in this scrape.", DAEMON),
+    gauge("mps_control_daemon_info", "Facts about a watched MPS control daemon (value 1).", DAEMON,
+          Label("version", INPUT, "`nvidia-cuda-mps-control -v`", f"one per daemon; {CUT}"),
+          Label("pipe_directory", CONFIG, "flag or config file", "one per daemon"),
+          Label("log_directory", CONFIG, "flag or config file", "one per daemon")),
+    gauge("mps_default_active_thread_ratio", "get_default_active_thread_percentage / 100.", DAEMON),
+    gauge("mps_default_pinned_memory_limit_bytes", "get_default_device_pinned_mem_limit; absent where none is set.",
+          DAEMON, GPU),
+)
+SERVER_METRICS = table(
+    "MPS servers",
+    gauge("mps_server_info", "A running MPS server (value 1).", DAEMON, SERVER_PID, UID, USER),
+    gauge("mps_server_status", "Server status as the daemon reports it: ACTIVE, INITIALIZING or FAULT (value 1).",
+          DAEMON, SERVER_PID, SERVER_STATUS),
+    gauge("mps_server_clients", "Client processes connected to the server.", DAEMON, SERVER_PID),
+    gauge("mps_server_active_thread_ratio", "The server's active thread percentage now / 100: binds clients that "
+          "connect from now on, not those already connected.", DAEMON, SERVER_PID),
+    gauge("mps_server_pinned_memory_limit_bytes", "The server's pinned device memory limit now "
+          "(get_device_pinned_mem_limit): binds clients that connect from now on, not those already connected; "
+          "absent where none is set.", DAEMON, SERVER_PID, GPU),
+    gauge("mps_server_memory_used_bytes", "Device memory held by the server process itself.",
+          DAEMON, SERVER_PID, GPU, UUID),
+    gauge("mps_server_sm_utilization_ratio", "NVML per-process SM utilization of the server PID; under MPS this is "
+          "all of its clients' SM time.", DAEMON, SERVER_PID, GPU, UUID),
+    gauge("mps_server_start_time_seconds", "Unix time the server became ready.", DAEMON, SERVER_PID),
+)
+CLIENT_METRICS = table(
+    "MPS clients",
+    gauge("mps_client_info", "A connected MPS client process (value 1); pid_namespace is the PID namespace `ps` "
+          "shows (not a Kubernetes namespace); container_id and pod_uid empty where the cgroup shows none.",
+          DAEMON, SERVER_PID, CLIENT_PID, UID, USER,
+          Label("command", INPUT, "`ps` COMMAND column, else /proc/PID/comm", f"one per running client; {CUT}"),
+          Label("pid_namespace", INPUT, "`ps` NAMESPACE column (a PID namespace)", f"one per running client; {CUT}"),
+          Label("container_id", INPUT, "/proc/PID/cgroup (64 hex digits)", f"one per running client; {CUT}"),
+          Label("pod_uid", INPUT, "/proc/PID/cgroup (a UUID)", f"one per running client; {CUT}")),
+    gauge("mps_client_memory_used_bytes", "Device memory of the client, from NVML's MPS process list.",
+          DAEMON, CLIENT_PID, GPU, UUID),
+    gauge("mps_client_pinned_memory_limit_bytes", "Pinned memory limit that binds the client: its own "
+          "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, else its server's limit as it was when the client connected (MPS logs; "
+          "the server's limit now where the logs do not show the connection); absent where none applies.",
+          DAEMON, CLIENT_PID, GPU),
+    gauge("mps_client_active_thread_ratio", "Active thread limit that binds the client / 100: the smaller of its "
+          "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and its server's percentage when it connected (MPS logs; the server's "
+          "now where the logs do not show the connection).", DAEMON, CLIENT_PID),
+    gauge("mps_client_priority", "The client's CUDA_MPS_CLIENT_PRIORITY (0 normal, 1 below normal); absent where "
+          "unset or unreadable.", DAEMON, CLIENT_PID),
+    gauge("mps_client_start_time_seconds", "Unix time the client connected.", DAEMON, CLIENT_PID),
+)
+POD_SUM_METRICS = table(
+    "MPS clients summed per server and pod (--mps.client-granularity pod)",
+    gauge("mps_pod_clients", "MPS client processes of the server in the pod (pod_uid empty: processes in no pod); "
+          "replaces the per-client series with --mps.client-granularity pod.", DAEMON, SERVER_PID, POD_UID),
+    gauge("mps_pod_client_memory_used_bytes", "Device memory of the server's clients in the pod, summed.",
+          DAEMON, SERVER_PID, POD_UID, GPU, UUID),
+    gauge("mps_pod_client_pinned_memory_limit_bytes", "Pinned memory limits in force for the server's clients in "
+          "the pod, summed (clients without a limit add nothing).", DAEMON, SERVER_PID, POD_UID, GPU),
+)
+SERVER_SUM_METRICS = table(
+    "MPS clients summed per server (--mps.client-granularity server)",
+    gauge("mps_server_client_memory_used_bytes", "Device memory of the server's clients, summed (server_pid empty: "
+          "clients NVML lists that no server's `ps` row names); with mps_server_clients, replaces the per-client "
+          "series with --mps.client-granularity server.", DAEMON, SERVER_PID, GPU, UUID),
+    gauge("mps_server_client_pinned_memory_limit_bytes", "Pinned memory limits in force for the server's clients, "
+          "summed (clients without a limit add nothing).", DAEMON, SERVER_PID, GPU),
+    gauge("mps_server_client_pinned_memory_usage_max_ratio", "The largest share of its pinned memory limit that one "
+          "of the server's clients uses on the GPU (clients without a limit left out): what a sum would hide.",
+          DAEMON, SERVER_PID, GPU),
+)
+SELF_METRICS = table(
+    "The exporter itself",
+    gauge("mps_exporter_build_info", "Build facts (value 1).",
+          Label("version", FIXED, "the exporter's own version", "one"),
+          Label("python_version", FIXED, "the running Python", "one")),
+    gauge("mps_exporter_collector_success", "1 if the collector's source answered in this scrape.", COLLECTOR),
+    gauge("mps_exporter_collector_duration_seconds", "Time the collector took in this scrape.", COLLECTOR),
+    gauge("mps_exporter_collector_last_success_timestamp_seconds", "Time of the collection whose reading of the "
+          "source is the latest complete one. Older than the scrape when the source failed or was late: its series "
+          "are then that reading, or absent.", COLLECTOR),
+    histogram("mps_exporter_collector_read_duration_seconds", "Time each read of the source took, reads that "
+              "finished after their scrape's deadline included.", COLLECTOR),
+    counter("mps_exporter_control_commands_total", "Commands the exporter sent to the control daemon, by verb. MPS "
+            "echoes each into control.log, which it never rotates (about 5 lines; ps one more per client): at a "
+            "steady state the exporter sends get_server_list alone (docs/logs.md).", DAEMON,
+            Label("command", FIXED, "the exporter's read-only verbs (sources/mps_control.py READ_ONLY_COMMANDS)",
+                  "one per read-only verb")),
+)
+
 
 ACTIVITY_METRICS = {
     "sm_active": "mps_gpu_sm_active_ratio",

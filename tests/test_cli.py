@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mps_exporter.sources.registry import SOURCES
 from tests.support.data import CAPTURE, EDGES
 from tests.support.tools import require
 EXE = [sys.executable, "-m", "mps_exporter.cli"]
@@ -164,14 +165,7 @@ def test_taken_port_is_one_error_line(tmp_path):
 BAD_VALUES = {
     "--mps.pipe-directory": [""],
     "--mps.log-directory": [""],
-    "--mps.control-binary": [""],
-    "--mps.command-timeout": ["abc", "0", "-1"],
-    "--mps.facts-refresh": ["abc", "-5"],
-    "--mps.state-file": ["", "/"],
-    "--mps.log-timezone": ["Mars/Olympus", "Not A Zone"],
     "--config.file": ["/nonexistent/mps.yml", "{bad_yaml}"],
-    "--path.procfs": [""],
-    "--dcgm.bindings-path": [""],
     "--log.level": ["loud"],
     "--log.format": ["xml"],
     "--web.listen-address": ["999.1.1.1:10138", "nope", "::1:10138", "127.0.0.1:99999", "[::1:10138"],
@@ -196,8 +190,9 @@ BAD_VALUES = {
     "--bundle": ["/nonexistent/session.jsonl.gz", "{bad_yaml}"],
     "--at": ["abc", "-1"],
 }
-for _name in ("nvml", "dcgm", "control", "proc", "logs"):
+for _name, _source in SOURCES.items():  # the sources' flags say what they refuse
     BAD_VALUES[f"--collector.{_name}"] = BAD_VALUES[f"--no-collector.{_name}"] = ["=x"]
+    BAD_VALUES.update({flag.name: list(flag.refuses) for flag in _source.flags})
 
 
 def flags_by_command():

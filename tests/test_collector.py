@@ -195,7 +195,7 @@ def test_every_gpu_daemon_server_and_client_metric_comes_out_of_recorded_data(tm
     with the limits of its `limits` step (limits.txt: default pinned limit 2G, thread
     percentage 25) and a second scrape (GPM needs two samples), plus a GPU without MPS
     (per-process utilization is real only there)."""
-    from mps_exporter.contract import METRICS
+    from mps_exporter.catalog import METRICS
 
     scen = scenarios.busy(tmp_path)
     scen.daemon.default_pinned_limits = {0: "2G"}

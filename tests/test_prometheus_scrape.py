@@ -16,7 +16,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from mps_exporter.contract import METRICS
+from mps_exporter.catalog import METRICS
 from tests.support.certs import make_tls_files
 from tests.support.prometheus import Target, free_port, running_prometheus, stop_process
 

@@ -7,10 +7,73 @@ client tables when the control daemon is slow or gone.
 
 from __future__ import annotations
 
+from ..contract import DAEMON, FIXED, INPUT, MAX_COMMAND_VERBS, Label, counter, gauge, histogram, table
 from ..families import FamilyBuilder
 from .events import FILES
 from .follower import READ_ERROR_REASONS
 from .state import REASONS, REJECTION_REASONS, LogSnapshot
+
+QUEUE_REASON = Label("reason", FIXED, "the log state machine", "server_starting, user_switch")
+REJECTION_REASON = Label("reason", FIXED, "the log state machine (server.log refusals)",
+                         "client_limit, invalid_credentials, other")
+EXIT_STATUS = Label("status", INPUT, "control.log `Server S exited with status X`",
+                    "0 to 255 (what wait() reports), everything else `other`: at most 257 per daemon")
+COMMAND_VERB = Label("command", INPUT, "control.log `Cmd:<verb>`",
+                     f"`[a-z][a-z0-9_]{{0,47}}`, the first {MAX_COMMAND_VERBS} distinct verbs, then `other`: "
+                     f"at most {MAX_COMMAND_VERBS + 1} per daemon")
+FILE = Label("file", FIXED, "the log pipeline", "control, server")
+READ_ERROR_REASON = Label("reason", FIXED, "the log follower",
+                          "missing_directory, not_a_directory, permission_denied, not_regular_file, io_error, "
+                          "internal_error")
+
+QUEUE_METRICS = table(
+    "Queueing and contention",
+    gauge("mps_queued_clients", "Clients on the daemon's pending list: reason server_starting (no server yet, same "
+          "user) or user_switch (another user's server must drain first).", DAEMON, QUEUE_REASON),
+    gauge("mps_queued_client_oldest_wait_seconds", "Age of the oldest pending client; 0 when none (a push dated more "
+          "than a day back or in the future, a corrupt line or a clock step, is left out, as in "
+          "mps_client_queue_wait_implausible_total).", DAEMON),
+    histogram("mps_client_queue_wait_seconds", "Time from 'pushed to pending list' to admission.",
+              DAEMON, QUEUE_REASON),
+    counter("mps_queued_clients_gone_total", "Queued clients whose process was gone before a server took them "
+            "(killed or cancelled while waiting): the logs never say so, the exporter asks /proc where it shares "
+            "the daemon's PID namespace.", DAEMON),
+    counter("mps_client_queue_wait_implausible_total", "Queue waits outside 0 s to 1 day (a clock step or a corrupt "
+            "timestamp): counted here instead of in mps_client_queue_wait_seconds.", DAEMON, QUEUE_REASON),
+    counter("mps_server_handoffs_total", "Servers shut down so that another user's server could start.", DAEMON),
+    counter("mps_server_shutdown_deferrals_total", "'Server will not shutdown' answers while another user waits.",
+            DAEMON),
+    counter("mps_client_rejections_total", "Client connections a server refused (server.log); reason client_limit: "
+            "'Maximum number of clients (N) reached' (the client fails with cudaErrorDevicesUnavailable after about "
+            "28 s); invalid_credentials: 'User did not send valid credentials' (driver 580: the connection of a "
+            "client killed while queued, handed to its user's new server).", DAEMON, REJECTION_REASON),
+    gauge("mps_server_client_limit", "Clients per device the server accepts, as its last refusal said ('Maximum "
+          "number of clients (N) reached'); absent until a refusal.", DAEMON),
+)
+LOG_METRICS = table(
+    "From the MPS logs",
+    counter("mps_client_connections_total", "Client processes that connected (once per process, whatever its "
+            "contexts).", DAEMON),
+    counter("mps_client_disconnections_total", "Client processes that disconnected.", DAEMON),
+    counter("mps_server_starts_total", "Servers that became ready.", DAEMON),
+    counter("mps_server_exits_total", "Servers that exited, by exit status.", DAEMON, EXIT_STATUS),
+    counter("mps_server_exits_with_clients_total", "Servers that exited while clients were still connected (killed "
+            "or crashed under them: the clients lost their work). control.log says 'exited with status 0' for these "
+            "too.", DAEMON),
+    counter("mps_server_start_failures_total", "Servers that failed to start.", DAEMON),
+    counter("mps_fatal_gpu_errors_total", "Fatal GPU errors a server handled.", DAEMON),
+    counter("mps_control_commands_total", "Commands the control daemon received, by verb (the exporter's own "
+            "included).", DAEMON, COMMAND_VERB),
+    counter("mps_log_lines_total", "Log lines read (file control or server).", DAEMON, FILE),
+    counter("mps_log_unrecognized_lines_total", "Log lines no rule matched.", DAEMON, FILE),
+    counter("mps_log_truncated_lines_total", "Log lines longer than the line cap; cut to the cap before parsing.",
+            DAEMON, FILE),
+    gauge("mps_log_last_line_timestamp_seconds", "Time written on the newest line read from the file: a log that "
+          "stopped moving. control.log also logs the exporter's own commands.", DAEMON, FILE),
+    counter("mps_log_read_errors_total", "Times reading a log file began to fail: reason missing_directory, "
+            "not_a_directory, permission_denied, not_regular_file, io_error or internal_error. While one lasts, "
+            "collector_success{collector=\"logs\"} is 0.", DAEMON, FILE, READ_ERROR_REASON),
+)
 
 
 def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: float) -> None:

@@ -49,8 +49,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Set, Tuple
 
-from ..bounds import OTHER, command_verb, exit_status
-from ..contract import MAX_PLAUSIBLE_QUEUE_WAIT, QUEUE_WAIT_BUCKETS
+from ..contract import MAX_PLAUSIBLE_QUEUE_WAIT, OTHER, QUEUE_WAIT_BUCKETS, command_verb, exit_status
 from ..units import parse_size
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,

@@ -2,6 +2,10 @@
 
 A source module ends with `SOURCE = SomeSource()`, a `Source` that says:
 - its collector name and flag default (`--collector.NAME`, `--no-collector.NAME`);
+- `flags`: the command-line flags only it reads (`Flag`: serve, dump, capture and
+  status take them);
+- `metrics`: the metrics it renders alone, declared in its module with
+  `contract.table` (README's table and docs/labels.md list them: `make generate`);
 - `build`: its live reader from the configuration (None: not available here);
 - `store`: where its reading goes in the `Snapshot` that render reads, and `render`:
   the families a source renders alone (default: its reading in `Snapshot.extra`,
@@ -16,10 +20,11 @@ the registry: adding a source is one module here plus its tests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Generic, List, Optional, Sequence, TypeVar, Union, cast
+from typing import Any, Callable, ClassVar, Generic, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 from ..codec import RecordedFailure, encode, recorded
 from ..config import Config
+from ..contract import MetricSpec
 from ..families import FamilyBuilder
 from ..model import Snapshot
 
@@ -73,6 +78,45 @@ class PartialFailure(Exception):
         self.result = result
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A flag a source declares, e.g. `Flag("--mps.command-timeout", "command_timeout", ...)`.
+
+    Its value lands in the Config field `dest`, whose default is the flag's (help texts
+    say `%(default)s`). A setting no Config field holds, one new source's own, is
+    `cfg.settings[dest]`, with its `default` given here.
+    """
+
+    name: str
+    dest: str
+    help: str
+    refuses: Tuple[str, ...]  # values it rejects with one line and exit 2 (tests/test_cli.py walks them)
+    type: Callable[[str], Any] = str
+    # The value as the setting; raises ValueError (the flag's name is put before the message).
+    check: Optional[Callable[[Any], Any]] = None
+    default: Any = None  # only for a dest that is no Config field
+    repeatable: bool = False  # each use appends; unused, the Config default stands
+    metavar: Optional[str] = None
+
+
+def not_empty(value: str) -> str:
+    if not value:
+        raise ValueError("must not be empty")
+    return value
+
+
+def positive(value: float) -> float:
+    if not value > 0:
+        raise ValueError("must be positive")
+    return value
+
+
+def not_negative(value: float) -> float:
+    if not value >= 0:
+        raise ValueError("must not be negative")
+    return value
+
+
 class Source(Generic[R]):
     name: ClassVar[str]
     help: ClassVar[str]
@@ -83,6 +127,8 @@ class Source(Generic[R]):
     # for reads that are slow or slow down in a client storm; scrapes serve the latest one.
     # False: read in every scrape (cheap at scrape time, docs/performance.md says why).
     background: ClassVar[bool] = False
+    flags: ClassVar[Tuple[Flag, ...]] = ()
+    metrics: ClassVar[Tuple[MetricSpec, ...]] = ()  # what `render` emits: its `contract.table(...)`
 
     def enabled(self, cfg: Config) -> bool:
         return cfg.collectors.get(self.name, self.default) is not False

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 from ..config import DEFAULT_DCGM_BINDINGS, Config
 from ..model import DcgmReading, Snapshot
-from .base import Backends, Reader, Source
+from .base import Backends, Flag, Reader, Source, not_empty
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,9 @@ class DcgmSourceSpec(Source[DcgmReading]):
     default = "auto"
     reading_type = DcgmReading
     background = True
+    flags = (Flag("--dcgm.bindings-path", "dcgm_bindings", "directory holding DCGM's Python bindings (repeatable; "
+                  f"default: {' and '.join(DEFAULT_DCGM_BINDINGS)})", refuses=("",), repeatable=True,
+                  check=lambda paths: tuple(not_empty(p) for p in paths)),)
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[DcgmReading]]:
         if cfg.collectors.get("nvml") is False:

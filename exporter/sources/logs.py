@@ -7,14 +7,16 @@ them to real pipelines, so this source is not recorded.
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Optional
 
 from ..config import Config
+from ..logs.parser import resolve_timezone
 from ..logs.pipeline import LogPipeline
 from ..logs.state import LogSnapshot
 from ..logs.statefile import StateStore
 from ..model import Snapshot
-from .base import Backends, PartialFailure, ReadContext, Reader, Source
+from .base import Backends, Flag, PartialFailure, ReadContext, Reader, Source
 
 
 def pipelines_reader(pipelines: Dict[str, LogPipeline]) -> Reader[Dict[str, LogSnapshot]]:
@@ -42,10 +44,28 @@ def pipelines_reader(pipelines: Dict[str, LogPipeline]) -> Reader[Dict[str, LogS
     return Reader(read, start=start, catch_up=catch_up, close=close, source=pipelines)
 
 
+def _file_name(path: str) -> str:
+    # Paths that may appear later (a mount, a daemon's directories) are not checked.
+    if not path or os.path.isdir(path):
+        raise ValueError(f"{path!r}: give a file name, not a directory")
+    return path
+
+
+def _timezone(name: str) -> str:
+    resolve_timezone(name)  # ValueError: not a time zone
+    return name
+
+
 class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
     name = "logs"
     help = "control.log and server.log: queueing, handoffs, faults, lifecycle, commands"
     recorded = False
+    flags = (
+        Flag("--mps.state-file", "state_file", "file where the log follower keeps offsets and counters across "
+             "restarts", refuses=("", "/"), check=_file_name),
+        Flag("--mps.log-timezone", "log_timezone", "time zone of MPS log timestamps, an IANA name or 'local' "
+             "(default %(default)s)", refuses=("Mars/Olympus", "Not A Zone"), check=_timezone),
+    )
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[Dict[str, LogSnapshot]]]:
         if not cfg.daemons:

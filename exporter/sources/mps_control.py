@@ -24,7 +24,8 @@ from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
 from ..model import DaemonReading, PsEntry, ServerFacts, Snapshot
 from ..units import parse_size
-from .base import Backends, PartialFailure, ReadContext, Reader, Source, record_value, replay_value
+from .base import (Backends, Flag, PartialFailure, ReadContext, Reader, Source, not_empty, not_negative, positive,
+                   record_value, replay_value)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -408,6 +409,16 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
     name = "control"
     help = "the MPS control daemons: servers, clients (ps), limits and defaults"
     reading_type = DaemonReading
+    flags = (
+        Flag("--mps.control-binary", "control_binary", "the nvidia-cuda-mps-control program (default %(default)s)",
+             refuses=("",), check=not_empty),
+        Flag("--mps.command-timeout", "command_timeout", "seconds one control command may take before it is killed "
+             "(default %(default)s)", refuses=("abc", "0", "-1"), type=float, check=positive),
+        Flag("--mps.facts-refresh", "facts_refresh_seconds", "where the logs are not read: seconds between re-reads "
+             "of per-server limits and daemon defaults (with the logs, a Cmd:set_* line in control.log makes the "
+             "next scrape re-read them, and nothing else does) (default %(default)s)", refuses=("abc", "-5"),
+             type=float, check=not_negative),
+    )
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[List[DaemonReading]]]:
         runner = {"runner": backends.control_runner} if backends.control_runner else {}

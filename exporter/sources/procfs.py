@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
 from ..units import parse_size
-from .base import Backends, ReadContext, Reader, Source
+from .base import Backends, Flag, ReadContext, Reader, Source, not_empty
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,8 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
     name = "proc"
     help = "/proc facts of servers and clients: user, command, start, container, client-set limits"
     reading_type = Dict[int, ProcessFacts]
+    flags = (Flag("--path.procfs", "procfs", "procfs mount point (default %(default)s)", refuses=("",),
+                  check=not_empty),)
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[Dict[int, ProcessFacts]]]:
         source = ProcSource(root=cfg.procfs)

@@ -15,7 +15,8 @@ import yaml
 from dashboards import common, generate
 from dashboards.queries import concrete, queries
 from alerts.recordings import RECORDINGS
-from mps_exporter.contract import HISTOGRAM, METRICS
+from mps_exporter.catalog import METRICS
+from mps_exporter.contract import HISTOGRAM
 from tests.support.tools import require
 
 ROOT = Path(__file__).resolve().parents[2]

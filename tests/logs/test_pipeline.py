@@ -10,7 +10,8 @@ from typing import Callable, List
 
 import pytest
 
-from mps_exporter.contract import METRICS, QUEUE_WAIT_BUCKETS
+from mps_exporter.catalog import METRICS
+from mps_exporter.contract import QUEUE_WAIT_BUCKETS
 from mps_exporter.families import FamilyBuilder
 from mps_exporter.logs import LogPipeline, StateStore, render_log_metrics
 

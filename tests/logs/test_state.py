@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mps_exporter import bounds
+from mps_exporter import contract
 from mps_exporter.logs import state as st
 from mps_exporter.logs.state import LogState
 
@@ -216,12 +216,12 @@ def test_caps_keep_memory_flat():
     for i in range(st.MAX_CLIENTS + 50):
         state.apply(parse_line(f"[2026-11-21 00:00:01.000 Server 2] Client {{PID: {i}, Context ID: 0}} connected",
                                "server"), "server")
-    for i in range(bounds.MAX_COMMAND_VERBS + 10):
+    for i in range(contract.MAX_COMMAND_VERBS + 10):
         state.apply(parse_line(f"[2026-11-21 00:00:01.000 Control 1] Cmd:verb{i}", "control"), "control")
     snap = state.snapshot()
     assert sum(snap.queued.values()) == st.MAX_PENDING
     assert len(snap.client_start_times) == st.MAX_CLIENTS
-    assert len(snap.commands) == bounds.MAX_COMMAND_VERBS + 1 and snap.commands["other"] == 10
+    assert len(snap.commands) == contract.MAX_COMMAND_VERBS + 1 and snap.commands["other"] == 10
 
 
 def test_snapshot_is_a_copy():
@@ -366,7 +366,7 @@ def test_set_commands_are_counted_for_the_control_source():
     """Every `Cmd:set_*` counts, even after the verb table is full ("other"); reads do not."""
     state = LogState()
     from mps_exporter.logs.parser import parse_line
-    for i in range(bounds.MAX_COMMAND_VERBS):
+    for i in range(contract.MAX_COMMAND_VERBS):
         state.apply(parse_line(f"[2026-11-21 00:00:01.000 Control 1] Cmd:verb{i}", "control"), "control")
     for line in ("Cmd:get_server_list", "Cmd:get_default_device_pinned_mem_limit 0", "Cmd:ps",
                  "Cmd:set_default_device_pinned_mem_limit 0 2G", "Cmd:set_default_active_thread_percentage 25",
