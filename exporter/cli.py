@@ -15,8 +15,11 @@ import json
 import logging
 import os
 import sys
+import tempfile
+import textwrap
 import time
-from typing import Dict, NoReturn, Optional, Sequence, Tuple
+from importlib.metadata import PackageNotFoundError, metadata
+from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
 
 from . import __version__
 from .capture import capture
@@ -75,7 +78,29 @@ def setup_logging(level: str, fmt: str) -> None:
 PROG = "mps-exporter"
 
 
+def doc(name: str) -> str:
+    """Where a user finds docs/NAME: a pip install has no docs/ beside it, so the
+    package's Documentation URL (pyproject.toml) when the package is installed."""
+    try:
+        urls = metadata(PROG).get_all("Project-URL") or []
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        urls = []
+    base = next((url.split(",", 1)[1].strip() for url in urls if url.split(",", 1)[0].strip() == "Documentation"),
+                None)
+    return f"{base}/{name}" if base else f"docs/{name} in the source repository"
+
+
+class _Formatter(argparse.HelpFormatter):
+    def _split_lines(self, text: str, width: int) -> "list[str]":  # a URL stays whole, to be copied
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False,
+                             break_long_words=False)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # one clear line, exit 2, whichever subcommand
         sys.stderr.write(f"{PROG}: error: {message}\n")
         sys.exit(2)
@@ -122,7 +147,7 @@ def _add_granularity(p: argparse.ArgumentParser) -> None:
                    choices=list(GRANULARITIES),
                    help="client: series per MPS client process (pid label; the default); pod: client memory, "
                         "limits and counts summed per MPS server and pod, no pid label; server: client memory "
-                        "and limits summed per MPS server, no pid or pod (docs/cardinality.md)")
+                        f"and limits summed per MPS server, no pid or pod ({doc('cardinality.md')})")
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:
@@ -176,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_granularity(dump)
     sub.add_parser("metrics", help="print the metric contract as a Markdown table")
     capture = sub.add_parser("capture", help="record what every source returns, and the MPS logs as they grow, "
-                             "into one bundle file (docs/capture-format.md)")
+                             f"into one bundle file ({doc('capture-format.md')})")
     _add_common(capture)
     capture.add_argument("--out", required=True,
                          help="bundle file to write (.jsonl.gz), or an existing directory to write one into")
@@ -250,8 +275,7 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
         if value is not None:
             cfg.collectors[name] = value
     if command == "dump" and ns.textfile is not None:
-        if not ns.textfile or os.path.isdir(ns.textfile):
-            raise ConfigError(f"--textfile {ns.textfile!r}: give a file name, not a directory")
+        _check_textfile(ns.textfile)
         cfg.textfile = ns.textfile
     if command == "capture":
         if ns.duration <= 0 or ns.interval <= 0:
@@ -326,6 +350,21 @@ def _refresh_flags(cfg: Config, ns: argparse.Namespace) -> None:
         raise ConfigError(f"--collector.pause-after must be positive, not {ns.pause_after}")
 
 
+def _check_textfile(path: str) -> None:
+    """Before collecting: the file must be one that can be written in place of the old."""
+    if not path or os.path.isdir(path):
+        raise ConfigError(f"--textfile {path!r}: give a file name, not a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ConfigError(f"--textfile {path!r}: its directory {parent} {what}")
+    try:  # the new exposition is written beside the old file, then renamed over it
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--textfile {path!r}: cannot write in {parent}: {e.strerror or e}") from e
+
+
 # ---------------------------------------------------------------- dispatch
 def main(argv: Optional[Sequence[str]] = None) -> int:
     command, cfg = parse_args(argv)
@@ -334,7 +373,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     setup_logging(cfg.log_level, cfg.log_format)
     if command == "dump":
-        return dump(cfg)
+        try:
+            return dump(cfg)
+        except OSError as e:  # the textfile's directory went away or filled up after the check
+            sys.stderr.write(f"{PROG}: error: --textfile {cfg.textfile!r}: {e.strerror or e}\n")
+            return 2
     if command == "capture":
         return capture(cfg)
     from .replay import replay  # PyYAML (see the top)

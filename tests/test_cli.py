@@ -176,7 +176,7 @@ BAD_VALUES = {
     "--scrape.timeout-offset": ["abc", "-0.5"],
     "--collector.refresh-interval": ["abc", "-1", "nan"],
     "--collector.pause-after": ["abc", "0", "-1"],
-    "--textfile": ["", "/"],
+    "--textfile": ["", "/", "/nonexistent-dir/mps.prom", "{bad_yaml}/mps.prom", "/proc/mps.prom"],
     "--mps.client-granularity": ["pid", "node", ""],
     "--out": ["", "/nonexistent/dir/x.jsonl.gz"],
     "--duration": ["abc", "0"],
@@ -285,3 +285,20 @@ def test_top_level_help_shows_the_serve_flags():
     for flag in ("--web.listen-address", "--web.max-requests", "--mps.log-directory", "--collector.logs"):
         assert flag in res.stdout
     assert "mps-exporter serve --help" in res.stdout
+
+
+def test_dump_textfile_that_fails_while_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    # The directory passed the check, then the disk filled up (or the directory went away).
+    import mps_exporter.wiring as wiring
+    from mps_exporter import cli
+
+    def full(path: str, registry: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(wiring, "write_to_textfile", full)
+    code = cli.main(["dump", "--textfile", str(tmp_path / "mps.prom"), "--mps.control-binary", str(tmp_path / "none"),
+                     "--mps.log-directory", str(tmp_path), "--no-collector.nvml", "--no-collector.dcgm"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"mps-exporter: error: --textfile '{tmp_path / 'mps.prom'}': No space left on device\n" in err
+    assert "Traceback" not in err

@@ -109,6 +109,16 @@ def test_exporter_unit_hardening():
     assert service["StateDirectory"] == "mps-exporter"
 
 
+def test_exporter_unit_documentation_is_this_projects():
+    # `systemctl help mps-exporter` opens these: the project's docs (the URL the package
+    # metadata names) and the runbook the exporter serves, not a generic Prometheus page.
+    with open(os.path.join(DEPLOY, "..", "pyproject.toml"), encoding="utf-8") as f:
+        documentation = re.search(r'^Documentation = "([^"]+)"$', f.read(), re.MULTILINE)
+    assert documentation is not None
+    urls = _unit("mps-exporter.service")["Unit"]["Documentation"].split()
+    assert urls == [documentation.group(1), "http://localhost:10138/runbook"]
+
+
 def test_control_daemon_unit_runs_daemonized():
     service = _unit("nvidia-mps.service")["Service"]
     # In the foreground the daemon writes no control.log; daemonized it leaves its
