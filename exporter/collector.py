@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
@@ -40,7 +41,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .config import DEFAULT_PAUSE_AFTER
 from .contract import READ_DURATION_BUCKETS
 from .model import Histogram, Outcome, Snapshot
-from .render import render
+from .families import FamilyBuilder
+from .render import readings_key, render, render_readings, render_self
 from .sources.base import PartialFailure, ReadContext, Reader, Source
 from .sources.registry import SOURCES
 
@@ -263,10 +265,14 @@ class MpsCollector(Collector):
         return []  # keeps registration from running a whole collection
 
     def collect(self) -> Iterable[Metric]:
+        return render(self.collection(), self.granularity).families()
+
+    def collection(self) -> Snapshot:
+        """This scrape's snapshot: the collection in flight, or a new one."""
         return self._collect_once()
 
-    def _collect(self) -> List[Metric]:
-        return render(self.snapshot(self.budget(_scrape_timeout.get())), self.granularity).families()
+    def _collect(self) -> Snapshot:
+        return self.snapshot(self.budget(_scrape_timeout.get()))
 
     def budget(self, scrape_timeout: Optional[float]) -> Optional[float]:
         """Seconds a collection may take: the scrape's timeout less the offset (half the
@@ -339,12 +345,76 @@ class MpsCollector(Collector):
                 log.info("collector %s recovered", name)
 
 
-def build_registry(collector: MpsCollector, process: bool = True) -> CollectorRegistry:
+class _Families:
+    def __init__(self, families: List[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> List[Metric]:
+        return self.families
+
+
+@dataclass
+class _Encoded:
+    """The readings' part of the exposition in one format: the bytes, and with gzip the
+    compressor as it stands after them, so that a scrape appends its own series to a
+    copy of it and the body stays one gzip stream."""
+
+    key: Tuple[object, ...]
+    body: bytes
+    compressor: Any = None
+
+
+_EOF = b"# EOF\n"  # OpenMetrics' last line: once, after every part
+
+
+class Exposition(CollectorRegistry):
+    """The collector and the other collectors (process_*), encoded. The readings' part
+    (everything but the exporter's own series) is encoded once per format and compression
+    while the readings stay the same (render.readings_key), and reused: between the
+    background refreshes, and by a second Prometheus, scrapes cost the exporter's own
+    series and a copy, not an encoding. `collect` gives every family, as a registry does."""
+
+    def __init__(self, collector: MpsCollector, process: bool = True) -> None:
+        super().__init__(auto_describe=False)
+        self.collector = collector
+        self.register(collector)
+        self._others: List[Collector] = [ProcessCollector(registry=self)] if process else []
+        self._encoded: Dict[Tuple[str, bool], _Encoded] = {}
+        self._lock = threading.Lock()
+
+    def encode(self, encoder: Callable[[Any], bytes], content_type: str, gzip: bool) -> bytes:
+        """One scrape's body, from `choose_encoder`'s encoder and content type."""
+        snap = self.collector.collection()
+        key = readings_key(snap, self.collector.granularity)
+        with self._lock:
+            part = self._encoded.get((content_type, gzip))
+        if part is None or part.key != key:
+            out = FamilyBuilder()
+            render_readings(out, snap, self.collector.granularity)
+            text = encoder(_Families(out.families()))
+            text = text[:-len(_EOF)] if text.endswith(_EOF) else text
+            compressor = None
+            if gzip:
+                compressor = zlib.compressobj(6, zlib.DEFLATED, 31)  # 31: the gzip container
+                text = compressor.compress(text)
+            part = _Encoded(key, text, compressor)
+            with self._lock:
+                self._encoded[(content_type, gzip)] = part
+        own = FamilyBuilder()
+        render_self(own, snap.outcomes, snap.read_durations)
+        families = own.families()
+        for other in self._others:
+            families.extend(other.collect())
+        rest = encoder(_Families(families))
+        if not gzip:
+            return part.body + rest
+        compressor = part.compressor.copy()
+        body: bytes = part.body + compressor.compress(rest) + compressor.flush()
+        return body
+
+
+def build_registry(collector: MpsCollector, process: bool = True) -> Exposition:
     """The collector, and with `process` client_python's process_* metrics of the exporter
     itself (CPU, memory, open files; Linux only). A one-shot dump leaves those out:
     its own start-up is not the exporter's."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
-    if process:
-        ProcessCollector(registry=registry)
-    return registry
+    return Exposition(collector, process)

@@ -40,7 +40,7 @@ from .model import (
 )
 from .sources.registry import SOURCES
 
-__all__ = ["Outcome", "Snapshot", "render", "sharing_mode", "sm_utilization"]
+__all__ = ["Outcome", "Snapshot", "readings_key", "render", "render_readings", "sharing_mode", "sm_utilization"]
 
 # ---------------------------------------------------------------- the declarations
 MODE = Label("mode", FIXED, "the exporter's classification", "mps, time_slicing, exclusive, mig, idle")
@@ -190,6 +190,12 @@ def render(snap: Snapshot, granularity: str = "client") -> FamilyBuilder:
     their memory and limits summed per server (config.GRANULARITIES)."""
     out = FamilyBuilder()
     render_self(out, snap.outcomes, snap.read_durations)
+    render_readings(out, snap, granularity)
+    return out
+
+
+def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "client") -> None:
+    """Everything but the exporter's own series: a function of `readings_key(snap)` alone."""
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
     for gpu in gpus:
@@ -210,7 +216,14 @@ def render(snap: Snapshot, granularity: str = "client") -> FamilyBuilder:
         render_log_metrics(out, name, log_snap, snap.now)
     for source in SOURCES.values():  # what a source renders alone
         source.render(out, snap)
-    return out
+
+
+def readings_key(snap: Snapshot, granularity: str) -> Tuple[object, ...]:
+    """What `render_readings` depends on: equal keys, equal families. The readings are
+    never changed once read (every source returns new objects), and the clock enters
+    only through the oldest queued client's wait."""
+    waits = tuple(log.oldest_queued_wait(snap.now) for log in snap.logs.values() if log.pending)
+    return (granularity, snap.nvml, snap.dcgm, snap.daemons, snap.processes, snap.logs, snap.extra, waits)
 
 
 # ---------------------------------------------------------------- the exporter

@@ -45,7 +45,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from . import __version__, runbook
-from .collector import scrape_timeout
+from .collector import Exposition, scrape_timeout
 from .webconfig import RateLimit, WebConfig, bcrypt_cost, peer_sans, resolve_listen_address
 
 log = logging.getLogger(__name__)
@@ -369,19 +369,23 @@ class _Handler(BaseHTTPRequestHandler):
     def _scrape(self, params: Dict[str, List[str]]) -> None:
         registry: Collector = self.server.app.registry
         encoder, content_type = choose_encoder(self.headers.get("Accept") or "")
+        zipped = gzip_accepted(self.headers.get("Accept-Encoding") or "")
         if params.get("name[]"):
             registry = _OnlySamples(registry, params["name[]"])
         try:
             with scrape_timeout(self.headers.get("X-Prometheus-Scrape-Timeout-Seconds")):
-                body = encoder(registry)
+                if isinstance(registry, Exposition):  # reuses the readings' encoded part
+                    body = registry.encode(encoder, content_type, zipped)
+                else:
+                    body = encoder(registry)
+                    body = gzip.compress(body, compresslevel=6) if zipped else body
         except Exception as e:  # a broken collector must cost one scrape, not the server
             log.error("scrape failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR,
                         f"An error has occurred while serving metrics:\n\n{type(e).__name__}: {e}\n".encode())
             return
         headers = {"Content-Type": content_type}
-        if gzip_accepted(self.headers.get("Accept-Encoding") or ""):
-            body = gzip.compress(body, compresslevel=6)
+        if zipped:
             headers["Content-Encoding"] = "gzip"
         self._reply(HTTPStatus.OK, body, headers)
 

@@ -1,0 +1,121 @@
+"""The encoded exposition (collector.Exposition): the readings' part is encoded once per
+format and compression while the readings stay the same; the exporter's own series and
+process_* are encoded in every scrape; the body is one valid exposition (one gzip stream,
+one OpenMetrics EOF) with every family the collector has."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, List
+
+import pytest
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+import mps_exporter.collector as collector_module
+from mps_exporter.collector import build_registry
+from tests.support import scenarios
+
+OPENMETRICS = "application/openmetrics-text;version=1.0.0"
+
+
+def gunzip_one_stream(body: bytes) -> bytes:
+    d = zlib.decompressobj(31)
+    text = d.decompress(body) + d.flush()
+    assert d.eof and d.unused_data == b""  # one whole gzip stream, nothing after it
+    return text
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    renders: List[int] = []
+    real = collector_module.render_readings
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        renders.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(collector_module, "render_readings", counting)
+    return renders
+
+
+@pytest.mark.parametrize("accept", [OPENMETRICS, "text/plain"])
+@pytest.mark.parametrize("zipped", [False, True])
+def test_the_body_is_one_valid_exposition_with_every_family(tmp_path, accept, zipped):
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3)
+    registry = build_registry(scen.collector(), process=True)
+    encoder, content_type = choose_encoder(accept)
+    for _ in range(2):  # encoded, then reused
+        body = registry.encode(encoder, content_type, zipped)
+        text = (gunzip_one_stream(body) if zipped else body).decode()
+        parse = parse_openmetrics if accept == OPENMETRICS else parse_text
+        names = {f.name for f in parse(text)}
+        assert text.count("# EOF") == (1 if accept == OPENMETRICS else 0)
+        wanted = {f.name for f in registry.collect()}
+        assert names == wanted
+        assert {"mps_client_memory_used_bytes", "mps_exporter_collector_success", "process_cpu_seconds"} <= \
+            {n.removesuffix("_total") for n in names}
+
+
+def test_the_readings_part_is_encoded_once_while_the_readings_stay(tmp_path, counted):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    collector = scen.collector()
+    registry = build_registry(collector, process=False)
+    encoder, content_type = choose_encoder(OPENMETRICS)
+    snap = collector.snapshot()
+    collector.collection = lambda: snap  # type: ignore[method-assign]  # the same readings twice
+    first = registry.encode(encoder, content_type, True)
+    second = registry.encode(encoder, content_type, True)
+    assert len(counted) == 1
+    assert gunzip_one_stream(first) == gunzip_one_stream(second)
+    registry.encode(encoder, content_type, False)  # another compression: its own encoding
+    text_encoder, text_type = choose_encoder("text/plain")
+    registry.encode(text_encoder, text_type, True)  # another format: its own
+    assert len(counted) == 3
+    registry.encode(encoder, content_type, True)  # and the first one is still kept
+    assert len(counted) == 3
+
+
+def test_new_readings_are_encoded_again(tmp_path, counted):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    collector = scen.collector()
+    registry = build_registry(collector, process=False)
+    encoder, content_type = choose_encoder(OPENMETRICS)
+    before = gunzip_one_stream(registry.encode(encoder, content_type, True)).decode()
+    scen.nvml.gpus[0].memory_used += 1 << 20
+    after = gunzip_one_stream(registry.encode(encoder, content_type, True)).decode()
+    assert len(counted) == 2
+
+    def used(text: str) -> float:
+        return float(next(l for l in text.splitlines() if l.startswith("mps_gpu_memory_used_bytes{")).split()[-1])
+
+    assert used(after) - used(before) == 1 << 20
+
+
+def test_the_exporters_own_series_are_fresh_in_every_scrape(tmp_path, counted):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
+    collector = scen.collector()
+    registry = build_registry(collector, process=False)
+    encoder, content_type = choose_encoder(OPENMETRICS)
+    snap = collector.snapshot()
+    collector.collection = lambda: snap  # type: ignore[method-assign]
+    registry.encode(encoder, content_type, False)
+    snap.outcomes["nvml"].success = False
+    text = registry.encode(encoder, content_type, False).decode()
+    assert len(counted) == 1
+    assert 'mps_exporter_collector_success{collector="nvml"} 0' in text
+
+
+def test_a_waiting_client_ages_in_a_reused_exposition(tmp_path):
+    from mps_exporter.logs.state import LogSnapshot, PendingClient
+    from mps_exporter.render import readings_key
+
+    snap = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1).collector().snapshot()
+    key = readings_key(snap, "client")
+    snap.now += 5
+    assert readings_key(snap, "client") == key  # nobody waits: the clock does not matter
+    snap.logs["default"] = LogSnapshot(pending=[PendingClient(1, 1000, "user_switch", snap.now - 3)])
+    key = readings_key(snap, "client")
+    snap.now += 5
+    assert readings_key(snap, "client") != key
