@@ -79,6 +79,11 @@ dashboard = build(
                            DAEMON_LEGEND + " {{status}}")], w=8, stacked=True),
         timeseries("Fatal GPU errors", "Fatal GPU errors MPS servers handled, per interval (MPS logs).", "none",
                    [target(f"increase({m('mps_fatal_gpu_errors_total')}[$__rate_interval])", DAEMON_LEGEND)],
-                   w=24),
+                   w=12),
+        timeseries("Clients ended by an operator",
+                   "Client processes ended with terminate_client, per interval (server.log): they fail with their "
+                   "next CUDA call; `mps-exporter status` lists them under EVENTS.", "none",
+                   [target(f"increase({m('mps_clients_terminated_total')}[$__rate_interval])", DAEMON_LEGEND)],
+                   w=12),
     ],
 )

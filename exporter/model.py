@@ -90,6 +90,7 @@ class DaemonReading:
     version: str = ""
     default_active_thread_percentage: Optional[float] = None
     default_pinned_limits: Dict[int, int] = field(default_factory=dict)
+    default_client_priority: Optional[int] = None  # None: not set or the daemon lacks the command
     servers: List[ServerFacts] = field(default_factory=list)
     clients: List[PsEntry] = field(default_factory=list)
     # Set when the daemon could not be read for a reason other than "not

@@ -94,6 +94,9 @@ DAEMON_METRICS = table(
     gauge("mps_default_active_thread_ratio", "get_default_active_thread_percentage / 100.", DAEMON),
     gauge("mps_default_pinned_memory_limit_bytes", "get_default_device_pinned_mem_limit; absent where none is set.",
           DAEMON, GPU),
+    gauge("mps_default_client_priority", "get_default_client_priority (0 normal, 1 below normal): the priority of "
+          "servers started from now on, and of their clients that set none; absent where the daemon does not know "
+          "the command.", DAEMON),
 )
 SERVER_METRICS = table(
     "MPS servers",
@@ -111,6 +114,8 @@ SERVER_METRICS = table(
     gauge("mps_server_sm_utilization_ratio", "NVML per-process SM utilization of the server PID; under MPS this is "
           "all of its clients' SM time.", DAEMON, SERVER_PID, GPU, UUID),
     gauge("mps_server_start_time_seconds", "Unix time the server became ready.", DAEMON, SERVER_PID),
+    gauge("mps_server_priority", "The server's client priority, server.log's `Server Priority set to N` (the daemon "
+          "default when it started): its clients without CUDA_MPS_CLIENT_PRIORITY run at it.", DAEMON, SERVER_PID),
 )
 CLIENT_METRICS = table(
     "MPS clients",
@@ -130,8 +135,9 @@ CLIENT_METRICS = table(
     gauge("mps_client_active_thread_ratio", "Active thread limit that binds the client / 100: the smaller of its "
           "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and its server's percentage when it connected (MPS logs; the server's "
           "now where the logs do not show the connection).", DAEMON, CLIENT_PID),
-    gauge("mps_client_priority", "The client's CUDA_MPS_CLIENT_PRIORITY (0 normal, 1 below normal); absent where "
-          "unset or unreadable.", DAEMON, CLIENT_PID),
+    gauge("mps_client_priority", "The client's priority in force (0 normal, 1 below normal): its "
+          "CUDA_MPS_CLIENT_PRIORITY, else its server's (server.log), else the daemon default; absent where none is "
+          "known.", DAEMON, CLIENT_PID),
     gauge("mps_client_start_time_seconds", "Unix time the client connected.", DAEMON, CLIENT_PID),
 )
 POD_SUM_METRICS = table(
@@ -329,6 +335,7 @@ def render_daemon(out: FamilyBuilder, d: DaemonReading) -> None:
         out.add("mps_default_pinned_memory_limit_bytes", limit, daemon=d.name, gpu=str(dev))
     for verb, sent in sorted(d.commands_sent.items()):
         out.add("mps_exporter_control_commands_total", sent, daemon=d.name, command=verb)
+    out.add("mps_default_client_priority", d.default_client_priority, daemon=d.name)
 
 
 # ---------------------------------------------------------------- servers
@@ -366,6 +373,7 @@ def render_servers(out: FamilyBuilder, d: DaemonReading, log_snap: Optional[LogS
             out.add("mps_server_pinned_memory_limit_bytes", limit, **sp, gpu=str(dev))
         start = (ls.start_time if ls else None) or (proc.start_time_seconds if proc else None)
         out.add("mps_server_start_time_seconds", start, **sp)
+        out.add("mps_server_priority", ls.priority if ls else None, **sp)
         for gpu in joined.gpus:
             g = {"gpu": str(gpu.index), "uuid": gpu.uuid}
             if pid in joined.compute_memory[gpu.index]:
@@ -415,8 +423,21 @@ def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[
             out.add("mps_client_pinned_memory_limit_bytes", limits.pinned_bytes.get(gpu.index), **cp, gpu=str(gpu.index))
         share = limits.thread_percentage
         out.add("mps_client_active_thread_ratio", None if share is None else share / 100, **cp)
-        out.add("mps_client_priority", proc.env_client_priority, **cp)
+        out.add("mps_client_priority", client_priority(proc, server_pid, log_snap, d), **cp)
         out.add("mps_client_start_time_seconds", log_starts.get(pid) or proc.start_time_seconds, **cp)
+
+
+def client_priority(proc: ProcessFacts, server_pid: Optional[int], log_snap: Optional[LogSnapshot],
+                    d: DaemonReading) -> Optional[int]:
+    """The priority a client runs at: its own CUDA_MPS_CLIENT_PRIORITY, else its server's
+    (`Server Priority set to N`: the daemon default when the server started, which its
+    clients inherit), else the daemon default now."""
+    if proc.env_client_priority is not None:
+        return proc.env_client_priority
+    server = log_snap.servers.get(server_pid) if log_snap is not None and server_pid is not None else None
+    if server is not None and server.priority is not None:
+        return server.priority
+    return d.default_client_priority
 
 
 def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],

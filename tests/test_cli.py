@@ -82,6 +82,15 @@ def dump(log_directory: Path) -> str:
     return res.stdout
 
 
+def test_dump_counts_the_fatal_gpu_error_of_a_cuda_11_server():
+    out = dump(Path(__file__).parent / "logs" / "fixtures" / "cuda11-fatal")
+    for sample in ('mps_fatal_gpu_errors_total{daemon="default"} 1.0',
+                   'mps_client_connections_total{daemon="default"} 2.0',
+                   'mps_log_unrecognized_lines_total{daemon="default",file="control"} 0.0',
+                   'mps_log_unrecognized_lines_total{daemon="default",file="server"} 0.0'):
+        assert sample in out, sample
+
+
 def test_dump_counts_refusals_and_a_server_killed_under_its_client():
     """Real lines of the H100 run (an excerpt: three of its refusal lines, the server
     SIGKILLed under client 3965 and the next one, shut down after its client left)."""

@@ -210,6 +210,7 @@ def test_every_gpu_daemon_server_and_client_metric_comes_out_of_recorded_data(tm
     plain.nvml = FakeNvml.synthetic(gpus=1, clients_per_gpu=2, mps=False)
     plain.daemon.servers, plain.daemon.clients = [], []
     text += exposition(plain.collector())
+    text += exposition(server_priority_scenario(tmp_path / "priority", 1).collector())
     wanted = {n for n, spec in METRICS.items() if spec.table in TABLES}
     missing = sorted(n for n in wanted if not series(text, n))
     assert not missing, missing
@@ -234,11 +235,45 @@ def test_the_served_registry_has_the_process_metrics(tmp_path):
     assert series(text, "process_resident_memory_bytes") and series(text, "mps_gpu_up")
 
 
+def server_priority_scenario(tmp_path, priority: int) -> "scenarios.Scenario":
+    """Server 4000 with one client (pid 5000, no CUDA_MPS_CLIENT_PRIORITY), logged `Server
+    Priority set to <priority>` at its start; the daemon's default is 0 now."""
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "control.log").write_text("[2026-11-21 04:00:00.000 Control   100] Starting new server 4000 for user 0\n")
+    (logs / "server.log").write_text(f"[2026-11-21 04:00:00.100 Server  4000] Server Priority set to {priority}\n")
+    scen.cfg.daemons = [DaemonConfig("default", "/tmp/mps/pipe", str(logs))]
+    scen.cfg.collectors["logs"] = True
+    scen.log_directory = logs
+    return scen
+
+
+def test_a_client_without_its_own_priority_runs_at_its_servers(tmp_path):
+    """`set_default_client_priority 1`, a server started (`Server Priority set to 1`), then
+    the default set back to 0: the server's clients still run at 1 (issue 24)."""
+    scen = server_priority_scenario(tmp_path, 1)
+    text = exposition(scen.collector())
+    client = next(c.pid for c in scen.daemon.clients)
+    assert series(text, "mps_default_client_priority") == ['mps_default_client_priority{daemon="default"} 0.0']
+    assert series(text, "mps_server_priority") == ['mps_server_priority{daemon="default",server_pid="4000"} 1.0']
+    assert series(text, "mps_client_priority") == [f'mps_client_priority{{daemon="default",pid="{client}"}} 1.0']
+    older = server_priority_scenario(tmp_path / "older", 0)
+    older.daemon.default_client_priority = None  # a daemon without the command: no default, no failure
+    text = exposition(older.collector())
+    assert 'mps_exporter_collector_success{collector="control"} 1.0' in text
+    assert series(text, "mps_default_client_priority") == []
+    assert series(text, "mps_client_priority") == [f'mps_client_priority{{daemon="default",pid="{client}"}} 0.0']
+
+
 def test_client_priority_from_its_environment_and_the_pid_namespace_label(tmp_path):
-    """Client 1648 runs with CUDA_MPS_CLIENT_PRIORITY=1; 1647 and 1649 set none. The PID
-    namespace `ps` shows is `pid_namespace` (Kubernetes owns `namespace`)."""
+    """Client 1648 runs with CUDA_MPS_CLIENT_PRIORITY=1; 1647 and 1649 set none and run at
+    the daemon's default, 0 (their server's log lines are past: the capture ends after it exits).
+    The PID namespace `ps` shows is `pid_namespace` (Kubernetes owns `namespace`)."""
     text = exposition(scenarios.busy(tmp_path).collector())
-    assert series(text, "mps_client_priority") == ['mps_client_priority{daemon="default",pid="1648"} 1.0']
+    assert series(text, "mps_client_priority") == ['mps_client_priority{daemon="default",pid="1647"} 0.0',
+                                                   'mps_client_priority{daemon="default",pid="1648"} 1.0',
+                                                   'mps_client_priority{daemon="default",pid="1649"} 0.0']
     info = series(text, "mps_client_info")
     assert len(info) == 3 and all('pid_namespace="4026531836"' in s and " namespace=" not in s and ",namespace=" not in s
                                   and "{namespace=" not in s for s in info)

@@ -125,6 +125,7 @@ def test_log_start_times_win_over_proc(monkeypatch):
 
     class LogServer:
         start_time, uid, active_thread_percentage, pinned_limits, running = 1795234880.5, 0, 100.0, {}, True
+        priority = None
 
     class Logs:
         servers = {1589: LogServer()}

@@ -190,6 +190,7 @@ def test_steady_state_sends_get_server_list_alone():
         assert [(s.pid, s.status) for s in r.servers] == [(1589, "ACTIVE")]
     assert r.commands_sent == {"get_server_list": 7, "ps": 2, "get_server_status": 1,
                                "get_default_active_thread_percentage": 1, "get_default_device_pinned_mem_limit": 1,
+                               "get_default_client_priority": 1,
                                "get_active_thread_percentage": 1, "get_device_pinned_mem_limit": 1}
 
 

@@ -258,7 +258,8 @@ def test_live_node_shows_each_client_with_its_pod_and_its_limit(tmp_path):
     # (and CUDA_MPS_CLIENT_PRIORITY=1: the PRIORITY column)
     row = re.search(r"^  1648 +1589 +root \(0\) +pod (\S+) ctr (\S+) +2\.79 GiB / 4\.00 GiB \(70%\) +25% +1 +python3$", text, re.M)
     assert row and scenarios.POD_UID.startswith(row.group(1)) and scenarios.CONTAINER_ID.startswith(row.group(2)), text
-    assert re.search(r"^  1647 +1589 +root \(0\) +- +8\.79 GiB / no limit +100% +- +python3$", text, re.M), text
+    # 1647 sets no priority: it runs at the daemon's default, 0
+    assert re.search(r"^  1647 +1589 +root \(0\) +- +8\.79 GiB / no limit +100% +0 +python3$", text, re.M), text
 
     scen.cfg.status.output = "json"
     out = io.StringIO()

@@ -174,7 +174,8 @@ class ClientProcessDisconnected(NamedTuple):
 
 class FatalGpuError(NamedTuple):
     """`Client {PID: P, Context: C} encountered a fatal GPU error.` (client_pid set) or
-    `Server is handling a fatal GPU error.` (client_pid None). One report may hold both."""
+    `Server is handling a fatal GPU error.` (client_pid None). One report may hold both.
+    11.x/12.x servers write the report's lines behind `Volta MPS: `."""
 
     ts: float
     pid: int
@@ -198,6 +199,25 @@ class ReportItem(NamedTuple):
     ts: float
     pid: int
     value: int
+
+
+class ServerPriority(NamedTuple):
+    """`Server Priority set to 1`: the priority the server runs its clients at (the daemon's
+    `set_default_client_priority` when it started); clients without CUDA_MPS_CLIENT_PRIORITY
+    run at it."""
+
+    ts: float
+    pid: int
+    priority: int
+
+
+class ClientTerminated(NamedTuple):
+    """`MPS server requesting client {PID: 675, Context ID: 1} to exit`: an operator's
+    `terminate_client <server> <client>` (followed by `Client termination succeeded.`)."""
+
+    ts: float
+    pid: int
+    client_pid: int
 
 
 class ClientRejected(NamedTuple):
@@ -248,7 +268,7 @@ Event = Union[
     ServerReady, ServerExited, ShutdownAttempt, ShutdownDeferred, UiOpened, UiClosed, Command,
     CommandOutput, ServerActiveThreads, ServerPinnedLimit, ClientContextConnected,
     ClientProcessConnected, ClientProcessDisconnected, FatalGpuError, ReportHeading, ReportItem,
-    ClientRejected, ServerExiting, ServerStartFailed, Noise,
+    ClientRejected, ServerExiting, ServerStartFailed, ServerPriority, ClientTerminated, Noise,
 ]
 
 ParseResult = Union[Event, Unrecognized]

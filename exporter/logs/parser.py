@@ -18,6 +18,11 @@ Formats (every line: `[YYYY-MM-DD HH:MM:SS.mmm ROLE PID] message`, ROLE one of
   Client process disconnected` (no PID). Control daemon start is a bare `Start`.
   (Recorded in public issue threads: NVIDIA/nvidia-container-toolkit#277, a
   CUDA 11.2 docker-compose run.)
+  Their fatal error report is 13.x's, each line behind `Volta MPS: ` (`Volta MPS: Server
+  is handling a fatal GPU error.`, the two list headings, bare numbers).
+- Any version: `Server Priority set to N` (the daemon's default client priority when the
+  server started), and for `terminate_client` `MPS server requesting client {PID: P,
+  Context ID: C} to exit` then `Client termination succeeded.`.
 - Pre-Volta (NVIDIA's MPS documentation, "Server Log"): `New client 14781 connected`,
   `Client 14777 disconnected`, `MPS server failed to start`.
 - Role `Legacy Server`: `Failed to start : invalid argument` (NVIDIA/k8s-device-plugin#685),
@@ -38,10 +43,11 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
-    ClientPushed, ClientRejected, Command, CommandOutput, DaemonExited, DaemonStarted, DaemonVersion, FatalGpuError,
+    ClientPushed, ClientRejected, ClientTerminated, Command, CommandOutput, DaemonExited, DaemonStarted, DaemonVersion,
+    FatalGpuError,
     Noise, ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
-    ServerPinnedLimit, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
-    UiClosed, UiOpened, Unrecognized,
+    ServerPinnedLimit, ServerPriority, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt,
+    ShutdownDeferred, UiClosed, UiOpened, Unrecognized,
 )
 
 # ------------------------------------------------------------------ time
@@ -219,11 +225,16 @@ for _kind, _texts in {
 }.items():
     for _text in _texts:
         _SERVER_EXACT[_text] = _kind
-_SERVER_EXACT.update({
-    "Exiting": ServerExiting,
+# The fatal error report: bare on 13.x, behind `Volta MPS: ` on 11.x/12.x (_VOLTA).
+_REPORT_EXACT: Dict[str, Callable[[float, int], ParseResult]] = {
     "Server is handling a fatal GPU error.": lambda ts, pid: FatalGpuError(ts, pid, None),
     "The following devices will be reset:": lambda ts, pid: ReportHeading(ts, pid, "reset_devices"),
     "The following client process have a sticky error set:": lambda ts, pid: ReportHeading(ts, pid, "sticky_clients"),
+}
+_SERVER_EXACT.update(_REPORT_EXACT)
+_SERVER_EXACT.update({
+    "Exiting": ServerExiting,
+    "Client termination succeeded.": "client_terminated",
     "Volta MPS: Client process disconnected": lambda ts, pid: ClientProcessDisconnected(ts, pid, None),
     "MPS server failed to start": lambda ts, pid: ServerStartFailed(ts, pid, "failed to start"),
 })
@@ -232,6 +243,8 @@ _SERVER_EXACT.update({
 def _limit(text: str) -> int:
     return int(text, 16) if text.lower().startswith("0x") else int(text)
 
+
+_CLIENT_FATAL = r"Client \{PID: (-?\d{1,10}), Context(?: ID)?: \d+\} encountered a fatal GPU error"
 
 _SERVER_RULES: Dict[str, List[_Rule]] = {
     # A server refusing a connection the daemon handed it: on driver 580, that of a client
@@ -243,8 +256,7 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
          lambda ts, pid, m: ClientContextConnected(ts, pid, int(m.group(1)))),
         (r"Client process (-?\d{1,10}) disconnected$",
          lambda ts, pid, m: ClientProcessDisconnected(ts, pid, int(m.group(1)))),
-        (r"Client \{PID: (-?\d{1,10}), Context(?: ID)?: \d+\} encountered a fatal GPU error",
-         lambda ts, pid, m: FatalGpuError(ts, pid, int(m.group(1)))),
+        (_CLIENT_FATAL, lambda ts, pid, m: FatalGpuError(ts, pid, int(m.group(1)))),
         (r"Client \{PID: -?\d+, Context ID: \d+\} exiting", "client_context_exit"),
         (r"Client \{PID: -?\d+, Context ID: \d+\} on .* to be torn down", "fatal_report"),
         (r"Client (\d{1,10}) disconnected$",  # pre-Volta
@@ -275,7 +287,7 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     "Server": _rules(
         ("Server failed to rece", "client_context_exit"),
         ("Server was unable to shutdown due to ", "shutdown_refused"),
-        (r"Server Priority set to", "server_config"),
+        (r"Server Priority set to (-?\d{1,10})$", lambda ts, pid, m: ServerPriority(ts, pid, int(m.group(1)))),
     ),
     "Received": _rules((r"Received new client request", "client_request"),),
     "Creating": _rules(
@@ -289,6 +301,9 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     "Display": _rules((r"Display Driver version", "server_version"),),
     "Connecting": _rules((r"Connecting to control daemon", "server_startup"),),
     "MPS": _rules(
+        # terminate_client <server> <client>, verbatim from an H100 (driver 580, MPS 13000; issue 24)
+        (r"MPS server requesting client \{PID: (-?\d{1,10}), Context ID: \d+\} to exit$",
+         lambda ts, pid, m: ClientTerminated(ts, pid, int(m.group(1)))),
         (r"MPS Server connecting to control daemon", "server_startup"),
         (r"MPS is only supported on .*", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
     ),
@@ -302,12 +317,29 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
 }
 
 _BARE_NUMBER = re.compile(r"-?\d{1,10}")
+_VOLTA = "Volta MPS: "
+_VOLTA_CLIENT_FATAL = re.compile(_CLIENT_FATAL)
+
+
+def _volta_report(ts: float, pid: int, msg: str) -> Optional[ParseResult]:
+    """A fatal error report line of an 11.x/12.x server, `msg` without its `Volta MPS: `."""
+    build = _REPORT_EXACT.get(msg)
+    if build is not None:
+        return build(ts, pid)
+    if _BARE_NUMBER.fullmatch(msg):
+        return ReportItem(ts, pid, int(msg))
+    m = _VOLTA_CLIENT_FATAL.match(msg)
+    return FatalGpuError(ts, pid, int(m.group(1))) if m else None
 
 
 def _parse_server(ts: float, pid: int, msg: str) -> ParseResult:
     event = _exact(_SERVER_EXACT, ts, pid, msg)
     if event is not None:
         return event
+    if msg.startswith(_VOLTA):
+        event = _volta_report(ts, pid, msg[len(_VOLTA):])
+        if event is not None:
+            return event
     space = msg.find(" ")
     if space < 0 and _BARE_NUMBER.fullmatch(msg):
         return ReportItem(ts, pid, int(msg))

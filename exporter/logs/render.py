@@ -61,7 +61,10 @@ LOG_METRICS = table(
             "or crashed under them: the clients lost their work). control.log says 'exited with status 0' for these "
             "too.", DAEMON),
     counter("mps_server_start_failures_total", "Servers that failed to start.", DAEMON),
-    counter("mps_fatal_gpu_errors_total", "Fatal GPU errors a server handled.", DAEMON),
+    counter("mps_fatal_gpu_errors_total", "Fatal GPU errors a server handled (13.x `Server is handling a fatal GPU "
+            "error.`, 11.x/12.x the same behind `Volta MPS: `).", DAEMON),
+    counter("mps_clients_terminated_total", "Client processes an operator ended with `terminate_client` (server.log "
+            "`MPS server requesting client {PID: P, ...} to exit`): they fail with their next CUDA call.", DAEMON),
     counter("mps_control_commands_total", "Commands the control daemon received, by verb (the exporter's own "
             "included).", DAEMON, COMMAND_VERB),
     counter("mps_log_lines_total", "Log lines read (file control or server).", DAEMON, FILE),
@@ -101,6 +104,7 @@ def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: 
     out.add("mps_server_exits_with_clients_total", snap.exits_with_clients, daemon=daemon)
     out.add("mps_server_start_failures_total", snap.server_start_failures, daemon=daemon)
     out.add("mps_fatal_gpu_errors_total", snap.fatal_gpu_errors, daemon=daemon)
+    out.add("mps_clients_terminated_total", snap.clients_terminated, daemon=daemon)
     for verb, n in sorted(snap.commands.items()):
         out.add("mps_control_commands_total", n, daemon=daemon, command=verb)
     for file in FILES:

@@ -32,6 +32,9 @@ for client connections, fatal errors and per-server settings):
   as a history of changes (server.log's `... set to` lines at start, control.log's
   `Cmd:set_device_pinned_mem_limit S D V` / `Cmd:set_active_thread_percentage S P`
   while it runs) and each client's are looked up at its connection time.
+- A client an operator ended (`terminate_client`) is server.log's `MPS server requesting
+  client {PID: P, Context ID: C} to exit`: one per context, counted once per process.
+- A server's priority is its `Server Priority set to N` (the daemon default at its start).
 - A refused client is server.log's `Failed to accept new client. Maximum number
   of clients (N) reached.`
 - A server exited with clients when control.log's `Server S exited` comes while
@@ -53,9 +56,9 @@ from ..contract import MAX_PLAUSIBLE_QUEUE_WAIT, OTHER, QUEUE_WAIT_BUCKETS, comm
 from ..units import parse_size
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
-    ClientPushed, ClientRejected, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
+    ClientPushed, ClientRejected, ClientTerminated, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
     ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
-    ServerPinnedLimit, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
+    ServerPinnedLimit, ServerPriority, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
     UiClosed, UiOpened, Unrecognized,
 )
 
@@ -100,6 +103,7 @@ class LogServer:
     # (time, device or THREADS, value) in time order: the files are read one after
     # the other, so a change can arrive after a later one of the other file.
     limit_changes: List[Tuple[float, int, float]] = field(default_factory=list)
+    priority: Optional[int] = None  # `Server Priority set to N`: its clients' unless they set their own
 
     @property
     def ready(self) -> bool:
@@ -109,7 +113,7 @@ class LogServer:
         return LogServer(self.pid, self.uid, self.start_time, self.active_thread_percentage,
                          dict(self.pinned_limits), self.running, self.fatal_errors,
                          list(self.sticky_clients), list(self.reset_devices), self.start_failure,
-                         self.daemon_shutdown, list(self.limit_changes))
+                         self.daemon_shutdown, list(self.limit_changes), self.priority)
 
     def change_limit(self, ts: float, device: int, value: float) -> None:
         bisect.insort(self.limit_changes, (ts, device, value))
@@ -163,6 +167,7 @@ class LogEvent:
     kind: fatal_gpu_error (clients: the processes left with a sticky error), handoff
     (a server the daemon shut down for a waiting client of another user), start_failure,
     exit_with_clients (clients: those still connected), client_rejected (detail: why),
+    client_terminated (clients: the client an operator ended with terminate_client),
     left_queue (clients: a queued client whose process is gone; its time is when that
     was seen, not a log line's).
     """
@@ -234,6 +239,7 @@ class LogSnapshot:
     server_exits: Dict[str, int] = field(default_factory=dict)  # exit status -> count
     server_start_failures: int = 0
     fatal_gpu_errors: int = 0
+    clients_terminated: int = 0  # terminate_client
     commands: Dict[str, int] = field(default_factory=dict)
     # Queued clients whose process was gone before they were served (liveness.py): the logs
     # never say that they left.
@@ -304,6 +310,7 @@ class LogState:
             FatalGpuError: self._fatal_error, ReportHeading: self._report_heading,
             ReportItem: self._report_item, ServerExiting: self._server_exiting,
             ServerStartFailed: self._start_failed, ClientRejected: self._client_rejected,
+            ServerPriority: self._server_priority, ClientTerminated: self._client_terminated,
         }
 
     # --------------------------------------------------------------- input
@@ -598,6 +605,18 @@ class LogState:
         self._note(LogEvent(ev.ts, "client_rejected", ev.pid, [] if client is None else [client],
                             detail=f"maximum number of clients ({ev.limit}) reached" if ev.limit is not None else ev.reason))
 
+    def _server_priority(self, ev: ServerPriority) -> None:
+        srv = self._facts(ev.pid)
+        if srv is not None:
+            srv.priority = ev.priority
+
+    def _client_terminated(self, ev: ClientTerminated) -> None:
+        last = next((e for e in reversed(self._recent) if e.kind == "client_terminated"), None)
+        if last is not None and last.server_pid == ev.pid and last.clients == [ev.client_pid]:
+            return  # the same client's next context
+        self.s.clients_terminated += 1
+        self._note(LogEvent(ev.ts, "client_terminated", ev.pid, [ev.client_pid]))
+
     def _fatal_error(self, ev: FatalGpuError) -> None:
         if ev.pid in self._open_reports:
             return  # the same report's second line
@@ -672,6 +691,7 @@ class LogState:
             client_connections=s.client_connections, client_disconnections=s.client_disconnections,
             server_starts=s.server_starts, server_exits=dict(s.server_exits),
             server_start_failures=s.server_start_failures, fatal_gpu_errors=s.fatal_gpu_errors,
+            clients_terminated=s.clients_terminated,
             commands=dict(s.commands), limit_commands=s.limit_commands, queued_gone=s.queued_gone,
             control_changes=s.control_changes,
             lines=dict(s.lines), unrecognized=dict(s.unrecognized),
@@ -693,9 +713,10 @@ class LogState:
     # ------------------------------------------------------ persistence
     _COUNTERS = ("handoffs", "shutdown_deferrals", "client_connections", "client_disconnections",
                  "server_starts", "server_start_failures", "fatal_gpu_errors", "exits_with_clients", "limit_commands",
-                 "queued_gone", "control_changes")
+                 "queued_gone", "control_changes", "clients_terminated")
     _COUNTER_MAPS = ("pushes", "server_exits", "commands", "lines", "unrecognized", "truncated", "rejections")
-    _ADDED_LATER = ("exits_with_clients", "rejections", "limit_commands", "queued_gone", "control_changes")  # absent from older files
+    _ADDED_LATER = ("exits_with_clients", "rejections", "limit_commands", "queued_gone", "control_changes",
+                    "clients_terminated")  # absent from older files
 
     def to_dict(self) -> Dict[str, Any]:
         """Everything needed to resume: JSON-safe."""
@@ -787,7 +808,7 @@ def _server_dict(srv: LogServer) -> Dict[str, Any]:
             "pinned": [[dev, n] for dev, n in srv.pinned_limits.items()], "running": srv.running,
             "fatal_errors": srv.fatal_errors, "sticky": srv.sticky_clients, "reset": srv.reset_devices,
             "start_failure": srv.start_failure, "daemon_shutdown": srv.daemon_shutdown,
-            "limit_changes": [list(c) for c in srv.limit_changes]}
+            "limit_changes": [list(c) for c in srv.limit_changes], "priority": srv.priority}
 
 
 def _server_from(x: Dict[str, Any]) -> LogServer:
@@ -795,4 +816,5 @@ def _server_from(x: Dict[str, Any]) -> LogServer:
                      {int(dev): int(n) for dev, n in x["pinned"]}, bool(x["running"]),
                      int(x["fatal_errors"]), [int(v) for v in x["sticky"]], [int(v) for v in x["reset"]],
                      x["start_failure"], bool(x["daemon_shutdown"]),
-                     [(float(a), int(b), float(c)) for a, b, c in x.get("limit_changes", [])])
+                     [(float(a), int(b), float(c)) for a, b, c in x.get("limit_changes", [])],
+                     None if x.get("priority") is None else int(x["priority"]))

@@ -40,6 +40,7 @@ READ_ONLY_COMMANDS: Dict[str, int] = {
     "get_device_pinned_mem_limit": 2,  # <server pid> <device>
     "get_default_active_thread_percentage": 0,
     "get_default_device_pinned_mem_limit": 1,  # <device>
+    "get_default_client_priority": 0,
     "get_device_client_list": 0,
 }
 
@@ -149,6 +150,17 @@ def parse_pinned_limit(text: str) -> Optional[int]:
     if size is None:
         raise ControlError(f"unexpected pinned memory limit: {text.strip()[:80]!r}")
     return size or None  # MPS treats a limit of 0 as "no limit"
+
+
+def parse_priority(text: str) -> Optional[int]:
+    """`get_default_client_priority`: one integer; None from a daemon that lacks the command."""
+    lines = _lines(text)
+    if lines and lines[0].startswith("Unknown command"):
+        return None
+    lines = _lines(check_reply(text))
+    if len(lines) != 1 or not re.fullmatch(r"-?[0-9]{1,3}", lines[0]):
+        raise ControlError(f"unexpected client priority: {text.strip()[:80]!r}")
+    return int(lines[0])
 
 
 def parse_version(text: str) -> str:
@@ -293,6 +305,14 @@ class ControlSource:
     def _pinned_limit(self, verb: str, *args: object) -> Callable[[], Optional[int]]:
         return lambda: parse_pinned_limit(self._run(verb, *args))
 
+    def _default_priority(self) -> Optional[int]:
+        try:
+            return parse_priority(self._run("get_default_client_priority"))
+        except ControlError as e:
+            if "Unknown command" in str(e):  # an older daemon: no default priority to read
+                return None
+            raise
+
     def _forget_servers_except(self, live: Set[int]) -> None:
         for key in [k for k in self._cache if k[0] == "server" and k[1] not in live]:
             del self._cache[key]
@@ -345,6 +365,7 @@ class ControlSource:
                 self._statuses, self._status_key = {}, status_key
             reading.default_active_thread_percentage = self._cached(
                 ("default_atp",), self._percentage("get_default_active_thread_percentage"))
+            reading.default_client_priority = self._cached(("default_priority",), self._default_priority)
             for dev in devices:
                 limit = self._cached(("default_pinned", dev),
                                      self._pinned_limit("get_default_device_pinned_mem_limit", dev))

@@ -17,13 +17,14 @@ TITLE, HEADING, ALERT, PLAIN = "title", "heading", "alert", ""
 WIDTH = 100  # where the totals wrap; tables and events keep a line per row
 _EVENT_NAMES = {"fatal_gpu_error": "fatal GPU error", "handoff": "handoff", "start_failure": "start failure",
                 "exit_with_clients": "server died", "client_rejected": "client refused",
-                "left_queue": "left the queue"}
+                "left_queue": "left the queue", "client_terminated": "client ended"}
 _COUNTER_NAMES = {
     "mps_client_rejections_total": "refused clients",
     "mps_server_exits_with_clients_total": "servers exited with clients",
     "mps_server_handoffs_total": "handoffs",
     "mps_server_shutdown_deferrals_total": "shutdown deferrals",
     "mps_fatal_gpu_errors_total": "fatal GPU errors",
+    "mps_clients_terminated_total": "clients ended by terminate_client",
     "mps_server_start_failures_total": "start failures",
     "mps_server_exits_total": "server exits",
     "mps_log_unrecognized_lines_total": "unrecognized log lines",
@@ -167,6 +168,8 @@ def _events(events: Sequence[Event], now: float) -> List[Line]:
             text += " exited with clients still connected" + (": " + " ".join(map(str, e.clients)) if e.clients else "")
         elif e.kind == "client_rejected":
             text += " refused " + (f"client {e.clients[0]}" if e.clients else "a client") + (f": {e.detail}" if e.detail else "")
+        elif e.kind == "client_terminated":
+            text += " ended client " + (str(e.clients[0]) if e.clients else "?") + " (terminate_client)"
         elif e.kind == "handoff":
             text += f" ({e.detail})" if e.detail else ""
             text += " shut down for a waiting client of another user"

@@ -26,6 +26,7 @@ EVENT_COUNTERS = (
     "mps_server_handoffs_total",
     "mps_server_shutdown_deferrals_total",
     "mps_fatal_gpu_errors_total",
+    "mps_clients_terminated_total",
     "mps_server_start_failures_total",
     "mps_server_exits_total",
     "mps_log_unrecognized_lines_total",
@@ -104,7 +105,7 @@ class QueuedClient:
 @dataclass
 class Event:
     time: float
-    kind: str  # fatal_gpu_error, handoff, start_failure, exit_with_clients, client_rejected, left_queue
+    kind: str  # fatal_gpu_error, handoff, start_failure, exit_with_clients, client_rejected, left_queue, client_terminated
     server_pid: Optional[int]
     clients: List[int]
     detail: str

@@ -265,6 +265,13 @@ def test_alerts_reach_the_receiver_and_dashboards_have_data(tmp_path):
             instance = node.address
             started = time.time()
 
+            # 0. Server 1589's start as the logs tell it: the priority its clients run at.
+            node.control("Starting new server 1589 for user 0", pid=1589)
+            node.server(1589, "Server Priority set to 0")
+            deadline = time.monotonic() + 30
+            while not prom.query("mps_server_priority") and time.monotonic() < deadline:
+                time.sleep(0.5)
+
             # 1. A client of another user queues behind server 1589.
             node.control("NEW CLIENT 2483 from user 1500: Server is not ready, push client to pending list",
                          "Try shutting down server 1589, backoff is disabled",

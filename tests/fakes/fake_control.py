@@ -59,6 +59,7 @@ class FakeControlDaemon:
     running: bool = True
     default_active_thread_percentage: float = 100.0
     default_pinned_limits: Dict[int, str] = field(default_factory=dict)
+    default_client_priority: Optional[int] = 0  # None: a daemon without get_default_client_priority
     version: str = "13000"
     hang_seconds: float = 0.0  # > timeout: simulates a hung daemon
     latency_seconds: float = 0.0  # the capture measured ~1.9 ms per command
@@ -122,6 +123,8 @@ class FakeControlDaemon:
             return "\n".join(rows) + "\n"
         if verb == "get_default_active_thread_percentage":
             return f"{self.default_active_thread_percentage:.1f}\n"
+        if verb == "get_default_client_priority" and self.default_client_priority is not None:
+            return f"{self.default_client_priority}\n"
         if verb == "get_default_device_pinned_mem_limit":
             limit = self.default_pinned_limits.get(nums[0])
             return f"{limit}\n" if limit else "No default pinned memory limit set for the device!\n"

@@ -89,6 +89,8 @@ class RecordedDaemon:
             return 0, self.servers
         if verb == "ps":
             return 0, REPLIES["ps (no server)" if not self.servers else "ps (3 clients)"]
+        if verb == "get_default_client_priority":  # not recorded: answered as a daemon without it would
+            return 0, f'Unknown command "{verb}"\n'
         key = {"get_default_active_thread_percentage": "get_default_active_thread_percentage (none set)",
                "get_default_device_pinned_mem_limit": "get_default_device_pinned_mem_limit 0 (none set)",
                "get_server_status": "get_server_status <server> (busy)",

@@ -207,3 +207,24 @@ def test_every_number_of_every_known_line_made_huge_is_never_a_parser_error():
             assert not (type(result) is ev.Unrecognized and result.reason == PARSER_ERROR), line
             checked += 1
     assert checked > 1000
+
+
+def test_priority_and_terminate_client_lines():
+    # Verbatim from MPS 13000 on an H100 (issue 24) and the capture (`Server Priority set to 0`).
+    assert s("Server Priority set to 1") == ev.ServerPriority(s("Exiting").ts, 2736, 1)
+    assert s("MPS server requesting client {PID: 675, Context ID: 1} to exit") == \
+        ev.ClientTerminated(s("Exiting").ts, 2736, 675)
+    assert s("Client termination succeeded.") == ev.Noise(s("Exiting").ts, 2736, "client_terminated")
+
+
+def test_fatal_error_report_of_11x_and_12x():
+    # The 13.x report's lines behind `Volta MPS: `, role `Other`.
+    other = "[2022-03-14 09:13:41.503 Other    17] Volta MPS: "
+    assert parse_line(other + "Server is handling a fatal GPU error.", "server").client_pid is None
+    assert parse_line(other + "The following devices will be reset:", "server").topic == "reset_devices"
+    assert parse_line(other + "The following client process have a sticky error set:", "server").topic == \
+        "sticky_clients"
+    assert parse_line(other + "4121", "server").value == 4121
+    assert parse_line(other + "Client {PID: 4121, Context: 1} encountered a fatal GPU error.", "server").client_pid \
+        == 4121
+    assert type(parse_line(other + "Something new", "server")) is ev.Unrecognized

@@ -438,3 +438,28 @@ def test_start_failures_server_log_alone_shows_are_counted_once():
         for line in files[file]:
             state.apply(st_parse(line, file), file)
     assert state.snapshot().server_start_failures == 2
+
+
+def test_terminate_client_counts_each_process_once_and_is_an_event():
+    # terminate_client 20 10: one `requesting` line per context of the client.
+    log = srv(20, "00:00:05.000 MPS server requesting client {PID: 10, Context ID: 1} to exit",
+              "00:00:05.001 MPS server requesting client {PID: 10, Context ID: 2} to exit",
+              "00:00:05.010 Client termination succeeded.",
+              "00:00:07.000 MPS server requesting client {PID: 11, Context ID: 1} to exit",
+              "00:00:07.010 Client termination succeeded.")
+    state = replay({"control": ctl(*START, "00:00:01.000 Starting new server 20 for user 0"), "server": log})
+    snap = state.snapshot()
+    assert snap.clients_terminated == 2 and snap.unrecognized == {"control": 0, "server": 0}
+    assert [(e.kind, e.server_pid, e.clients) for e in snap.recent_events] == \
+        [("client_terminated", 20, [10]), ("client_terminated", 20, [11])]
+    again = LogState.from_dict(json.loads(json.dumps(state.to_dict()))).snapshot()
+    assert again.clients_terminated == 2
+
+
+def test_server_priority_is_kept_per_server_and_survives_a_restart():
+    state = replay({"control": ctl(*START, "00:00:01.000 Starting new server 20 for user 0",
+                                   "00:00:01.500 NEW SERVER 20: Ready"),
+                    "server": srv(20, "00:00:01.200 Server Priority set to 1")})
+    assert state.snapshot().servers[20].priority == 1
+    again = LogState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert again.snapshot().servers[20].priority == 1
