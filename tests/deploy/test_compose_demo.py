@@ -39,6 +39,9 @@ NEEDS_KUBE_STATE_METRICS = {"kubernetes"}  # tested by tests/alerts/test_kuberne
 # sums instead of per-client series); the demo runs the default, per client.
 OTHER_GRANULARITIES = ("(--mps.client-granularity pod)", "(--mps.client-granularity server)")
 RULES = os.path.join(ROOT, "alerts", "prometheus", "mps-exporter.rules.yml")
+# Series of the live exporter itself that the shipped session, recorded before they
+# existed, cannot replay (a bundle recorded since carries them).
+NOT_IN_SHIPPED_SESSION = ("mps_exporter_control_commands_total",)
 
 
 def _wait_http(url: str, process: subprocess.Popen, timeout: float = 20.0) -> None:
@@ -122,6 +125,7 @@ def test_demo_stack_scrapes_and_evaluates_the_rules(demo_exporter, tmp_path):
         time.sleep(max(0.0, started + played + 4 - time.time()))
         empty = [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries()
                  if q.dashboard not in NEEDS_KUBE_STATE_METRICS and not q.panel.endswith(OTHER_GRANULARITIES)
+                 and not any(m in q.expr for m in NOT_IN_SHIPPED_SESSION)
                  and not _has_numbers(prom.api(
                      "query_range", query=concrete(q.expr, rate_interval="10s"), start=str(started),
                      end=str(time.time()), step="1"))]

@@ -94,12 +94,52 @@ def test_default_daemonset_least_privilege(default_objects):
     assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE", "DAC_READ_SEARCH"]}
     assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
     assert container.get("resources") in (None, {})  # left to the user
-    # Host directories are read-only; only the state and /tmp volumes are writable.
-    host_volumes = {v["name"] for v in pod["volumes"] if "hostPath" in v}
+    # The MPS directories are read-only; only the state and /tmp volumes are writable.
+    mps_volumes = {v["name"] for v in pod["volumes"] if "hostPath" in v and v["name"] != "state"}
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
-    assert all(m.get("readOnly") for m in container["volumeMounts"] if m["name"] in host_volumes)
+    assert all(m.get("readOnly") for m in container["volumeMounts"] if m["name"] in mps_volumes)
     assert writable == {"/var/lib/mps-exporter", "/tmp"}
-    assert next(v for v in pod["volumes"] if v["name"] == "state") == {"name": "state", "emptyDir": {}}
+
+
+def test_default_keeps_the_state_file_on_the_node(default_objects):
+    """A pod re-created on the node (upgrade, drain, reboot) finds the state file of the
+    one before it: the state volume is a host directory of this release, not an emptyDir."""
+    pod, container = _pod(default_objects), _container(default_objects)
+    state = next(v for v in pod["volumes"] if v["name"] == "state")
+    assert state == {"name": "state", "hostPath": {"path": "/var/lib/mps-exporter/mps-exporter",
+                                                     "type": "DirectoryOrCreate"}}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "state")
+    assert mount["mountPath"] == "/var/lib/mps-exporter" and not mount.get("readOnly")
+    assert "--mps.state-file=/var/lib/mps-exporter/state.json" in container["args"]
+    # Another release on the same node keeps its own file.
+    other = generator_render({}, release="mps-exporter-b")
+    other_state = next(v for v in _pod(other)["volumes"] if v["name"] == "state")
+    assert other_state["hostPath"]["path"] == "/var/lib/mps-exporter/mps-exporter-b"
+    # And the plain manifests are the chart's default.
+    manifests = load_yaml_all(os.path.join(ROOT, "deploy", "kubernetes", "mps-exporter.yaml"))
+    daemonset = next(o for o in manifests if o["kind"] == "DaemonSet")
+    assert next(v for v in daemonset["spec"]["template"]["spec"]["volumes"] if v["name"] == "state") == state
+
+
+def test_state_on_an_emptydir_where_asked():
+    objects = render({"state": {"hostPath": ""}})
+    assert next(v for v in _pod(objects)["volumes"] if v["name"] == "state") == {"name": "state", "emptyDir": {}}
+    nonroot = render(load_yaml(os.path.join(CHART, "ci", "nonroot-values.yaml")))
+    assert next(v for v in _pod(nonroot)["volumes"] if v["name"] == "state") == {"name": "state", "emptyDir": {}}
+
+
+def generator_render(values, release):
+    from tests.deploy.helpers import generator
+
+    gen = generator()
+    return gen.objects(gen.render_chart(values, release=release, namespace="monitoring"))
+
+
+def load_yaml_all(path):
+    import yaml
+
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
 
 
 def test_default_watches_the_device_plugin_layout(default_objects):
@@ -110,7 +150,7 @@ def test_default_watches_the_device_plugin_layout(default_objects):
         "log_directory": "/run/nvidia/mps/nvidia.com/gpu/log",
     }]}
     pod = _pod(default_objects)
-    host_paths = [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v]
+    host_paths = [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v and v["name"] != "state"]
     assert host_paths == ["/run/nvidia/mps"]
     assert pod["nodeSelector"] == {"nvidia.com/mps.capable": "true"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
@@ -160,7 +200,7 @@ def test_multi_daemon_variant_mounts_each_outside_directory():
     for name, path in host.items():
         if name.startswith("mps-"):
             assert mounts[name]["mountPath"] == path and mounts[name]["readOnly"] is True
-    assert host["state"] == "/var/lib/mps-exporter"
+    assert host["state"] == "/var/lib/mps-exporter/mps-exporter"
     assert container["image"].endswith("@" + values["image"]["digest"])
     assert "--no-collector.dcgm" in container["args"] and "--collector.logs" in container["args"]
     assert "--mps.command-timeout=3" in container["args"]
