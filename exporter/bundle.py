@@ -59,12 +59,25 @@ class LogChunk:
 
 
 @dataclass
+class LogError:
+    """From `t` on, the daemon's log file could not be read, for this reason (as the
+    exporter's log follower words it); `error` None: readable again."""
+
+    t: float
+    daemon: str
+    file: str
+    error: Optional[str]
+    reason: str = ""  # mps_log_read_errors_total's reason label while `error` is set
+
+
+@dataclass
 class Bundle:
     path: str
     header: Dict[str, Any]
     end: Dict[str, Any]
     scrapes: List[Scrape]
     logs: List[LogChunk]
+    log_errors: List[LogError] = field(default_factory=list)
 
     @property
     def duration(self) -> float:
@@ -80,6 +93,10 @@ def log_record(chunk: LogChunk) -> Dict[str, Any]:
     except UnicodeDecodeError:
         rec["base64"] = base64.b64encode(chunk.data).decode("ascii")
     return rec
+
+
+def log_error_record(e: LogError) -> Dict[str, Any]:
+    return {"kind": "log_error", "t": e.t, "daemon": e.daemon, "file": e.file, "error": e.error, "reason": e.reason}
 
 
 # ------------------------------------------------------------------ writing
@@ -109,6 +126,7 @@ def load(path: str) -> Bundle:
     end: Optional[Dict[str, Any]] = None
     scrapes: List[Scrape] = []
     logs: List[LogChunk] = []
+    log_errors: List[LogError] = []
     lineno = 0
     try:
         for lineno, rec in _records(path):
@@ -123,6 +141,10 @@ def load(path: str) -> Bundle:
                 logs.append(_log_chunk(rec))
                 if logs[-1].daemon not in {d["name"] for d in header["daemons"]}:
                     raise ValueError(f"log chunk of unknown daemon {logs[-1].daemon!r}")
+            elif kind == "log_error":
+                log_errors.append(_log_error(rec))
+                if log_errors[-1].daemon not in {d["name"] for d in header["daemons"]}:
+                    raise ValueError(f"log error of unknown daemon {log_errors[-1].daemon!r}")
             elif kind == "end":
                 end = rec
             # other kinds: added by a later exporter without changing the version; skipped
@@ -135,7 +157,8 @@ def load(path: str) -> Bundle:
                           "(was the capture interrupted or the file cut short?)")
     if not scrapes:
         raise BundleError(f"{path} holds no reading of the sources: nothing to replay")
-    return Bundle(path, header, end, sorted(scrapes, key=lambda s: s.t), sorted(logs, key=lambda c: c.t))
+    return Bundle(path, header, end, sorted(scrapes, key=lambda s: s.t), sorted(logs, key=lambda c: c.t),
+                  sorted(log_errors, key=lambda e: e.t))
 
 
 def _records(path: str) -> Iterator[Tuple[int, Dict[str, Any]]]:
@@ -202,3 +225,9 @@ def _log_chunk(rec: Dict[str, Any]) -> LogChunk:
         data = decode(str, rec.get("text", "")).encode("utf-8")
     return LogChunk(t=decode(float, rec["t"]), daemon=decode(str, rec["daemon"]), file=name,
                     data=data, new_file=bool(rec.get("new_file", False)))
+
+
+def _log_error(rec: Dict[str, Any]) -> LogError:
+    error = rec.get("error")
+    return LogError(t=decode(float, rec["t"]), daemon=decode(str, rec["daemon"]), file=decode(str, rec["file"]),
+                    error=None if error is None else decode(str, error), reason=decode(str, rec.get("reason", "")))

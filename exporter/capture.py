@@ -15,6 +15,7 @@ web server, no YAML unless --config.file is given).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import platform
@@ -23,10 +24,10 @@ import time
 from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import __version__
-from .bundle import SUFFIX, BundleWriter, LogChunk, log_record
+from .bundle import SUFFIX, BundleWriter, LogChunk, LogError, log_error_record, log_record
 from .config import Config
 from .logs.events import FILES
-from .logs.follower import open_regular
+from .logs.follower import NOT_REGULAR_FILE, NotRegularFile, ReadError, missing_file_error, open_regular, read_error
 from .logs.parser import resolve_timezone
 from .logs.pipeline import POLL_SECONDS
 from .model import Snapshot
@@ -37,6 +38,9 @@ from .sources.registry import SOURCES
 log = logging.getLogger(__name__)
 
 LOG_FILES = tuple(f + ".log" for f in FILES)
+# Sources that only look up what the others found (proc reads /proc for the PIDs NVML and the
+# control daemon name): their answering says nothing of the node's GPUs or MPS.
+ONLY_LOOKS_UP = frozenset({"proc"})
 
 
 class LogTap:
@@ -53,6 +57,8 @@ class LogTap:
         self._identity: Optional[Tuple[int, int]] = None
         self._history = history_bytes
         self.skipped = 0  # bytes of history left out
+        # Why the file can not be read now, as the exporter's log follower would say (None: fine).
+        self.error: Optional[ReadError] = None
 
     def poll(self) -> List[Tuple[bool, bytes]]:
         """[(new_file, data)]: new_file says the file was replaced or truncated before data."""
@@ -64,16 +70,21 @@ class LogTap:
                 out.append((False, data))
         try:
             st = os.stat(self.path)
-        except OSError:  # not there (yet, or its directory was deleted): keep what we hold
+        except OSError as e:  # not there (yet, or its directory was deleted): keep what we hold
+            self.error = missing_file_error(self.path) if e.errno == errno.ENOENT else read_error(self.path, e)
             return out
+        self.error = None
         if self._file is not None and (st.st_dev, st.st_ino) == self._identity and st.st_size >= self._file.tell():
             return out
         replaced = self._file is not None
         self.close()
         try:  # a FIFO or /dev/zero under the name must not block or flood the capture
             fd, st = open_regular(self.path)
+        except NotRegularFile as e:
+            self.error = ReadError(NOT_REGULAR_FILE, str(e))
+            return out
         except OSError as e:
-            log.warning("capture: cannot read %s: %s", self.path, e.strerror or e)
+            self.error = None if e.errno == errno.ENOENT else read_error(self.path, e)
             return out
         self._file = os.fdopen(fd, "rb")
         self._identity = (st.st_dev, st.st_ino)
@@ -130,7 +141,15 @@ class Recorder:
         self._taps = [(d.name, f, LogTap(os.path.join(d.log_directory, f), cfg.capture.log_history_bytes))
                       for d in cfg.daemons for f in LOG_FILES] if SOURCES["logs"].enabled(cfg) else []
         self.scrapes = self.log_chunks = self.log_bytes = 0
+        self.answered: Dict[str, int] = {name: 0 for name in wrapped}  # readings a source answered
+        self.last_error: Dict[str, str] = {}  # source -> why its last failed reading failed
+        self._log_errors: Dict[Tuple[str, str], Optional[str]] = {}  # (daemon, file) -> its error now
+        self.log_problems: Dict[Tuple[str, str], str] = {}  # (daemon, file) -> its first error
         self._nvml: Optional[Dict[str, Any]] = None  # the last NVML reading: driver and GPUs for the end record
+
+    @property
+    def has_logs(self) -> bool:
+        return bool(self._taps)
 
     def elapsed(self) -> float:
         return self._monotonic() - self._start
@@ -142,6 +161,13 @@ class Recorder:
                 self.writer.write(log_record(LogChunk(t, daemon, file, data, new_file)))
                 self.log_chunks += 1
                 self.log_bytes += len(data)
+            error = tap.error.message if tap.error else None
+            if self._log_errors.get((daemon, file)) != error:  # recorded as it starts and as it ends
+                self._log_errors[(daemon, file)] = error
+                reason = tap.error.reason if tap.error else ""
+                self.writer.write(log_error_record(LogError(t, daemon, file, error, reason)))
+                if error is not None:
+                    self.log_problems.setdefault((daemon, file), error)
 
     def scrape(self) -> Snapshot:
         self._results.clear()
@@ -150,6 +176,11 @@ class Recorder:
         self.writer.write({"kind": "scrape", "t": t, "now": snap.now, "sources": dict(self._results),
                            "durations": {k: round(o.duration_seconds, 6) for k, o in snap.outcomes.items()}})
         self.scrapes += 1
+        for name, outcome in snap.outcomes.items():
+            if outcome.success:
+                self.answered[name] = self.answered.get(name, 0) + 1
+            elif outcome.error:
+                self.last_error[name] = outcome.error
         nvml = self._results.get("nvml", {}).get("value")
         if nvml is not None:
             self._nvml = nvml
@@ -176,6 +207,24 @@ class Recorder:
                 "log_bytes": self.log_bytes, "driver_version": (self._nvml or {}).get("driver_version", ""),
                 "gpus": gpus, "log_history_skipped": [{"daemon": d, "file": f, "bytes": tap.skipped}
                                                       for d, f, tap in self._taps if tap.skipped]}
+
+    def summary(self) -> Tuple[List[str], List[str]]:
+        """(lines for the user, the sources that never answered): every recorded source's
+        readings answered, and every log file that could not be read."""
+        lines, silent = [], []
+        for name in sorted(self.answered):
+            answered = self.answered[name]
+            line = f"{name}: {answered} of {self.scrapes} readings answered"
+            if answered < self.scrapes:
+                line += f" (last error: {self.last_error.get(name, 'no reason given')})"
+            if not answered:
+                silent.append(name)
+            lines.append(line)
+        for (daemon, file), error in sorted(self.log_problems.items()):
+            lines.append(f"logs of daemon {daemon}, {file}: {error}")
+        if self._taps and not self.log_bytes and len(self.log_problems) == len(self._taps):
+            silent.append("logs")
+        return lines, silent
 
     def close(self) -> None:
         for _, _, tap in self._taps:
@@ -262,5 +311,16 @@ def capture(cfg: Config, stop: Optional[threading.Event] = None, readers: Option
             reader.close()  # frees GPM samples, shuts NVML down
     log.info("wrote %s: %d readings, %d log bytes in %d chunks, %.1f s (%d bytes)", path, recorder.scrapes,
              recorder.log_bytes, recorder.log_chunks, recorder.elapsed(), os.path.getsize(path))
+    # A bug-report bundle must not hide the error it was taken for: what never answered, last.
+    lines, silent = recorder.summary()
+    for line in lines:
+        log.info("capture summary: %s", line)
+    if silent:
+        log.warning("capture summary: never answered: %s", ", ".join(silent))
     print(path)
+    telling = [name for name in recorder.answered if name not in ONLY_LOOKS_UP] + (["logs"] if recorder.has_logs else [])
+    if telling and set(telling) <= set(silent):
+        log.error("capture: neither NVML, the control daemon nor the logs answered during the capture; "
+                  "the bundle holds their errors")
+        return 1
     return 0

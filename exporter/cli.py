@@ -221,7 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_web(replay)
     _add_logging(replay)
     status = sub.add_parser("status", help="collect once and print the node's MPS state as a report "
-                            "(daemons, GPUs, servers, clients, queue, recent events)")
+                            "(daemons, GPUs, servers, clients, queue, recent events); what a failed source "
+                            "could not tell shows as unknown, and the exit code is 1 when a source failed",
+                            description="Collect once and print the node's MPS state. Exit code: 0; 1 when a "
+                            "source failed (what it could not tell shows as unknown); 2 for a bad flag or "
+                            "bundle.")
     _add_common(status)
     status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                         help="refresh in place every SECONDS (default 2) until q or Ctrl-C")

@@ -36,7 +36,8 @@ from .config import Config, DaemonConfig
 from .logs.parser import resolve_timezone
 from .service import serve
 from .wiring import build_readers
-from .sources.base import ReadContext, Reader
+from .logs.state import LogSnapshot
+from .sources.base import PartialFailure, ReadContext, Reader
 from .sources.registry import SOURCES
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,57 @@ class Player:
 
     def _answer(self, name: str) -> Callable[[ReadContext], Any]:
         return lambda ctx: self.result(name)
+
+    def log_errors_at(self, t: float) -> Dict[Tuple[str, str], Tuple[str, str]]:
+        """(daemon, file) -> (reason, message) of the log read errors in force at t."""
+        now: Dict[Tuple[str, str], Tuple[str, str]] = {}
+        for e in self.bundle.log_errors:
+            if e.t > t:
+                break
+            if e.error is None:
+                now.pop((e.daemon, e.file), None)
+            else:
+                now[(e.daemon, e.file)] = (e.reason, e.error)
+        return now
+
+    def with_log_errors(self, reader: Reader[Dict[str, LogSnapshot]]) -> Reader[Dict[str, LogSnapshot]]:
+        """The logs reader over the fed files, failing as the captured node's did: a log
+        directory that was missing there fails here too, with the recorded message."""
+
+        def read(ctx: ReadContext) -> Dict[str, LogSnapshot]:
+            try:
+                logs = reader.read(ctx)
+            except PartialFailure as failure:
+                logs = failure.result
+            _, t = self.position()
+            errors = self.log_errors_at(t)
+            begun: Dict[Tuple[str, str, str], int] = {}
+            for e in self.bundle.log_errors:
+                if e.t <= t and e.error is not None:
+                    begun[(e.daemon, e.file, e.reason)] = begun.get((e.daemon, e.file, e.reason), 0) + 1
+            out = {}
+            for name, snap in logs.items():
+                problems = set(snap.problems) | {message for (daemon, _), (_, message) in errors.items()
+                                                 if daemon == name}
+                read_errors = dict(snap.read_errors)
+                for (daemon, file, reason), n in begun.items():
+                    if daemon == name:
+                        read_errors[(file, reason)] = read_errors.get((file, reason), 0) + n
+                out[name] = dataclasses.replace(snap, problems=tuple(sorted(problems)), read_errors=read_errors)
+            failures = [f"{name}: {p}" for name, snap in out.items() for p in snap.problems]
+            if failures:
+                raise PartialFailure("; ".join(failures), out)
+            return out
+
+        return dataclasses.replace(reader, read=read)
+
+    def readers_with(self, unrecorded: Dict[str, Reader[Any]]) -> Dict[str, Reader[Any]]:
+        """Every reader of a replay: the recorded sources from the bundle, the others (the
+        logs, over the fed files) as given, the logs failing where the capture's did."""
+        out = {**unrecorded, **self.readers()}
+        if "logs" in out:
+            out["logs"] = self.with_log_errors(out["logs"])
+        return out
 
     # ------------------------------------------------------------ log files
     def feed(self) -> None:
@@ -199,7 +251,7 @@ def replay(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[
             player.start()
             try:
                 # The unrecorded sources (the logs) follow the files the player feeds.
-                readers = {**build_readers(play_cfg, recorded=False), **player.readers()}
+                readers = player.readers_with(build_readers(play_cfg, recorded=False))
                 return serve(play_cfg, stop, ready, readers=readers, clock=player.clock)
             finally:
                 player.stop()

@@ -27,7 +27,7 @@ from prometheus_client.exposition import generate_latest
 
 from mps_exporter import replay as replay_mod
 from mps_exporter.bundle import VERSION, BundleError, BundleWriter, load
-from mps_exporter.capture import LogTap, Recorder, capture, concrete_timezone, header
+from mps_exporter.capture import LOG_FILES, LogTap, Recorder, capture, concrete_timezone, header
 from mps_exporter.cli import parse_args
 from mps_exporter.codec import encode
 from mps_exporter.config import Config
@@ -130,7 +130,7 @@ def play(bundle_path: Path, log_root: Path, speed: float = 1.0, loop: bool = Fal
     mono = ManualClock()
     player = Player(bundle, str(log_root), speed=speed, loop=loop, monotonic=mono)
     cfg = replay_config(Config(), bundle, player.log_dirs)
-    readers = {**build_readers(cfg, recorded=False), **player.readers()}
+    readers = player.readers_with(build_readers(cfg, recorded=False))
     collector = build_collector(cfg, readers, clock=player.clock)
 
     def at(monotonic: float) -> str:
@@ -489,11 +489,39 @@ def test_capture_cli_runs_without_yaml_and_bcrypt(tmp_path):
             f" '--mps.control-binary', {str(tmp_path / 'no-such-control')!r},"
             f" '--mps.log-directory', {str(tmp_path / 'logs')!r}]))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
+    # Nothing answered (no control binary, no NVML, no log directory): the bundle is written
+    # with their errors, the summary names them, and the exit code says so.
+    assert res.returncode == 1, res.stderr
     assert res.stdout.strip() == str(out)
+    assert re.search(r"capture summary: never answered: control, nvml, logs", res.stderr), res.stderr
+    assert f"logs of daemon default, control.log: log directory {tmp_path / 'logs'} does not exist" in res.stderr
     bundle = load(str(out))
     assert bundle.header["sources"][:1] == ["control"] and len(bundle.scrapes) >= 2
     assert bundle.scrapes[0].results["control"][0].error  # the missing binary, recorded as the daemon's error
+    assert {(e.file, e.reason, e.error) for e in bundle.log_errors} == {
+        (f, "missing_directory", f"log directory {tmp_path / 'logs'} does not exist") for f in LOG_FILES}
+    # The bundle replays the failure: the logs are not "ok" with totals of 0.
+    res = subprocess.run([sys.executable, "-m", "mps_exporter.cli", "status", "--bundle", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert re.search(r"^sources: control FAILED, logs FAILED, nvml FAILED, proc ok$", res.stdout, re.M), res.stdout
+    assert f"! logs failed: default: log directory {tmp_path / 'logs'} does not exist" in res.stdout
+    assert "  totals from the logs:" not in res.stdout
+
+
+def test_capture_summary_names_the_silent_sources_and_exits_0_when_one_answered(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "control.log").write_bytes(LINES_A)
+    out = tmp_path / "b.jsonl.gz"
+    res = subprocess.run([sys.executable, "-m", "mps_exporter.cli", "capture", "--out", str(out), "--duration", "0.3",
+                          "--interval", "0.1", "--mps.control-binary", str(tmp_path / "no-such-control"),
+                          "--mps.log-directory", str(logs), "--no-collector.dcgm"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"capture summary: nvml: 0 of \d+ readings answered \(last error: NvmlUnavailable", res.stderr)
+    assert "capture summary: never answered: control, nvml\"" in res.stderr and "logs of daemon" not in res.stderr
+    assert load(str(out)).log_errors == []
 
 
 def test_replay_command_serves_until_terminated(tmp_path):

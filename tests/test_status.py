@@ -275,12 +275,15 @@ def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
     # No NVML and no control binary on this machine's path; the logs are the recorded session's.
     res = status("--mps.control-binary", str(tmp_path / "no-such-binary"), "--mps.log-directory", str(CAPTURE),
                  "--mps.log-timezone", "UTC", "--no-collector.dcgm", "--path.procfs", str(tmp_path))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr  # a source failed: scripts must not read this as all well
     out = res.stdout
     assert re.search(r"^sources: control FAILED, logs ok, nvml FAILED, proc ok$", out, re.M), out
     assert re.search(r"^! control failed: default: .*no-such-binary", out, re.M), out
     assert re.search(r"^! nvml failed: ", out, re.M) and "GPUs: unknown: NVML failed" in out
-    assert "MPS daemon default: DOWN" in out and "  defaults: unknown\n" in out  # not "no limit": nobody said
+    # Nobody could ask the daemon: not "DOWN", "no server", "no client" or "no limit".
+    assert "MPS daemon default: unknown (its control source failed)" in out and "  defaults: unknown\n" in out
+    assert "  servers and clients: unknown (the control source failed)\n" in out
+    assert "no MPS server running" not in out and "no client connected" not in out
     # the logs still tell what happened, when
     totals = re.sub(r"\s+", " ", out[out.index("totals from the logs:"):])  # wrapped at 100 columns
     assert "refused clients 0, servers exited with clients 0, handoffs 4, shutdown deferrals 12, fatal GPU errors 1," \
@@ -293,7 +296,32 @@ def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
     st = json.loads(res.stdout)
     failed = {s["name"]: s["error"] for s in st["sources"] if not s["ok"]}
     assert set(failed) == {"control", "nvml"} and "no-such-binary" in failed["control"]
-    assert st["gpus"] == [] and st["daemons"][0]["up"] is False
+    assert st["gpus"] == [] and st["daemons"][0]["up"] is None
+    assert st["daemons"][0]["servers"] is None and st["daemons"][0]["clients"] is None
+    assert res.returncode == 1
+
+
+def test_failed_logs_are_unknown_not_zero(tmp_path):
+    # A log directory that is not there: no totals of 0, no "nobody queued".
+    missing = tmp_path / "no-logs"
+    res = status("--mps.control-binary", str(tmp_path / "no-such-binary"), "--mps.log-directory", str(missing),
+                 "--no-collector.dcgm", "--no-collector.nvml", "--path.procfs", str(tmp_path))
+    assert res.returncode == 1
+    assert re.search(r"^sources: control FAILED, logs FAILED, proc ok$", res.stdout, re.M), res.stdout
+    assert f"  queue, events and totals from the logs: unknown (log directory {missing} does not exist)\n" \
+        in res.stdout
+    assert "  totals from the logs:" not in res.stdout and "refused clients 0" not in res.stdout
+    st = json.loads(status("--mps.control-binary", str(tmp_path / "no-such-binary"), "--mps.log-directory",
+                           str(missing), "--no-collector.dcgm", "--no-collector.nvml", "--output", "json").stdout)
+    daemon = st["daemons"][0]
+    assert (daemon["counters"], daemon["queued"], daemon["events"]) == (None, None, None)
+    assert "does not exist" in daemon["log_error"]
+
+
+def test_status_exits_0_when_every_source_answered(tmp_path):
+    # The recorded session 26 s in: every source ok.
+    res = status("--bundle", shipped_bundle(), "--at", "26")
+    assert res.returncode == 0 and "sources: control ok, logs ok, nvml ok, proc ok" in res.stdout, res.stderr
 
 
 def test_a_hung_source_shows_as_failed_after_a_scrape_s_wait(tmp_path):
@@ -304,10 +332,10 @@ def test_a_hung_source_shows_as_failed_after_a_scrape_s_wait(tmp_path):
     hung.chmod(0o755)
     res = status("--mps.control-binary", str(hung), "--mps.command-timeout", "10", "--no-collector.logs",
                  "--path.procfs", str(tmp_path))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr
     assert re.search(r"^! control failed: no answer within 5 s$", res.stdout, re.M), res.stdout
     assert "sources: control FAILED, nvml FAILED, proc ok" in res.stdout
-    assert "MPS daemon default: unknown (its control source did not answer)" in res.stdout
+    assert "MPS daemon default: unknown (its control source failed)" in res.stdout
 
 
 # ---------------------------------------------------------------- flags

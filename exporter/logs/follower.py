@@ -90,6 +90,18 @@ def read_error(path: str, e: OSError) -> ReadError:
     return ReadError(IO_ERROR, f"{path}: {e.strerror or e}")
 
 
+def missing_file_error(path: str) -> Optional[ReadError]:
+    """`path` is absent: normal (None), unless its directory is absent or unreadable too."""
+    directory = os.path.dirname(path) or "."
+    try:
+        os.stat(directory)
+    except FileNotFoundError:
+        return ReadError(MISSING_DIRECTORY, f"log directory {directory} does not exist")
+    except OSError as e:
+        return read_error(directory, e)
+    return None
+
+
 class FileFollower:
     def __init__(self, path: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
         self.path = path
@@ -145,7 +157,7 @@ class FileFollower:
             st: Optional[os.stat_result] = os.stat(self.path)
         except OSError as e:  # the file is missing (normal before MPS starts), or worse
             st = None
-            self._problem = self._missing() if e.errno == errno.ENOENT else read_error(self.path, e)
+            self._problem = missing_file_error(self.path) if e.errno == errno.ENOENT else read_error(self.path, e)
         if self._fd is None and st is not None:
             self._open()
         if self._fd is not None:
@@ -165,17 +177,6 @@ class FileFollower:
                     truncated += self._read(lines, max_bytes)
         self._set_error(self._problem)
         return lines, truncated
-
-    def _missing(self) -> Optional[ReadError]:
-        """The file is absent: normal, unless its directory is absent too."""
-        directory = os.path.dirname(self.path) or "."
-        try:
-            os.stat(directory)
-        except FileNotFoundError:
-            return ReadError(MISSING_DIRECTORY, f"log directory {directory} does not exist")
-        except OSError as e:
-            return read_error(directory, e)
-        return None
 
     def _set_error(self, error: Optional[ReadError]) -> None:
         if error is not None and error != self.error:

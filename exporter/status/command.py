@@ -66,7 +66,7 @@ def _recorded(cfg: Config) -> Iterator[Callable[[], view.NodeStatus]]:
         player = Player(bundle, root, monotonic=time.monotonic if watching else lambda: 0.0, start_at=start)
         play_cfg = replay_config(cfg, bundle, player.log_dirs)
         # As replay serves it: the recorded sources answer from the bundle, the logs follow the fed files.
-        readers = {**build_readers(play_cfg, recorded=False), **player.readers()}
+        readers = player.readers_with(build_readers(play_cfg, recorded=False))
         collector = build_collector(play_cfg, readers, clock=player.clock)
 
         def collect() -> view.NodeStatus:
@@ -90,7 +90,8 @@ def to_json(st: view.NodeStatus) -> str:
 
 
 def status(cfg: Config, out: TextIO = sys.stdout, backends: Optional[Backends] = None) -> int:
-    """The `status` command: 0, or 2 with one line for a bundle that cannot be read.
+    """The `status` command: 0; 1 when a source failed (the report says what it could not
+    tell: unknown); 2 with one line for a bundle that cannot be read.
     `backends`: the library boundaries of the live sources (tests pass fakes)."""
     opts = cfg.status
     # The report shows failing sources itself; log lines would only repeat them (and,
@@ -106,7 +107,7 @@ def status(cfg: Config, out: TextIO = sys.stdout, backends: Optional[Backends] =
                 return watch(collect, opts.watch)
             st = collect()
             out.write(to_json(st) if opts.output == "json" else text.plain(text.report(st)))
-            return 0
+            return 1 if view.failed_sources(st) else 0
     except BundleError as e:
         sys.stderr.write(f"mps-exporter: error: {e}\n")
         return 2

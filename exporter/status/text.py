@@ -85,7 +85,7 @@ def _gpu_facts(g: GpuStatus) -> Tuple[List[str], List[str]]:
 
 # ---------------------------------------------------------------- daemons
 def _daemon(d: DaemonStatus, now: float) -> List[Line]:
-    state = {True: "up", False: "DOWN", None: "unknown (its control source did not answer)"}[d.up]
+    state = {True: "up", False: "DOWN", None: "unknown (its control source failed)"}[d.up]
     head = f"MPS daemon {d.name}: {state}" + (f" | version {d.version}" if d.version else "")
     if d.default_active_thread_ratio is None:  # the daemon did not answer: no telling what is set
         defaults = ["unknown"]
@@ -98,10 +98,17 @@ def _daemon(d: DaemonStatus, now: float) -> List[Line]:
                        ("  defaults: " + ", ".join(defaults), PLAIN)]
     if d.client_limit is not None:
         out.append((f"  clients per device: at most {d.client_limit:g} (as the last refusal said)", PLAIN))
-    out += _servers(d.servers, now)
-    out += _clients(d.clients)
+    if d.servers is None or d.clients is None:
+        out += [("", PLAIN), ("  servers and clients: unknown (the control source failed)", ALERT)]
+    if d.servers is not None:
+        out += _servers(d.servers, now)
+    if d.clients is not None:
+        out += _clients(d.clients)
+    if d.log_error is not None:
+        out += [("", PLAIN), (f"  queue, events and totals from the logs: unknown ({d.log_error})", ALERT)]
+        return out
     out += _queued(d, now)
-    out += _events(d.events, now)
+    out += _events(d.events or [], now)
     totals = _totals(d)
     if totals:
         out.append(("", PLAIN))
@@ -112,7 +119,7 @@ def _daemon(d: DaemonStatus, now: float) -> List[Line]:
 def _totals(d: DaemonStatus) -> List[str]:
     """One entry per counter: its sum, and the non-zero parts where it has a label (exits by status)."""
     by_metric: Dict[str, List[Tuple[str, float]]] = {}
-    for c in d.counters:
+    for c in d.counters or []:
         by_metric.setdefault(c.metric, []).append((" ".join(f"{k} {v}" for k, v in sorted(c.labels.items())), c.value))
     out = []
     for metric, parts in by_metric.items():

@@ -120,21 +120,25 @@ class Counter:
 
 @dataclass
 class DaemonStatus:
+    """None where the source that tells it failed: unknown, not "none" or 0."""
+
     name: str
-    up: Optional[bool]  # None: its control source did not answer in time (no reading at all)
+    up: Optional[bool]  # None: its control source failed or did not answer in time
     version: str = ""
     pipe_directory: str = ""
     log_directory: str = ""
     default_active_thread_ratio: Optional[float] = None
     default_pinned_memory_limit_bytes: Dict[int, float] = field(default_factory=dict)
-    servers: List[ServerStatus] = field(default_factory=list)
-    clients: List[ClientStatus] = field(default_factory=list)
+    servers: Optional[List[ServerStatus]] = field(default_factory=list)  # None: control failed
+    clients: Optional[List[ClientStatus]] = field(default_factory=list)  # None: control failed
     queued_clients: Dict[str, float] = field(default_factory=dict)  # by reason
     oldest_queued_wait_seconds: Optional[float] = None
     client_limit: Optional[float] = None  # clients per device a server accepts, as its last refusal said
-    queued: List[QueuedClient] = field(default_factory=list)
-    counters: List[Counter] = field(default_factory=list)
-    events: List[Event] = field(default_factory=list)  # oldest first
+    # None below: the daemon's logs could not be read (log_error says why)
+    queued: Optional[List[QueuedClient]] = field(default_factory=list)
+    counters: Optional[List[Counter]] = field(default_factory=list)
+    events: Optional[List[Event]] = field(default_factory=list)  # oldest first
+    log_error: Optional[str] = None
 
 
 @dataclass
@@ -189,8 +193,14 @@ def build(snap: Snapshot, origin: str, daemons: Sequence[str] = ()) -> NodeStatu
     sources = [SourceStatus(name, o.success, o.error) for name, o in sorted(snap.outcomes.items())]
     names = [labels["daemon"] for labels, _ in m.rows("mps_control_daemon_up")]
     names += [n for n in [*snap.logs, *daemons] if n not in names]
+    failed = {s.name: s.error or "no reason given" for s in sources if not s.ok}
     return NodeStatus(time=snap.now, origin=origin, sources=sources, gpus=_gpus(m),
-                      daemons=[_daemon(m, name, snap) for name in dict.fromkeys(names)])
+                      daemons=[_daemon(m, name, snap, failed) for name in dict.fromkeys(names)])
+
+
+def failed_sources(st: NodeStatus) -> List[str]:
+    """The sources that failed in this collection (`status` exits non-zero for them)."""
+    return [s.name for s in st.sources if not s.ok]
 
 
 def _gpus(m: Samples) -> List[GpuStatus]:
@@ -217,7 +227,7 @@ def _gpus(m: Samples) -> List[GpuStatus]:
     return out
 
 
-def _daemon(m: Samples, name: str, snap: Snapshot) -> DaemonStatus:
+def _daemon(m: Samples, name: str, snap: Snapshot, failed: Dict[str, str]) -> DaemonStatus:
     d = {"daemon": name}
     info = next((lab for lab, _ in m.rows("mps_control_daemon_info", **d)), {})
     out = DaemonStatus(
@@ -228,9 +238,11 @@ def _daemon(m: Samples, name: str, snap: Snapshot) -> DaemonStatus:
         queued_clients={lab["reason"]: v for lab, v in m.rows("mps_queued_clients", **d)},
         oldest_queued_wait_seconds=m.value("mps_queued_client_oldest_wait_seconds", **d),
         client_limit=m.value("mps_server_client_limit", **d))
+    servers: List[ServerStatus] = []
+    clients: List[ClientStatus] = []
     for labels, _ in m.rows("mps_server_info", **d):
         s = {**d, "server_pid": labels["server_pid"]}
-        out.servers.append(ServerStatus(
+        servers.append(ServerStatus(
             pid=int(labels["server_pid"]), uid=_int(labels["uid"]), user=labels["user"],
             status=next((lab["status"] for lab, _ in m.rows("mps_server_status", **s)), None),
             clients=m.value("mps_server_clients", **s),
@@ -240,7 +252,7 @@ def _daemon(m: Samples, name: str, snap: Snapshot) -> DaemonStatus:
             start_time=m.value("mps_server_start_time_seconds", **s)))
     for labels, _ in m.rows("mps_client_info", **d):
         c = {**d, "pid": labels["pid"]}
-        out.clients.append(ClientStatus(
+        clients.append(ClientStatus(
             pid=int(labels["pid"]), server_pid=_int(labels["server_pid"]), uid=_int(labels["uid"]),
             user=labels["user"], command=labels["command"],
             pid_namespace=labels["pid_namespace"],
@@ -250,13 +262,22 @@ def _daemon(m: Samples, name: str, snap: Snapshot) -> DaemonStatus:
             active_thread_ratio=m.value("mps_client_active_thread_ratio", **c),
             priority=m.value("mps_client_priority", **c),
             start_time=m.value("mps_client_start_time_seconds", **c)))
-    for metric in EVENT_COUNTERS:
-        out.counters += [Counter(metric, {k: v for k, v in lab.items() if k != "daemon"}, v)
-                         for lab, v in m.rows(metric, **d)]
+    out.servers, out.clients = servers, clients
+    out.counters = [Counter(metric, {k: v for k, v in lab.items() if k != "daemon"}, v)
+                    for metric in EVENT_COUNTERS for lab, v in m.rows(metric, **d)]
     log = snap.logs.get(name)
     if log is not None:  # what no metric carries: who waits since when, and what happened when
         out.queued = [QueuedClient(p.pid, p.uid, p.reason, p.pushed_at, max(0.0, snap.now - p.pushed_at))
                       for p in log.pending]
         out.events = [Event(e.time, e.kind, e.server_pid, list(e.clients), e.detail)
                       for e in sorted(log.recent_events, key=lambda e: e.time)]
+    # A failed source tells nothing: what it would have said is unknown, not "none" or 0.
+    if "control" in failed:
+        out.up = None
+        out.servers = out.servers or None  # a late source's last reading, where one is served, still shows
+        out.clients = out.clients or None
+    log_error = "; ".join(log.problems) if log is not None and log.problems else (
+        failed["logs"] if "logs" in failed and log is None else None)
+    if log_error is not None:
+        out.log_error, out.queued, out.counters, out.events = log_error, None, None, None
     return out
