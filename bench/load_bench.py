@@ -27,6 +27,7 @@ import base64
 import http.client
 import os
 import re
+import resource
 import shutil
 import ssl
 import statistics
@@ -37,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -74,9 +75,13 @@ def web_setups(tmp: str) -> List[WebSetup]:
     ]
 
 
-def start(kind: str, port: int, setup: WebSetup) -> subprocess.Popen:
+def start(kind: str, port: int, setup: WebSetup, nofile: Optional[Tuple[int, int]] = None) -> subprocess.Popen:
+    """mps-exporter (replay), node_exporter or a library (bench/library_server.py) on
+    loopback, once it answers; nofile: its (soft, hard) RLIMIT_NOFILE."""
     web = ["--web.config.file", setup.config_file] if setup.config_file else []
-    if kind == "mps-exporter":
+    if kind in ("cheroot", "waitress"):
+        cmd = [sys.executable, str(ROOT / "bench" / "library_server.py"), kind, str(port)]
+    elif kind == "mps-exporter":
         cmd = [sys.executable, "-m", "mps_exporter.cli", "replay", "--web.listen-address", f"127.0.0.1:{port}",
                "--log.level", "warn", *web]
     else:
@@ -84,11 +89,16 @@ def start(kind: str, port: int, setup: WebSetup) -> subprocess.Popen:
         if program is None:
             sys.exit("node_exporter is not installed: apt-get install prometheus-node-exporter")
         cmd = [program, f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn", *web]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=limit)
     deadline = time.monotonic() + 30
     while True:
         try:
-            request_once(port, setup, "/")
+            request_once(port, setup, "/metrics" if kind in ("cheroot", "waitress") else "/")
             return proc
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:

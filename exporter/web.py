@@ -3,6 +3,13 @@
 The web config (TLS, basic auth, headers, rate limit) is parsed in webconfig.py;
 this module serves it. Under load it behaves like node_exporter's Go server:
 
+- idle connections cost no thread: one thread holds every connection in epoll
+  until a whole request head is in, then a small pool answers it; connections are
+  capped (the longest idle closed first), the soft file limit is raised to the hard
+  one, EMFILE backs off, and a connection that sends no whole request head within
+  10 s is closed (docs/http.md: 1,100 silent or 2,000 idle connections);
+- request heads are parsed here (parse_head) and protocol errors answered as
+  Go's net/http answers them: 400, 431, 501, 505, then close;
 - the listen backlog is the system's (net.core.somaxconn), not socketserver's 5,
   so a burst of connections waits in the kernel instead of being dropped;
 - every response goes out in one write with TCP_NODELAY, so back-to-back
@@ -24,20 +31,25 @@ import _thread
 import base64
 import binascii
 import collections
+import contextlib
+import email.utils
+import errno
 import gzip
 import hashlib
 import html
 import logging
 import os
+import queue
+import re
+import resource
+import selectors
 import socket
-import socketserver
 import ssl
-import sys
 import threading
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client.exposition import choose_encoder, gzip_accepted
@@ -192,55 +204,215 @@ class _App:
         self.scrapes = threading.BoundedSemaphore(max_requests) if max_requests > 0 else None
 
 
-class ExporterServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    # A TLS handshake or a request that stalls longer than this is dropped.
-    socket_timeout = 30.0
+# --------------------------------------------------------------------------
+# Requests: the head of one HTTP/1.x request, parsed from bytes (pure)
+# --------------------------------------------------------------------------
 
-    def __init__(self, listen_address: str, app: _App) -> None:
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers; more gets 431, as Go past its limit
+_TOKEN = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_VERSION = re.compile(rb"^HTTP/(\d)\.(\d)$")
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    target: str
+    version: str  # "HTTP/1.0" or "HTTP/1.1"
+    headers: Mapping[str, str]  # lower-case names; repeated headers joined with ", "
+    keep_alive: bool
+    has_body: bool  # a body we do not read: the connection closes after the answer
+
+
+@dataclass(frozen=True)
+class ProtocolError:
+    """A request that gets an error answer and a closed connection, as Go's server does."""
+
+    status: HTTPStatus
+    reason: str
+
+
+def parse_head(data: bytes) -> Tuple[Optional[Union[Request, ProtocolError]], int]:
+    """(the request or its error, bytes used) from the start of `data`; (None, 0) while
+    incomplete. The request line is judged as soon as it is complete, so an HTTP/0.9
+    request (`GET /`, which never sends a blank line) is answered at once."""
+    line_end = data.find(b"\n")
+    if line_end < 0:
+        return (ProtocolError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request line too long"), len(data)) \
+            if len(data) > MAX_HEAD_BYTES else (None, 0)
+    parts = data[:line_end].rstrip(b"\r").split(b" ")
+    if len(parts) != 3 or not parts[1]:
+        return ProtocolError(HTTPStatus.BAD_REQUEST, "malformed HTTP request"), line_end + 1
+    method, target, proto = parts
+    if not _TOKEN.match(method):
+        return ProtocolError(HTTPStatus.BAD_REQUEST, "invalid method"), line_end + 1
+    version = _VERSION.match(proto)
+    if version is None:
+        return ProtocolError(HTTPStatus.BAD_REQUEST, "malformed HTTP version"), line_end + 1
+    if method == b"PRI" and target == b"*" and proto == b"HTTP/2.0":  # HTTP/2's preface: Go's mux says 400
+        return ProtocolError(HTTPStatus.BAD_REQUEST, "HTTP/2 is not served here"), line_end + 1
+    if version.group(1) != b"1":  # HTTP/0.x, 2, 9.9...
+        return ProtocolError(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, "unsupported protocol version"), line_end + 1
+    ends = [i for i in (data.find(b"\n\r\n", line_end), data.find(b"\n\n", line_end)) if i >= 0]
+    if not ends:
+        return (ProtocolError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too long"), len(data)) \
+            if len(data) > MAX_HEAD_BYTES else (None, 0)
+    end = min(ends)
+    used = end + (3 if data[end:end + 3] == b"\n\r\n" else 2)
+    if used > MAX_HEAD_BYTES:
+        return ProtocolError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too long"), used
+    headers: Dict[str, str] = {}
+    hosts = 0
+    key = ""
+    for raw in data[line_end + 1:end].split(b"\n") if end > line_end else ():
+        if raw[:1] in (b" ", b"\t") and key:  # an obsolete folded line continues the last header, as in Go
+            headers[key] = f"{headers[key]} {raw.strip().decode('latin-1')}"
+            continue
+        name, colon, value = raw.rstrip(b"\r").partition(b":")
+        if not colon or not _TOKEN.match(name):  # no colon, or a space before it
+            return ProtocolError(HTTPStatus.BAD_REQUEST, "malformed MIME header line"), used
+        key = name.decode("ascii").lower()
+        text = value.strip(b" \t").decode("latin-1")
+        hosts += key == "host"
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    minor = version.group(2)
+    if minor != b"0" and hosts == 0:
+        return ProtocolError(HTTPStatus.BAD_REQUEST, "missing required Host header"), used
+    if hosts > 1:
+        return ProtocolError(HTTPStatus.BAD_REQUEST, "too many Host headers"), used
+    length = headers.get("content-length")
+    if length is not None and not all(v.strip().isdigit() and v.strip() == length.split(",")[0].strip()
+                                      for v in length.split(",")):
+        return ProtocolError(HTTPStatus.BAD_REQUEST, "bad Content-Length"), used
+    coding = headers.get("transfer-encoding")
+    if coding is not None and coding.lower() != "chunked":
+        return ProtocolError(HTTPStatus.NOT_IMPLEMENTED, "unsupported transfer encoding"), used
+    tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
+    keep_alive = "keep-alive" in tokens if minor == b"0" else "close" not in tokens
+    has_body = coding is not None or (length is not None and int(length.split(",")[0]) > 0)
+    return Request(method.decode("ascii"), target.decode("latin-1"), "HTTP/1." + minor.decode(),
+                   headers, keep_alive, has_body), used
+
+
+def error_answer(error: ProtocolError) -> bytes:
+    """Go's answer to a request it cannot serve: status, a one-line body, close."""
+    text = f"{error.status.value} {error.status.phrase}: {error.reason}"
+    return (f"HTTP/1.1 {error.status.value} {error.status.phrase}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(text)}\r\nConnection: close\r\n\r\n{text}").encode("latin-1")
+
+
+# --------------------------------------------------------------------------
+# The server: one thread watches every connection, a few threads answer
+# --------------------------------------------------------------------------
+
+# A connection must send a whole request head within this long of connecting (or of
+# its first byte after an idle spell): a silent or trickling client is closed.
+HEAD_TIMEOUT = 10.0
+# A kept-alive connection may sit idle this long between requests (Prometheus
+# scrapes every 15 s to a few minutes on one connection).
+IDLE_TIMEOUT = 300.0
+# Writing one answer may take this long (a client that stops reading).
+WRITE_TIMEOUT = 30.0
+# After a last answer the write side is shut and what the client still sends is read
+# and dropped for this long, so that closing does not reset the connection (and the
+# answer with it) while the client's unread bytes are in our buffer; Go waits 500 ms.
+LINGER_TIMEOUT = 0.5
+# Open connections at most, whatever the file limit allows; past it the connection
+# idle longest is closed to make room.
+MAX_CONNECTIONS = 10_000
+# Descriptors kept for everything else (logs, NVML, control pipes, the state file).
+RESERVED_FDS = 128
+# After accept() fails for want of descriptors: wait this long before accepting again.
+ACCEPT_BACKOFF = 0.1
+MAX_WORKERS = 64  # threads answering requests at once, at most
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (as Go's runtime does since 1.19);
+    return the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as e:
+            log.warning("cannot raise the open file limit from %d to %d: %s", soft, target, e)
+    return soft
+
+
+def connection_cap(soft_limit: int) -> int:
+    return max(16, min(MAX_CONNECTIONS, soft_limit - RESERVED_FDS))
+
+
+class _Conn:
+    """One client connection while the watcher holds it (not while a worker answers)."""
+
+    __slots__ = ("fd", "sock", "peer", "buffer", "since", "tls_done", "served")
+
+    def __init__(self, sock: socket.socket, peer: Any, tls: bool) -> None:
+        self.fd = sock.fileno()
+        self.sock: socket.socket = sock
+        self.peer = peer
+        self.buffer = b""
+        self.since = time.monotonic()  # when the current wait (for a head, or idle) began
+        self.tls_done = not tls
+        self.served = 0
+
+
+class ExporterServer:
+    """HTTP/1.1 for the exporter. Idle connections cost no thread: one watcher thread
+    (serve_forever) holds every connection in epoll until a whole request head has
+    arrived, then hands it to a small pool of workers, which give kept-alive
+    connections back. So a flood of silent or idle connections costs descriptors and
+    memory only, and both are capped: the soft file limit is raised to the hard one,
+    at most `max_connections` are open (the longest idle is closed for a new one),
+    accept() failing with EMFILE/ENFILE backs off instead of spinning, and a
+    connection that has not sent a whole request head within HEAD_TIMEOUT is closed."""
+
+    def __init__(self, listen_address: str, app: _App, max_connections: Optional[int] = None) -> None:
         where = resolve_listen_address(listen_address)
         self.address_family = where.family
         self._dual_stack = where.dual_stack
         self.request_queue_size = system_backlog()
         self.app = app
         self.tls = app.config.tls_context
-        super().__init__((where.host, where.port), _Handler)
+        self.max_connections = max_connections or connection_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        self.socket = socket.socket(where.family, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self._dual_stack:
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            self.socket.bind((where.host, where.port))
+            self.socket.listen(self.request_queue_size)
+        except BaseException:
+            self.socket.close()
+            raise
+        self.socket.setblocking(False)
+        self.server_address = self.socket.getsockname()
+        self.server_port = int(self.server_address[1])
+        self._selector = selectors.DefaultSelector()
+        self._waiting: "collections.OrderedDict[int, _Conn]" = collections.OrderedDict()  # for a request head
+        self._idle: "collections.OrderedDict[int, _Conn]" = collections.OrderedDict()  # kept alive, silent
+        self._closing: "collections.OrderedDict[int, _Conn]" = collections.OrderedDict()  # answered, lingering
+        self._busy = 0  # connections a worker holds
+        self._accept_paused_until = 0.0
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._returned: "collections.deque[Tuple[_Conn, bool]]" = collections.deque()
+        self._jobs: "queue.SimpleQueue[Optional[Tuple[_Conn, Union[Request, ProtocolError]]]]" = queue.SimpleQueue()
+        self._workers = 0
+        self._idle_workers = 0
+        self._max_workers = max(16, min(MAX_WORKERS, app.max_requests + 8)) if app.max_requests else MAX_WORKERS
+        self._pool_lock = threading.Lock()
+        self._running = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()
+        self._stop = False
+        self.evicted = 0  # connections closed to make room for new ones
+        self._last_fd_warning = 0.0
 
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.socket.setblocking(False)  # _handle_request_noblock accepts until the queue is empty
-
-    def _handle_request_noblock(self) -> None:
-        # socketserver accepts one connection per wake-up of its select loop; under
-        # load, connections queued behind a burst then wait on every handler thread
-        # for the GIL. Take every queued connection at once.
-        while True:
-            try:
-                request, client_address = self.socket.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            try:
-                self.process_request(request, client_address)
-            except Exception:
-                self.handle_error(request, client_address)
-                self.shutdown_request(request)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        # Thread.start() waits until the new thread has run, a GIL hand-off that the
-        # accept loop pays per connection: with 200 busy connections it falls seconds
-        # behind a burst. A raw thread (the same daemon-like thread, no wait) does not.
-        _thread.start_new_thread(self.process_request_thread, (request, client_address))
-
-    def server_bind(self) -> None:
-        if self._dual_stack:
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        # HTTPServer.server_bind would call getfqdn(): a DNS lookup at start-up.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
-
+    # ------------------------------------------------------------ outside view
     def bound_addresses(self) -> str:
         """What the socket really listens on, for the start-up line."""
         host, port = str(self.server_address[0]), self.server_port
@@ -260,74 +432,320 @@ class ExporterServer(ThreadingHTTPServer):
             host = f"[{host}]"
         return f"{'https' if self.tls else 'http'}://{host}:{self.server_port}"
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # The stdlib prints tracebacks to stderr; route them through logging.
-        err = sys.exc_info()[1]
-        if isinstance(err, (ConnectionError, socket.timeout)):
-            log.debug("connection from %s ended: %s", client_address[0], err)
-        else:
-            log.error("error while serving %s", client_address[0], exc_info=True)
+    @property
+    def open_connections(self) -> int:
+        return len(self._waiting) + len(self._idle) + len(self._closing) + self._busy
 
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        # Runs in the connection's own thread, so a slow TLS handshake holds up
-        # only its own connection, never the accept loop.
-        request.settimeout(self.socket_timeout)
-        request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.tls is None:
-            super().finish_request(request, client_address)
-            return
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._stop = False
+        self._stopped.clear()
+        self._running.set()
+        self._selector.register(self.socket.fileno(), selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r.fileno(), selectors.EVENT_READ, self._wake_r)
+        accepting = True
         try:
-            first = request.recv(1, socket.MSG_PEEK)
-        except OSError:
-            return
-        if first[:1].isalpha():  # not a TLS record: someone speaks plain HTTP to the TLS port
-            try:
-                request.sendall(_PLAIN_HTTP_ON_TLS)
-            except OSError:
-                pass
-            return
-        try:
-            conn = self.tls.context().wrap_socket(request, server_side=True)
-        except (OSError, ssl.SSLError) as e:
-            log.debug("TLS handshake with %s failed: %s", client_address[0], e)
-            return
-        try:
-            sans = self.tls.settings.allowed_sans
-            if sans and not set(peer_sans(conn.getpeercert())) & set(sans):
-                log.warning("client certificate of %s has none of the allowed SANs", client_address[0])
-                return
-            super().finish_request(conn, client_address)
+            while not self._stop:
+                now = time.monotonic()
+                if not accepting and now >= self._accept_paused_until:
+                    self._selector.register(self.socket.fileno(), selectors.EVENT_READ, None)
+                    accepting = True
+                for key, _ in self._selector.select(self._next_timeout(now, poll_interval)):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data is self._wake_r:
+                        self._take_back()
+                    else:
+                        self._readable(key.data)
+                if accepting and self._accept_paused_until > time.monotonic():
+                    self._selector.unregister(self.socket.fileno())
+                    accepting = False
+                self._expire(time.monotonic())
         finally:
-            conn.close()
+            for fd in (self.socket.fileno(), self._wake_r.fileno()):
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(fd)
+            self._running.clear()
+            self._stopped.set()
 
+    def shutdown(self) -> None:
+        """Stop serve_forever and wait for it (from another thread)."""
+        self._stop = True
+        self._wake()
+        if self._running.is_set():
+            self._stopped.wait()
 
-class _Handler(BaseHTTPRequestHandler):
-    server: ExporterServer
-    protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses connections
+    def server_close(self) -> None:
+        for conns in (self._waiting, self._idle, self._closing):
+            for conn in list(conns.values()):
+                self._close(conn)
+        for _ in range(self._workers):
+            self._jobs.put(None)
+        self.socket.close()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
-    def handle_one_request(self) -> None:
-        # The stdlib's, but every method goes through _route (auth first), not do_<METHOD>.
+    # ------------------------------------------------------------ the watcher
+    def _next_timeout(self, now: float, poll_interval: float) -> float:
+        deadlines = [poll_interval]
+        if self._waiting:
+            deadlines.append(next(iter(self._waiting.values())).since + HEAD_TIMEOUT - now)
+        if self._idle:
+            deadlines.append(next(iter(self._idle.values())).since + IDLE_TIMEOUT - now)
+        if self._closing:
+            deadlines.append(next(iter(self._closing.values())).since + LINGER_TIMEOUT - now)
+        if self._accept_paused_until > now:
+            deadlines.append(self._accept_paused_until - now)
+        return max(0.0, min(deadlines))
+
+    def _expire(self, now: float) -> None:
+        for conns, timeout in ((self._waiting, HEAD_TIMEOUT), (self._idle, IDLE_TIMEOUT),
+                               (self._closing, LINGER_TIMEOUT)):
+            while conns:
+                conn = next(iter(conns.values()))
+                if conn.since + timeout > now:
+                    break
+                log.debug("closing connection from %s: %s", conn.peer[0],
+                          "no request in time" if conns is self._waiting else "idle")
+                self._close(conn)
+
+    def _accept(self) -> None:
+        while True:
+            if self.open_connections >= self.max_connections and not self._evict_oldest():
+                self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF  # every slot is answering
+                return
+            try:
+                sock, peer = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._warn_descriptors(e)
+                    if not self._evict_oldest():
+                        self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF
+                        return
+                    continue
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue
+                log.error("accept failed: %s", e)
+                self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF
+                return
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                sock.close()
+                continue
+            conn = _Conn(sock, peer, self.tls is not None)
+            self._waiting[conn.fd] = conn
+            self._selector.register(conn.fd, selectors.EVENT_READ, conn)
+
+    def _warn_descriptors(self, e: OSError) -> None:
+        now = time.monotonic()
+        if now - self._last_fd_warning > 60:
+            self._last_fd_warning = now
+            log.warning("out of file descriptors accepting a connection (%s, %d open): closing the longest idle",
+                        e.strerror, self.open_connections)
+
+    def _evict_oldest(self) -> bool:
+        """Close the connection that has waited longest without a request."""
+        fronts = [next(iter(c.values())) for c in (self._closing, self._waiting, self._idle) if c]
+        if not fronts:
+            return False
+        self.evicted += 1
+        self._close(min(fronts, key=lambda c: c.since))
+        return True
+
+    def _readable(self, conn: _Conn) -> None:
+        if conn.fd in self._closing:
+            self._drain(conn)
+            return
+        if not conn.tls_done and not self._handshake(conn):
+            return
         try:
-            self.raw_requestline = self.rfile.readline(65537)
-            if len(self.raw_requestline) > 65536:
-                self.requestline = self.request_version = self.command = ""
-                self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
-                return
-            if not self.raw_requestline:
-                self.close_connection = True
-                return
-            if not self.parse_request():
-                return
-            self._route()
-        except TimeoutError as e:
-            self.log_error("request timed out: %r", e)
-            self.close_connection = True
+            while True:
+                data = conn.sock.recv(65536)
+                if not data:
+                    self._close(conn)
+                    return
+                if conn.fd in self._idle:  # a new request begins: its head has HEAD_TIMEOUT
+                    del self._idle[conn.fd]
+                    conn.since = time.monotonic()
+                    self._waiting[conn.fd] = conn
+                conn.buffer += data
+                if len(conn.buffer) > MAX_HEAD_BYTES or not isinstance(conn.sock, ssl.SSLSocket) \
+                        or not conn.sock.pending():
+                    break
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            pass
+        except OSError as e:
+            log.debug("connection from %s failed: %s", conn.peer[0], e)
+            self._close(conn)
+            return
+        self._dispatch_if_complete(conn)
 
-    def send_response(self, code: int, message: Optional[str] = None) -> None:
-        # The stdlib adds `Server: <name>/<version>`; Go's server sends none, nor do we.
-        self.log_request(code)
-        self.send_response_only(code, message)
-        self.send_header("Date", self.date_time_string())
+    def _handshake(self, conn: _Conn) -> bool:
+        """Advance the TLS handshake without blocking; True once it is done."""
+        assert self.tls is not None
+        if not isinstance(conn.sock, ssl.SSLSocket):
+            try:
+                first = conn.sock.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                self._close(conn)
+                return False
+            if not first:
+                self._close(conn)
+                return False
+            if first.isalpha():  # plain HTTP spoken to the TLS port
+                with contextlib.suppress(OSError):
+                    conn.sock.send(_PLAIN_HTTP_ON_TLS)
+                    conn.sock.shutdown(socket.SHUT_WR)
+                self._waiting.pop(conn.fd, None)
+                self._linger(conn)
+                return False
+            try:
+                conn.sock = self.tls.context().wrap_socket(conn.sock, server_side=True,
+                                                           do_handshake_on_connect=False)
+            except (OSError, ssl.SSLError) as e:
+                log.debug("TLS with %s failed: %s", conn.peer[0], e)
+                self._close(conn)
+                return False
+        try:
+            conn.sock.do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return False  # a handshake stalled on writing is rare; the head timeout ends it
+        except (OSError, ssl.SSLError) as e:
+            log.debug("TLS handshake with %s failed: %s", conn.peer[0], e)
+            self._close(conn)
+            return False
+        sans = self.tls.settings.allowed_sans
+        if sans and not set(peer_sans(conn.sock.getpeercert())) & set(sans):
+            log.warning("client certificate of %s has none of the allowed SANs", conn.peer[0])
+            self._close(conn)
+            return False
+        conn.tls_done = True
+        return True
+
+    def _dispatch_if_complete(self, conn: _Conn) -> None:
+        request, used = parse_head(conn.buffer)
+        if request is None:
+            return
+        conn.buffer = conn.buffer[used:]
+        self._waiting.pop(conn.fd, None)
+        self._idle.pop(conn.fd, None)
+        self._selector.unregister(conn.fd)
+        self._busy += 1
+        self._jobs.put((conn, request))
+        with self._pool_lock:
+            start = self._idle_workers == 0 and self._workers < self._max_workers
+            if start:
+                self._workers += 1
+            elif self._idle_workers:
+                self._idle_workers -= 1  # this one is taken: the next job may need a new thread
+        if start:
+            _thread.start_new_thread(self._work, ())
+
+    def _take_back(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._wake_r.recv(4096):
+                pass
+        while self._returned:
+            conn, keep = self._returned.popleft()
+            self._busy -= 1
+            if self._stop:
+                self._close(conn)
+                continue
+            if not keep:
+                self._selector.register(conn.fd, selectors.EVENT_READ, conn)
+                self._linger(conn)
+                continue
+            conn.since = time.monotonic()
+            conn.served += 1
+            self._selector.register(conn.fd, selectors.EVENT_READ, conn)
+            if conn.buffer:  # pipelined: the next request is here already
+                self._waiting[conn.fd] = conn
+                self._dispatch_if_complete(conn)
+            else:
+                self._idle[conn.fd] = conn
+
+    def _linger(self, conn: _Conn) -> None:
+        """Its write side is shut: read and drop what comes until EOF or LINGER_TIMEOUT."""
+        conn.since = time.monotonic()
+        self._closing[conn.fd] = conn
+
+    def _drain(self, conn: _Conn) -> None:
+        try:
+            while conn.sock.recv(65536):
+                pass
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return
+        except OSError:
+            pass
+        self._close(conn)  # EOF or an error: done
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def _close(self, conn: _Conn) -> None:
+        held = [c.pop(conn.fd, None) for c in (self._waiting, self._idle, self._closing)]
+        if any(c is not None for c in held):
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.fd)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+    # ------------------------------------------------------------ the workers
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            conn, request = job
+            keep = False
+            try:
+                conn.sock.settimeout(WRITE_TIMEOUT)
+                if isinstance(request, ProtocolError):
+                    log.debug("bad request from %s: %s", conn.peer[0], request.reason)
+                    conn.sock.sendall(error_answer(request))
+                else:
+                    keep = _Exchange(self, conn, request).answer()
+                if keep:
+                    conn.sock.settimeout(0)
+            except (OSError, ssl.SSLError) as e:
+                log.debug("connection from %s ended: %s", conn.peer[0], e)
+                keep = False
+            except Exception:
+                log.error("error while serving %s", conn.peer[0], exc_info=True)
+                keep = False
+            if not keep:  # shut our side; the watcher drains what the client still sends
+                with contextlib.suppress(OSError):
+                    conn.sock.settimeout(0)
+                    conn.sock.shutdown(socket.SHUT_WR)
+            self._returned.append((conn, keep))
+            with self._pool_lock:
+                self._idle_workers += 1
+            self._wake()
+
+
+class _Exchange:
+    """One request on one connection, answered by a worker thread."""
+
+    def __init__(self, server: ExporterServer, conn: _Conn, request: Request) -> None:
+        self.server = server
+        self.conn = conn
+        self.command = request.method
+        self.path = request.target
+        self.request_version = request.version
+        self.headers = request.headers
+        self.close_connection = not request.keep_alive or request.has_body
+
+    def answer(self) -> bool:
+        """Serve the request; True when the connection stays open for the next."""
+        self._route()
+        return not self.close_connection
 
     def _route(self) -> None:
         app = self.server.app
@@ -336,7 +754,7 @@ class _Handler(BaseHTTPRequestHandler):
         if app.limiter is not None and not app.limiter.allow():
             self._reply(HTTPStatus.TOO_MANY_REQUESTS, b"Too Many Requests\n")
             return
-        if app.auth is not None and not app.auth.check(self.headers.get("Authorization")):
+        if app.auth is not None and not app.auth.check(self.headers.get("authorization")):
             self._reply(HTTPStatus.UNAUTHORIZED, b"Unauthorized\n", {"WWW-Authenticate": "Basic"})
             return
         if self.command not in ("GET", "HEAD"):
@@ -368,12 +786,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _scrape(self, params: Dict[str, List[str]]) -> None:
         registry: Collector = self.server.app.registry
-        encoder, content_type = choose_encoder(self.headers.get("Accept") or "")
-        zipped = gzip_accepted(self.headers.get("Accept-Encoding") or "")
+        encoder, content_type = choose_encoder(self.headers.get("accept") or "")
+        zipped = gzip_accepted(self.headers.get("accept-encoding") or "")
         if params.get("name[]"):
             registry = _OnlySamples(registry, params["name[]"])
         try:
-            with scrape_timeout(self.headers.get("X-Prometheus-Scrape-Timeout-Seconds")):
+            with scrape_timeout(self.headers.get("x-prometheus-scrape-timeout-seconds")):
                 if isinstance(registry, Exposition):  # reuses the readings' encoded part
                     body = registry.encode(encoder, content_type, zipped)
                 else:
@@ -392,22 +810,24 @@ class _Handler(BaseHTTPRequestHandler):
     def _reply(self, status: HTTPStatus, body: bytes, headers: Optional[Dict[str, str]] = None) -> None:
         """Status line, headers and body in one write: two writes on a keep-alive
         connection meet Nagle and the client's delayed ACK (~40 ms a request)."""
-        self.log_request(int(status))
+        if log.isEnabledFor(logging.DEBUG):  # access logs would be one line per scrape
+            log.debug("%s \"%s %s %s\" %d", self.conn.peer[0], self.command, self.path, self.request_version,
+                      status.value)
         all_headers = {"Content-Type": "text/plain; charset=utf-8", **(headers or {}), **self.server.app.config.headers}
         all_headers["Content-Length"] = str(len(body))
-        all_headers["Date"] = self.date_time_string()
+        all_headers["Date"] = email.utils.formatdate(usegmt=True)
         if self.close_connection:
             all_headers["Connection"] = "close"
         elif self.request_version == "HTTP/1.0":  # it asked for keep-alive: say it is kept
             all_headers["Connection"] = "keep-alive"
         head = f"HTTP/1.1 {status.value} {status.phrase}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in all_headers.items())
         payload = head.encode("latin-1") + b"\r\n"
-        self.wfile.write(payload + body if self.command != "HEAD" else payload)
+        send_all(self.conn.sock, payload + body if self.command != "HEAD" else payload)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
-        # Access logs would be one line per scrape: debug level only.
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s %s", self.address_string(), format % args)
+
+def send_all(sock: socket.socket, data: bytes) -> None:
+    """Every answer goes out through here, in one call."""
+    sock.sendall(data)
 
 
 class _OnlySamples:
@@ -440,9 +860,12 @@ def _landing_page(telemetry_path: str) -> bytes:
 
 
 def make_server(registry: Collector, listen_address: str, telemetry_path: str = "/metrics",
-                web_config: Optional[WebConfig] = None, max_requests: int = DEFAULT_MAX_REQUESTS) -> ExporterServer:
-    """Bind (port 0 picks a free port) without serving yet; tests and serve() use it."""
-    return ExporterServer(listen_address, _App(registry, telemetry_path, web_config or WebConfig(), max_requests))
+                web_config: Optional[WebConfig] = None, max_requests: int = DEFAULT_MAX_REQUESTS,
+                max_connections: Optional[int] = None) -> ExporterServer:
+    """Bind (port 0 picks a free port) without serving yet; tests and serve() use it.
+    max_connections: None takes what the file limit allows (connection_cap)."""
+    return ExporterServer(listen_address, _App(registry, telemetry_path, web_config or WebConfig(), max_requests),
+                          max_connections)
 
 
 def serve(registry: Collector, listen_address: str, telemetry_path: str, web_config: Optional[WebConfig], *,
@@ -450,9 +873,11 @@ def serve(registry: Collector, listen_address: str, telemetry_path: str, web_con
           stop: Optional[threading.Event] = None) -> None:
     """Serve until `stop` is set (or forever). Blocking. Raises OSError when the
     address cannot be bound (nothing is logged as listening then)."""
+    raise_open_file_limit()
     server = make_server(registry, listen_address, telemetry_path, web_config, max_requests)
-    log.info("listening on %s, metrics at %s (TLS %s, basic auth %s)", server.bound_addresses(), telemetry_path,
-             "on" if server.tls else "off", "on" if server.app.auth else "off")
+    log.info("listening on %s, metrics at %s (TLS %s, basic auth %s, at most %d connections)",
+             server.bound_addresses(), telemetry_path, "on" if server.tls else "off",
+             "on" if server.app.auth else "off", server.max_connections)
     if stop is not None:
         def stop_when_asked() -> None:
             stop.wait()

@@ -8,12 +8,13 @@ import gzip
 import http.client
 import logging
 import os
+import re
 import shutil
 import socket
-import socketserver
 import ssl
 import textwrap
 import threading
+import time
 
 import bcrypt
 import pytest
@@ -703,8 +704,8 @@ def test_max_requests_answers_503_past_the_cap():
 
 def test_every_response_is_one_write(monkeypatch):
     writes = []
-    real = socketserver._SocketWriter.write
-    monkeypatch.setattr(socketserver._SocketWriter, "write", lambda self, b: writes.append(len(b)) or real(self, b))
+    real = web.send_all
+    monkeypatch.setattr(web, "send_all", lambda sock, b: writes.append(len(b)) or real(sock, b))
     with running(registry_with(GpuCollector())) as server:
         conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
         for path in ("/metrics", "/-/healthy", "/", "/nope", "/metrics"):
@@ -818,3 +819,161 @@ def test_the_tls_context_is_built_once_at_start_up(tmp_path, tls_dir, monkeypatc
     with running(registry_with(GpuCollector()), cfg.web_config) as server:
         assert request(server, "/-/healthy", context=client_context(files.ca_cert))[0] == 200
     assert len(built) == 1  # checked, built and served: once
+
+
+# ---------------------------------------------------------------- hardening (issue 26)
+
+def raw_exchange(server, data: bytes, timeout: float = 5.0) -> bytes:
+    """What the server sends back (until it closes) for `data` on a fresh connection."""
+    with socket.create_connection(("127.0.0.1", server.server_port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+# node_exporter 1.5.0's status for each (measured side by side: bench/hostile_bench.py --http-only).
+@pytest.mark.parametrize("data, status", [
+    (b"GET /metrics HTTP/9.9\r\nHost: x\r\n\r\n", 505),
+    (b"GET / HTTP/2.0\r\nHost: x\r\n\r\n", 505),
+    (b"GET / HTTP/0.9\r\nHost: x\r\n\r\n", 505),
+    (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),
+    (b"GET /\r\n", 400),  # HTTP/0.9: no blank line ever comes, the answer must not wait for one
+    (b"GET /metrics HTTP/1.1\r\n\r\n", 400),  # no Host
+    (b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nBogus header\r\n\r\n", 400),
+    (b"G(T / HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+    (b"GET /" + b"a" * (200 << 10) + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431),
+    (b"GET /-/healthy HTTP/1.0\r\n\r\n", 200),  # HTTP/1.0 needs no Host
+    (b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nX-A: a\r\n  b\r\nConnection: close\r\n\r\n", 200),  # folded line
+])
+def test_protocol_errors_get_go_status_lines_at_once(data, status):
+    with running(registry_with(GpuCollector())) as server:
+        started = time.monotonic()
+        answer = raw_exchange(server, data)
+        took = time.monotonic() - started
+    assert answer.split(b"\r\n", 1)[0].startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert took < 2.0  # answered, not left to a timeout
+
+
+def test_parse_head_waits_for_a_whole_head_and_counts_what_it_used():
+    head = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert web.parse_head(head[:-2]) == (None, 0)
+    request, used = web.parse_head(head + b"GET /next")
+    assert isinstance(request, web.Request) and used == len(head)
+    assert (request.method, request.target, request.keep_alive, request.has_body) == ("GET", "/metrics", True, False)
+    request, _ = web.parse_head(b"GET / HTTP/1.0\nConnection: Keep-Alive\nContent-Length: 3\n\nabc")
+    assert isinstance(request, web.Request) and request.keep_alive and request.has_body
+
+
+def test_pipelined_requests_are_all_answered_in_order():
+    with running(registry_with(GpuCollector())) as server:
+        answer = raw_exchange(server, b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n"
+                                      b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [b"200", b"404"]
+
+
+def test_silent_connections_hold_no_thread_and_do_not_slow_a_scrape():
+    with running(registry_with(GpuCollector())) as server:
+        threads_before = threading.active_count()
+        silent = [socket.create_connection(("127.0.0.1", server.server_port)) for _ in range(300)]
+        try:
+            time.sleep(0.3)
+            assert request(server, "/metrics")[0] == 200
+            assert threading.active_count() - threads_before < 10
+            assert server.open_connections >= 300
+        finally:
+            for s in silent:
+                s.close()
+
+
+def test_past_the_cap_the_longest_idle_connection_is_closed():
+    server = web.make_server(registry_with(GpuCollector()), "127.0.0.1:0", max_connections=20)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        first = socket.create_connection(("127.0.0.1", server.server_port), timeout=5)
+        time.sleep(0.1)
+        rest = [socket.create_connection(("127.0.0.1", server.server_port)) for _ in range(30)]
+        assert request(server, "/-/healthy")[0] == 200
+        assert first.recv(1) == b""  # the oldest silent one was closed to make room
+        assert server.evicted >= 11 and server.open_connections <= 20
+        for s in rest:
+            s.close()
+        first.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_a_connection_without_a_request_is_closed_after_the_head_timeout(monkeypatch):
+    monkeypatch.setattr(web, "HEAD_TIMEOUT", 0.3)
+    with running(registry_with(GpuCollector())) as server:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=5) as silent, \
+                socket.create_connection(("127.0.0.1", server.server_port), timeout=5) as kept:
+            kept.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+            started = time.monotonic()
+            assert silent.recv(1) == b""
+            assert 0.2 < time.monotonic() - started < 3
+            time.sleep(0.3)  # idle after a request: kept open (IDLE_TIMEOUT, not HEAD_TIMEOUT)
+            kept.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+_FD_STARVED_SERVER = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+from prometheus_client import CollectorRegistry
+from mps_exporter import web
+server = web.make_server(CollectorRegistry(), "127.0.0.1:0", max_connections=10_000)  # the cap above the limit
+print(server.server_port, flush=True)
+server.serve_forever(0.05)
+"""
+
+
+def test_out_of_descriptors_the_server_backs_off_and_keeps_answering():
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _FD_STARVED_SERVER], stdout=subprocess.PIPE, text=True)
+    socks = []
+    try:
+        port = int(proc.stdout.readline())
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(400)]  # twice the file limit
+        time.sleep(0.5)
+        cpu_before = _cpu_seconds(proc.pid)
+        time.sleep(1.0)
+        assert _cpu_seconds(proc.pid) - cpu_before < 0.3  # no accept() spin on EMFILE
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/-/healthy")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        for s in socks:
+            s.close()
+        proc.kill()
+        proc.wait(10)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_soft_file_limit_is_raised_to_the_hard_one():
+    import subprocess
+    import sys
+
+    code = ("import resource; s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, h)); "
+            "from mps_exporter import web; print(web.raise_open_file_limit() == h, "
+            "resource.getrlimit(resource.RLIMIT_NOFILE)[0] == h)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split() == ["True", "True"]

@@ -107,6 +107,8 @@ def test_exporter_unit_hardening():
     assert service.get("ProcSubset", "all") == "all"
     assert service.get("PrivateDevices", "no") == "no" and "ProtectClock" not in service
     assert service["StateDirectory"] == "mps-exporter"
+    # A flood of idle connections must not reach the descriptor limit (issue 26).
+    assert int(service["LimitNOFILE"]) >= 65536
 
 
 def test_exporter_unit_documentation_is_this_projects():

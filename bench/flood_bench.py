@@ -1,0 +1,263 @@
+"""Hostile HTTP clients: mps-exporter beside node_exporter 1.5.0, the same web config.
+
+Cases (each against a fresh server of each kind, on loopback):
+
+- silent: the server starts with its soft file limit at 1024 (systemd's default) and
+  1,100 connections are opened that send nothing; then 20 scrapes of /metrics, each on
+  a new connection, one every 0.1 s. `--hard-limit` also pins the hard limit at 1024,
+  so the limit cannot be raised and the server must shed connections itself;
+- idle: 2,000 keep-alive connections each ask for /-/healthy once and stay open; then
+  the same 20 scrapes;
+- corners: malformed requests (HTTP/9.9, PRI *, HTTP/0.9, no Host, Content-Length -1,
+  a header without a colon, ...): the status each server answers and how long it took;
+- password: the web config's only user is replaced by another while the server runs;
+  how long until the old password gets 401 and the new one 200 (TLS + basic auth).
+
+For the flood cases it prints scrapes answered within 100 ms and their p50/max, the
+server's CPU use while the flood is held (a share of one core, over the scrape window
+and over 2 s of quiet), its threads and its RSS. Numbers, not a pass/fail; the load
+average is printed beside them (other work on the machine skews timings).
+
+    python3 bench/flood_bench.py [--silent 1100] [--idle 2000] [--hard-limit] [--cases silent idle corners password]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import resource
+import socket
+import ssl
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from load_bench import WebSetup, connection, fetch, pct, start  # noqa: E402
+from tests.support.certs import make_tls_files  # noqa: E402
+from tests.support.prometheus import free_port, stop_process  # noqa: E402
+
+KINDS = ("mps-exporter", "node_exporter")
+LIBRARIES = ("cheroot", "waitress")  # bench/library_server.py (load_bench.start): plain HTTP, pip-installed by hand
+SOFT_LIMIT = 1024
+
+# (name, bytes): the corner cases of issue 26, and two that must still be served.
+CORNERS: List[Tuple[str, bytes]] = [
+    ("GET HTTP/9.9", b"GET /metrics HTTP/9.9\r\nHost: x\r\n\r\n"),
+    ("PRI * HTTP/2.0", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+    ("HTTP/0.9 (GET /)", b"GET /\r\n"),
+    ("HTTP/1.1 without Host", b"GET /metrics HTTP/1.1\r\n\r\n"),
+    ("Content-Length: -1", b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"),
+    ("header line without colon", b"GET /metrics HTTP/1.1\r\nHost: x\r\nBogus header\r\n\r\n"),
+    ("two Host headers", b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n"),
+    ("Transfer-Encoding: gzip", b"GET / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"),
+    ("bad method token", b"G(T / HTTP/1.1\r\nHost: x\r\n\r\n"),
+    ("1 MiB request line", b"GET /" + b"a" * (1 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n"),
+    ("HTTP/1.0 without Host", b"GET / HTTP/1.0\r\n\r\n"),
+    ("folded header line", b"GET / HTTP/1.1\r\nHost: x\r\nX-A: a\r\n  b\r\nConnection: close\r\n\r\n"),
+]
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_status(pid: int) -> Dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("Threads", "VmRSS"):
+                out[key] = int(value.split()[0])
+    return out
+
+
+def scrapes(port: int, setup: WebSetup, count: int = 20, interval: float = 0.1) -> List[Optional[float]]:
+    """Seconds each scrape took (a new connection each), None for a failure."""
+    took: List[Optional[float]] = []
+    for _ in range(count):
+        started = time.monotonic()
+        try:
+            conn = connection(port, setup, timeout=5)
+            status = fetch(conn, setup, "/metrics")
+            conn.close()
+            took.append(time.monotonic() - started if status == 200 else None)
+        except OSError:
+            took.append(None)
+        time.sleep(interval)
+    return took
+
+
+def flood(kind: str, setup: WebSetup, how: str, count: int,
+          hard_limit: bool) -> Dict[str, object]:
+    port = free_port()
+    hard = SOFT_LIMIT if hard_limit else resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    proc = start(kind, port, setup, (SOFT_LIMIT, hard))
+    held: List[socket.socket] = []
+    try:
+        before = proc_status(proc.pid)
+        opened = time.monotonic()
+        for _ in range(count):
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            except OSError:
+                break
+            held.append(s)
+            if how == "idle":
+                wrapped = setup.context.wrap_socket(s, server_hostname="localhost") if setup.context else s
+                held[-1] = wrapped
+                auth = "".join(f"{k}: {v}\r\n" for k, v in setup.headers.items())
+                try:
+                    wrapped.sendall(f"GET /-/healthy HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
+                    wrapped.recv(65536)
+                except OSError:
+                    pass
+        open_seconds = time.monotonic() - opened
+        time.sleep(0.5)
+        cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
+        took = scrapes(port, setup)
+        cpu1, t1 = cpu_seconds(proc.pid), time.monotonic()
+        time.sleep(2.0)
+        cpu2, t2 = cpu_seconds(proc.pid), time.monotonic()
+        during = proc_status(proc.pid)
+        ok = [t for t in took if t is not None]
+        return {
+            "connections held": len(held), "seconds to open them": round(open_seconds, 2),
+            "scrapes ok within 100 ms": f"{sum(t <= 0.1 for t in ok)}/{len(took)}",
+            "scrape p50 / max, ms": f"{pct(ok, 50) * 1000:.1f} / {max(ok) * 1000:.1f}" if ok else "-",
+            "CPU while scraping, % of a core": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+            "CPU at rest under the flood, % of a core": round(100 * (cpu2 - cpu1) / (t2 - t1), 1),
+            "threads before / during": f"{before['Threads']} / {during['Threads']}",
+            "RSS before / during, MB": f"{before['VmRSS'] / 1024:.0f} / {during['VmRSS'] / 1024:.0f}",
+        }
+    finally:
+        for s in held:
+            s.close()
+        stop_process(proc)
+
+
+def corners(kind: str, setup: WebSetup) -> Dict[str, object]:
+    port = free_port()
+    proc = start(kind, port, setup)
+    out: Dict[str, object] = {}
+    try:
+        for name, data in CORNERS:
+            started = time.monotonic()
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                    try:
+                        s.sendall(data)
+                    except OSError:
+                        pass
+                    line = s.makefile("rb").readline(200).split(b"\r\n")[0]
+                status = line.split(b" ")[1].decode() if line.startswith(b"HTTP/") else f"no status line {line[:30]!r}"
+            except OSError as e:
+                status = f"{type(e).__name__}"
+            out[name] = f"{status} ({time.monotonic() - started:.2f} s)"
+    finally:
+        stop_process(proc)
+    return out
+
+
+def password_change(kind: str, tmp: str) -> Dict[str, object]:
+    """Replace the only user, then poll both passwords every 20 ms."""
+    import bcrypt
+
+    files = make_tls_files(tmp, prefix=f"{kind}-")
+    context = ssl.create_default_context(cafile=files.ca_cert)
+    path = os.path.join(tmp, f"{kind}-web.yml")
+
+    def write(user: str, password: str) -> None:
+        hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(10)).decode()
+        with open(path + ".new", "w", encoding="utf-8") as f:
+            f.write(f"tls_server_config:\n  cert_file: {files.server_cert}\n  key_file: {files.server_key}\n"
+                    f"basic_auth_users:\n  {user}: '{hashed}'\n")
+        os.replace(path + ".new", path)
+
+    def header(user: str, password: str) -> Dict[str, str]:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+    write("old", "old-password")
+    old = WebSetup("old", path, context, header("old", "old-password"))
+    new = WebSetup("new", path, context, header("new", "new-password"))
+    port = free_port()
+    proc = start(kind, port, old)
+    try:
+        write("new", "new-password")
+        changed = time.monotonic()
+        old_refused: Optional[float] = None
+        new_accepted: Optional[float] = None
+        while time.monotonic() - changed < 10 and (old_refused is None or new_accepted is None):
+            for setup, which in ((old, "old"), (new, "new")):
+                conn = connection(port, setup, timeout=5)
+                status = fetch(conn, setup, "/metrics")
+                conn.close()
+                if which == "old" and status == 401 and old_refused is None:
+                    old_refused = time.monotonic() - changed
+                if which == "new" and status == 200 and new_accepted is None:
+                    new_accepted = time.monotonic() - changed
+            time.sleep(0.02)
+        return {"old password refused after, s": f"{old_refused:.2f}" if old_refused is not None else "> 10",
+                "new password accepted after, s": f"{new_accepted:.2f}" if new_accepted is not None else "> 10"}
+    finally:
+        stop_process(proc)
+
+
+def table(title: str, results: Dict[str, Dict[str, object]]) -> None:
+    print(f"\n### {title}\n")
+    print("| | " + " | ".join(results) + " |")
+    print("| --- |" + " --- |" * len(results))
+    rows = next(iter(results.values())).keys()
+    for row in rows:
+        print(f"| {row} | " + " | ".join(str(r.get(row, "")) for r in results.values()) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--silent", type=int, default=1100)
+    ap.add_argument("--idle", type=int, default=2000)
+    ap.add_argument("--hard-limit", action="store_true", help="also pin the hard file limit at 1024")
+    ap.add_argument("--tls", action="store_true", help="TLS for the flood cases (no auth)")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS + LIBRARIES)
+    ap.add_argument("--cases", nargs="+", default=["silent", "idle", "corners", "password"],
+                    choices=["silent", "idle", "corners", "password"])
+    args = ap.parse_args()
+    want = args.silent + args.idle + 200
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; cores: {os.cpu_count()}")
+    with tempfile.TemporaryDirectory(prefix="mps-flood-") as tmp:
+        setup = WebSetup("plain HTTP", None, None, {})
+        if args.tls:
+            files = make_tls_files(tmp)
+            config_file = os.path.join(tmp, "web-tls.yml")
+            with open(config_file, "w", encoding="utf-8") as f:
+                f.write(f"tls_server_config:\n  cert_file: {files.server_cert}\n  key_file: {files.server_key}\n")
+            setup = WebSetup("TLS", config_file, ssl.create_default_context(cafile=files.ca_cert), {})
+        limit = f"soft file limit {SOFT_LIMIT}" + (f", hard {SOFT_LIMIT}" if args.hard_limit else "")
+        cases: Dict[str, Callable[[str], Dict[str, object]]] = {
+            "silent": lambda kind: flood(kind, setup, "silent", args.silent, args.hard_limit),
+            "idle": lambda kind: flood(kind, setup, "idle", args.idle, args.hard_limit),
+            "corners": lambda kind: corners(kind, WebSetup("plain HTTP", None, None, {})),
+            "password": lambda kind: password_change(kind, tmp),
+        }
+        titles = {"silent": f"{args.silent} silent connections, {setup.name}, {limit}",
+                  "idle": f"{args.idle} idle keep-alive connections, {setup.name}, {limit}",
+                  "corners": "HTTP corner cases: status (time to answer)",
+                  "password": "web config: the only user replaced (TLS + basic auth, bcrypt cost 10)"}
+        for case in args.cases:
+            table(titles[case], {kind: cases[case](kind) for kind in args.kinds})
+    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
