@@ -36,6 +36,14 @@ DEFAULT_DCGM_BINDINGS = (
     "/usr/share/datacenter-gpu-manager-4/bindings/python3",
 )
 
+# Where containerd (its CRI plugin's runtime v2 shims) and CRI-O keep each container's
+# OCI bundle, `<root>/<container id>/`: the pod names of a client's container
+# (runtime_metadata.py). The Helm chart mounts both read-only.
+DEFAULT_RUNTIME_ROOTS = ("/run/containerd/io.containerd.runtime.v2.task/k8s.io",
+                         "/run/containers/storage/overlay-containers")
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
 @dataclass
 class DaemonConfig:
     name: str
@@ -102,6 +110,12 @@ class Config:
     # only through set_* commands; re-read them after one (control.log) or this often.
     facts_refresh_seconds: float = 60.0
     procfs: str = "/proc"
+    runtime_roots: Sequence[str] = DEFAULT_RUNTIME_ROOTS  # --path.runtime-root
+    # --kubelet.*: the kubelet's /pods, for pod names where the runtime's files are not
+    # visible; "" url = never asked, "" CA = the service account's CA, else the system's.
+    kubelet_url: str = ""
+    kubelet_token_file: str = SERVICE_ACCOUNT + "/token"
+    kubelet_ca_file: str = ""
     # Whether the log pipelines ask procfs if queued clients still exist (logs/liveness.py);
     # replay turns it off: a bundle's PIDs are another machine's.
     queued_client_liveness: bool = True

@@ -111,6 +111,10 @@ class ProcessFacts:
     start_time_seconds: Optional[float] = None
     container_id: str = ""
     pod_uid: str = ""
+    # Kubernetes names of the container (runtime_metadata.py); "" outside a pod.
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
     # Only the three MPS variables are ever kept from /proc/PID/environ.
     env_active_thread_percentage: Optional[float] = None
     env_pinned_limits: Dict[int, int] = field(default_factory=dict)  # device ordinal -> bytes

@@ -51,6 +51,12 @@ SERVER_STATUS = Label("status", FIXED, "control daemon `get_server_status`",
 POD_UID = Label("pod_uid", INPUT, "/proc/PID/cgroup of the server's clients (a UUID, or empty)",
                 f"pods with MPS clients running now, per server; {CUT}")
 # The collector names are the registry's (catalog.py writes them into the docs).
+# The Kubernetes names of a client's container (runtime_metadata.py); empty outside a pod.
+_NAMES_SOURCE = "annotations of the container runtime's OCI spec (containerd, CRI-O), else the kubelet's /pods"
+NAMESPACE = Label("namespace", INPUT, _NAMES_SOURCE, f"one per running client's pod (empty outside a pod); {CUT}")
+POD = Label("pod", INPUT, _NAMES_SOURCE, f"one per running client's pod (empty outside a pod); {CUT}")
+CONTAINER = Label("container", INPUT, _NAMES_SOURCE, f"one per running client's container (empty outside a pod); {CUT}")
+CLIENT = (CLIENT_PID, NAMESPACE, POD, CONTAINER)  # every per-client series
 COLLECTOR = Label("collector", FIXED, "the exporter's collectors", "{collectors}")
 
 GPU_METRICS = table(
@@ -120,34 +126,36 @@ SERVER_METRICS = table(
 CLIENT_METRICS = table(
     "MPS clients",
     gauge("mps_client_info", "A connected MPS client process (value 1); pid_namespace is the PID namespace `ps` "
-          "shows (not a Kubernetes namespace); container_id and pod_uid empty where the cgroup shows none.",
-          DAEMON, SERVER_PID, CLIENT_PID, UID, USER,
+          "shows (not a Kubernetes namespace); container_id and pod_uid empty where the cgroup shows none. "
+          "namespace, pod and container (on every client series) are the Kubernetes names of its container, from "
+          "the container runtime's files or the kubelet; empty outside a pod.",
+          DAEMON, SERVER_PID, *CLIENT, UID, USER,
           Label("command", INPUT, "`ps` COMMAND column, else /proc/PID/comm", f"one per running client; {CUT}"),
           Label("pid_namespace", INPUT, "`ps` NAMESPACE column (a PID namespace)", f"one per running client; {CUT}"),
           Label("container_id", INPUT, "/proc/PID/cgroup (64 hex digits)", f"one per running client; {CUT}"),
           Label("pod_uid", INPUT, "/proc/PID/cgroup (a UUID)", f"one per running client; {CUT}")),
     gauge("mps_client_memory_used_bytes", "Device memory of the client, from NVML's MPS process list.",
-          DAEMON, CLIENT_PID, GPU, UUID),
+          DAEMON, *CLIENT, GPU, UUID),
     gauge("mps_client_pinned_memory_limit_bytes", "Pinned memory limit that binds the client: its own "
           "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, else its server's limit as it was when the client connected (MPS logs; "
           "the server's limit now where the logs do not show the connection); absent where none applies.",
-          DAEMON, CLIENT_PID, GPU),
+          DAEMON, *CLIENT, GPU),
     gauge("mps_client_active_thread_ratio", "Active thread limit that binds the client / 100: the smaller of its "
           "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and its server's percentage when it connected (MPS logs; the server's "
-          "now where the logs do not show the connection).", DAEMON, CLIENT_PID),
+          "now where the logs do not show the connection).", DAEMON, *CLIENT),
     gauge("mps_client_priority", "The client's priority in force (0 normal, 1 below normal): its "
           "CUDA_MPS_CLIENT_PRIORITY, else its server's (server.log), else the daemon default; absent where none is "
-          "known.", DAEMON, CLIENT_PID),
-    gauge("mps_client_start_time_seconds", "Unix time the client connected.", DAEMON, CLIENT_PID),
+          "known.", DAEMON, *CLIENT),
+    gauge("mps_client_start_time_seconds", "Unix time the client connected.", DAEMON, *CLIENT),
 )
 POD_SUM_METRICS = table(
     "MPS clients summed per server and pod (--mps.client-granularity pod)",
-    gauge("mps_pod_clients", "MPS client processes of the server in the pod (pod_uid empty: processes in no pod); "
-          "replaces the per-client series with --mps.client-granularity pod.", DAEMON, SERVER_PID, POD_UID),
+    gauge("mps_pod_clients", "MPS client processes of the server in the pod (pod_uid, namespace and pod empty: processes in no pod); "
+          "replaces the per-client series with --mps.client-granularity pod.", DAEMON, SERVER_PID, POD_UID, NAMESPACE, POD),
     gauge("mps_pod_client_memory_used_bytes", "Device memory of the server's clients in the pod, summed.",
-          DAEMON, SERVER_PID, POD_UID, GPU, UUID),
+          DAEMON, SERVER_PID, POD_UID, NAMESPACE, POD, GPU, UUID),
     gauge("mps_pod_client_pinned_memory_limit_bytes", "Pinned memory limits in force for the server's clients in "
-          "the pod, summed (clients without a limit add nothing).", DAEMON, SERVER_PID, POD_UID, GPU),
+          "the pod, summed (clients without a limit add nothing).", DAEMON, SERVER_PID, POD_UID, NAMESPACE, POD, GPU),
 )
 SERVER_SUM_METRICS = table(
     "MPS clients summed per server (--mps.client-granularity server)",
@@ -410,10 +418,11 @@ def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[
     for pid in sorted(set(ps_rows) | set(unlisted)):
         row: Optional[PsEntry] = ps_rows.get(pid)
         proc = processes.get(pid) or ProcessFacts(pid)
-        cp = {"daemon": d.name, "pid": str(pid)}
+        cp = {"daemon": d.name, "pid": str(pid), "namespace": proc.namespace, "pod": proc.pod,
+              "container": proc.container}
         server_pid = row.server_pid if row else None
-        out.add("mps_client_info", 1, daemon=d.name, server_pid="" if server_pid is None else str(server_pid),
-                pid=str(pid), uid="" if proc.uid is None else str(proc.uid), user=proc.user,
+        out.add("mps_client_info", 1, **cp, server_pid="" if server_pid is None else str(server_pid),
+                uid="" if proc.uid is None else str(proc.uid), user=proc.user,
                 command=(row.command if row else "") or proc.command, pid_namespace=row.namespace if row else "",
                 container_id=proc.container_id, pod_uid=proc.pod_uid)
         memory, client_gpus, limits = _client_in_force(pid, row, proc, server_limits, default, joined, log_snap)
@@ -449,6 +458,7 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
     ps_rows = {c.pid: c for c in d.clients}
     default = Limits(d.default_active_thread_percentage, d.default_pinned_limits)
     counts: Dict[Tuple[str, str], int] = {}
+    pod_names: Dict[str, Dict[str, str]] = {"": {"namespace": "", "pod": ""}}  # pod uid -> its names
     memory: Dict[Tuple[str, str, int], int] = {}  # (server, pod, gpu index) -> bytes
     limits: Dict[Tuple[str, str, int], int] = {}
     fullest: Dict[Tuple[str, str, int], float] = {}  # largest memory / limit of one client
@@ -457,6 +467,8 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
         proc = processes.get(pid) or ProcessFacts(pid)
         key = ("" if row is None or row.server_pid is None else str(row.server_pid), proc.pod_uid if by_pod else "")
         counts[key] = counts.get(key, 0) + 1
+        if by_pod and proc.pod_uid and proc.pod:
+            pod_names[proc.pod_uid] = {"namespace": proc.namespace, "pod": proc.pod}
         used, client_gpus, own = _client_in_force(pid, row, proc, server_limits, default, joined, log_snap)
         for gpu in client_gpus:
             limit = own.pinned_bytes.get(gpu.index)
@@ -472,13 +484,14 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
     uuids = {gpu.index: gpu.uuid for gpu in joined.gpus}
     if by_pod:
         for (server_pid, pod_uid), count in sorted(counts.items()):
-            out.add("mps_pod_clients", count, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid)
+            out.add("mps_pod_clients", count, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid,
+                    **pod_names.get(pod_uid, pod_names[""]))
         for (server_pid, pod_uid, index), total in sorted(memory.items()):
             out.add("mps_pod_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid,
-                    pod_uid=pod_uid, gpu=str(index), uuid=uuids[index])
+                    pod_uid=pod_uid, **pod_names.get(pod_uid, pod_names[""]), gpu=str(index), uuid=uuids[index])
         for (server_pid, pod_uid, index), limit_sum in sorted(limits.items()):
             out.add("mps_pod_client_pinned_memory_limit_bytes", limit_sum, daemon=d.name, server_pid=server_pid,
-                    pod_uid=pod_uid, gpu=str(index))
+                    pod_uid=pod_uid, **pod_names.get(pod_uid, pod_names[""]), gpu=str(index))
         return
     for (server_pid, _, index), total in sorted(memory.items()):
         out.add("mps_server_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid, gpu=str(index),

@@ -71,12 +71,12 @@ def test_input_labels_are_cut_config_labels_are_not():
     out = FamilyBuilder()
     long = "x" * 10_000
     out.add("mps_client_info", 1, daemon="d" * 300, server_pid="1", pid="2", uid="0", user=long, command=long,
-            pid_namespace=long, container_id=long, pod_uid=long)
+            pid_namespace=long, container_id=long, pod_uid=long, namespace=long, pod=long, container=long)
     out.add("mps_control_daemon_info", 1, daemon="default", version=long, pipe_directory="/p" * 200,
             log_directory="/l")
     samples = {s.name: s.labels for fam in out.families() for s in fam.samples}
     client = samples["mps_client_info"]
-    for label in ("user", "command", "pid_namespace", "container_id", "pod_uid"):
+    for label in ("user", "command", "pid_namespace", "container_id", "pod_uid", "namespace", "pod", "container"):
         assert len(client[label]) == bounds.MAX_LABEL_CHARS
     assert client["daemon"] == "d" * 300  # configuration: the operator's own
     assert len(samples["mps_control_daemon_info"]["version"]) == bounds.MAX_LABEL_CHARS

@@ -214,8 +214,10 @@ def test_every_gpu_daemon_server_and_client_metric_comes_out_of_recorded_data(tm
     wanted = {n for n, spec in METRICS.items() if spec.table in TABLES}
     missing = sorted(n for n in wanted if not series(text, n))
     assert not missing, missing
-    assert 'mps_client_pinned_memory_limit_bytes{daemon="default",gpu="0",pid="1647"} 2.147483648e+09' in text
-    assert 'mps_client_active_thread_ratio{daemon="default",pid="1647"} 0.25' in text
+    # 1647 runs in no pod: empty names
+    assert ('mps_client_pinned_memory_limit_bytes{container="",daemon="default",gpu="0",namespace="",pid="1647",'
+            'pod=""} 2.147483648e+09') in text
+    assert 'mps_client_active_thread_ratio{container="",daemon="default",namespace="",pid="1647",pod=""} 0.25' in text
     assert 'mps_gpu_sharing_mode{gpu="0",mode="time_slicing"' in text
 
 
@@ -257,23 +259,28 @@ def test_a_client_without_its_own_priority_runs_at_its_servers(tmp_path):
     client = next(c.pid for c in scen.daemon.clients)
     assert series(text, "mps_default_client_priority") == ['mps_default_client_priority{daemon="default"} 0.0']
     assert series(text, "mps_server_priority") == ['mps_server_priority{daemon="default",server_pid="4000"} 1.0']
-    assert series(text, "mps_client_priority") == [f'mps_client_priority{{daemon="default",pid="{client}"}} 1.0']
+    assert series(text, "mps_client_priority") == [
+        f'mps_client_priority{{container="",daemon="default",namespace="",pid="{client}",pod=""}} 1.0']
     older = server_priority_scenario(tmp_path / "older", 0)
     older.daemon.default_client_priority = None  # a daemon without the command: no default, no failure
     text = exposition(older.collector())
     assert 'mps_exporter_collector_success{collector="control"} 1.0' in text
     assert series(text, "mps_default_client_priority") == []
-    assert series(text, "mps_client_priority") == [f'mps_client_priority{{daemon="default",pid="{client}"}} 0.0']
+    assert series(text, "mps_client_priority") == [
+        f'mps_client_priority{{container="",daemon="default",namespace="",pid="{client}",pod=""}} 0.0']
 
 
 def test_client_priority_from_its_environment_and_the_pid_namespace_label(tmp_path):
     """Client 1648 runs with CUDA_MPS_CLIENT_PRIORITY=1; 1647 and 1649 set none and run at
     the daemon's default, 0 (their server's log lines are past: the capture ends after it exits).
-    The PID namespace `ps` shows is `pid_namespace` (Kubernetes owns `namespace`)."""
+    The PID namespace `ps` shows is `pid_namespace`; `namespace` is the Kubernetes one (1648's pod's)."""
     text = exposition(scenarios.busy(tmp_path).collector())
-    assert series(text, "mps_client_priority") == ['mps_client_priority{daemon="default",pid="1647"} 0.0',
-                                                   'mps_client_priority{daemon="default",pid="1648"} 1.0',
-                                                   'mps_client_priority{daemon="default",pid="1649"} 0.0']
+    bare = 'container="",daemon="default",namespace="",'
+    assert series(text, "mps_client_priority") == [
+        f'mps_client_priority{{{bare}pid="1647",pod=""}} 0.0',
+        'mps_client_priority{container="trainer",daemon="default",namespace="ml-team",pid="1648",'
+        'pod="trainer-7d9c6b5f4-x2k8p"} 1.0',
+        f'mps_client_priority{{{bare}pid="1649",pod=""}} 0.0']
     info = series(text, "mps_client_info")
-    assert len(info) == 3 and all('pid_namespace="4026531836"' in s and " namespace=" not in s and ",namespace=" not in s
-                                  and "{namespace=" not in s for s in info)
+    assert len(info) == 3 and all('pid_namespace="4026531836"' in s for s in info)
+    assert sorted(re.search(r'[{,]namespace="([^"]*)"', s).group(1) for s in info) == ["", "", "ml-team"]

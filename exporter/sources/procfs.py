@@ -1,7 +1,8 @@
 """/proc facts about MPS servers and clients.
 
 Per PID: real uid and user name, command name, start time, container id and pod
-uid from the cgroup path, and from the environment exactly three variables:
+uid from the cgroup path (and the container's namespace, pod and container names
+from the runtime's files or the kubelet: runtime_metadata.py), and from the environment exactly three variables:
 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and
 CUDA_MPS_CLIENT_PRIORITY. Limits a client sets there are invisible to the
 control daemon (the capture shows `get_active_thread_percentage` still saying
@@ -25,6 +26,8 @@ from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
 from ..units import parse_size
+from ..config import DEFAULT_RUNTIME_ROOTS
+from ..runtime_metadata import PodNameLookup, kubelet_fetcher
 from .base import Backends, Flag, ReadContext, Reader, Source, not_empty
 
 log = logging.getLogger(__name__)
@@ -133,6 +136,7 @@ class ProcSource:
     # life (environ is the block it was started with), so a scrape reads only
     # /proc/PID/stat to tell a known process from a new one that reused its PID.
     _known: Dict[int, Tuple[Optional[int], ProcessFacts]] = field(default_factory=dict)
+    pod_names: PodNameLookup = field(default_factory=lambda: PodNameLookup(roots=()))
 
     def _read(self, pid: int, name: str) -> str:
         with open(os.path.join(self.root, str(pid), name), encoding="utf-8", errors="replace") as f:
@@ -157,9 +161,17 @@ class ProcSource:
                     known = self._known[pid] = (ticks, self.read_pid(pid, ticks))
             except (FileNotFoundError, ProcessLookupError):
                 continue  # exited while we read it
-            facts[pid] = known[1]
+            facts[pid] = self._named(known[1])
         for pid in set(self._known) - set(facts):
             del self._known[pid]
+        return facts
+
+    def _named(self, facts: ProcessFacts) -> ProcessFacts:
+        """The facts with the container's names: asked every read (a cache hit), since a
+        name the kubelet did not know yet at the process's first read may come later."""
+        if facts.container_id and not facts.pod:
+            names = self.pod_names.names(facts.container_id)
+            facts.namespace, facts.pod, facts.container = names.namespace, names.pod, names.container
         return facts
 
     def read_pid(self, pid: int, ticks: Optional[int]) -> ProcessFacts:
@@ -193,6 +205,18 @@ class ProcSource:
         return facts
 
 
+def http_url(value: str) -> str:
+    if value and not value.startswith(("https://", "http://")):
+        raise ValueError(f"{value!r}: give an http(s) URL")
+    return value
+
+
+def file_or_empty(value: str) -> str:
+    if value and not os.path.isfile(value):
+        raise ValueError(f"{value!r}: no such file")
+    return value
+
+
 def mps_pids(snap: Snapshot) -> Set[int]:
     """The servers and clients the daemons and NVML name: the PIDs /proc is asked about."""
     pids = {s.pid for d in snap.daemons for s in d.servers} | {c.pid for d in snap.daemons for c in d.clients}
@@ -205,11 +229,27 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
     name = "proc"
     help = "/proc facts of servers and clients: user, command, start, container, client-set limits"
     reading_type = Dict[int, ProcessFacts]
-    flags = (Flag("--path.procfs", "procfs", "procfs mount point (default %(default)s)", refuses=("",),
-                  check=not_empty),)
+    flags = (
+        Flag("--path.procfs", "procfs", "procfs mount point (default %(default)s)", refuses=("",), check=not_empty),
+        Flag("--path.runtime-root", "runtime_roots", "directory where the container runtime keeps each container's "
+             "OCI bundle (<dir>/<container id>/), whose annotations name a client's namespace, pod and container "
+             f"(repeatable; default: {' and '.join(DEFAULT_RUNTIME_ROOTS)}, containerd's and CRI-O's)",
+             refuses=("",), repeatable=True,
+             check=lambda paths: tuple(not_empty(p) for p in paths)),
+        Flag("--kubelet.url", "kubelet_url", "the node's kubelet (e.g. https://$NODE_IP:10250): its /pods names the "
+             "containers the runtime's files do not (needs the nodes/pods permission; default: not asked)",
+             refuses=("ftp://node:10250", "node:10250"), check=http_url),
+        Flag("--kubelet.token-file", "kubelet_token_file", "bearer token for the kubelet (default %(default)s)",
+             refuses=("",), check=not_empty),
+        Flag("--kubelet.ca-file", "kubelet_ca_file", "CA certificate of the kubelet's serving certificate "
+             "(default: the service account's CA where mounted, else the system's)",
+             refuses=("/nonexistent/ca.crt", "/"), check=file_or_empty),
+    )
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[Dict[int, ProcessFacts]]]:
-        source = ProcSource(root=cfg.procfs)
+        kubelet = (kubelet_fetcher(cfg.kubelet_url, cfg.kubelet_token_file, cfg.kubelet_ca_file)
+                   if cfg.kubelet_url else None)
+        source = ProcSource(root=cfg.procfs, pod_names=PodNameLookup(roots=cfg.runtime_roots, kubelet=kubelet))
 
         def read(ctx: ReadContext) -> Dict[int, ProcessFacts]:
             return source.read(mps_pids(ctx.wait(("nvml", "control"))))

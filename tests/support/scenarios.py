@@ -25,11 +25,16 @@ from mps_exporter.sources.base import Backends, Reader
 from tests.fakes.fake_control import CAPTURE, FakeClient, FakeControlDaemon, FakeServer
 from tests.fakes.fake_procfs import FakeProcess, write_proc
 from tests.fakes.fake_pynvml import FakeNvml
+from tests.fakes.fake_runtime import CONTAINERD_ID, CONTAINERD_ROOT, CRIO_ROOT, write_containerd_spec
 
 BUSY_CLIENT_ENV = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4G",
                    "CUDA_MPS_CLIENT_PRIORITY": "1"}
+# Client 1648's pod and container: containerd's spec in tests/data/runtime names them.
 POD_UID = "1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"
-CONTAINER_ID = "9c" * 32
+CONTAINER_ID = CONTAINERD_ID
+POD_NAMES = ("ml-team", "trainer-7d9c6b5f4-x2k8p", "trainer")
+# Names of the synthetic pods (one namespace per node; the fleet bench renames it per node).
+SYNTHETIC_NAMESPACE, SYNTHETIC_CONTAINER = "team-00000", "worker"
 
 
 @dataclass
@@ -70,6 +75,7 @@ def _config(pipe: str, log_dir: str, proc_root: Path) -> Config:
     cfg = Config()
     cfg.daemons = [DaemonConfig("default", pipe, log_dir)]
     cfg.procfs = str(proc_root)
+    cfg.runtime_roots = ()  # no pod names but a scenario's own (never this machine's runtime)
     cfg.collectors["dcgm"] = False  # no DCGM on these machines
     cfg.log_timezone = "UTC"  # the capture's machine wrote its logs in UTC
     return cfg
@@ -88,6 +94,7 @@ def busy(tmp: Path, logs: bool = True) -> Scenario:
     ])
     log_dir = CAPTURE if logs and (CAPTURE / "control.log").exists() and _log_pipeline_built() else None
     cfg = _config("/tmp/mps/pipe", str(log_dir or "/var/log/nvidia-mps"), proc_root)
+    cfg.runtime_roots = (str(CONTAINERD_ROOT), str(CRIO_ROOT))
     if log_dir is None:
         cfg.collectors["logs"] = False
     return Scenario(cfg, FakeNvml.from_capture("busy"), daemon, proc_root, log_dir)
@@ -96,6 +103,10 @@ def busy(tmp: Path, logs: bool = True) -> Scenario:
 def synthetic_pod(index: int) -> Tuple[str, str]:
     """(pod uid, bare container id) of the index-th synthetic pod."""
     return str(uuidlib.UUID(int=index + 1, version=4)), hashlib.sha256(b"container-%d" % index).hexdigest()
+
+
+def synthetic_pod_name(index: int) -> str:
+    return f"job-{index:03d}"
 
 
 def synthetic(tmp: Path, gpus: int = 8, clients_per_gpu: int = 6, latency: bool = False,
@@ -116,6 +127,8 @@ def synthetic(tmp: Path, gpus: int = 8, clients_per_gpu: int = 6, latency: bool 
             if clients_per_pod and p.pid != pids[-1]:
                 pods[p.pid] = synthetic_pod((len(clients) - 1) // clients_per_pod)
                 pod_uid, container_id = pods[p.pid]
+                write_containerd_spec(tmp / "runtime", container_id, SYNTHETIC_NAMESPACE,
+                                      synthetic_pod_name((len(clients) - 1) // clients_per_pod), SYNTHETIC_CONTAINER)
                 proc.cgroup = (f"0::/kubepods.slice/kubepods-pod{pod_uid.replace('-', '_')}.slice/"
                                f"cri-containerd-{container_id}.scope\n")
             processes.append(proc)
@@ -123,5 +136,6 @@ def synthetic(tmp: Path, gpus: int = 8, clients_per_gpu: int = 6, latency: bool 
     daemon = FakeControlDaemon(servers=[server], clients=clients, latency_seconds=0.0019 if latency else 0.0)
     proc_root = write_proc(tmp / "proc", processes)
     cfg = _config("/tmp/mps/pipe", "/var/log/nvidia-mps", proc_root)
+    cfg.runtime_roots = (str(tmp / "runtime"),)
     cfg.collectors["logs"] = False
     return Scenario(cfg, nvml, daemon, proc_root, pods=pods)

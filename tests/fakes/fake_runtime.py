@@ -1,0 +1,27 @@
+"""Container runtime state directories (OCI bundles) for the pod-name lookup to read,
+written from the real-format specs in tests/data/runtime."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RUNTIME_DATA = Path(__file__).resolve().parents[1] / "data" / "runtime"
+CONTAINERD_ROOT = RUNTIME_DATA / "containerd"
+CRIO_ROOT = RUNTIME_DATA / "crio"
+# The containers of those specs (and of kubelet-pods.json).
+CONTAINERD_ID = "3f5b2c8e9d1a4b7c6e0f2a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d"
+CONTAINERD_SANDBOX_ID = "8d2f6a1c3b5e7d9f0a2c4e6b8d0f1a3c5e7b9d1f3a5c7e9b1d3f5a7c9e1b3d5f"
+CRIO_ID = "c7e1a9b3d5f7092b4d6f8a0c2e4b6d8f0a1c3e5b7d9f1a3c5e7b9d0f2a4c6e8b"
+
+
+def write_containerd_spec(root: Path, container_id: str, namespace: str, pod: str, container: str) -> Path:
+    """containerd's spec of CONTAINERD_ID, renamed: `<root>/<container_id>/config.json`."""
+    spec = json.loads((CONTAINERD_ROOT / CONTAINERD_ID / "config.json").read_text())
+    spec["annotations"].update({"io.kubernetes.cri.sandbox-namespace": namespace,
+                                "io.kubernetes.cri.sandbox-name": pod,
+                                "io.kubernetes.cri.container-name": container})
+    path = root / container_id / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))
+    return path
