@@ -7,6 +7,19 @@ the same labels.
 Change a value here, run `make generate`, commit the regenerated files.
 """
 
+import re
+from pathlib import Path
+
+
+def _project_url(name: str) -> str:
+    """A URL of [project.urls] in pyproject.toml, where it is declared once."""
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text(encoding="utf-8")
+    found = re.search(rf'^{name} = "([^"]+)"$', text, re.MULTILINE)
+    if found is None:
+        raise ValueError(f"pyproject.toml names no {name} URL under [project.urls]")
+    return found.group(1)
+
+
 # Prometheus job of the exporter's targets (mixin `jobSelector`): every raw series
 # an alert or recording rule reads is selected with it, and the dashboards' job
 # variable lists only jobs it matches. The Helm chart's ServiceMonitor and the
@@ -24,12 +37,13 @@ TARGET_LABELS = ("job", "instance")
 NODE_LABEL = "instance"
 
 # Where each alert's runbook_url points (mixin `runbookURLPattern`): `%s` becomes
-# the alert's anchor, its name lower-cased. The default is the runbook the
-# exporter ships and serves itself at /runbook, so the link always matches the
-# exporter's version; `instance` is the scraped exporter's address. Point it at
-# your own copy (wiki, git host) with RUNBOOK_URL_PATTERN in the environment of
-# `make generate`, or change it here (docs/deploy.md, "Runbook links").
-RUNBOOK_URL_PATTERN = "http://{{ $labels.instance }}/runbook#%s"
+# the alert's anchor, its name lower-cased. The default is alerts/runbook.md at the
+# project's Source URL (pyproject.toml), a link no scrape configuration can break: one
+# built from `instance` (the exporter's own /runbook) broke wherever relabeling makes
+# `instance` a host or node name, as every documented set-up does. Point it at your own
+# copy (wiki, git host) with RUNBOOK_URL_PATTERN in the environment of `make
+# generate`, or change it here (docs/deploy.md, "Runbook links").
+RUNBOOK_URL_PATTERN = f"{_project_url('Source')}/blob/main/alerts/runbook.md#%s"
 
 # Prefix of every alert name.
 ALERT_PREFIX = "Mps"
