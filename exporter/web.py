@@ -58,7 +58,8 @@ from prometheus_client.registry import Collector
 
 from . import __version__, runbook
 from .collector import Exposition, scrape_timeout
-from .webconfig import RateLimit, WebConfig, bcrypt_cost, peer_sans, resolve_listen_address
+from .webconfig import (RateLimit, TLSContextSource, WebConfig, WebConfigWatch, bcrypt_cost, peer_sans,
+                        resolve_listen_address)
 
 log = logging.getLogger(__name__)
 
@@ -192,16 +193,41 @@ class TokenBucket:
 # The server
 # --------------------------------------------------------------------------
 
+class _Guards:
+    """What one version of the web config file decides for a request."""
+
+    def __init__(self, config: WebConfig) -> None:
+        self.config = config
+        self.auth = BasicAuth(config.users) if config.users else None
+        self.limiter = TokenBucket(config.rate_limit) if config.rate_limit else None
+
+
 class _App:
     def __init__(self, registry: Collector, telemetry_path: str, config: WebConfig, max_requests: int) -> None:
         self.registry = registry
         self.telemetry_path = telemetry_path
-        self.config = config
-        self.auth = BasicAuth(config.users) if config.users else None
-        self.limiter = TokenBucket(config.rate_limit) if config.rate_limit else None
+        self.web_config = WebConfigWatch(config)
+        self._guards = _Guards(config)
         self.max_requests = max_requests
         # Scrapes in flight; None: no cap (--web.max-requests 0).
         self.scrapes = threading.BoundedSemaphore(max_requests) if max_requests > 0 else None
+
+    def guards(self) -> _Guards:
+        """Auth, rate limit and headers of the web config in force (re-read when its file
+        changed: a new BasicAuth, so no cached answer outlives a removed password)."""
+        config = self.web_config.current()
+        guards = self._guards
+        if config is not guards.config:
+            guards = self._guards = _Guards(config)
+        return guards
+
+    @property
+    def config(self) -> WebConfig:
+        return self.guards().config
+
+    @property
+    def auth(self) -> Optional[BasicAuth]:
+        return self.guards().auth
 
 
 # --------------------------------------------------------------------------
@@ -375,7 +401,6 @@ class ExporterServer:
         self._dual_stack = where.dual_stack
         self.request_queue_size = system_backlog()
         self.app = app
-        self.tls = app.config.tls_context
         self.max_connections = max_connections or connection_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self.socket = socket.socket(where.family, socket.SOCK_STREAM)
         try:
@@ -431,6 +456,11 @@ class ExporterServer:
         if ":" in host:
             host = f"[{host}]"
         return f"{'https' if self.tls else 'http'}://{host}:{self.server_port}"
+
+    @property
+    def tls(self) -> Optional[TLSContextSource]:
+        """The TLS context source of the web config in force (None: plain HTTP)."""
+        return self.app.config.tls_context
 
     @property
     def open_connections(self) -> int:
@@ -586,7 +616,8 @@ class ExporterServer:
 
     def _handshake(self, conn: _Conn) -> bool:
         """Advance the TLS handshake without blocking; True once it is done."""
-        assert self.tls is not None
+        tls = self.tls
+        assert tls is not None
         if not isinstance(conn.sock, ssl.SSLSocket):
             try:
                 first = conn.sock.recv(1, socket.MSG_PEEK)
@@ -606,7 +637,7 @@ class ExporterServer:
                 self._linger(conn)
                 return False
             try:
-                conn.sock = self.tls.context().wrap_socket(conn.sock, server_side=True,
+                conn.sock = tls.context().wrap_socket(conn.sock, server_side=True,
                                                            do_handshake_on_connect=False)
             except (OSError, ssl.SSLError) as e:
                 log.debug("TLS with %s failed: %s", conn.peer[0], e)
@@ -620,7 +651,7 @@ class ExporterServer:
             log.debug("TLS handshake with %s failed: %s", conn.peer[0], e)
             self._close(conn)
             return False
-        sans = self.tls.settings.allowed_sans
+        sans = tls.settings.allowed_sans
         if sans and not set(peer_sans(conn.sock.getpeercert())) & set(sans):
             log.warning("client certificate of %s has none of the allowed SANs", conn.peer[0])
             self._close(conn)
@@ -741,6 +772,7 @@ class _Exchange:
         self.request_version = request.version
         self.headers = request.headers
         self.close_connection = not request.keep_alive or request.has_body
+        self.guards = server.app.guards()
 
     def answer(self) -> bool:
         """Serve the request; True when the connection stays open for the next."""
@@ -749,12 +781,13 @@ class _Exchange:
 
     def _route(self) -> None:
         app = self.server.app
+        guards = self.guards
         if self.command not in ("GET", "HEAD"):
             self.close_connection = True  # its body, if any, is not read
-        if app.limiter is not None and not app.limiter.allow():
+        if guards.limiter is not None and not guards.limiter.allow():
             self._reply(HTTPStatus.TOO_MANY_REQUESTS, b"Too Many Requests\n")
             return
-        if app.auth is not None and not app.auth.check(self.headers.get("authorization")):
+        if guards.auth is not None and not guards.auth.check(self.headers.get("authorization")):
             self._reply(HTTPStatus.UNAUTHORIZED, b"Unauthorized\n", {"WWW-Authenticate": "Basic"})
             return
         if self.command not in ("GET", "HEAD"):
@@ -813,7 +846,7 @@ class _Exchange:
         if log.isEnabledFor(logging.DEBUG):  # access logs would be one line per scrape
             log.debug("%s \"%s %s %s\" %d", self.conn.peer[0], self.command, self.path, self.request_version,
                       status.value)
-        all_headers = {"Content-Type": "text/plain; charset=utf-8", **(headers or {}), **self.server.app.config.headers}
+        all_headers = {"Content-Type": "text/plain; charset=utf-8", **(headers or {}), **self.guards.config.headers}
         all_headers["Content-Length"] = str(len(body))
         all_headers["Date"] = email.utils.formatdate(usegmt=True)
         if self.close_connection:

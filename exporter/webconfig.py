@@ -18,6 +18,11 @@ Those cases are rejected at start-up with one clear line, never silently ignored
 The TLS context is built once, here, when the file is read; the server takes it
 from the parsed config (`WebConfig.tls_context`) and rebuilds it only when a
 certificate file changes on disk (rotated certificates apply without a restart).
+
+The file itself is re-read when it changes (`WebConfigWatch`, checked at most every
+0.25 s while requests come): a user removed or a password changed is refused within
+a second, as exporter-toolkit (which reads the file on every request) does. A file
+that no longer parses keeps the previous config, said once in the log.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import socket
 import ssl
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import yaml
 
@@ -245,6 +251,65 @@ class WebConfig:
     rate_limit: Optional[RateLimit] = None
     # Built once from `tls` while the file is read (that is its validation too).
     tls_context: Optional[TLSContextSource] = field(default=None, compare=False, repr=False)
+    path: Optional[str] = field(default=None, compare=False)  # the file it came from, watched for changes
+
+
+def _file_stamp(path: str) -> Tuple[int, ...]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class WebConfigWatch:
+    """The web config in force: re-read when its file changes (name, size or times),
+    checked at most every `interval` seconds. A file that fails to read or parse keeps
+    the previous config (one error line per change); so does one that would switch TLS
+    on or off, which needs a restart (the listening socket serves one or the other)."""
+
+    def __init__(self, config: WebConfig, interval: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.reloads = 0
+        self.failures = 0
+        self._interval = interval
+        self._clock = clock
+        self._next_check = clock() + interval
+        self._stamp = _file_stamp(config.path) if config.path else ()
+        self._lock = threading.Lock()
+
+    def current(self) -> WebConfig:
+        """The config to apply to this request; a new one when the file changed."""
+        path = self.config.path
+        if path is None or self._clock() < self._next_check or not self._lock.acquire(blocking=False):
+            return self.config
+        try:
+            self._next_check = self._clock() + self._interval
+            stamp = _file_stamp(path)
+            if stamp != self._stamp:
+                self._stamp = stamp
+                self._reload(path)
+        finally:
+            self._lock.release()
+        return self.config
+
+    def _reload(self, path: str) -> None:
+        try:
+            fresh = load_web_config(path)
+        except ConfigError as e:
+            self.failures += 1
+            log.error("cannot reload the web config, keeping the previous one: %s", e)
+            return
+        if (fresh.tls is None) != (self.config.tls is None):
+            self.failures += 1
+            log.error("web config file %s switches TLS %s: that needs a restart; keeping the previous config",
+                      path, "on" if fresh.tls else "off")
+            return
+        self.config = fresh
+        self.reloads += 1
+        log.info("reloaded web config file %s (%d users, TLS %s)", path, len(fresh.users),
+                 "on" if fresh.tls else "off")
 
 
 def load_web_config(path: str) -> WebConfig:
@@ -258,9 +323,11 @@ def load_web_config(path: str) -> WebConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"web config file {path} is not valid YAML: {str(e).splitlines()[0]}") from e
     try:
-        return parse_web_config(doc, os.path.dirname(os.path.abspath(path)))
+        config = parse_web_config(doc, os.path.dirname(os.path.abspath(path)))
     except ConfigError as e:
         raise ConfigError(f"web config file {path}: {e}") from e
+    return WebConfig(tls=config.tls, headers=config.headers, users=config.users, rate_limit=config.rate_limit,
+                     tls_context=config.tls_context, path=path)
 
 
 def parse_web_config(doc: object, base_dir: str) -> WebConfig:

@@ -977,3 +977,67 @@ def test_the_soft_file_limit_is_raised_to_the_hard_one():
             "resource.getrlimit(resource.RLIMIT_NOFILE)[0] == h)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == ["True", "True"]
+
+
+BOB_PASSWORD = "s3cret-bob"
+BOB_HASH = bcrypt.hashpw(BOB_PASSWORD.encode(), bcrypt.gensalt(4)).decode()
+
+
+def replace_file(path: str, text: str) -> None:
+    with open(path + ".new", "w") as f:
+        f.write(textwrap.dedent(text))
+    os.replace(path + ".new", path)
+
+
+def first_time(condition, seconds: float = 5.0) -> float:
+    """Seconds until condition() holds (polled every 20 ms); fails after `seconds`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < seconds, "never happened"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_removed_password_is_refused_within_a_second(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="mps_exporter.webconfig")
+    path = write_config(tmp_path, f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n")
+    with running(registry_with(GpuCollector()), webconfig.load_web_config(path)) as server:
+        assert request(server, "/metrics", basic("alice", ALICE_PASSWORD))[0] == 200  # cached as right
+        replace_file(path, f"basic_auth_users:\n  bob: '{BOB_HASH}'\nhttp_server_config:\n  headers:\n"
+                           "    X-Frame-Options: deny\n")
+        assert first_time(lambda: request(server, "/metrics", basic("alice", ALICE_PASSWORD))[0] == 401) < 1.0
+        status, headers, _ = request(server, "/metrics", basic("bob", BOB_PASSWORD))
+        assert status == 200 and headers["x-frame-options"] == "deny"
+    assert [r.getMessage() for r in caplog.records if "reloaded" in r.getMessage()] == [
+        f"reloaded web config file {path} (1 users, TLS off)"]
+
+
+def test_a_broken_or_tls_switching_web_config_keeps_the_previous_one(tmp_path, tls_dir, caplog):
+    _, files, _ = tls_dir
+    path = write_config(tmp_path, f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n")
+    with running(registry_with(GpuCollector()), webconfig.load_web_config(path)) as server:
+        for broken in ("basic_auth_users: [", "basic_auth_users:\n  alice: not-a-hash\n",
+                       f"tls_server_config:\n  cert_file: {files.server_cert}\n  key_file: {files.server_key}\n"):
+            caplog.clear()
+            replace_file(path, broken)
+            first_time(lambda: request(server, "/-/healthy")[0] == 401
+                       and any("keeping the previous" in r.getMessage() for r in caplog.records))
+            time.sleep(0.3)  # checked again: the same file is not reported twice
+            assert len([r for r in caplog.records if "keeping the previous" in r.getMessage()]) == 1
+            assert request(server, "/metrics", basic("alice", ALICE_PASSWORD))[0] == 200
+            assert request(server, "/metrics")[0] == 401
+        assert server.app.web_config.failures == 3 and server.tls is None
+
+
+def test_the_web_config_file_is_checked_at_most_every_interval(tmp_path):
+    now = [0.0]
+    path = write_config(tmp_path, f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n")
+    watch = webconfig.WebConfigWatch(webconfig.load_web_config(path), interval=0.25, clock=lambda: now[0])
+    first = watch.current()
+    replace_file(path, f"basic_auth_users:\n  bob: '{BOB_HASH}'\n")
+    now[0] = 0.2
+    assert watch.current() is first  # not looked at yet
+    now[0] = 0.3
+    assert set(watch.current().users) == {"bob"} and watch.reloads == 1
+    now[0] = 0.6
+    assert set(watch.current().users) == {"bob"} and watch.reloads == 1  # unchanged: not re-read
