@@ -401,7 +401,7 @@ class Exposition(CollectorRegistry):
             with self._lock:
                 self._encoded[(content_type, gzip)] = part
         own = FamilyBuilder()
-        render_self(own, snap.outcomes, snap.read_durations)
+        render_self(own, snap)
         families = own.families()
         for other in self._others:
             families.extend(other.collect())

@@ -97,8 +97,10 @@ class DaemonReading:
     # running" (timeout, missing binary, unparsable reply): the collector fails.
     error: Optional[str] = None
     # verb -> commands the exporter has sent this daemon since it started (each one
-    # is echoed into control.log)
-    commands_sent: Dict[str, int] = field(default_factory=dict)
+    # is echoed into control.log). The exporter's own count, not the daemon's state:
+    # left out of comparisons, so that the readings compare equal while the daemon's
+    # answers stay the same (render.readings_key).
+    commands_sent: Dict[str, int] = field(default_factory=dict, compare=False)
 
 
 # ------------------------------------------------------------------- /proc

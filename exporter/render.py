@@ -31,7 +31,6 @@ from .model import (
     DaemonReading,
     DcgmReading,
     GpuReading,
-    Histogram,
     Outcome,
     ProcessFacts,
     PsEntry,
@@ -203,7 +202,7 @@ def render(snap: Snapshot, granularity: str = "client") -> FamilyBuilder:
     "pod", the clients' memory, limits and counts summed per server and pod; "server",
     their memory and limits summed per server (config.GRANULARITIES)."""
     out = FamilyBuilder()
-    render_self(out, snap.outcomes, snap.read_durations)
+    render_self(out, snap)
     render_readings(out, snap, granularity)
     return out
 
@@ -241,14 +240,19 @@ def readings_key(snap: Snapshot, granularity: str) -> Tuple[object, ...]:
 
 
 # ---------------------------------------------------------------- the exporter
-def render_self(out: FamilyBuilder, outcomes: Mapping[str, Outcome], read_durations: Mapping[str, Histogram]) -> None:
+def render_self(out: FamilyBuilder, snap: Snapshot) -> None:
+    """The exporter's own series: they change in every scrape, so the encoded readings
+    (collector.Exposition) leave them out and readings_key ignores them."""
     out.add("mps_exporter_build_info", 1, version=__version__, python_version=platform.python_version())
-    for name, outcome in sorted(outcomes.items()):
+    for name, outcome in sorted(snap.outcomes.items()):
         out.add("mps_exporter_collector_success", int(outcome.success), collector=name)
         out.add("mps_exporter_collector_duration_seconds", outcome.duration_seconds, collector=name)
         out.add("mps_exporter_collector_last_success_timestamp_seconds", outcome.last_success_seconds, collector=name)
-    for name, hist in sorted(read_durations.items()):
+    for name, hist in sorted(snap.read_durations.items()):
         out.add_histogram("mps_exporter_collector_read_duration_seconds", hist.cumulative(), hist.total, collector=name)
+    for d in snap.daemons:
+        for verb, sent in sorted(d.commands_sent.items()):
+            out.add("mps_exporter_control_commands_total", sent, daemon=d.name, command=verb)
 
 
 # ---------------------------------------------------------------- GPUs
@@ -341,8 +345,6 @@ def render_daemon(out: FamilyBuilder, d: DaemonReading) -> None:
         out.add("mps_default_active_thread_ratio", d.default_active_thread_percentage / 100, daemon=d.name)
     for dev, limit in sorted(d.default_pinned_limits.items()):
         out.add("mps_default_pinned_memory_limit_bytes", limit, daemon=d.name, gpu=str(dev))
-    for verb, sent in sorted(d.commands_sent.items()):
-        out.add("mps_exporter_control_commands_total", sent, daemon=d.name, command=verb)
     out.add("mps_default_client_priority", d.default_client_priority, daemon=d.name)
 
 

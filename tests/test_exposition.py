@@ -119,3 +119,20 @@ def test_a_waiting_client_ages_in_a_reused_exposition(tmp_path):
     key = readings_key(snap, "client")
     snap.now += 5
     assert readings_key(snap, "client") != key
+
+
+def test_the_control_command_count_is_the_exporters_own_series_not_a_reading(tmp_path):
+    from mps_exporter.render import readings_key
+
+    collector = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1).collector()
+    first, second = collector.snapshot(), collector.snapshot()  # every scrape sends commands (no logs here)
+    assert first.daemons[0].commands_sent != second.daemons[0].commands_sent
+    assert first.daemons == second.daemons  # so readings_key, which holds them, stays the same
+    second.nvml, second.processes = first.nvml, first.processes  # (NVML's GPM starts in the first read)
+    assert readings_key(first, "client") == readings_key(second, "client")
+    registry = build_registry(collector, process=False)
+    encoder, content_type = choose_encoder(OPENMETRICS)
+    sent = [registry.encode(encoder, content_type, False).decode() for _ in range(2)]
+    counts = [next(l for l in text.splitlines() if l.startswith('mps_exporter_control_commands_total{command="get_server_list"'))
+              for text in sent]
+    assert counts[0] != counts[1]  # fresh in every scrape though the readings' part is reused
