@@ -79,7 +79,10 @@ ALERTS: Tuple[Alert, ...] = (
     # contention ----------------------------------------------------------
     Alert(
         "ClientsQueuedBehindOtherUser", "contention",
-        f"{job('mps_queued_clients', reason='user_switch')} > 0", C.QUEUED_BEHIND_USER_FOR, "warning",
+        # A daemon started with -M runs one server for every user: nobody queues behind another user.
+        f"{job('mps_queued_clients', reason='user_switch')} > 0\n"
+        f"unless on({T}, daemon) {job('mps_control_daemon_info', multiuser='true')}",
+        C.QUEUED_BEHIND_USER_FOR, "warning",
         "MPS clients are waiting for another user's MPS server to drain.",
         f"{VALUE} client(s) of MPS control daemon {lbl('daemon')} on {NODE} have waited more than "
         f"{C.QUEUED_BEHIND_USER_FOR} on the pending list: MPS runs one user's server per GPU and "

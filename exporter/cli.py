@@ -19,12 +19,13 @@ import tempfile
 import textwrap
 import time
 from importlib.metadata import PackageNotFoundError, metadata
-from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from . import __version__
 from .capture import capture
-from .config import (DEFAULT_DAEMON_NAME, DEFAULT_PAUSE_AFTER, DEFAULT_REFRESH_INTERVAL, DEFAULT_LISTEN, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY,
-                     GRANULARITIES, CaptureOptions, Config, DaemonConfig, ReplayOptions, StatusOptions,
+from .config import (DEFAULT_DAEMON_NAME, DEFAULT_DISCOVERY_INTERVAL, DEFAULT_PAUSE_AFTER, DEFAULT_REFRESH_INTERVAL,
+                     DEFAULT_LISTEN, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY, GLOB, GRANULARITIES, LAYOUTS,
+                     CaptureOptions, Config, DaemonConfig, DiscoveryRoot, ReplayOptions, StatusOptions,
                      load_daemons_file)
 from .catalog import metrics_markdown
 from .errors import ConfigError
@@ -120,14 +121,28 @@ class _TopParser(_Parser):
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    env_pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY
-    env_log = os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIRECTORY
-    p.add_argument("--mps.pipe-directory", dest="pipe_directory", default=env_pipe,
-                   help=f"pipe directory of the MPS control daemon (default: $CUDA_MPS_PIPE_DIRECTORY or {DEFAULT_PIPE_DIRECTORY})")
-    p.add_argument("--mps.log-directory", dest="log_directory", default=env_log,
+    p.add_argument("--mps.pipe-directory", dest="pipe_directory", default=None,
+                   help=f"pipe directory of the MPS control daemon (default: $CUDA_MPS_PIPE_DIRECTORY or "
+                        f"{DEFAULT_PIPE_DIRECTORY}; with --mps.discover only where given)")
+    p.add_argument("--mps.log-directory", dest="log_directory", default=None,
                    help=f"log directory of the MPS control daemon (default: $CUDA_MPS_LOG_DIRECTORY or {DEFAULT_LOG_DIRECTORY})")
+    p.add_argument("--mps.discover", dest="discover", default="", metavar="LAYOUTS",
+                   help=f"find the daemons that NVIDIA's Kubernetes software starts, re-scanned while running: "
+                        f"a comma-separated list of {', '.join(LAYOUTS)} (see {doc('deploy.md')})")
+    for layout in LAYOUTS.values():
+        p.add_argument(f"--mps.discover.{layout.name}-root", dest=f"discover_root_{layout.name}",
+                       default=layout.default_root,
+                       help=f"root of the {layout.name} layout as this process sees it: {layout.settings} "
+                            f"(default {layout.default_root})")
+    p.add_argument("--mps.discover-glob", dest="discover_globs", action="append", default=[], metavar="PATTERN",
+                   help="glob of daemon directories, each holding pipe/control and log/ (repeatable); the "
+                        "daemon is named by the path below the pattern's fixed part")
+    p.add_argument("--mps.discover-interval", dest="discovery_interval", type=float,
+                   default=DEFAULT_DISCOVERY_INTERVAL,
+                   help=f"seconds between scans for daemons that came or went (default {DEFAULT_DISCOVERY_INTERVAL:g})")
     p.add_argument("--config.file", dest="config_file", default=None,
-                   help="YAML file listing several control daemons (name, pipe_directory, log_directory)")
+                   help="YAML file listing control daemons (daemons: name, pipe_directory, log_directory) "
+                        "and discovery roots (discover: layout and root, or glob)")
     _add_logging(p)
     defaults = Config()
     for name, source in SOURCES.items():
@@ -271,6 +286,8 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
         cfg.replay = ReplayOptions(ns.bundle, ns.speed, ns.loop)
         return cfg  # daemons and collectors come from the bundle
     for flag, value in (("--mps.pipe-directory", ns.pipe_directory), ("--mps.log-directory", ns.log_directory)):
+        if value is None:
+            continue
         if not value:
             raise ConfigError(f"{flag} must not be empty")
     _source_flags(cfg, ns)
@@ -293,10 +310,18 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
         cfg.capture = CaptureOptions(ns.out, ns.duration, ns.interval, history)
     if command == "status":
         cfg.status = _status_options(ns)
+    cfg.discover = _discover_flags(ns)
+    cfg.discovery_interval = ns.discovery_interval
+    if not cfg.discovery_interval > 0:
+        raise ConfigError("--mps.discover-interval must be positive")
     if ns.config_file:
-        cfg.daemons = load_daemons_file(ns.config_file)
-    else:
-        cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, ns.pipe_directory, ns.log_directory)]
+        cfg.daemons, roots = load_daemons_file(ns.config_file)
+        cfg.discover += roots
+    pipe = ns.pipe_directory or os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    # With discovery, the flags' daemon only where named: a DRA node has no /tmp/nvidia-mps.
+    if not ns.config_file and (pipe or not cfg.discover):
+        log_dir = ns.log_directory or os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIRECTORY
+        cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, pipe or DEFAULT_PIPE_DIRECTORY, log_dir)]
     return cfg
 
 
@@ -316,6 +341,22 @@ def _source_flags(cfg: Config, ns: argparse.Namespace) -> None:
                 setattr(cfg, flag.dest, value)
             else:
                 cfg.settings[flag.dest] = value
+
+
+def _discover_flags(ns: argparse.Namespace) -> List[DiscoveryRoot]:
+    roots = []
+    for name in LAYOUTS:
+        if not getattr(ns, f"discover_root_{name}"):
+            raise ConfigError(f"--mps.discover.{name}-root must not be empty")
+    for name in (n.strip() for n in ns.discover.split(",") if n.strip()):
+        if name not in LAYOUTS:
+            raise ConfigError(f"--mps.discover: unknown layout {name!r} (known: {', '.join(LAYOUTS)})")
+        roots.append(DiscoveryRoot(name, getattr(ns, f"discover_root_{name}")))
+    for pattern in ns.discover_globs:
+        if not pattern:
+            raise ConfigError("--mps.discover-glob must not be empty")
+        roots.append(DiscoveryRoot(GLOB, pattern))
+    return roots
 
 
 def _status_options(ns: argparse.Namespace) -> StatusOptions:

@@ -9,7 +9,7 @@ on stderr and exit code 2.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError
 
@@ -49,6 +49,41 @@ class DaemonConfig:
     name: str
     pipe_directory: str
     log_directory: str
+    layout: str = "static"  # how it was found: static (flags, config file), a LAYOUTS name or GLOB
+    claim_uid: str = ""  # DRA: the resource claim whose daemon this is
+
+
+@dataclass
+class DiscoveryRoot:
+    """Where daemons are looked for: a layout of LAYOUTS at its root, or
+    (layout "glob") `path` is itself the pattern of daemon directories."""
+
+    layout: str
+    path: str
+
+
+DEFAULT_DISCOVERY_INTERVAL = 5.0
+
+# The layouts of discovery.py: where NVIDIA's Kubernetes software puts its daemons.
+DEVICE_PLUGIN = "device-plugin"
+DRA = "dra"
+GLOB = "glob"  # a pattern given as such: no layout-specific labels
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    default_root: str
+    below_root: str  # the glob of a daemon's directory under the root
+    settings: str  # where the project that starts the daemons sets the root (docs, flag help)
+
+
+LAYOUTS: Dict[str, Layout] = {
+    DEVICE_PLUGIN: Layout(DEVICE_PLUGIN, "/run/nvidia/mps", "*/*",
+                          "k8s-device-plugin Helm value mps.root (flag --mps-root, env MPS_ROOT)"),
+    DRA: Layout(DRA, "/var/lib/kubelet/plugins", "gpu.nvidia.com/mps/*",
+                "dra-driver-nvidia-gpu flag --kubelet-plugins-directory-path (env KUBELET_PLUGINS_DIRECTORY_PATH)"),
+}
 
 
 @dataclass
@@ -103,7 +138,9 @@ class Config:
     # Collector name -> True, False or "auto" where a flag or replay set it; a
     # collector not named here has its source's default (sources/registry.py).
     collectors: Dict[str, Union[bool, str]] = field(default_factory=dict)
-    daemons: List[DaemonConfig] = field(default_factory=list)
+    daemons: List[DaemonConfig] = field(default_factory=list)  # the static list
+    discover: List[DiscoveryRoot] = field(default_factory=list)  # --mps.discover, --mps.discover-glob
+    discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL  # seconds between scans of the roots
     control_binary: str = "nvidia-cuda-mps-control"
     command_timeout: float = 2.0
     # Server facts (thread percentage, pinned limits) and daemon defaults change
@@ -131,7 +168,12 @@ class Config:
     status: StatusOptions = field(default_factory=StatusOptions)
 
 
-def load_daemons_file(path: str) -> List[DaemonConfig]:
+def load_daemons_file(path: str) -> Tuple[List[DaemonConfig], List[DiscoveryRoot]]:
+    """The config file's static daemons and discovery roots:
+
+        daemons: [{name, pipe_directory, log_directory}]
+        discover: [{layout: device-plugin|dra, root: PATH (default: the layout's)}, {glob: PATTERN}]
+    """
     import yaml  # here, not at the top: `capture` must run where PyYAML is not installed
 
     try:
@@ -141,10 +183,13 @@ def load_daemons_file(path: str) -> List[DaemonConfig]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from e
-    if not isinstance(doc, dict) or not isinstance(doc.get("daemons"), list) or not doc["daemons"]:
-        raise ConfigError(f"config file {path}: expected a non-empty list under 'daemons'")
+    if not isinstance(doc, dict) or set(doc) - {"daemons", "discover"}:
+        raise ConfigError(f"config file {path}: expected a mapping with 'daemons' and/or 'discover'")
+    entries, roots = doc.get("daemons") or [], _discover_entries(path, doc.get("discover") or [])
+    if not isinstance(entries, list) or not entries and not roots:
+        raise ConfigError(f"config file {path}: expected a non-empty list under 'daemons' (or a 'discover' list)")
     daemons, seen = [], set()
-    for i, entry in enumerate(doc["daemons"]):
+    for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ConfigError(f"config file {path}: daemons[{i}] must be a mapping")
         unknown = set(entry) - {"name", "pipe_directory", "log_directory"}
@@ -158,4 +203,20 @@ def load_daemons_file(path: str) -> List[DaemonConfig]:
             raise ConfigError(f"config file {path}: daemon name {name!r} appears twice")
         seen.add(name)
         daemons.append(DaemonConfig(name, pipe, entry.get("log_directory") or DEFAULT_LOG_DIRECTORY))
-    return daemons
+    return daemons, roots
+
+
+def _discover_entries(path: str, entries: Any) -> List[DiscoveryRoot]:
+    if not isinstance(entries, list):
+        raise ConfigError(f"config file {path}: 'discover' must be a list")
+    roots = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, dict) and set(entry) == {"glob"} and isinstance(entry["glob"], str) and entry["glob"]:
+            roots.append(DiscoveryRoot(GLOB, entry["glob"]))
+            continue
+        layout = entry.get("layout") if isinstance(entry, dict) else None
+        if layout not in LAYOUTS or set(entry) - {"layout", "root"} or not isinstance(entry.get("root", ""), str):
+            raise ConfigError(f"config file {path}: discover[{i}] must be {{layout: {' or '.join(LAYOUTS)}, "
+                              f"root: PATH}} or {{glob: PATTERN}}")
+        roots.append(DiscoveryRoot(layout, entry.get("root") or LAYOUTS[layout].default_root))
+    return roots

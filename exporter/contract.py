@@ -109,7 +109,12 @@ def table(title: str, *specs: MetricSpec) -> Tuple[MetricSpec, ...]:
 GPU = Label("gpu", DEVICE, "NVML device index; pinned limits: the device ordinal MPS names",
             "the node's GPUs (log-only ordinals: those of running servers)")
 UUID = Label("uuid", DEVICE, "NVML", "one per GPU")
-DAEMON = Label("daemon", CONFIG, "`--config.file` daemon names (default `default`)", "the configured daemons")
+# Daemons found under discovery roots (anyone who can make a directory there names one).
+MAX_DISCOVERED = 512
+DAEMON = Label("daemon", INPUT, "`--config.file` daemon names (default `default`); discovered daemons: the directory "
+               "below the root (device plugin: the resource name; DRA: `<claim UID>-<hash>`)",
+               f"the configured daemons plus at most {MAX_DISCOVERED} discovered, gone when their directory goes; "
+               f"{CUT}")
 SERVER_PID = Label("server_pid", INPUT, "control daemon `get_server_list` / `ps`, else the logs' running servers",
                    "running servers (the logs remember at most 1024)")
 CLIENT_PID = Label("pid", INPUT, "control daemon `ps`, NVML's MPS client list",

@@ -88,6 +88,8 @@ class DaemonReading:
     pipe_directory: str
     log_directory: str
     version: str = ""
+    claim_uid: str = ""  # DRA: the resource claim the daemon serves
+    multiuser: Optional[bool] = None  # started with -M (its command line in /proc); None: not known
     default_active_thread_percentage: Optional[float] = None
     default_pinned_limits: Dict[int, int] = field(default_factory=dict)
     default_client_priority: Optional[int] = None  # None: not set or the daemon lacks the command

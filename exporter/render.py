@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 from . import __version__
-from .contract import (CLIENT_PID, CONFIG, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVER_PID, UID, USER, UUID, Label,
+from .contract import (CLIENT_PID, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVER_PID, UID, USER, UUID, Label,
                        counter, gauge, histogram, table)
 from .families import FamilyBuilder
 from .limits import Limits, client_limits
@@ -92,10 +92,16 @@ GPU_METRICS = table(
 DAEMON_METRICS = table(
     "MPS control daemon",
     gauge("mps_control_daemon_up", "1 if the MPS control daemon answered a control command in this scrape.", DAEMON),
-    gauge("mps_control_daemon_info", "Facts about a watched MPS control daemon (value 1).", DAEMON,
+    gauge("mps_control_daemon_info", "Facts about a watched MPS control daemon (value 1): claim_uid, the DRA "
+          "resource claim it serves (joins kube-state-metrics' resource claim series; empty elsewhere); multiuser "
+          "true where it was started with -M (no user queueing), false without, empty where its command line "
+          "cannot be read.", DAEMON,
           Label("version", INPUT, "`nvidia-cuda-mps-control -v`", f"one per daemon; {CUT}"),
-          Label("pipe_directory", CONFIG, "flag or config file", "one per daemon"),
-          Label("log_directory", CONFIG, "flag or config file", "one per daemon")),
+          Label("pipe_directory", INPUT, "flag, config file or discovery", f"one per daemon; {CUT}"),
+          Label("log_directory", INPUT, "flag, config file or discovery", f"one per daemon; {CUT}"),
+          Label("claim_uid", INPUT, "the DRA daemon directory's claim UID (a UUID; empty elsewhere)",
+                "one per daemon"),
+          Label("multiuser", FIXED, "`-M` on the daemon's command line (/proc)", "true, false or empty (not known)")),
     gauge("mps_default_active_thread_ratio", "get_default_active_thread_percentage / 100.", DAEMON),
     gauge("mps_default_pinned_memory_limit_bytes", "get_default_device_pinned_mem_limit; absent where none is set.",
           DAEMON, GPU),
@@ -339,8 +345,9 @@ class _GpuJoin:
 # ---------------------------------------------------------------- daemons
 def render_daemon(out: FamilyBuilder, d: DaemonReading) -> None:
     out.add("mps_control_daemon_up", int(d.up), daemon=d.name)
+    multiuser = "" if d.multiuser is None else str(d.multiuser).lower()
     out.add("mps_control_daemon_info", 1, daemon=d.name, version=d.version, pipe_directory=d.pipe_directory,
-            log_directory=d.log_directory)
+            log_directory=d.log_directory, claim_uid=d.claim_uid, multiuser=multiuser)
     if d.default_active_thread_percentage is not None:
         out.add("mps_default_active_thread_ratio", d.default_active_thread_percentage / 100, daemon=d.name)
     for dev, limit in sorted(d.default_pinned_limits.items()):

@@ -3,6 +3,7 @@ and `dump` (every collector once). `serve` (service.py) runs them behind HTTP.""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -15,6 +16,7 @@ from prometheus_client.exposition import generate_latest
 
 from .collector import MpsCollector, build_registry
 from .config import Config
+from .discovery import DaemonSet
 from .sources.base import Backends, Reader
 from .sources.registry import SOURCES
 
@@ -26,12 +28,20 @@ def build_readers(cfg: Config, backends: Optional[Backends] = None,
     """The enabled sources' readers (a source that is not available here is left out);
     `recorded` True or False: only the sources capture records, or only the others."""
     readers: Dict[str, Reader[Any]] = {}
+    backends = with_daemon_set(cfg, backends or Backends())
     for name, source in SOURCES.items():
         if source.enabled(cfg) and recorded in (None, source.recorded):
-            reader = source.build(cfg, backends or Backends())
+            reader = source.build(cfg, backends)
             if reader is not None:
                 readers[name] = reader
     return readers
+
+
+def with_daemon_set(cfg: Config, backends: Backends) -> Backends:
+    """`backends` with the watched daemons: the static list, and discovery's when configured."""
+    if backends.daemon_set is not None:
+        return backends
+    return dataclasses.replace(backends, daemon_set=DaemonSet(cfg.daemons, cfg.discover, cfg.discovery_interval))
 
 
 def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,

@@ -73,11 +73,16 @@ def test_input_labels_are_cut_config_labels_are_not():
     out.add("mps_client_info", 1, daemon="d" * 300, server_pid="1", pid="2", uid="0", user=long, command=long,
             pid_namespace=long, container_id=long, pod_uid=long, namespace=long, pod=long, container=long)
     out.add("mps_control_daemon_info", 1, daemon="default", version=long, pipe_directory="/p" * 200,
-            log_directory="/l")
+            log_directory="/l", claim_uid="", multiuser="")
     samples = {s.name: s.labels for fam in out.families() for s in fam.samples}
     client = samples["mps_client_info"]
     for label in ("user", "command", "pid_namespace", "container_id", "pod_uid", "namespace", "pod", "container"):
         assert len(client[label]) == bounds.MAX_LABEL_CHARS
-    assert client["daemon"] == "d" * 300  # configuration: the operator's own
+    # A daemon's name and directories come from directories discovery found: input too.
+    assert len(client["daemon"]) == bounds.MAX_LABEL_CHARS
     assert len(samples["mps_control_daemon_info"]["version"]) == bounds.MAX_LABEL_CHARS
-    assert samples["mps_control_daemon_info"]["pipe_directory"] == "/p" * 200
+    assert len(samples["mps_control_daemon_info"]["pipe_directory"]) == bounds.MAX_LABEL_CHARS
+    out.add("mps_gpu_info", 1, gpu="0", uuid="u" * 300, name="n", driver_version="580", compute_mode="c",
+            mig_mode="m")
+    assert [s.labels["uuid"] for fam in out.families() for s in fam.samples
+            if s.name == "mps_gpu_info"] == ["u" * 300]  # device labels are not cut

@@ -14,7 +14,7 @@ import logging
 import os
 import tempfile
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Collection, Dict, Optional
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,9 @@ class StateStore:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()  # several pipelines (one per daemon) share one file
+        # What the file holds, once read: this process is its only writer, and each save
+        # re-reading every daemon's entry made N daemons' saves cost N squared.
+        self._doc: Optional[Dict[str, Any]] = None
 
     def load(self, daemon: str) -> Optional[Dict[str, Any]]:
         """The saved entry of `daemon`, or None."""
@@ -37,16 +40,35 @@ class StateStore:
     def save(self, daemon: str, entry: Dict[str, Any]) -> bool:
         """Replace `daemon`'s entry. False (and a log line) when the file cannot be written."""
         with self._lock:
-            doc = self._read()
+            doc = dict(self._read())
             doc[daemon] = {**entry, "version": FORMAT_VERSION}
             try:
                 self._write(doc)
+                self._doc = doc
             except OSError as e:
                 log.warning("cannot write state file %s: %s", self.path, e)
                 return False
         return True
 
+    def retain(self, daemons: Collection[str]) -> None:
+        """Drop the entries of every daemon not in `daemons` (one that left while the
+        exporter was not running, or just now): nothing of a gone daemon stays in the file."""
+        with self._lock:
+            doc = self._read()
+            if set(doc) <= set(daemons):
+                return
+            try:
+                self._write({k: v for k, v in doc.items() if k in daemons})
+                self._doc = {k: v for k, v in doc.items() if k in daemons}
+            except OSError as e:
+                log.warning("cannot write state file %s: %s", self.path, e)
+
     def _read(self) -> Dict[str, Any]:
+        if self._doc is None:
+            self._doc = self._read_file()
+        return self._doc
+
+    def _read_file(self) -> Dict[str, Any]:
         try:
             with open(self.path, encoding="utf-8") as f:
                 doc = json.load(f)

@@ -68,6 +68,9 @@ class Backends:
 
     nvml_module: Any = None  # None: import pynvml
     control_runner: Any = None  # mps_control.Runner; None: run the real program
+    # The daemons to watch (discovery.DaemonSet), shared by the sources that read per
+    # daemon; None: built from the configuration (wiring.build_readers).
+    daemon_set: Any = None
 
 
 class PartialFailure(Exception):

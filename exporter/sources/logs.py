@@ -1,16 +1,21 @@
-"""The MPS logs as a source: one LogPipeline (exporter/logs/) per control daemon.
+"""The MPS logs as a source: one LogPipeline (exporter/logs/) per watched control daemon.
 
 Its reading is each pipeline's last published snapshot (no I/O in a scrape).
+Daemons come and go (discovery.py): `DaemonPipelines` starts a pipeline for a daemon
+that appeared and stops one whose daemon left, dropping its state-file entry.
 Capture bundles carry the log bytes themselves, not readings: replay feeds
 them to real pipelines, so this source is not recorded.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Dict, Optional
+import threading
+from typing import Callable, Dict, Optional
 
-from ..config import Config
+from ..config import Config, DaemonConfig
+from ..discovery import DaemonSet
 from ..logs.parser import resolve_timezone
 from ..logs.pipeline import LogPipeline
 from ..logs.state import LogSnapshot
@@ -18,30 +23,88 @@ from ..logs.statefile import StateStore
 from ..model import Snapshot
 from .base import Backends, Flag, PartialFailure, ReadContext, Reader, Source
 
+log = logging.getLogger(__name__)
 
-def pipelines_reader(pipelines: Dict[str, LogPipeline]) -> Reader[Dict[str, LogSnapshot]]:
+
+class DaemonPipelines:
+    """The pipelines of the daemons watched now, by daemon name. `sync()` follows the
+    daemon set; while started, a thread calls it every discovery interval, so that a
+    daemon's logs are followed (and a gone one's dropped) whether or not anyone scrapes."""
+
+    def __init__(self, daemons: DaemonSet, make: Callable[[DaemonConfig], LogPipeline],
+                 store: Optional[StateStore] = None) -> None:
+        self.daemons = daemons
+        self.pipelines: Dict[str, LogPipeline] = {}
+        self._make = make
+        self._store = store
+        self._lock = threading.Lock()
+        self._started = False
+        self._synced = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def sync(self, rescan: bool = False) -> Dict[str, LogPipeline]:
+        with self._lock:
+            now = {d.name: d for d in (self.daemons.rescan() if rescan else self.daemons.current())}
+            gone = [n for n, p in self.pipelines.items() if n not in now or p.log_directory != now[n].log_directory]
+            for name in gone:
+                self.pipelines.pop(name).stop()
+            for name, d in now.items():
+                if name not in self.pipelines:
+                    self.pipelines[name] = pipe = self._make(d)
+                    if self._started:
+                        pipe.start()
+            if self._store is not None and (gone or not self._synced):
+                self._store.retain(now)  # after the stops above, which save their last state
+            self._synced = True
+            return dict(self.pipelines)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.daemons.interval):
+            try:
+                self.sync()
+            except Exception:  # a bug costs discovery's freshness, never the exporter
+                log.exception("following the daemons' logs failed")
+
+    def start(self) -> None:
+        self._started = True
+        for p in self.sync().values():
+            p.start()
+        if self.daemons.roots and self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="mps-logs-discovery", daemon=True)
+            self._thread.start()
+
+    def catch_up(self) -> None:
+        for p in self.sync().values():
+            p.read_once()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        with self._lock:
+            for p in self.pipelines.values():
+                p.stop()
+
+
+def pipelines_reader(pipelines: DaemonPipelines) -> Reader[Dict[str, LogSnapshot]]:
     """The reader over these pipelines (daemon name -> its pipeline)."""
 
     def read(ctx: ReadContext) -> Dict[str, LogSnapshot]:
-        logs = {name: p.snapshot() for name, p in pipelines.items()}
+        current = pipelines.sync()
+        logs = {name: p.snapshot() for name, p in current.items()}
+        if any(s.problems for s in logs.values()) and any(
+                d.layout != "static" and not os.path.isdir(d.log_directory) for d in pipelines.daemons.current()):
+            # A discovered daemon's directory went away (a released claim): drop it now, not
+            # at the next scan, instead of failing the collector until then.
+            current = pipelines.sync(rescan=True)
+            logs = {name: logs[name] for name in current if name in logs}
         problems = [f"{name}: {problem}" for name, s in logs.items() for problem in s.problems]
         if problems:  # a file that cannot be read: what was read still counts, the collector fails
             raise PartialFailure("; ".join(problems), logs)
         return logs
 
-    def start() -> None:
-        for p in pipelines.values():
-            p.start()
-
-    def catch_up() -> None:
-        for p in pipelines.values():
-            p.read_once()
-
-    def close() -> None:
-        for p in pipelines.values():
-            p.stop()
-
-    return Reader(read, start=start, catch_up=catch_up, close=close, source=pipelines)
+    return Reader(read, start=pipelines.start, catch_up=pipelines.catch_up, close=pipelines.close, source=pipelines)
 
 
 def _file_name(path: str) -> str:
@@ -68,13 +131,17 @@ class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
     )
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[Dict[str, LogSnapshot]]]:
-        if not cfg.daemons:
+        daemons: DaemonSet = backends.daemon_set or DaemonSet(cfg.daemons)
+        if not daemons.static and not daemons.roots:
             return None
         store = StateStore(cfg.state_file) if cfg.state_file else None
         liveness = cfg.procfs if cfg.queued_client_liveness else None
-        pipelines = {d.name: LogPipeline(d.name, d.log_directory, timezone=cfg.log_timezone, state_store=store,
-                                         proc_root=liveness) for d in cfg.daemons}
-        return pipelines_reader(pipelines)
+
+        def make(d: DaemonConfig) -> LogPipeline:
+            return LogPipeline(d.name, d.log_directory, timezone=cfg.log_timezone, state_store=store,
+                               proc_root=liveness)
+
+        return pipelines_reader(DaemonPipelines(daemons, make, store))
 
     def store(self, snap: Snapshot, reading: Dict[str, LogSnapshot]) -> None:
         snap.logs = reading

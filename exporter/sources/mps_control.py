@@ -17,11 +17,13 @@ import re
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
+from ..discovery import DaemonSet, find_control_daemon, is_multiuser
 from ..model import DaemonReading, PsEntry, ServerFacts, Snapshot
 from ..units import parse_size
 from .base import (Backends, Flag, PartialFailure, ReadContext, Reader, Source, not_empty, not_negative, positive,
@@ -43,6 +45,8 @@ READ_ONLY_COMMANDS: Dict[str, int] = {
     "get_default_client_priority": 0,
     "get_device_client_list": 0,
 }
+
+MAX_PARALLEL_DAEMONS = 16  # daemons read at once in one scrape
 
 _NUMBER = re.compile(r"^[0-9]{1,10}$")
 NO_DAEMON = "Cannot find MPS control daemon process"
@@ -251,6 +255,9 @@ class _Cached:
     read_at: float
 
 
+PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe directory: the daemon's PID in its own namespace
+
+
 @dataclass
 class _Listing:
     """The last `ps` and `get_server_status` answers and the signals they were read under."""
@@ -278,6 +285,7 @@ class ControlSource:
     client: ControlClient
     facts_refresh_seconds: float = 60.0
     clock: Callable[[], float] = time.monotonic
+    proc_root: Optional[str] = None  # where to find the daemon's command line (None: never look)
     _cache: Dict[Tuple[object, ...], _Cached] = field(default_factory=dict)
     _version: Optional[str] = None
     _limits_mark: Optional[Tuple[int, Optional[int]]] = None  # ChangeSignals.limits at the last read
@@ -285,10 +293,33 @@ class ControlSource:
     _statuses: Dict[int, str] = field(default_factory=dict)  # server pid -> status, while _status_key holds
     _status_key: Tuple[object, ...] = ()
     sent: Dict[str, int] = field(default_factory=dict)  # verb -> commands sent to the daemon
+    # The daemon's -M, looked up again when its pid file changes (a restart), or after
+    # facts_refresh_seconds where it could not be told.
+    _multiuser: Optional[bool] = None
+    _multiuser_key: object = None
+    _multiuser_at: float = float("-inf")
 
     def _run(self, verb: str, *args: object) -> str:
         self.sent[verb] = self.sent.get(verb, 0) + 1
         return self.client.run(verb, *args)
+
+    def multiuser(self) -> Optional[bool]:
+        if self.proc_root is None:
+            return None
+        path = os.path.join(self.daemon.pipe_directory, PID_FILE)
+        try:
+            with open(path, encoding="ascii", errors="replace") as f:
+                text = f.read(32).strip()
+                key: object = (text, os.fstat(f.fileno()).st_mtime_ns)
+        except OSError:
+            text, key = "", None
+        now = self.clock()
+        if key != self._multiuser_key or self._multiuser is None and now - self._multiuser_at >= self.facts_refresh_seconds:
+            self._multiuser_key, self._multiuser_at = key, now
+            found = find_control_daemon(self.daemon.pipe_directory, self.proc_root,
+                                        int(text) if text.isdigit() else None)
+            self._multiuser = is_multiuser(found[1]) if found else None
+        return self._multiuser
 
     def _cached(self, key: Tuple[object, ...], read: Callable[[], T]) -> T:
         hit = self._cache.get(key)
@@ -341,7 +372,7 @@ class ControlSource:
     def read(self, devices: Sequence[int], signals: Callable[[], ChangeSignals] = ChangeSignals) -> DaemonReading:
         """`signals`: what the logs and NVML say now (asked after `get_server_list`)."""
         reading = DaemonReading(name=self.daemon.name, up=False, pipe_directory=self.daemon.pipe_directory,
-                                log_directory=self.daemon.log_directory)
+                                log_directory=self.daemon.log_directory, claim_uid=self.daemon.claim_uid)
         try:
             server_pids = parse_pid_list(self._run("get_server_list"))
         except DaemonNotRunning:
@@ -354,6 +385,7 @@ class ControlSource:
         if self._version is None:
             self._version = self.client.version()
         reading.version = self._version
+        reading.multiuser = self.multiuser()
         seen = signals()
         try:
             servers = tuple(sorted(server_pids))
@@ -443,8 +475,22 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[List[DaemonReading]]]:
         runner = {"runner": backends.control_runner} if backends.control_runner else {}
-        sources = [ControlSource(d, ControlClient(d.pipe_directory, cfg.control_binary, cfg.command_timeout, **runner),
-                                 facts_refresh_seconds=cfg.facts_refresh_seconds) for d in cfg.daemons]
+        daemons: DaemonSet = backends.daemon_set or DaemonSet(cfg.daemons)
+        sources: Dict[str, ControlSource] = {}  # by daemon name: those watched now
+        # Daemons are read side by side: each command is a process of its own (~2 ms), and a
+        # hung daemon costs its own reading, not the others' (the scrape deadline still binds).
+        pool = ThreadPoolExecutor(max_workers=MAX_PARALLEL_DAEMONS, thread_name_prefix="mps-control")
+
+        def watched() -> List[ControlSource]:
+            now = daemons.current()
+            for gone in set(sources) - {d.name for d in now}:
+                del sources[gone]  # its cached facts go with it
+            for d in now:
+                if d.name not in sources or sources[d.name].daemon != d:
+                    client = ControlClient(d.pipe_directory, cfg.control_binary, cfg.command_timeout, **runner)
+                    sources[d.name] = ControlSource(d, client, facts_refresh_seconds=cfg.facts_refresh_seconds,
+                                                    proc_root=cfg.procfs)
+            return [sources[d.name] for d in now]
 
         def signals(ctx: ReadContext, daemon: str) -> Callable[[], ChangeSignals]:
             def seen() -> ChangeSignals:
@@ -459,9 +505,15 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
 
         def read(ctx: ReadContext) -> List[DaemonReading]:
             devices = ctx.devices()
-            return _checked([s.read(devices, signals(ctx, s.daemon.name)) for s in sources])
+            chosen = watched()
+            if len(chosen) == 1:
+                return _checked([chosen[0].read(devices, signals(ctx, chosen[0].daemon.name))])
+            return _checked(list(pool.map(lambda s: s.read(devices, signals(ctx, s.daemon.name)), chosen)))
 
-        return Reader(read, source=sources)
+        def close() -> None:
+            pool.shutdown(wait=False)
+
+        return Reader(read, close=close, source=sources)
 
     def store(self, snap: Snapshot, reading: List[DaemonReading]) -> None:
         snap.daemons = reading

@@ -149,3 +149,17 @@ class FakeControlDaemon:
         return cls(servers=[FakeServer(1589)],
                    clients=[FakeClient(1649, 1589, uuid, 7), FakeClient(1648, 1589, uuid, 8),
                             FakeClient(1647, 1589, uuid, 6)])
+
+
+@dataclass
+class FakeDaemons:
+    """Several control daemons, one per pipe directory, behind one runner: a command
+    goes to the daemon of its CUDA_MPS_PIPE_DIRECTORY (none there: not running)."""
+
+    by_pipe: Dict[str, FakeControlDaemon] = field(default_factory=dict)
+
+    def __call__(self, argv: Sequence[str], stdin_text: str, env: Dict[str, str], timeout: float) -> Tuple[int, str]:
+        daemon = self.by_pipe.get(env.get("CUDA_MPS_PIPE_DIRECTORY", ""))
+        if daemon is None:
+            return 1, "Cannot find MPS control daemon process\n"
+        return daemon(argv, stdin_text, env, timeout)

@@ -25,7 +25,9 @@ from prometheus_client.exposition import generate_latest
 from mps_exporter.collector import MpsCollector, build_registry
 from mps_exporter.families import FamilyBuilder
 from mps_exporter.logs import LogPipeline, render_log_metrics
-from mps_exporter.sources.logs import pipelines_reader
+from mps_exporter.config import DaemonConfig
+from mps_exporter.discovery import DaemonSet
+from mps_exporter.sources.logs import DaemonPipelines, pipelines_reader
 from mps_exporter.logs.follower import (
     MISSING_DIRECTORY, NOT_A_DIRECTORY, NOT_REGULAR_FILE, PERMISSION_DENIED, FileFollower,
 )
@@ -62,7 +64,9 @@ def read_errors(pipe: LogPipeline) -> dict:
 
 def logs_success(pipe: LogPipeline) -> float:
     """collector_success{collector="logs"} as a scrape shows it."""
-    text = generate_latest(build_registry(MpsCollector({"logs": pipelines_reader({"default": pipe})}))).decode()
+    daemons = DaemonSet([DaemonConfig("default", "/nonexistent/pipe", pipe.log_directory)])
+    reader = pipelines_reader(DaemonPipelines(daemons, lambda d: pipe))
+    text = generate_latest(build_registry(MpsCollector({"logs": reader}))).decode()
     line = next(l for l in text.splitlines() if l.startswith('mps_exporter_collector_success{collector="logs"}'))
     return float(line.rsplit(" ", 1)[1])
 
