@@ -138,12 +138,27 @@ def timeseries(title: str, description: str, unit: str, targets: Sequence[Target
     )
 
 
-def stat(title: str, description: str, unit: str, targets: Sequence[Target], w: int = 6, h: int = 4) -> Stat:
+# Stat colours: a count that is trouble from `bad_from` on turns red (or orange for what
+# needs a look, not a page); one that is trouble below `good_from` is red until it is
+# reached; a plain count (clients, servers) is in the text colour, neither good nor bad.
+NEUTRAL, GOOD, WARN, BAD = "text", "green", "orange", "red"
+
+
+def stat(title: str, description: str, unit: str, targets: Sequence[Target], w: int = 6, h: int = 4,
+         bad_from: Optional[float] = None, warn_from: Optional[float] = None,
+         good_from: Optional[float] = None) -> Stat:
+    # grafanalib's default is "", not a list of steps; null = from -Infinity.
+    if good_from is not None:
+        steps = [{"color": BAD, "value": None}, {"color": GOOD, "value": good_from}]
+    elif bad_from is not None or warn_from is not None:
+        steps = [{"color": GOOD, "value": None}]
+        steps += [{"color": WARN, "value": warn_from}] if warn_from is not None else []
+        steps += [{"color": BAD, "value": bad_from}] if bad_from is not None else []
+    else:
+        steps = [{"color": NEUTRAL, "value": None}]
     return Stat(title=title, description=description, format=unit, dataSource=DATASOURCE,
                 targets=_with_ref_ids(targets), gridPos=GridPos(h=h, w=w, x=0, y=0),
-                reduceCalc="lastNotNull", graphMode="none", noValue="0",
-                # grafanalib's default is "", not a list of steps; null = from -Infinity.
-                thresholds=[{"color": "green", "value": None}])
+                reduceCalc="lastNotNull", graphMode="none", noValue="0", thresholds=steps)
 
 
 def table(title: str, description: str, targets: Sequence[Target], units: Dict[str, str],
@@ -182,6 +197,9 @@ def _layout(panels: Sequence) -> List:
     return list(panels)
 
 
+DEFAULT_RANGE = "now-15m"
+
+
 def build(title: str, uid: str, description: str, panels: Sequence,
           variables: Optional[List[Template]] = None) -> Dashboard:
     """A dashboard with the data source variable and `variables` (default: node_variables())."""
@@ -190,7 +208,9 @@ def build(title: str, uid: str, description: str, panels: Sequence,
         title=title, uid=uid, description=description, tags=TAGS, timezone="browser",
         templating=Templating(list=[_datasource_variable(), *variables]), panels=_layout(panels),
         schemaVersion=SCHEMA_VERSION,
-        time=Time("now-3h", "now"), refresh="30s", editable=True,
+        # 15 minutes: a node (or the demo) that started minutes ago fills the panels, not a
+        # sliver at their right edge; zoom out for history.
+        time=Time(DEFAULT_RANGE, "now"), refresh="30s", editable=True,
         links=[{"type": "dashboards", "tags": ["mps-exporter"], "asDropdown": True, "title": "MPS dashboards",
                 "icon": "external link", "tooltip": "", "url": "", "targetBlank": False,
                 "includeVars": True, "keepTime": True}],

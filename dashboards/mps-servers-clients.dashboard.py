@@ -13,8 +13,8 @@ dashboard = build(
                 "its pinned limit and active thread share.",
     panels=[
         row("Control daemons"),
-        stat("Daemons up", "Watched MPS control daemons that answered a control command in the last scrape.",
-             "none", [target(f"sum({m('mps_control_daemon_up')})")]),
+        stat("Daemons up", "Watched MPS control daemons that answered a control command in the last scrape "
+             "(red: none did).", "none", [target(f"sum({m('mps_control_daemon_up')})")], good_from=1),
         stat("Servers", "MPS servers running now, over the selected daemons.", "none",
              [target(f"count({m('mps_server_info')})")]),
         stat("Clients", "MPS client processes connected now, over the selected daemons.", "none",

@@ -111,8 +111,44 @@ def test_dashboard_level_model():
         assert dash.get("id") is None, "provisioned dashboards carry no database id"
         assert dash["schemaVersion"] == common.SCHEMA_VERSION >= 36
         assert "mps-exporter" in dash["tags"]
-        assert dash["time"] == {"from": "now-3h", "to": "now"}
         assert dash["description"]
+
+
+def test_the_default_range_shows_a_new_node_s_data():
+    # A node (or the demo stack) that started a few minutes ago must fill a good part of
+    # each time series panel, not a sliver at its right edge: at most 30 minutes by default.
+    units = {"m": 60, "h": 3600, "d": 86400}
+    for name, dash in DASHBOARDS.items():
+        found = re.fullmatch(r"now-(\d+)([mhd])", dash["time"]["from"])
+        assert found and dash["time"]["to"] == "now", (name, dash["time"])
+        assert int(found.group(1)) * units[found.group(2)] <= 1800, (name, dash["time"])
+
+
+def _stat_colour(panel: dict, value: float) -> str:
+    """The colour Grafana gives the stat's value: the last threshold step at or below it."""
+    steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    return [s["color"] for s in steps if s["value"] is None or s["value"] <= value][-1]
+
+
+# Stat panels that say something is wrong, and their colour at 0 and at 1.
+TROUBLE_STATS = {
+    ("fleet", "Exporters down"): ("green", "red"),
+    ("fleet", "Servers in FAULT"): ("green", "red"),
+    ("fleet", "GPUs low on memory"): ("green", "orange"),
+    ("fleet", "Nodes with queued clients"): ("green", "orange"),
+    ("mps-servers-clients", "Daemons up"): ("red", "green"),
+}
+
+
+def test_stat_panels_turn_colour_when_something_is_wrong():
+    stats = {(name, p["title"]): p for name, p in _panels() if p["type"] == "stat"}
+    for key, colours in TROUBLE_STATS.items():
+        assert (_stat_colour(stats[key], 0), _stat_colour(stats[key], 1)) == colours, key
+    for key, panel in stats.items():
+        # Green says "all is well" only on a panel that can also say otherwise; a plain count
+        # (clients, servers) is in the text colour.
+        colours = {_stat_colour(panel, v) for v in (0, 1, 10, 1e9)}
+        assert colours == {"text"} or len(colours) > 1, (key, colours)
 
 
 def test_variables():
