@@ -173,6 +173,9 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
 def _add_web(p: argparse.ArgumentParser) -> None:
     p.add_argument("--web.listen-address", dest="listen_address", default=DEFAULT_LISTEN,
                    help=f"address to listen on (default {DEFAULT_LISTEN})")
+    p.add_argument("--web.systemd-socket", dest="systemd_socket", action="store_true",
+                   help="serve on the socket systemd passes (socket activation: a .socket unit or "
+                        "systemd-socket-activate) instead of binding --web.listen-address")
     p.add_argument("--web.telemetry-path", dest="telemetry_path", default="/metrics",
                    help="path under which to expose metrics (default /metrics)")
     p.add_argument("--web.config.file", dest="web_config_file", default=None,
@@ -381,7 +384,11 @@ def _web_flags(cfg: Config, ns: argparse.Namespace, check_address: bool) -> None
         raise ConfigError(f"--web.telemetry-path must start with '/': {cfg.telemetry_path!r}")
     if cfg.max_requests < 0:
         raise ConfigError(f"--web.max-requests must be 0 (no limit) or more, not {cfg.max_requests}")
-    if check_address:
+    if ns.systemd_socket and check_address:
+        from .systemd import listening_socket
+
+        cfg.listen_socket = listening_socket()
+    elif check_address:
         resolve_listen_address(cfg.listen_address)
     if cfg.web_config_file:  # read once, here: a bad file fails at start-up, not at the first request
         cfg.web_config = load_web_config(cfg.web_config_file)

@@ -8,6 +8,7 @@ on stderr and exit code 2.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -119,6 +120,9 @@ class StatusOptions:
 @dataclass
 class Config:
     listen_address: str = DEFAULT_LISTEN
+    # --web.systemd-socket: the socket systemd bound and passed (socket activation),
+    # served instead of binding listen_address.
+    listen_socket: Optional[socket.socket] = None
     telemetry_path: str = "/metrics"
     web_config_file: Optional[str] = None
     web_config: Optional["WebConfig"] = None  # the file, read and checked once by parse_args

@@ -31,7 +31,7 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
     stop_on_signals(stop)
     try:
         serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, cfg.web_config,
-                   max_requests=cfg.max_requests, ready=ready, stop=stop)
+                   max_requests=cfg.max_requests, ready=ready, stop=stop, listener=cfg.listen_socket)
     finally:
         collector.close()
         for reader in readers.values():

@@ -395,23 +395,32 @@ class ExporterServer:
     accept() failing with EMFILE/ENFILE backs off instead of spinning, and a
     connection that has not sent a whole request head within HEAD_TIMEOUT is closed."""
 
-    def __init__(self, listen_address: str, app: _App, max_connections: Optional[int] = None) -> None:
-        where = resolve_listen_address(listen_address)
-        self.address_family = where.family
-        self._dual_stack = where.dual_stack
+    def __init__(self, listen_address: str, app: _App, max_connections: Optional[int] = None,
+                 listener: Optional[socket.socket] = None) -> None:
+        """`listener`: a socket already bound and listening (systemd's), served instead of
+        binding `listen_address`."""
         self.request_queue_size = system_backlog()
         self.app = app
         self.max_connections = max_connections or connection_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-        self.socket = socket.socket(where.family, socket.SOCK_STREAM)
-        try:
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if self._dual_stack:
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            self.socket.bind((where.host, where.port))
-            self.socket.listen(self.request_queue_size)
-        except BaseException:
-            self.socket.close()
-            raise
+        if listener is not None:
+            self.socket = listener
+            self.address_family = listener.family
+            self._dual_stack = listener.family == socket.AF_INET6 and not listener.getsockopt(
+                socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+        else:
+            where = resolve_listen_address(listen_address)
+            self.address_family = where.family
+            self._dual_stack = where.dual_stack
+            self.socket = socket.socket(where.family, socket.SOCK_STREAM)
+            try:
+                self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if self._dual_stack:
+                    self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                self.socket.bind((where.host, where.port))
+                self.socket.listen(self.request_queue_size)
+            except BaseException:
+                self.socket.close()
+                raise
         self.socket.setblocking(False)
         self.server_address = self.socket.getsockname()
         self.server_port = int(self.server_address[1])
@@ -894,20 +903,21 @@ def _landing_page(telemetry_path: str) -> bytes:
 
 def make_server(registry: Collector, listen_address: str, telemetry_path: str = "/metrics",
                 web_config: Optional[WebConfig] = None, max_requests: int = DEFAULT_MAX_REQUESTS,
-                max_connections: Optional[int] = None) -> ExporterServer:
+                max_connections: Optional[int] = None, listener: Optional[socket.socket] = None) -> ExporterServer:
     """Bind (port 0 picks a free port) without serving yet; tests and serve() use it.
-    max_connections: None takes what the file limit allows (connection_cap)."""
+    max_connections: None takes what the file limit allows (connection_cap); listener: a
+    listening socket to serve instead of binding (systemd socket activation)."""
     return ExporterServer(listen_address, _App(registry, telemetry_path, web_config or WebConfig(), max_requests),
-                          max_connections)
+                          max_connections, listener)
 
 
 def serve(registry: Collector, listen_address: str, telemetry_path: str, web_config: Optional[WebConfig], *,
           max_requests: int = DEFAULT_MAX_REQUESTS, ready: Optional[threading.Event] = None,
-          stop: Optional[threading.Event] = None) -> None:
+          stop: Optional[threading.Event] = None, listener: Optional[socket.socket] = None) -> None:
     """Serve until `stop` is set (or forever). Blocking. Raises OSError when the
     address cannot be bound (nothing is logged as listening then)."""
     raise_open_file_limit()
-    server = make_server(registry, listen_address, telemetry_path, web_config, max_requests)
+    server = make_server(registry, listen_address, telemetry_path, web_config, max_requests, listener=listener)
     log.info("listening on %s, metrics at %s (TLS %s, basic auth %s, at most %d connections)",
              server.bound_addresses(), telemetry_path, "on" if server.tls else "off",
              "on" if server.app.auth else "off", server.max_connections)

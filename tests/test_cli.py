@@ -184,6 +184,7 @@ BAD_VALUES = {
     "--log.format": ["xml"],
     "--web.listen-address": ["999.1.1.1:10138", "nope", "::1:10138", "127.0.0.1:99999", "[::1:10138"],
     "--web.telemetry-path": ["metrics"],
+    "--web.systemd-socket": ["=x"],
     "--web.config.file": ["/nonexistent/web.yml", "{bad_web}"],
     "--web.max-requests": ["abc", "-1"],
     "--scrape.max-duration": ["abc", "-1"],

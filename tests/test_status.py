@@ -318,6 +318,14 @@ def test_failed_logs_are_unknown_not_zero(tmp_path):
     assert "does not exist" in daemon["log_error"]
 
 
+def test_at_past_the_end_shows_the_end_with_its_clock():
+    # --at 200 on a 114 s bundle: the last moment, and "ago" counted from it, not 86 s later.
+    end = status("--bundle", shipped_bundle())
+    past = status("--bundle", shipped_bundle(), "--at", "200")
+    assert past.returncode == end.returncode == 0, past.stderr
+    assert past.stdout == end.stdout
+
+
 def test_status_exits_0_when_every_source_answered(tmp_path):
     # The recorded session 26 s in: every source ok.
     res = status("--bundle", shipped_bundle(), "--at", "26")

@@ -60,6 +60,7 @@ def _recorded(cfg: Config) -> Iterator[Callable[[], view.NodeStatus]]:
     bundle = load(opts.bundle or "")
     watching = opts.watch is not None
     start = opts.at if opts.at is not None else (0.0 if watching else bundle.duration)
+    start = min(start, bundle.duration)  # past the end the last moment stays, its clock too
     name = os.path.basename(bundle.path)
     with tempfile.TemporaryDirectory(prefix="mps-exporter-status-") as root:
         # One moment, or (watching) the recording playing on from there in real time.

@@ -19,6 +19,7 @@ PACKAGES = {
     "amtool": "prometheus-alertmanager",
     "prometheus-alertmanager": "prometheus-alertmanager",
     "systemd-analyze": "systemd",
+    "systemd-socket-activate": "systemd",
     "logrotate": "logrotate",
     "victoria-metrics": "victoria-metrics",
     "vmagent": "victoria-metrics",
