@@ -11,12 +11,14 @@ generate:
 	$(PYTHON) -m dashboards.generate
 	$(PYTHON) deploy/kubernetes/generate.py
 	$(PYTHON) docs/generate.py
+	$(PYTHON) -m tests.support.golden
 
 check-generated:
 	$(PYTHON) -m alerts.generate --check
 	$(PYTHON) -m dashboards.generate --check
 	$(PYTHON) deploy/kubernetes/generate.py --check
 	$(PYTHON) docs/generate.py --check
+	$(PYTHON) -m tests.support.golden --check
 
 lint:
 	promtool check rules alerts/prometheus/mps-exporter.rules.yml

@@ -28,6 +28,8 @@ from alerts import config as C
 from alerts.expressions import client_info_join, matchers, server_info_join
 from alerts.recordings import KUBE_PODS, RECORDINGS
 from mps_exporter.catalog import METRICS
+from mps_exporter.contract import COUNTER, HISTOGRAM
+from mps_exporter.sources.registry import SOURCES
 
 # Grafana's schema version of the JSON model these dashboards are written for
 # (Grafana 10.4 / 11); older Grafana versions refuse newer schemas, newer ones migrate.
@@ -177,6 +179,31 @@ def table(title: str, description: str, targets: Sequence[Target], units: Dict[s
             {"id": "organize", "options": {"excludeByName": hidden, "renameByName": rename}},
         ],
     )
+
+
+def source_panels() -> List:
+    """A row per source that renders metrics of its own (Source.metrics), one panel per
+    metric: counters as rates, histograms as their p99, gauges as they are. A new
+    source's metrics show on the exporter dashboard without a dashboard edit; one that
+    deserves more moves to a dashboard of its own."""
+    panels: List = []
+    for source in SOURCES.values():
+        if not source.metrics:
+            continue
+        panels.append(row(f"Collector {source.name}: {source.help}"))
+        for spec in source.metrics:
+            legend = " ".join(["{{instance}}", *("{{%s}}" % label for label in spec.labels)])
+            if spec.type == COUNTER:
+                expr, unit = f"rate({m(spec.name)}[$__rate_interval])", "cps"
+            elif spec.type == HISTOGRAM:
+                by = ", ".join(["instance", *spec.labels, "le"])
+                expr = f"histogram_quantile(0.99, sum by ({by}) (rate({m(spec.name, '_bucket')}[$__rate_interval])))"
+                unit = "none"
+            else:
+                expr, unit = m(spec.name), "none"
+            description = f"{spec.help} ({spec.type} of the {source.name} collector, from its declaration)"
+            panels.append(timeseries(spec.name, description, unit, [target(expr, legend)], w=8))
+    return panels
 
 
 def row(title: str) -> RowPanel:

@@ -1,6 +1,6 @@
 """Exporter health: is every collector answering, how long do scrapes take."""
 
-from dashboards.common import build, m, row, row_query, table, target, timeseries
+from dashboards.common import build, m, row, row_query, source_panels, table, target, timeseries
 
 dashboard = build(
     title="MPS / Exporter health",
@@ -60,5 +60,6 @@ dashboard = build(
         table("Exporter versions", "Version of each exporter and the Python it runs on.",
               [row_query(m("mps_exporter_build_info"))],
               units={"Value": "none"}, rename={}, hide=["Value"], h=6),
+        *source_panels(),
     ],
 )

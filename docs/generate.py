@@ -27,6 +27,7 @@ def blocks() -> Dict[str, Tuple[str, Callable[[], str]]]:
     return {
         "metrics": ("README.md", catalog.metrics_markdown),
         "labels": ("docs/labels.md", catalog.labels_markdown),
+        "collector-flags": ("README.md", catalog.collector_flags_markdown),
     }
 
 

@@ -10,9 +10,11 @@ below into README.md and docs/labels.md (`make generate`).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import re
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import render
+from .config import Config
 from .contract import DECLARED, Label, MetricSpec
 from .logs import render as log_render
 from .sources.registry import SOURCES
@@ -54,6 +56,30 @@ def metrics_markdown() -> str:
             rows += ["", f"### {title}", "", "| name | type | labels | meaning |", "| --- | --- | --- | --- |"]
         rows.append(f"| {spec.name} | {spec.type} | {', '.join(spec.labels)} | {spec.help} |")
     return "\n".join(rows).lstrip("\n") + "\n"
+
+
+def _default(value: Any) -> str:
+    if value is None or value == "":
+        return "none"
+    if isinstance(value, (tuple, list)):
+        return ", ".join(f"`{v}`" for v in value)
+    return f"`{value:g}`" if isinstance(value, float) else f"`{value}`"
+
+
+def collector_flags_markdown() -> str:
+    """README's table of the collectors and the flags each declares (Source.flags)."""
+    defaults = Config()
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for name, source in SOURCES.items():
+        default = {True: "on", False: "off", "auto": "on where its library imports"}[source.default]
+        rows.append(f"| `--collector.{name}`, `--no-collector.{name}` | {default} | the {name} collector: "
+                    f"{source.help} |")
+        for flag in source.flags:
+            text = re.sub(r"\s*\(default %\(default\)s\)", "", flag.help).replace("%%", "%")
+            text = re.sub(r"\s*\((repeatable); default: [^)]*\)", r" (\1)", text)
+            value = getattr(defaults, flag.dest, flag.default)
+            rows.append(f"| `{flag.name}` | {_default(value)} | {text} |")
+    return "\n".join(rows) + "\n"
 
 
 def labels_markdown() -> str:

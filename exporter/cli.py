@@ -23,8 +23,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from . import __version__
 from .capture import capture
-from .config import (DEFAULT_DAEMON_NAME, DEFAULT_DISCOVERY_INTERVAL, DEFAULT_PAUSE_AFTER, DEFAULT_REFRESH_INTERVAL,
-                     DEFAULT_LISTEN, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY, GLOB, GRANULARITIES, LAYOUTS,
+from .config import (DEFAULT_DAEMON_NAME, DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY, GLOB, GRANULARITIES, LAYOUTS,
                      CaptureOptions, Config, DaemonConfig, DiscoveryRoot, ReplayOptions, StatusOptions,
                      load_daemons_file)
 from .catalog import metrics_markdown
@@ -37,6 +36,7 @@ from .wiring import dump
 # must run where it is missing, so those modules are imported where they are used.
 
 log = logging.getLogger("mps_exporter")
+DEFAULTS = Config()  # every flag's default, where a Config field holds its setting
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(Config)) - {"settings"}
 
 
@@ -138,18 +138,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="glob of daemon directories, each holding pipe/control and log/ (repeatable); the "
                         "daemon is named by the path below the pattern's fixed part")
     p.add_argument("--mps.discover-interval", dest="discovery_interval", type=float,
-                   default=DEFAULT_DISCOVERY_INTERVAL,
-                   help=f"seconds between scans for daemons that came or went (default {DEFAULT_DISCOVERY_INTERVAL:g})")
+                   default=DEFAULTS.discovery_interval,
+                   help="seconds between scans for daemons that came or went (default %(default)s)")
     p.add_argument("--config.file", dest="config_file", default=None,
                    help="YAML file listing control daemons (daemons: name, pipe_directory, log_directory) "
                         "and discovery roots (discover: layout and root, or glob)")
     _add_logging(p)
-    defaults = Config()
     for name, source in SOURCES.items():
         for flag in source.flags:  # the sources' own flags, defaults from Config
             p.add_argument(flag.name, dest=flag.dest, type=flag.type, help=flag.help, metavar=flag.metavar,
                            action="append" if flag.repeatable else "store",
-                           default=None if flag.repeatable else getattr(defaults, flag.dest, flag.default))
+                           default=None if flag.repeatable else getattr(DEFAULTS, flag.dest, flag.default))
         default = "on" if source.default is True else "off" if source.default is False else source.default
         p.add_argument(f"--collector.{name}", dest=f"collector_{name}", action="store_true", default=None,
                        help=f"enable the {name} collector: {source.help} (default: {default})")
@@ -158,47 +157,51 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_granularity(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mps.client-granularity", dest="client_granularity", default="client",
+    p.add_argument("--mps.client-granularity", dest="client_granularity", default=DEFAULTS.client_granularity,
                    choices=list(GRANULARITIES),
-                   help="client: series per MPS client process (pid label; the default); pod: client memory, "
+                   help="client: series per MPS client process (pid label); pod: client memory, "
                         "limits and counts summed per MPS server and pod, no pid label; server: client memory "
-                        f"and limits summed per MPS server, no pid or pod ({doc('cardinality.md')})")
+                        f"and limits summed per MPS server, no pid or pod ({doc('cardinality.md')}; default %(default)s)")
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log.level", dest="log_level", default="info", choices=["debug", "info", "warn", "error"])
-    p.add_argument("--log.format", dest="log_format", default="logfmt", choices=["logfmt", "json"])
+    p.add_argument("--log.level", dest="log_level", default=DEFAULTS.log_level,
+                   choices=["debug", "info", "warn", "error"], help="(default %(default)s)")
+    p.add_argument("--log.format", dest="log_format", default=DEFAULTS.log_format, choices=["logfmt", "json"],
+                   help="(default %(default)s)")
 
 
 def _add_web(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--web.listen-address", dest="listen_address", default=DEFAULT_LISTEN,
-                   help=f"address to listen on (default {DEFAULT_LISTEN})")
+    p.add_argument("--web.listen-address", dest="listen_address", default=DEFAULTS.listen_address,
+                   help="address to listen on (default %(default)s)")
     p.add_argument("--web.systemd-socket", dest="systemd_socket", action="store_true",
                    help="serve on the socket systemd passes (socket activation: a .socket unit or "
                         "systemd-socket-activate) instead of binding --web.listen-address")
-    p.add_argument("--web.telemetry-path", dest="telemetry_path", default="/metrics",
-                   help="path under which to expose metrics (default /metrics)")
+    p.add_argument("--web.telemetry-path", dest="telemetry_path", default=DEFAULTS.telemetry_path,
+                   help="path under which to expose metrics (default %(default)s)")
     p.add_argument("--web.config.file", dest="web_config_file", default=None,
                    help="exporter-toolkit web config: TLS and basic auth")
-    p.add_argument("--web.max-requests", dest="max_requests", type=int, default=40,
-                   help="scrapes of the metrics path served at once; more get 503 (0: no limit; default 40)")
-    p.add_argument("--scrape.max-duration", dest="scrape_max_seconds", type=float, default=5.0,
+    p.add_argument("--web.max-requests", dest="max_requests", type=int, default=DEFAULTS.max_requests,
+                   help="scrapes of the metrics path served at once; more get 503 (0: no limit; default %(default)s)")
+    p.add_argument("--scrape.max-duration", dest="scrape_max_seconds", type=float, default=DEFAULTS.scrape_max_seconds,
                    help="seconds a scrape waits for the sources; a source later than that fails its collector "
-                        "and its last reading is served, marked (0: no limit; default 5)")
-    p.add_argument("--scrape.timeout-offset", dest="scrape_timeout_offset", type=float, default=0.5,
+                        "and its last reading is served, marked (0: no limit; default %(default)s)")
+    p.add_argument("--scrape.timeout-offset", dest="scrape_timeout_offset", type=float,
+                   default=DEFAULTS.scrape_timeout_offset,
                    help="seconds of Prometheus' scrape timeout (X-Prometheus-Scrape-Timeout-Seconds) kept for "
-                        "encoding and sending; the sources get the rest, at most --scrape.max-duration (default 0.5)")
+                        "encoding and sending; the sources get the rest, at most --scrape.max-duration "
+                        "(default %(default)s)")
 
 
 def _add_refresh(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collector.refresh-interval", dest="refresh_interval", type=float,
-                   default=DEFAULT_REFRESH_INTERVAL,
+                   default=DEFAULTS.refresh_interval,
                    help="seconds between background reads of the sources that are slow or slow down in a client "
                         "storm (NVML, DCGM); a scrape serves their latest reading, at most two intervals old. 0: "
-                        f"read them in every scrape (default {DEFAULT_REFRESH_INTERVAL:g})")
-    p.add_argument("--collector.pause-after", dest="pause_after", type=float, default=DEFAULT_PAUSE_AFTER,
+                        "read them in every scrape (default %(default)s)")
+    p.add_argument("--collector.pause-after", dest="pause_after", type=float, default=DEFAULTS.pause_after,
                    help="seconds without a scrape after which the background reads pause; the next scrape reads "
-                        f"and resumes them (default {DEFAULT_PAUSE_AFTER:g})")
+                        "and resumes them (default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,16 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(capture)
     capture.add_argument("--out", required=True,
                          help="bundle file to write (.jsonl.gz), or an existing directory to write one into")
-    capture.add_argument("--duration", type=float, default=60.0, help="seconds to record (default 60)")
-    capture.add_argument("--interval", type=float, default=1.0,
-                         help="seconds between two readings of the sources (default 1)")
+    capture.add_argument("--duration", type=float, default=DEFAULTS.capture.duration_seconds,
+                         help="seconds to record (default %(default)s)")
+    capture.add_argument("--interval", type=float, default=DEFAULTS.capture.interval_seconds,
+                         help="seconds between two readings of the sources (default %(default)s)")
     capture.add_argument("--log-history", default="16M",
                          help="of what each log file holds when the capture starts, record at most the last "
                               "SIZE (from a line start; e.g. 0, 512K, 16M; default 16M). Growth is always recorded")
     replay = sub.add_parser("replay", help="serve /metrics from a capture bundle as if it were live")
     replay.add_argument("bundle", nargs="?", default=None,
                         help="bundle written by `capture` (default: the recorded session shipped with mps-exporter)")
-    replay.add_argument("--speed", type=float, default=1.0, help="replay this many times faster (default 1)")
+    replay.add_argument("--speed", type=float, default=DEFAULTS.replay.speed,
+                        help="replay this many times faster (default %(default)s)")
     replay.add_argument("--loop", action="store_true",
                         help="start over at the end of the bundle (always, for the shipped session)")
     _add_granularity(replay)
@@ -247,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(status)
     status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                         help="refresh in place every SECONDS (default 2) until q or Ctrl-C")
-    status.add_argument("--output", choices=["text", "json"], default="text",
-                        help="text (default) or json, the same data for scripts")
+    status.add_argument("--output", choices=["text", "json"], default=DEFAULTS.status.output,
+                        help="text or json, the same data for scripts (default %(default)s)")
     status.add_argument("--bundle", default=None, metavar="FILE",
                         help="read a bundle written by `capture` instead of this node (daemons and sources "
                              "come from the bundle)")

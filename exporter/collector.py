@@ -38,7 +38,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .config import DEFAULT_PAUSE_AFTER
+from .config import DEFAULT_PAUSE_AFTER, Config
 from .contract import READ_DURATION_BUCKETS
 from .model import Histogram, Outcome, Snapshot
 from .families import FamilyBuilder
@@ -48,10 +48,6 @@ from .sources.registry import SOURCES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# Seconds of Prometheus' scrape timeout kept for rendering, encoding and the
-# network, as blackbox_exporter's --timeout-offset does.
-DEFAULT_TIMEOUT_OFFSET = 0.5
 
 _scrape_timeout: ContextVar[Optional[float]] = ContextVar("mps_exporter_scrape_timeout", default=None)
 
@@ -198,7 +194,7 @@ class MpsCollector(Collector):
     `pause_after`: seconds without a collection after which those reads pause."""
 
     def __init__(self, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
-                 max_seconds: Optional[float] = None, timeout_offset: float = DEFAULT_TIMEOUT_OFFSET,
+                 max_seconds: Optional[float] = None, timeout_offset: float = Config.scrape_timeout_offset,
                  serve_last: bool = True, granularity: str = "client", refresh_interval: float = 0.0,
                  pause_after: float = DEFAULT_PAUSE_AFTER) -> None:
         self.clock = clock

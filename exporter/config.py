@@ -126,9 +126,11 @@ class Config:
     telemetry_path: str = "/metrics"
     web_config_file: Optional[str] = None
     web_config: Optional["WebConfig"] = None  # the file, read and checked once by parse_args
-    max_requests: int = 40  # --web.max-requests: scrapes at once; 0 = no cap
+    max_requests: int = 40  # --web.max-requests (node_exporter's default): scrapes at once; 0 = no cap
     scrape_max_seconds: float = 5.0  # a scrape's wait for its sources; 0 = no limit
-    scrape_timeout_offset: float = 0.5  # of Prometheus' scrape timeout, kept for encoding and sending
+    # Of Prometheus' scrape timeout, kept for rendering, encoding and the network (as
+    # blackbox_exporter's --timeout-offset).
+    scrape_timeout_offset: float = 0.5
     # --collector.refresh-interval: seconds between background reads of the slow sources
     # (Source.background); 0 = read them in every scrape. --collector.pause-after: those
     # reads stop after this many seconds without a scrape.

@@ -58,13 +58,13 @@ from prometheus_client.registry import Collector
 
 from . import __version__, runbook
 from .collector import Exposition, scrape_timeout
+from .config import Config
 from .webconfig import (RateLimit, TLSContextSource, WebConfig, WebConfigWatch, bcrypt_cost, peer_sans,
                         resolve_listen_address)
 
 log = logging.getLogger(__name__)
 
 HEALTH_PATH = "/-/healthy"
-DEFAULT_MAX_REQUESTS = 40  # node_exporter's --web.max-requests default
 # Go's answer to a plain HTTP request on a TLS port (net/http server.go).
 _PLAIN_HTTP_ON_TLS = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
 
@@ -902,7 +902,7 @@ def _landing_page(telemetry_path: str) -> bytes:
 
 
 def make_server(registry: Collector, listen_address: str, telemetry_path: str = "/metrics",
-                web_config: Optional[WebConfig] = None, max_requests: int = DEFAULT_MAX_REQUESTS,
+                web_config: Optional[WebConfig] = None, max_requests: int = Config.max_requests,
                 max_connections: Optional[int] = None, listener: Optional[socket.socket] = None) -> ExporterServer:
     """Bind (port 0 picks a free port) without serving yet; tests and serve() use it.
     max_connections: None takes what the file limit allows (connection_cap); listener: a
@@ -912,7 +912,7 @@ def make_server(registry: Collector, listen_address: str, telemetry_path: str = 
 
 
 def serve(registry: Collector, listen_address: str, telemetry_path: str, web_config: Optional[WebConfig], *,
-          max_requests: int = DEFAULT_MAX_REQUESTS, ready: Optional[threading.Event] = None,
+          max_requests: int = Config.max_requests, ready: Optional[threading.Event] = None,
           stop: Optional[threading.Event] = None, listener: Optional[socket.socket] = None) -> None:
     """Serve until `stop` is set (or forever). Blocking. Raises OSError when the
     address cannot be bound (nothing is logged as listening then)."""

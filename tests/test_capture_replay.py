@@ -35,6 +35,7 @@ from mps_exporter.model import GpuReading, NvmlReading
 from mps_exporter.render import render
 from mps_exporter.wiring import build_collector, build_readers
 from mps_exporter.replay import Player, replay, replay_config
+from mps_exporter.sources.registry import SOURCES
 from tests.fakes.fake_pynvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_UNKNOWN
 from tests.support import scenarios
 from tests.support.prometheus import free_port
@@ -174,7 +175,11 @@ def test_replay_reproduces_live_exposition_at_every_recorded_moment(tmp_path):
 def test_bundle_records_metadata_and_source_errors(tmp_path):
     path, _, full = record_session(tmp_path)
     bundle = load(str(path))
-    assert bundle.header["version"] == VERSION and bundle.header["sources"] == ["control", "nvml", "proc"]
+    # Every enabled source but the logs, whose bytes the bundle carries instead of readings.
+    cfg = scenarios.busy(tmp_path / "cfg").cfg
+    recorded = [name for name, source in SOURCES.items() if source.recorded and source.enabled(cfg)]
+    assert bundle.header["version"] == VERSION and bundle.header["sources"] == recorded
+    assert "logs" not in recorded and {"control", "nvml", "proc"} <= set(recorded)
     assert bundle.header["log_timezone"] == "UTC"
     assert bundle.end["driver_version"] == "580.159.04"
     assert [g["uuid"] for g in bundle.end["gpus"]] == ["GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"]

@@ -1,17 +1,14 @@
 """The whole collector on recorded and synthetic scenarios: golden exposition,
 promtool, failure isolation, 48 clients on 8 GPUs, single-flight scrapes.
 
-Update the golden file after an intended change with:
-    UPDATE_GOLDEN=1 python3 -m pytest tests/test_collector.py
+The golden file is written by `make generate` (tests/support/golden.py); review its diff.
 """
 
-import os
 import re
 import shutil
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 from prometheus_client.exposition import generate_latest
 
@@ -21,42 +18,16 @@ from mps_exporter.wiring import build_collector
 from mps_exporter.sources.base import Reader
 from tests.fakes.fake_pynvml import FakeNvml
 from tests.support import scenarios
+from tests.support.golden import GOLDEN, exposition, normalized
 from tests.support.tools import require
-
-GOLDEN = Path(__file__).parent / "golden"
-
-
-def exposition(collector: MpsCollector) -> str:
-    return generate_latest(build_registry(collector, process=False)).decode()
-
-
-def normalized(text: str) -> str:
-    """Mask what legitimately changes between runs: durations and the Python version."""
-    text = text.replace(str(scenarios.CAPTURE), "<capture>")
-    text = re.sub(r'^(mps_exporter_collector_duration_seconds\{[^}]*\}) \S+$', r"\1 <duration>", text, flags=re.M)
-    text = re.sub(r'^(mps_exporter_collector_read_duration_seconds_(?:bucket|sum)\{[^}]*\}) \S+$', r"\1 <duration>",
-                  text, flags=re.M)
-    text = re.sub(r'^(mps_exporter_collector_last_success_timestamp_seconds\{[^}]*\}) \S+$', r"\1 <time>", text,
-                  flags=re.M)
-    return re.sub(r'python_version="[^"]*"', 'python_version="<python>"', text)
-
-
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(normalized(text))
-    assert normalized(text) == path.read_text(), f"exposition differs from {path}; UPDATE_GOLDEN=1 to accept"
-
 
 def series(text: str, name: str) -> list:
     return [l for l in text.splitlines() if l.startswith(name + "{") or l.startswith(name + " ")]
 
 
 def test_busy_capture_golden(tmp_path):
-    scen = scenarios.busy(tmp_path)
-    text = exposition(scen.collector())
-    check_golden("busy.prom", text)
+    text = normalized(exposition(scenarios.busy(tmp_path).collector()))
+    assert text == GOLDEN.read_text(), f"exposition differs from {GOLDEN}: `make generate` to accept, review the diff"
 
 
 def test_promtool_check_metrics_is_clean(tmp_path):

@@ -60,7 +60,7 @@ def example(monkeypatch: pytest.MonkeyPatch) -> Iterator[ExampleSource]:
 
 def only_example() -> Config:
     cfg = Config()
-    cfg.collectors.update(nvml=False, dcgm=False, control=False, proc=False, logs=False)
+    cfg.collectors.update({name: name == "example" for name in registry.SOURCES})
     return cfg
 
 

@@ -19,6 +19,7 @@ from mps_exporter.cli import parse_args
 from mps_exporter.collector import build_registry
 from mps_exporter.replay import shipped_bundle
 from mps_exporter.status import command
+from mps_exporter.sources.registry import SOURCES
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -246,6 +247,13 @@ def test_json_is_what_metrics_publishes_at_the_same_instant(moment, tmp_path):
 
 
 # ---------------------------------------------------------------- a live node
+def sources_line(failed: tuple = (), off: tuple = ()) -> str:
+    """The report's sources line: every source on by default (the registry's; dcgm is
+    "auto", and absent here) but those switched `off`, `failed` ones FAILED."""
+    names = [name for name, source in SOURCES.items() if source.default is True and name not in off]
+    return "sources: " + ", ".join(f"{n} {'FAILED' if n in failed else 'ok'}" for n in names)
+
+
 def test_live_node_shows_each_client_with_its_pod_and_its_limit(tmp_path):
     # The busy capture over the library-boundary fakes: client 1648 runs in a pod and sets
     # its own limits (4 GiB, 25 % of the threads) in its environment.
@@ -253,7 +261,7 @@ def test_live_node_shows_each_client_with_its_pod_and_its_limit(tmp_path):
     out = io.StringIO()
     assert command.status(scen.cfg, out, scen.backends()) == 0
     text = out.getvalue()
-    assert text.startswith("mps-exporter status: host ") and "sources: control ok, logs ok, nvml ok, proc ok" in text
+    assert text.startswith("mps-exporter status: host ") and sources_line() in text
     assert re.search(r"^  1589 +root \(0\) +ACTIVE +3 +100% ", text, re.M), text
     # (and CUDA_MPS_CLIENT_PRIORITY=1: the PRIORITY column)
     row = re.search(r"^  1648 +1589 +root \(0\) +pod (\S+) ctr (\S+) +2\.79 GiB / 4\.00 GiB \(70%\) +25% +1 +python3$", text, re.M)
@@ -277,7 +285,7 @@ def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
                  "--mps.log-timezone", "UTC", "--no-collector.dcgm", "--path.procfs", str(tmp_path))
     assert res.returncode == 1, res.stderr  # a source failed: scripts must not read this as all well
     out = res.stdout
-    assert re.search(r"^sources: control FAILED, logs ok, nvml FAILED, proc ok$", out, re.M), out
+    assert re.search(rf"^{sources_line(failed=('control', 'nvml'))}$", out, re.M), out
     assert re.search(r"^! control failed: default: .*no-such-binary", out, re.M), out
     assert re.search(r"^! nvml failed: ", out, re.M) and "GPUs: unknown: NVML failed" in out
     # Nobody could ask the daemon: not "DOWN", "no server", "no client" or "no limit".
@@ -307,7 +315,7 @@ def test_failed_logs_are_unknown_not_zero(tmp_path):
     res = status("--mps.control-binary", str(tmp_path / "no-such-binary"), "--mps.log-directory", str(missing),
                  "--no-collector.dcgm", "--no-collector.nvml", "--path.procfs", str(tmp_path))
     assert res.returncode == 1
-    assert re.search(r"^sources: control FAILED, logs FAILED, proc ok$", res.stdout, re.M), res.stdout
+    assert re.search(rf"^{sources_line(failed=('control', 'logs'), off=('nvml',))}$", res.stdout, re.M), res.stdout
     assert f"  queue, events and totals from the logs: unknown (log directory {missing} does not exist)\n" \
         in res.stdout
     assert "  totals from the logs:" not in res.stdout and "refused clients 0" not in res.stdout
@@ -342,7 +350,7 @@ def test_a_hung_source_shows_as_failed_after_a_scrape_s_wait(tmp_path):
                  "--path.procfs", str(tmp_path))
     assert res.returncode == 1, res.stderr
     assert re.search(r"^! control failed: no answer within 5 s$", res.stdout, re.M), res.stdout
-    assert "sources: control FAILED, nvml FAILED, proc ok" in res.stdout
+    assert sources_line(failed=("control", "nvml"), off=("logs",)) in res.stdout
     assert "MPS daemon default: unknown (its control source failed)" in res.stdout
 
 

@@ -133,6 +133,13 @@ class Source(Generic[R]):
     flags: ClassVar[Tuple[Flag, ...]] = ()
     metrics: ClassVar[Tuple[MetricSpec, ...]] = ()  # what `render` emits: its `contract.table(...)`
 
+    def setting(self, cfg: Config, dest: str) -> Any:
+        """The value of this source's flag `dest` that no Config field holds (its default
+        where the command line did not set it: tests, replay)."""
+        if dest in cfg.settings:
+            return cfg.settings[dest]
+        return next(flag.default for flag in self.flags if flag.dest == dest)
+
     def enabled(self, cfg: Config) -> bool:
         return cfg.collectors.get(self.name, self.default) is not False
 

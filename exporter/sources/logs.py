@@ -126,8 +126,8 @@ class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
     flags = (
         Flag("--mps.state-file", "state_file", "file where the log follower keeps offsets and counters across "
              "restarts", refuses=("", "/"), check=_file_name),
-        Flag("--mps.log-timezone", "log_timezone", "time zone of MPS log timestamps, an IANA name or 'local' "
-             "(default %(default)s)", refuses=("Mars/Olympus", "Not A Zone"), check=_timezone),
+        Flag("--mps.log-timezone", "log_timezone", "time zone of MPS log timestamps (they carry none): local or "
+             "an IANA name (default %(default)s)", refuses=("Mars/Olympus", "Not A Zone"), check=_timezone),
     )
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[Dict[str, LogSnapshot]]]:

@@ -196,8 +196,8 @@ def subprocess_runner(argv: Sequence[str], stdin_text: str, env: Dict[str, str],
 @dataclass
 class ControlClient:
     pipe_directory: str
-    binary: str = "nvidia-cuda-mps-control"
-    timeout: float = 2.0
+    binary: str = Config.control_binary
+    timeout: float = Config.command_timeout
     runner: Runner = subprocess_runner
 
     def command_line(self, verb: str, *args: object) -> str:
@@ -283,7 +283,7 @@ class ControlSource:
 
     daemon: DaemonConfig
     client: ControlClient
-    facts_refresh_seconds: float = 60.0
+    facts_refresh_seconds: float = Config.facts_refresh_seconds
     clock: Callable[[], float] = time.monotonic
     proc_root: Optional[str] = None  # where to find the daemon's command line (None: never look)
     _cache: Dict[Tuple[object, ...], _Cached] = field(default_factory=dict)

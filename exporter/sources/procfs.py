@@ -230,7 +230,8 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
     help = "/proc facts of servers and clients: user, command, start, container, client-set limits"
     reading_type = Dict[int, ProcessFacts]
     flags = (
-        Flag("--path.procfs", "procfs", "procfs mount point (default %(default)s)", refuses=("",), check=not_empty),
+        Flag("--path.procfs", "procfs", "procfs mount point, /host/proc in a container (default %(default)s)",
+             refuses=("",), check=not_empty),
         Flag("--path.runtime-root", "runtime_roots", "directory where the container runtime keeps each container's "
              "OCI bundle (<dir>/<container id>/), whose annotations name a client's namespace, pod and container "
              f"(repeatable; default: {' and '.join(DEFAULT_RUNTIME_ROOTS)}, containerd's and CRI-O's)",
