@@ -131,6 +131,18 @@ DAEMON_DOWN_FOR = "2m"
 CLIENT_MEMORY_LIMIT_RATIO = 0.9
 CLIENT_MEMORY_FOR = "2m"
 
+# A client's own CUDA_MPS_PINNED_DEVICE_MEM_LIMIT / CUDA_MPS_ACTIVE_THREAD_PERCENTAGE that
+# CUDA drops (a device the client cannot see, a bare size, a value outside 0-100): the
+# setting is fixed for the process's life, so one scrape would do; a minute keeps a
+# client that exits at once quiet.
+CLIENT_LIMIT_IGNORED_FOR = "1m"
+
+# A compute process outside MPS on a GPU that MPS serves (pipe directory not mounted or
+# not set, another CUDA_MPS_PIPE_DIRECTORY). While it starts, an MPS client can show in
+# NVML's compute list before its MPS list (seconds; hundreds of ms per NVML call while
+# dozens of clients start): long enough to skip that.
+OUTSIDE_MPS_FOR = "2m"
+
 # Share of a GPU's memory in use: the next client's allocation may fail.
 GPU_MEMORY_FULL_RATIO = 0.95
 GPU_MEMORY_FULL_FOR = "5m"

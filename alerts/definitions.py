@@ -14,7 +14,7 @@ from typing import Tuple
 
 from . import config as C
 from .expressions import TARGET as T
-from .expressions import job, memory_fill_prediction, server_info_join
+from .expressions import client_info_join, job, memory_fill_prediction, server_info_join
 from .recordings import (  # noqa: F401 (RECORDINGS, Recording: generate.py's and the tests' view of the rules)
     CLIENT_MEMORY_USAGE,
     DAEMON_UP_MAX,
@@ -150,6 +150,15 @@ ALERTS: Tuple[Alert, ...] = (
         f"MPS control daemon {lbl('daemon')} on {NODE} failed to start a server "
         f"{{{{ $value | printf \"%.0f\" }}}} times in the last {C.SERVER_LOOP_WINDOW}: its clients cannot run."),
     Alert(
+        "ProcessOutsideMps", "contention",
+        f"{job('mps_process_outside_mps_info')}", C.OUTSIDE_MPS_FOR, "warning",
+        "A CUDA process runs outside MPS on a GPU that MPS serves.",
+        f"Process {lbl('pid')} ({lbl('command')}, user {lbl('user')}"
+        "{{ with $labels.pod_uid }}, pod UID {{ . }}{{ end }}) "
+        f"has run on GPU {lbl('gpu')} ({lbl('uuid')}) of {NODE} beside MPS, not through it, for "
+        f"{C.OUTSIDE_MPS_FOR}: no MPS limit binds it and it time-slices the GPU with the MPS server. Usually its "
+        f"CUDA_MPS_PIPE_DIRECTORY is unset, different, or not mounted into its container."),
+    Alert(
         "ControlDaemonDown", "contention",
         f"{job('mps_control_daemon_up')} == 0\n"
         f"and on({T}, daemon) max_over_time({DAEMON_UP_MAX}[{C.DAEMON_SEEN_WINDOW}]) == 1",
@@ -166,6 +175,13 @@ ALERTS: Tuple[Alert, ...] = (
         f"{CLIENTS} of server {lbl('server_pid')} "
         f"on GPU {lbl('gpu')} of {NODE} uses {{{{ $value | humanizePercentage }}}} of its pinned device "
         f"memory limit: its next allocations fail with out-of-memory."),
+    Alert(
+        "ClientLimitIgnored", "oom",
+        f"{job('mps_client_limit_ignored')}\n  {client_info_join(job)}", C.CLIENT_LIMIT_IGNORED_FOR, "warning",
+        "An MPS client set a limit that CUDA does not apply.",
+        f"MPS client {lbl('pid')} ({lbl('command')}, user {lbl('user')}) of server {lbl('server_pid')} on {NODE} "
+        f"set its {lbl('limit')} limit in its environment, but "
+        f"CUDA drops it ({lbl('reason')}): the client runs as if it had set none, and may take the whole GPU."),
     Alert(
         "GpuMemoryNearFull", "oom",
         f"{GPU_MEMORY_USAGE} > {C.GPU_MEMORY_FULL_RATIO}", C.GPU_MEMORY_FULL_FOR, "warning",

@@ -12,7 +12,8 @@ dashboard = build(
         row("Sharing"),
         table("GPUs",
               "One row per GPU: model, driver, compute mode, MIG mode and how it is shared now "
-              "(mps, time_slicing, exclusive, mig or idle), with the number of compute processes and MPS clients.",
+              "(mps, mixed, time_slicing, exclusive, mig or idle), with the number of compute processes "
+              "and MPS clients.",
               [row_query(m("mps_gpu_info")),
                row_query(m("mps_gpu_sharing_mode")),
                row_query(m("mps_gpu_compute_processes")),
@@ -26,6 +27,16 @@ dashboard = build(
         timeseries("MPS clients per GPU",
                    "MPS client processes on each GPU (NVML's MPS process list), at every client granularity.",
                    "none", [target(m("mps_gpu_clients"), GPU_LEGEND)]),
+        table("Processes outside MPS",
+              "Compute processes on a GPU that MPS serves that are no MPS server or client: they run beside MPS, "
+              "outside its limits (pipe directory not mounted or not set, another CUDA_MPS_PIPE_DIRECTORY). "
+              "User, command, container and pod from /proc, device memory from NVML.",
+              [row_query(m("mps_process_outside_mps_info")),
+               row_query(m("mps_process_outside_mps_memory_used_bytes"))],
+              units={"Value #B": "bytes"}, rename={"Value #B": "memory"}, hide=["Value #A"], w=12, h=8),
+        timeseries("Processes outside MPS per GPU",
+                   "Compute processes outside MPS on each GPU that MPS serves (0 where MPS serves none).", "none",
+                   [target(m("mps_gpu_processes_outside_mps"), GPU_LEGEND)]),
         row("Activity"),
         timeseries("SM active",
                    "Share of SMs busy over the last interval (NVML GPM on Hopper and later, or DCGM). "

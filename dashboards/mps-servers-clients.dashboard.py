@@ -72,6 +72,15 @@ dashboard = build(
               rename={"Value #B": "memory", "Value #C": "pinned limit", "Value #D": "memory / limit",
                       "Value #E": "thread share", "Value #F": "connected for", "Value #G": "priority"},
               hide=["Value #A"], h=10),
+        table("Client limits: where they come from",
+              "Per client and limit (pinned_memory, active_threads, priority): where the one in force comes from "
+              "(client: its own environment; server_at_connect: its server's when it connected; server_now; "
+              "daemon_default; none) and, where the client set one that CUDA drops, why (e.g. invisible_device: "
+              "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names a device it cannot see, and no pinned limit binds it).",
+              [row_query(m("mps_client_limit_source")),
+               row_query(m("mps_client_limit_ignored"))],
+              units={}, rename={"source": "in force from", "reason": "own setting ignored"},
+              hide=["Value #A", "Value #B"], h=8),
         timeseries("Client memory", "Device memory of each MPS client.", "bytes",
                    [target(f"{m('mps_client_memory_used_bytes')} {CLIENT_INFO_JOIN}",
                            "{{instance}} GPU {{gpu}} pid {{pid}} {{command}} ({{user}})")]),

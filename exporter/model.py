@@ -119,10 +119,9 @@ class ProcessFacts:
     namespace: str = ""
     pod: str = ""
     container: str = ""
-    # Only the three MPS variables are ever kept from /proc/PID/environ.
-    env_active_thread_percentage: Optional[float] = None
-    env_pinned_limits: Dict[int, int] = field(default_factory=dict)  # device ordinal -> bytes
-    env_client_priority: Optional[int] = None
+    # Only procfs.KEPT_ENV_VARS are ever kept from /proc/PID/environ, as written: how CUDA
+    # reads them depends on the GPUs (limits.own_limits).
+    environ: Dict[str, str] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ one scrape

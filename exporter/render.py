@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Set, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Set, Tuple
 
 from . import __version__
 from .contract import (CLIENT_PID, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVER_PID, UID, USER, UUID, Label,
                        counter, gauge, histogram, table)
 from .families import FamilyBuilder
-from .limits import Limits, client_limits
+from . import limits as lim
+from .limits import Limits, client_limits, own_limits
 from .logs.render import render_log_metrics
 from .logs.state import LogServer, LogSnapshot
 from .model import (
@@ -33,6 +34,7 @@ from .model import (
     GpuReading,
     Outcome,
     ProcessFacts,
+    ProcessMemory,
     PsEntry,
     ServerFacts,
     Snapshot,
@@ -42,13 +44,18 @@ from .sources.registry import SOURCES
 __all__ = ["Outcome", "Snapshot", "readings_key", "render", "render_readings", "sharing_mode", "sm_utilization"]
 
 # ---------------------------------------------------------------- the declarations
-MODE = Label("mode", FIXED, "the exporter's classification", "mps, time_slicing, exclusive, mig, idle")
+MODE = Label("mode", FIXED, "the exporter's classification", "mps, mixed, time_slicing, exclusive, mig, idle")
+OUTSIDE_PID = Label("pid", INPUT, "NVML's compute process list of a GPU that MPS serves",
+                    "processes outside MPS running on the GPU now; gone when they end")
 PROCESS_PID = Label("pid", INPUT, "NVML's process list of a GPU not under MPS",
                     "processes running on the GPU now; gone when they end")
 SERVER_STATUS = Label("status", FIXED, "control daemon `get_server_status`",
                       "ACTIVE, INITIALIZING, FAULT (anything else is a control error)")
 POD_UID = Label("pod_uid", INPUT, "/proc/PID/cgroup of the server's clients (a UUID, or empty)",
                 f"pods with MPS clients running now, per server; {CUT}")
+LIMIT = Label("limit", FIXED, "the exporter's limit model (exporter/limits.py)", ", ".join(lim.LIMITS))
+LIMIT_SOURCE = Label("source", FIXED, "the exporter's limit model (exporter/limits.py)", ", ".join(lim.SOURCES))
+IGNORED_REASON = Label("reason", FIXED, "the exporter's limit model (exporter/limits.py)", ", ".join(lim.IGNORED_REASONS))
 # The collector names are the registry's (catalog.py writes them into the docs).
 # The Kubernetes names of a client's container (runtime_metadata.py); empty outside a pod.
 _NAMES_SOURCE = "annotations of the container runtime's OCI spec (containerd, CRI-O), else the kubelet's /pods"
@@ -80,14 +87,24 @@ GPU_METRICS = table(
           "1005).", GPU, UUID),
     gauge("mps_gpu_power_watts", "Power draw.", GPU, UUID),
     gauge("mps_gpu_temperature_celsius", "GPU core temperature.", GPU, UUID),
-    gauge("mps_gpu_sharing_mode", "How the GPU is shared: mps, time_slicing, exclusive, mig or idle (value 1).",
-          GPU, UUID, MODE),
+    gauge("mps_gpu_sharing_mode", "How the GPU is shared: mps, mixed (MPS serves it and processes outside "
+          "MPS run on it too), time_slicing, exclusive, mig or idle (value 1).", GPU, UUID, MODE),
     gauge("mps_gpu_compute_processes", "Compute processes NVML lists on the GPU (MPS server and clients included).",
           GPU, UUID),
     gauge("mps_gpu_clients", "MPS client processes on the GPU (NVML's MPS process list), at every "
           "--mps.client-granularity.", GPU, UUID),
     gauge("mps_process_sm_utilization_ratio", "Per-process SM utilization on GPUs not under MPS (under MPS NVML "
           "attributes it all to the server).", GPU, UUID, PROCESS_PID),
+    gauge("mps_gpu_processes_outside_mps", "Compute processes on a GPU that MPS serves that are neither an MPS server "
+          "nor a client: they run beside MPS, outside its limits and scheduling (pipe directory not mounted or "
+          "not set, another CUDA_MPS_PIPE_DIRECTORY); 0 on GPUs MPS does not serve.", GPU, UUID),
+    gauge("mps_process_outside_mps_info", "A compute process outside MPS on a GPU that MPS serves (value 1): its "
+          "user, command, container and pod (empty where /proc shows none).", GPU, UUID, OUTSIDE_PID, UID, USER,
+          Label("command", INPUT, "/proc/PID/comm", f"one per process outside MPS; {CUT}"),
+          Label("container_id", INPUT, "/proc/PID/cgroup (64 hex digits)", f"one per process outside MPS; {CUT}"),
+          Label("pod_uid", INPUT, "/proc/PID/cgroup (a UUID)", f"one per process outside MPS; {CUT}")),
+    gauge("mps_process_outside_mps_memory_used_bytes", "Device memory of a compute process outside MPS on a GPU "
+          "that MPS serves (NVML's compute process list).", GPU, UUID, OUTSIDE_PID),
 )
 DAEMON_METRICS = table(
     "MPS control daemon",
@@ -152,6 +169,14 @@ CLIENT_METRICS = table(
           "CUDA_MPS_CLIENT_PRIORITY, else its server's (server.log), else the daemon default; absent where none is "
           "known.", DAEMON, *CLIENT),
     gauge("mps_client_start_time_seconds", "Unix time the client connected.", DAEMON, *CLIENT),
+    gauge("mps_client_limit_source", "Where each limit in force for the client came from (value 1): limit "
+          "pinned_memory, active_threads or priority; source client (its own environment), server_at_connect (its "
+          "server's as it connected: MPS logs), server_now (its server's now, where the logs do not reach back), "
+          "daemon_default or none.", DAEMON, *CLIENT, LIMIT, LIMIT_SOURCE),
+    gauge("mps_client_limit_ignored", "A limit the client set in its environment that CUDA does not apply (value 1; "
+          "the client runs as if it had set none): reason invisible_device (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names a "
+          "device the client cannot see: every pinned limit of it is dropped), no_device (a size without a device), "
+          "malformed, not_a_number or out_of_range.", DAEMON, *CLIENT, LIMIT, IGNORED_REASON),
 )
 POD_SUM_METRICS = table(
     "MPS clients summed per server and pod (--mps.client-granularity pod)",
@@ -217,10 +242,12 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
     """Everything but the exporter's own series: a function of `readings_key(snap)` alone."""
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
-    for gpu in gpus:
-        render_gpu(out, gpu, snap.nvml.driver_version if snap.nvml else "", snap.dcgm, server_pids, snap.processes)
-    joined = _GpuJoin.of(gpus)
     listed = {c.pid for d in snap.daemons for c in d.clients}
+    clients = listed | {p.pid for gpu in gpus for p in gpu.mps_clients}
+    for gpu in gpus:
+        render_gpu(out, gpu, snap.nvml.driver_version if snap.nvml else "", snap.dcgm, server_pids, clients,
+                   snap.processes)
+    joined = _GpuJoin.of(gpus)
     for daemon in snap.daemons:
         log_snap = snap.logs.get(daemon.name)
         render_daemon(out, daemon)
@@ -262,23 +289,38 @@ def render_self(out: FamilyBuilder, snap: Snapshot) -> None:
 
 
 # ---------------------------------------------------------------- GPUs
-def sharing_mode(gpu: GpuReading, server_pids: Set[int], processes: Mapping[int, ProcessFacts]) -> str:
+def _is_server(pid: int, server_pids: Set[int], processes: Mapping[int, ProcessFacts]) -> bool:
+    return pid in server_pids or processes.get(pid, NO_PROCESS).command == MPS_SERVER_COMMAND
+
+
+def outside_mps(gpu: GpuReading, server_pids: Set[int], clients: AbstractSet[int],
+                processes: Mapping[int, ProcessFacts]) -> List[ProcessMemory]:
+    """Compute processes on a GPU that an MPS server serves that are neither a server nor a
+    client (`clients`: every daemon's `ps` and every GPU's MPS list): a CUDA process whose
+    CUDA_MPS_PIPE_DIRECTORY reaches no daemon runs beside MPS, silently (issue 24)."""
+    if gpu.mig_enabled or not (gpu.mps_clients or any(_is_server(p.pid, server_pids, processes)
+                                                      for p in gpu.compute_processes)):
+        return []
+    own = {p.pid for p in gpu.mps_clients}
+    return [p for p in gpu.compute_processes
+            if p.pid not in own and p.pid not in clients and not _is_server(p.pid, server_pids, processes)]
+
+
+def sharing_mode(gpu: GpuReading, server_pids: Set[int], processes: Mapping[int, ProcessFacts],
+                 clients: AbstractSet[int] = frozenset()) -> str:
+    """mixed: MPS serves the GPU and processes outside MPS run on it too (outside_mps)."""
     if gpu.mig_enabled:
         return "mig"
     pids = {p.pid for p in gpu.compute_processes}
-
-    def is_server(pid: int) -> bool:
-        return pid in server_pids or processes.get(pid, NO_PROCESS).command == MPS_SERVER_COMMAND
-
-    if gpu.mps_clients or any(is_server(pid) for pid in pids):
-        return "mps"
+    if gpu.mps_clients or any(_is_server(pid, server_pids, processes) for pid in pids):
+        return "mixed" if outside_mps(gpu, server_pids, clients, processes) else "mps"
     if len(pids) > 1:
         return "time_slicing"
     return "exclusive" if pids else "idle"
 
 
 def render_gpu(out: FamilyBuilder, gpu: GpuReading, driver: str, dcgm: DcgmReading, server_pids: Set[int],
-               processes: Mapping[int, ProcessFacts]) -> None:
+               clients: AbstractSet[int], processes: Mapping[int, ProcessFacts]) -> None:
     g = {"gpu": str(gpu.index), "uuid": gpu.uuid}
     out.add("mps_gpu_up", int(gpu.up), **g)
     if not gpu.up:
@@ -294,11 +336,18 @@ def render_gpu(out: FamilyBuilder, gpu: GpuReading, driver: str, dcgm: DcgmReadi
     activity = {**gpu.activity, **dcgm.get(gpu.index, {})}  # DCGM's profiling fields win over GPM
     for key, metric in ACTIVITY_METRICS.items():
         out.add(metric, activity.get(key), **g)
-    mode = sharing_mode(gpu, server_pids, processes)
+    mode = sharing_mode(gpu, server_pids, processes, clients)
     out.add("mps_gpu_sharing_mode", 1, **g, mode=mode)
     out.add("mps_gpu_compute_processes", len(gpu.compute_processes), **g)
     out.add("mps_gpu_clients", len(gpu.mps_clients), **g)
-    if mode != "mps":  # under MPS NVML gives all SM time to the server: no per-client number
+    outside = outside_mps(gpu, server_pids, clients, processes)
+    out.add("mps_gpu_processes_outside_mps", len(outside), **g)
+    for p in outside:
+        proc = processes.get(p.pid) or ProcessFacts(p.pid)
+        out.add("mps_process_outside_mps_info", 1, **g, pid=str(p.pid), uid="" if proc.uid is None else str(proc.uid),
+                user=proc.user, command=proc.command, container_id=proc.container_id, pod_uid=proc.pod_uid)
+        out.add("mps_process_outside_mps_memory_used_bytes", p.used_bytes, **g, pid=str(p.pid))
+    if not mode.startswith("mps"):  # under MPS NVML gives all SM time to the server: no per-client number
         for pid, ratio in sm_utilization(gpu).items():
             out.add("mps_process_sm_utilization_ratio", ratio, **g, pid=str(pid))
 
@@ -400,29 +449,54 @@ def render_servers(out: FamilyBuilder, d: DaemonReading, log_snap: Optional[LogS
 
 
 # ---------------------------------------------------------------- clients
+@dataclass
+class _ClientJoin:
+    """What render_clients and render_sums show of one client."""
+
+    memory: List[Tuple[GpuReading, Optional[int]]]  # NVML's MPS list: (GPU, bytes)
+    gpus: List[GpuReading]  # the GPUs it is on: that list, else the device `ps` names
+    limits: Limits  # in force
+    sources: Dict[str, str]  # limits.LIMITS -> limits.SOURCES: where each limit in force came from
+    ignored: Mapping[str, str]  # limit -> why the client's own setting is not in force
+    priority: Optional[int]  # in force
+
+
 def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, server_limits: Mapping[int, Limits],
-                     default: Limits, joined: _GpuJoin, log_snap: Optional[LogSnapshot]
-                     ) -> Tuple[List[Tuple[GpuReading, Optional[int]]], List[GpuReading], Limits]:
-    """A client's memory per GPU (NVML's MPS list), the GPUs it is on (that list, else
-    the device `ps` names) and the limits in force for it (its server's as it connected,
-    where the logs show that)."""
+                     d: DaemonReading, joined: _GpuJoin, log_snap: Optional[LogSnapshot]) -> _ClientJoin:
     memory = joined.mps_memory.get(pid, [])
     client_gpus = [gpu for gpu, _ in memory]
     if row and not client_gpus:
         gpu = joined.gpu_for_device(row.device)
         client_gpus = [gpu] if gpu else []
+    own = own_limits(proc.environ, [(g.index, g.uuid) for g in joined.gpus])
     server = None if row is None or row.server_pid is None else server_limits.get(row.server_pid, Limits())
     logged = log_snap.client_limits.get(pid) if log_snap is not None and server is not None else None
-    limits = client_limits(Limits(proc.env_active_thread_percentage, proc.env_pinned_limits), server, default,
-                           at_connect=None if logged is None else Limits(*logged))
-    return memory, client_gpus, limits
+    in_force = client_limits(own.limits, server, Limits(d.default_active_thread_percentage, d.default_pinned_limits),
+                             at_connect=None if logged is None else Limits(*logged))
+    priority, priority_source = _client_priority(own.priority, None if row is None else row.server_pid, log_snap, d)
+    return _ClientJoin(memory, client_gpus, in_force.limits, {**in_force.sources, lim.PRIORITY: priority_source},
+                       own.ignored, priority)
+
+
+def _client_priority(own: Optional[int], server_pid: Optional[int], log_snap: Optional[LogSnapshot],
+                     d: DaemonReading) -> Tuple[Optional[int], str]:
+    """The priority a client runs at and where it came from: its own
+    CUDA_MPS_CLIENT_PRIORITY, else its server's (`Server Priority set to N`: the daemon
+    default when the server started, which its clients inherit), else the daemon default now."""
+    if own is not None:
+        return own, lim.CLIENT
+    server = log_snap.servers.get(server_pid) if log_snap is not None and server_pid is not None else None
+    if server is not None and server.priority is not None:
+        return server.priority, lim.SERVER_AT_CONNECT
+    if d.default_client_priority is not None:
+        return d.default_client_priority, lim.DAEMON_DEFAULT
+    return None, lim.NONE
 
 
 def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
                    log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
     """Rows of the daemon's `ps`, plus the NVML MPS clients in `unlisted`."""
     ps_rows = {c.pid: c for c in d.clients}
-    default = Limits(d.default_active_thread_percentage, d.default_pinned_limits)
     log_starts = log_snap.client_start_times if log_snap else {}
     for pid in sorted(set(ps_rows) | set(unlisted)):
         row: Optional[PsEntry] = ps_rows.get(pid)
@@ -434,28 +508,20 @@ def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[
                 uid="" if proc.uid is None else str(proc.uid), user=proc.user,
                 command=(row.command if row else "") or proc.command, pid_namespace=row.namespace if row else "",
                 container_id=proc.container_id, pod_uid=proc.pod_uid)
-        memory, client_gpus, limits = _client_in_force(pid, row, proc, server_limits, default, joined, log_snap)
-        for gpu, used in memory:
+        c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
+        for gpu, used in c.memory:
             out.add("mps_client_memory_used_bytes", used, **cp, gpu=str(gpu.index), uuid=gpu.uuid)
-        for gpu in client_gpus:
-            out.add("mps_client_pinned_memory_limit_bytes", limits.pinned_bytes.get(gpu.index), **cp, gpu=str(gpu.index))
-        share = limits.thread_percentage
+        for gpu in c.gpus:
+            out.add("mps_client_pinned_memory_limit_bytes", c.limits.pinned_bytes.get(gpu.index), **cp,
+                    gpu=str(gpu.index))
+        share = c.limits.thread_percentage
         out.add("mps_client_active_thread_ratio", None if share is None else share / 100, **cp)
-        out.add("mps_client_priority", client_priority(proc, server_pid, log_snap, d), **cp)
+        out.add("mps_client_priority", c.priority, **cp)
+        for limit, source in c.sources.items():
+            out.add("mps_client_limit_source", 1, **cp, limit=limit, source=source)
+        for limit, reason in c.ignored.items():
+            out.add("mps_client_limit_ignored", 1, **cp, limit=limit, reason=reason)
         out.add("mps_client_start_time_seconds", log_starts.get(pid) or proc.start_time_seconds, **cp)
-
-
-def client_priority(proc: ProcessFacts, server_pid: Optional[int], log_snap: Optional[LogSnapshot],
-                    d: DaemonReading) -> Optional[int]:
-    """The priority a client runs at: its own CUDA_MPS_CLIENT_PRIORITY, else its server's
-    (`Server Priority set to N`: the daemon default when the server started, which its
-    clients inherit), else the daemon default now."""
-    if proc.env_client_priority is not None:
-        return proc.env_client_priority
-    server = log_snap.servers.get(server_pid) if log_snap is not None and server_pid is not None else None
-    if server is not None and server.priority is not None:
-        return server.priority
-    return d.default_client_priority
 
 
 def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
@@ -465,7 +531,6 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
     label, so short-lived clients add no series. Per server alone, the fullest client's
     share of its limit is kept too: a sum over clients would hide one at its limit."""
     ps_rows = {c.pid: c for c in d.clients}
-    default = Limits(d.default_active_thread_percentage, d.default_pinned_limits)
     counts: Dict[Tuple[str, str], int] = {}
     pod_names: Dict[str, Dict[str, str]] = {"": {"namespace": "", "pod": ""}}  # pod uid -> its names
     memory: Dict[Tuple[str, str, int], int] = {}  # (server, pod, gpu index) -> bytes
@@ -478,16 +543,16 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
         counts[key] = counts.get(key, 0) + 1
         if by_pod and proc.pod_uid and proc.pod:
             pod_names[proc.pod_uid] = {"namespace": proc.namespace, "pod": proc.pod}
-        used, client_gpus, own = _client_in_force(pid, row, proc, server_limits, default, joined, log_snap)
-        for gpu in client_gpus:
-            limit = own.pinned_bytes.get(gpu.index)
+        c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
+        for gpu in c.gpus:
+            limit = c.limits.pinned_bytes.get(gpu.index)
             if limit is not None:
                 limits[key + (gpu.index,)] = limits.get(key + (gpu.index,), 0) + limit
-        for gpu, n in used:
+        for gpu, n in c.memory:
             if n is None:
                 continue
             memory[key + (gpu.index,)] = memory.get(key + (gpu.index,), 0) + n
-            limit = own.pinned_bytes.get(gpu.index)
+            limit = c.limits.pinned_bytes.get(gpu.index)
             if limit:
                 fullest[key + (gpu.index,)] = max(fullest.get(key + (gpu.index,), 0.0), n / limit)
     uuids = {gpu.index: gpu.uuid for gpu in joined.gpus}

@@ -189,9 +189,10 @@ def test_bundle_records_metadata_and_source_errors(tmp_path):
     assert "NvmlUnavailable" in str(nvml_error) and "Unknown Error" in str(nvml_error) or "999" in str(nvml_error)
     # Environment values are reduced to the MPS variables before they reach the bundle.
     facts = bundle.scrapes[1].results["proc"][1648]
-    assert facts.env_active_thread_percentage == 25.0 and facts.env_pinned_limits == {0: 4 * 2**30}
+    assert facts.environ == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4G",
+                             "CUDA_MPS_CLIENT_PRIORITY": "1"}
     raw = gzip.decompress(path.read_bytes()).decode()
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in raw and "environ" not in raw
+    assert "do-not-export" not in raw and '"PATH"' not in raw
 
 
 # ---------------------------------------------------------------- speed, loop

@@ -182,6 +182,8 @@ def test_every_gpu_daemon_server_and_client_metric_comes_out_of_recorded_data(tm
     plain.daemon.servers, plain.daemon.clients = [], []
     text += exposition(plain.collector())
     text += exposition(server_priority_scenario(tmp_path / "priority", 1).collector())
+    text += exposition(outside_mps_scenario(tmp_path / "outside").collector())
+    text += exposition(ignored_limit_scenario(tmp_path / "ignored").collector())
     wanted = {n for n, spec in METRICS.items() if spec.table in TABLES}
     missing = sorted(n for n in wanted if not series(text, n))
     assert not missing, missing
@@ -220,6 +222,54 @@ def server_priority_scenario(tmp_path, priority: int) -> "scenarios.Scenario":
     scen.cfg.collectors["logs"] = True
     scen.log_directory = logs
     return scen
+
+
+def outside_mps_scenario(tmp_path) -> "scenarios.Scenario":
+    """One server and client on GPU 0, and pid 6000 of uid 1500 on the same GPU outside MPS
+    (its pipe directory reached no daemon): in NVML's compute list only."""
+    from tests.fakes.fake_procfs import FakeProcess as ProcProcess, write_proc
+    from tests.fakes.fake_pynvml import FakeProcess as NvmlProcess
+
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
+    scen.nvml.gpus[0].compute_processes.append(NvmlProcess(6000, 1468006400))
+    write_proc(scen.proc_root, [ProcProcess(6000, uid=1500, comm="train.py")])
+    return scen
+
+
+def test_a_process_outside_mps_is_published_with_its_memory_and_user(tmp_path):
+    text = exposition(outside_mps_scenario(tmp_path).collector())
+    g = 'gpu="0",uuid="' + FakeNvml.synthetic(gpus=1).gpus[0].uuid + '"'
+    assert series(text, "mps_gpu_processes_outside_mps") == [f"mps_gpu_processes_outside_mps{{{g}}} 1.0"]
+    uuid = FakeNvml.synthetic(gpus=1).gpus[0].uuid
+    assert series(text, "mps_process_outside_mps_memory_used_bytes") == [
+        f'mps_process_outside_mps_memory_used_bytes{{gpu="0",pid="6000",uuid="{uuid}"}} 1.4680064e+09']
+    (info,) = series(text, "mps_process_outside_mps_info")
+    assert 'pid="6000"' in info and 'uid="1500"' in info and 'command="train.py"' in info
+    assert series(text, "mps_gpu_sharing_mode") == [f'mps_gpu_sharing_mode{{gpu="0",mode="mixed",uuid="{uuid}"}} 1.0']
+    assert 'pid="6000"' not in "".join(series(text, "mps_client_info"))
+
+
+def ignored_limit_scenario(tmp_path) -> "scenarios.Scenario":
+    """One GPU; its client set CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2G,1=4G (device 1 does not
+    exist for it: MPS enforced no limit at all, issue 24)."""
+    from tests.fakes.fake_procfs import FakeProcess as ProcProcess, write_proc
+
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
+    client = scen.daemon.clients[0].pid
+    write_proc(scen.proc_root, [ProcProcess(client, uid=1000 + client % 7,
+                                            environ={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G,1=4G"})])
+    return scen
+
+
+def test_a_limit_cuda_drops_is_ignored_and_none_is_in_force(tmp_path):
+    scen = ignored_limit_scenario(tmp_path)
+    text = exposition(scen.collector())
+    pid = scen.daemon.clients[0].pid
+    (ignored,) = series(text, "mps_client_limit_ignored")
+    assert all(x in ignored for x in (f'pid="{pid}"', 'limit="pinned_memory"', 'reason="invisible_device"'))
+    (source,) = [x for x in series(text, "mps_client_limit_source") if 'limit="pinned_memory"' in x]
+    assert f'pid="{pid}"' in source and 'source="none"' in source
+    assert series(text, "mps_client_pinned_memory_limit_bytes") == []
 
 
 def test_a_client_without_its_own_priority_runs_at_its_servers(tmp_path):

@@ -44,7 +44,7 @@ def processes():
         1589: ProcessFacts(1589, uid=0, user="root", command="nvidia-cuda-mps", start_time_seconds=1795234884.0),
         1647: ProcessFacts(1647, uid=0, user="root", command="python3", start_time_seconds=1795234898.0),
         1648: ProcessFacts(1648, uid=0, user="root", command="python3", start_time_seconds=1795234898.1,
-                           env_active_thread_percentage=25.0, env_pinned_limits={0: 4 << 30},
+                           environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4G"},
                            container_id="c" * 64, pod_uid="1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"),
         1649: ProcessFacts(1649, uid=0, user="root", command="python3", start_time_seconds=1795234898.2),
     }
@@ -262,3 +262,48 @@ def test_server_granularity_cuts_an_8x48_node_by_4x(tmp_path, clients_per_pod):
     server, _ = _samples(tmp_path, "server", gpus=8, clients_per_gpu=48, clients_per_pod=clients_per_pod)
     assert len(client) >= 4 * len(server), (len(client), len(server))
     assert _total(server, "mps_server_clients") == 8 * 48
+
+
+def test_a_process_outside_mps_on_an_mps_gpu():
+    """Issue 24: a CUDA process whose CUDA_MPS_PIPE_DIRECTORY reaches no daemon runs beside
+    MPS on the same GPU (1.4 GiB; nvidia-smi lists it, NVML's MPS list does not)."""
+    gpu = busy_gpu()
+    gpu.compute_processes = gpu.compute_processes + [ProcessMemory(7777, 1468006400)]
+    procs = {**processes(), 7777: ProcessFacts(7777, uid=1500, user="alice", command="python3",
+                                               pod_uid="0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9")}
+    r = samples(snapshot(nvml=NvmlReading("580.159.04", [gpu]), processes=procs))
+    g = dict(gpu="0", uuid=UUID)
+    assert value(r, "mps_gpu_sharing_mode", **g, mode="mixed") == 1
+    assert value(r, "mps_gpu_processes_outside_mps", **g) == 1
+    assert value(r, "mps_process_outside_mps_memory_used_bytes", **g, pid="7777") == 1468006400
+    assert value(r, "mps_process_outside_mps_info", **g, pid="7777", uid="1500", user="alice", command="python3",
+                 pod_uid="0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9") == 1
+    assert absent(r, "mps_client_info", pid="7777")
+    # The MPS server and its clients are no outsiders; a GPU MPS does not serve has none.
+    r = samples(snapshot())
+    assert value(r, "mps_gpu_processes_outside_mps", **g) == 0 and absent(r, "mps_process_outside_mps_info")
+    plain = busy_gpu(mps_clients=[], compute_processes=[ProcessMemory(5, 1), ProcessMemory(6, 1)])
+    r = samples(snapshot(nvml=NvmlReading("580.159.04", [plain]), daemons=[busy_daemon(servers=[], clients=[])]))
+    assert value(r, "mps_gpu_processes_outside_mps", **g) == 0
+
+
+def test_a_client_limit_cuda_drops_is_published_as_ignored_not_in_force():
+    """`0=2G,1=4G` with one GPU visible: MPS enforced no pinned limit at all (issue 24)."""
+    procs = processes()
+    procs[1648] = ProcessFacts(1648, uid=0, user="root", command="python3",
+                               environ={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G,1=4G",
+                                        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "abc"})
+    r = samples(snapshot(processes=procs))
+    c = dict(daemon="default", pid="1648")
+    assert absent(r, "mps_client_pinned_memory_limit_bytes", **c)
+    assert value(r, "mps_client_limit_ignored", **c, limit="pinned_memory", reason="invisible_device") == 1
+    assert value(r, "mps_client_limit_ignored", **c, limit="active_threads", reason="not_a_number") == 1
+    assert value(r, "mps_client_limit_source", **c, limit="pinned_memory", source="none") == 1
+    assert value(r, "mps_client_limit_source", **c, limit="active_threads", source="server_now") == 1
+    assert value(r, "mps_client_active_thread_ratio", **c) == 1.0
+    # The GPU-<uuid prefix> form binds.
+    procs[1648].environ = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-a20825ef=2G"}
+    r = samples(snapshot(processes=procs))
+    assert value(r, "mps_client_pinned_memory_limit_bytes", **c, gpu="0") == 2 << 30
+    assert value(r, "mps_client_limit_source", **c, limit="pinned_memory", source="client") == 1
+    assert absent(r, "mps_client_limit_ignored", **c)

@@ -29,20 +29,14 @@ def test_parse_cgroup(text, expected):
     assert procfs.parse_cgroup(text) == expected
 
 
-def test_parse_environ_keeps_only_mps_variables():
-    block = b"PATH=/bin\0CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25\0AWS_SECRET=x\0CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G,1=512M\0CUDA_MPS_PIPE_DIRECTORY=/p\0\xff\xfe=\x00"
+def test_parse_environ_keeps_only_the_limit_variables():
+    block = (b"PATH=/bin\0CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25\0AWS_SECRET=x\0CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G,1=512M\0"
+             b"CUDA_MPS_PIPE_DIRECTORY=/p\0CUDA_VISIBLE_DEVICES=GPU-4b5da867\0\xff\xfe=\x00")
     env = procfs.parse_environ(block)
-    assert env == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G,1=512M"}
-
-
-@pytest.mark.parametrize("value,expected", [
-    ("0=1G,1=512M", {0: 1 << 30, 1: 512 << 20}),
-    ("0=2048M", {0: 2 << 30}),
-    ("0=1G,bogus,x=2G,1=", {0: 1 << 30}),
-    ("", {}),
-])
-def test_parse_pinned_env(value, expected):
-    assert procfs.parse_pinned_env(value) == expected
+    assert env == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G,1=512M",
+                   "CUDA_VISIBLE_DEVICES": "GPU-4b5da867"}
+    assert procfs.parse_environ(b"CUDA_VISIBLE_DEVICES=" + b"0," * 5000) == {
+        "CUDA_VISIBLE_DEVICES": "0," * (procfs.MAX_ENV_VALUE // 2)}
 
 
 def test_parse_stat_with_awkward_comm():
@@ -65,11 +59,10 @@ def test_read_processes(tmp_path):
     assert (server.uid, server.user, server.command) == (0, "root", "nvidia-cuda-mps")
     assert server.start_time_seconds == BOOT_TIME + 5.0
     assert (client.uid, client.user, client.container_id, client.pod_uid) == (1500, "1500", CID, POD)
-    assert client.env_active_thread_percentage == 25.0
-    assert client.env_pinned_limits == {0: 2 << 30}
-    assert client.env_client_priority == 1
-    assert server.env_active_thread_percentage is None and server.env_pinned_limits == {}
-    # Nothing but the three MPS variables survives anywhere in the facts.
+    assert client.environ == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25.0", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G",
+                              "CUDA_MPS_CLIENT_PRIORITY": "1"}
+    assert server.environ == {}
+    # Nothing but the kept variables survives anywhere in the facts.
     assert "do-not-export" not in repr(facts) and "PATH" not in repr(facts)
 
 
@@ -91,16 +84,16 @@ def test_unreadable_environ_keeps_other_facts(tmp_path, monkeypatch):
 
     monkeypatch.setattr("builtins.open", deny_environ)
     facts = procfs.ProcSource(root=str(root), clock_ticks=CLK_TCK).read([10])
-    assert facts[10].command == "python3" and facts[10].env_active_thread_percentage is None
+    assert facts[10].command == "python3" and facts[10].environ == {}
 
 
 def test_known_process_is_not_reread_but_a_reused_pid_is(tmp_path):
     root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0, environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"})])
     src = procfs.ProcSource(root=str(root), clock_ticks=CLK_TCK)
-    assert src.read([10])[10].env_active_thread_percentage == 10.0
+    assert src.read([10])[10].environ == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}
     (root / "10" / "environ").unlink()  # a second read of environ would now fail
-    assert src.read([10])[10].env_active_thread_percentage == 10.0
+    assert src.read([10])[10].environ == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}
     # PID 10 exits and a new process (another start time, another user) gets the PID.
     write_proc(root, [FakeProcess(10, uid=1500, start_ticks=99999)])
     again = src.read([10])[10]
-    assert again.uid == 1500 and again.env_active_thread_percentage is None
+    assert again.uid == 1500 and again.environ == {}

@@ -2,12 +2,14 @@
 
 Per PID: real uid and user name, command name, start time, container id and pod
 uid from the cgroup path (and the container's namespace, pod and container names
-from the runtime's files or the kubelet: runtime_metadata.py), and from the environment exactly three variables:
-CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and
-CUDA_MPS_CLIENT_PRIORITY. Limits a client sets there are invisible to the
-control daemon (the capture shows `get_active_thread_percentage` still saying
-100.0), so this is the only place they can be read. No other variable is kept,
-exported or logged.
+from the runtime's files or the kubelet: runtime_metadata.py), and from the
+environment exactly four variables: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, CUDA_MPS_CLIENT_PRIORITY and CUDA_VISIBLE_DEVICES
+(the pinned limit's device keys count the client's visible devices). Limits a client
+sets there are invisible to the control daemon (the capture shows
+`get_active_thread_percentage` still saying 100.0), so this is the only place they
+can be read. They are kept as written (limits.own_limits reads them as CUDA does); no
+other variable is kept, exported or logged.
 
 PIDs are host PIDs (NVML and the daemon's `ps` report them), so the exporter
 must run in the host PID namespace (`hostPID: true` in Kubernetes). A process
@@ -25,14 +27,15 @@ from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
-from ..units import parse_size
 from ..config import DEFAULT_RUNTIME_ROOTS
 from ..runtime_metadata import PodNameLookup, kubelet_fetcher
 from .base import Backends, Flag, ReadContext, Reader, Source, not_empty
 
 log = logging.getLogger(__name__)
 
-MPS_ENV_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY")
+KEPT_ENV_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY",
+                 "CUDA_VISIBLE_DEVICES")
+MAX_ENV_VALUE = 1024  # longer values are cut: nothing CUDA accepts is that long
 
 # ------------------------------------------------------------------ parsers
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
@@ -67,34 +70,13 @@ def parse_cgroup(text: str) -> Tuple[str, str]:
 
 
 def parse_environ(data: bytes) -> Dict[str, str]:
-    """Only the MPS variables of a NUL-separated environment block."""
+    """Only the KEPT_ENV_VARS of a NUL-separated environment block."""
     wanted: Dict[str, str] = {}
     for entry in data.split(b"\0"):
         key, sep, value = entry.partition(b"=")
-        if sep and key.decode("ascii", "replace") in MPS_ENV_VARS:
-            wanted[key.decode("ascii")] = value.decode("utf-8", "replace")
+        if sep and key.decode("ascii", "replace") in KEPT_ENV_VARS:
+            wanted[key.decode("ascii")] = value[:MAX_ENV_VALUE].decode("utf-8", "replace")
     return wanted
-
-
-def parse_pinned_env(value: str) -> Dict[int, int]:
-    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, e.g. "0=1G,1=512M": device ordinal -> bytes.
-
-    Malformed entries are ignored (the CUDA runtime ignores them too)."""
-    limits: Dict[int, int] = {}
-    for item in value.split(","):
-        dev, sep, size = item.strip().partition("=")
-        if sep and dev.strip().isdigit():
-            parsed = parse_size(size)
-            if parsed:
-                limits[int(dev)] = parsed
-    return limits
-
-
-def parse_float(value: Optional[str]) -> Optional[float]:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 def parse_status_uid(text: str) -> Optional[int]:
@@ -198,10 +180,7 @@ class ProcSource:
                             "client-set MPS limits will be missing")
                 self._environ_denied_logged = True
             env = {}
-        facts.env_active_thread_percentage = parse_float(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
-        facts.env_pinned_limits = parse_pinned_env(env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))
-        priority = parse_float(env.get("CUDA_MPS_CLIENT_PRIORITY"))
-        facts.env_client_priority = int(priority) if priority is not None else None
+        facts.environ = env
         return facts
 
 

@@ -46,6 +46,9 @@ from dashboards.queries import concrete, queries
 from mps_exporter.service import serve
 from mps_exporter.wiring import build_readers
 from mps_exporter.sources.base import Backends
+from tests.fakes.fake_control import FakeClient
+from tests.fakes.fake_procfs import FakeProcess as ProcProcess
+from tests.fakes.fake_procfs import write_proc
 from tests.fakes.fake_pynvml import (
     NVML_GPM_METRIC_SM_UTIL,
     FakeGpu,
@@ -66,6 +69,8 @@ MIB = 1 << 20
 QUEUED = "MpsClientsQueuedBehindOtherUser"
 OOM = "MpsClientNearMemoryLimit"
 REFUSED = "MpsClientsRefused"
+OUTSIDE = "MpsProcessOutsideMps"
+IGNORED = "MpsClientLimitIgnored"
 
 
 # ----------------------------------------------------------------- webhook
@@ -180,6 +185,7 @@ class RecordedNode:
             compute_processes=[FakeProcess(7001, 1 << 30), FakeProcess(7002, 2 << 30)],
             sm_util_by_pid={7001: (40, 2), 7002: (30, 1)}, util_gpu=90, power_mw=300000, temperature=55))
         self.daemon = scen.daemon
+        self.proc_root = scen.proc_root
         self.daemon.servers[0].pinned_limits = {0: "16G"}
         self.daemon.default_pinned_limits = {0: "16G"}
         self.log_dir = tmp / "mps-log"
@@ -227,6 +233,19 @@ class RecordedNode:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
         with open(self.log_dir / "server.log", "a", encoding="utf-8") as f:
             f.writelines(f"[{stamp} Server {pid:>5}] {m}\n" for m in messages)
+
+    def start_outside_mps(self, pid: int, used: int, uid: int) -> None:
+        """A CUDA process on the MPS GPU that reached no control daemon: NVML's compute list only."""
+        write_proc(self.proc_root, [ProcProcess(pid, uid=uid, comm="train.py")])
+        self.nvml.gpus[0].compute_processes.append(FakeProcess(pid, used))
+
+    def connect_client(self, pid: int, environ: dict) -> None:
+        """A new client of server 1589 with `environ` (its own limits)."""
+        write_proc(self.proc_root, [ProcProcess(pid, uid=0, environ=environ)])
+        gpu = self.nvml.gpus[0]
+        gpu.mps_processes.append(FakeProcess(pid, 600 << 20))
+        gpu.compute_processes.append(FakeProcess(pid, 600 << 20))
+        self.daemon.clients.append(FakeClient(pid, 1589, gpu.uuid))
 
     def set_client_memory(self, pid: int, used: int) -> None:
         gpu = self.nvml.gpus[0]
@@ -316,9 +335,24 @@ def test_alerts_reach_the_receiver_and_dashboards_have_data(tmp_path):
             assert alert["labels"] == {"alertname": REFUSED, "severity": "warning", "job": "mps-exporter",
                                        "instance": instance, "daemon": "default", "reason": "client_limit"}
 
+            # 4. A CUDA process that missed the pipe directory runs on the MPS GPU (issue 24).
+            node.start_outside_mps(7100, 1468006400, uid=1500)
+            alert = webhook.wait_for("ticket", OUTSIDE, "firing")
+            assert_grafana_rule_finds(prom, OUTSIDE, alert["labels"])
+            assert {k: alert["labels"][k] for k in ("pid", "gpu", "uid", "command")} == {
+                "pid": "7100", "gpu": "0", "uid": "1500", "command": "train.py"}
+
+            # 5. A client whose own pinned limit names a device it cannot see (the node has two
+            # GPUs): CUDA drops it.
+            node.connect_client(1650, {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G,2=4G"})
+            alert = webhook.wait_for("ticket", IGNORED, "firing")
+            assert_grafana_rule_finds(prom, IGNORED, alert["labels"])
+            assert {k: alert["labels"][k] for k in ("pid", "server_pid", "limit", "reason")} == {
+                "pid": "1650", "server_pid": "1589", "limit": "pinned_memory", "reason": "invisible_device"}
+
             # Nothing else fired on this node, and nothing paged.
             names = {s.split(":")[1] for s in webhook.summary()}
-            assert names == {QUEUED, OOM, REFUSED}, webhook.summary()
+            assert names == {QUEUED, OOM, REFUSED, OUTSIDE, IGNORED}, webhook.summary()
 
             # Every dashboard query has data to show over the scenario: at least one
             # number (not NaN) in a range query from its start to now.
