@@ -56,17 +56,6 @@ ALERT_PREFIX = "Mps"
 HEAVY_RULES_INTERVAL = "1m"
 FLEET_RULES_INTERVAL = "1m"
 
-# kube-state-metrics' job (mixin `kubeStateMetricsSelector`): kube_pod_info and
-# kube_pod_container_info give MPS clients their namespace, pod and container.
-# kube-prometheus-stack names the job "kube-state-metrics". Without it the
-# Kubernetes recording rules return nothing and nothing else changes.
-KUBE_STATE_METRICS_SELECTOR = 'job="kube-state-metrics"'
-
-# kube-state-metrics writes container ids with the runtime's prefix
-# ("containerd://<64 hex>", "cri-o://...", "docker://..."); the cgroup gives the
-# bare id. The joins strip the prefix on both sides with this regex.
-CONTAINER_ID_REGEX = "(?:[a-z0-9.+-]+://)?(.*)"
-
 # The fleet dashboard counts GPUs with less than this share of memory free.
 LOW_MEMORY_HEADROOM_RATIO = 0.1
 

@@ -53,7 +53,7 @@ def lbl(name: str) -> str:
 
 NODE = lbl(C.NODE_LABEL)
 VALUE = "{{ $value }}"
-# ", pod <namespace>/<pod>" where the alert has them (kube-state-metrics joined), else nothing.
+# ", pod <namespace>/<pod>" where the alert has them (the exporter names the pod), else nothing.
 IN_POD = "{{ with $labels.pod }}, pod {{ $labels.namespace }}/{{ . }}{{ end }}"
 # The client; or (--mps.client-granularity server) the fullest client of a server, marked
 # clients="fullest"; or (--mps.client-granularity pod) a pod's clients together.

@@ -3,7 +3,8 @@
 - `rules` (Prometheus' evaluation interval): cheap per-target series the alerts read;
 - `heavy` (config.HEAVY_RULES_INTERVAL): joins over every client, quantiles,
   the hourly max that keeps alerts from reading a day of raw samples, and the
-  Kubernetes names from kube-state-metrics;
+  sums per Kubernetes pod (the exporter puts `namespace`, `pod`, `container` on
+  its client series: no rule reads kube-state-metrics);
 - `fleet` (config.FLEET_RULES_INTERVAL): per node, per GPU model and fleet
   totals, the only series the fleet dashboard reads.
 
@@ -19,7 +20,7 @@ from typing import Optional, Tuple
 
 from . import config as C
 from .expressions import TARGET as T
-from .expressions import CLIENT_INFO_LABELS, client_memory_ratio, gpu_memory_ratio, job, matchers
+from .expressions import CLIENT_INFO_LABELS, client_memory_ratio, gpu_memory_ratio, job
 from .expressions import queue_wait_quantile
 
 RULES, HEAVY, FLEET = "rules", "heavy", "fleet"
@@ -37,24 +38,11 @@ class Recording:
     raw_range: Optional[Tuple[str, str]] = None  # (raw selector, step)
 
 
-def ksm(name: str, **extra: str) -> str:
-    """A kube-state-metrics series: config.KUBE_STATE_METRICS_SELECTOR plus `extra`."""
-    return f"{name}{{{', '.join([C.KUBE_STATE_METRICS_SELECTOR] + matchers(**extra))}}}"
-
-
-def bare_container_id(expr: str) -> str:
-    """`expr` with the runtime prefix cut from its container_id label."""
-    return f'label_replace({expr}, "container_id", "$1", "container_id", "{C.CONTAINER_ID_REGEX}")'
-
-
 # ------------------------------------------------------------------ names
 GPU_MEMORY_USAGE = "mps:gpu_memory_usage:ratio"
 CLIENT_MEMORY_USAGE = "mps:client_pinned_memory_usage:ratio"
 QUEUE_WAIT_P95 = "mps:client_queue_wait_seconds:p95"
 DAEMON_UP_MAX = f"instance_daemon:mps_control_daemon_up:max{C.DAEMON_SEEN_STEP}"
-KUBE_PODS = "pod_uid:mps_kube_pod_info:max"
-KUBE_CONTAINERS = "container_id:mps_kube_pod_container_info:max"
-CLIENT_KUBE = "namespace_pod_container:mps_client_info:kube"
 POD_MEMORY = "namespace_pod_gpu:mps_client_memory_used_bytes:sum"
 POD_LIMIT = "namespace_pod_gpu:mps_client_pinned_memory_limit_bytes:sum"
 POD_THREADS = "namespace_pod:mps_client_active_thread_ratio:sum"
@@ -82,37 +70,19 @@ EXPORTERS_UP = "job:mps_exporters_up:sum"
 
 # ------------------------------------------------------- building blocks
 _client_ratio = client_memory_ratio(job)
-CLIENT_NAMES = "namespace, pod, container"
-
-# kube-state-metrics' rows for the pods that have MPS clients only, recorded once per round
-# (KUBE_PODS, KUBE_CONTAINERS) for every rule that needs names: the cluster may have many
-# more pods than MPS clients, and each rule that read kube-state-metrics itself selected
-# all of them again. `max by`: kube-state-metrics may run several replicas.
-_mps_pod_uids = (f'label_replace(group by (pod_uid) ({job("mps_client_info", pod_uid="!=")} '
-                 f'or {job("mps_pod_clients", pod_uid="!=")}), "uid", "$1", "pod_uid", "(.+)")')
-_kube_pods = (f'max by (pod_uid, namespace, pod) (label_replace(\n  {ksm("kube_pod_info")} and on(uid) {_mps_pod_uids},\n'
-              f'  "pod_uid", "$1", "uid", "(.+)"))')
-_kube_containers = ("max by (container_id, namespace, pod, container) ("
-                    + bare_container_id(f"\n  {ksm('kube_pod_container_info', container_id='!=')} and on(uid) "
-                                        f"{_mps_pod_uids}") + ")")
-_bare_clients = bare_container_id(job("mps_client_info", pod_uid="!="))
-# MPS clients whose container kube-state-metrics knows; else whose pod it knows.
-_client_kube = (f"{_bare_clients}\n  * on(container_id) group_left(namespace, pod, container)\n  {KUBE_CONTAINERS}\n"
-                f"or on({T}, daemon, pid)\n  {_bare_clients}\n  * on(pod_uid) group_left(namespace, pod)\n  {KUBE_PODS}")
 
 
 def _per_pod(metric: str, by: str, summed: str = "") -> str:
     """Sum of a per-client series over each pod's clients, by `by`; or, from exporters
-    with --mps.client-granularity server, of the `summed` series (already per pod)."""
-    expr = (f"sum by ({T}, {by}) (\n  {job(metric)}\n"
-            f"  * on({T}, daemon, pid) group_left(namespace, pod) {CLIENT_KUBE}\n)")
+    with --mps.client-granularity pod, of the `summed` series (already per pod). The
+    exporter names the pods itself: no join."""
+    expr = f"sum by ({T}, {by}) ({job(metric, pod='!=')})"
     if summed:
-        expr += (f"\nor\nsum by ({T}, {by}) (\n  {job(summed, pod_uid='!=')}\n"
-                 f"  * on(pod_uid) group_left(namespace, pod) {KUBE_PODS}\n)")
+        expr += f"\nor\nsum by ({T}, {by}) ({job(summed, pod='!=')})"
     return expr
 
 
-# --mps.client-granularity server: the share of the summed limits a pod's clients use on a GPU.
+# --mps.client-granularity pod: the share of the summed limits a pod's clients use on a GPU.
 _pod_ratio = (f"{job('mps_pod_client_memory_used_bytes')}\n  / on({T}, daemon, server_pid, pod_uid, gpu) group_left\n"
               f"  {job('mps_pod_client_pinned_memory_limit_bytes')}")
 
@@ -133,28 +103,15 @@ RECORDINGS: Tuple[Recording, ...] = (
     Recording(QUEUE_WAIT_P95, queue_wait_quantile(job, 0.95, C.QUEUE_WAIT_WINDOW),
               f"p95 of the time clients waited on the pending list, over {C.QUEUE_WAIT_WINDOW}, by daemon and reason",
               HEAVY),
-    Recording(KUBE_PODS, _kube_pods,
-              "namespace and pod of each pod with MPS clients (or --mps.client-granularity pod sums), by pod UID, "
-              "from kube-state-metrics: the one rule that reads all of its pods", HEAVY),
-    Recording(KUBE_CONTAINERS, _kube_containers,
-              "namespace, pod and container of each container of those pods, by container id (runtime prefix "
-              "stripped), from kube-state-metrics: the one rule that reads all of its containers", HEAVY),
-    Recording(
-        CLIENT_KUBE, _client_kube,
-        "each MPS client in a pod with its namespace, pod and container, from kube-state-metrics (pod UID and "
-        "container id, runtime prefix stripped); nothing without kube-state-metrics", HEAVY),
     Recording(
         CLIENT_MEMORY_USAGE,
         f"(\n  {_client_ratio}\n)\n"
-        f"* on({T}, daemon, pid) group_left({CLIENT_NAMES}, {CLIENT_INFO_LABELS})\n"
-        f"  ({CLIENT_KUBE} or on({T}, daemon, pid) {job('mps_client_info')})\n"
+        f"* on({T}, daemon, pid) group_left({CLIENT_INFO_LABELS}) {job('mps_client_info')}\n"
         f"or on({T}, daemon, pid, gpu)\n  {_client_ratio}\n"
-        f"or\n  (\n  {_pod_ratio}\n)\n  * on(pod_uid) group_left(namespace, pod) {KUBE_PODS}\n"
-        f"or on({T}, daemon, server_pid, pod_uid, gpu)\n  {_pod_ratio}",
-        "each client's memory against its pinned limit, with its user and command, and its namespace, pod and "
-        "container where kube-state-metrics knows them (kept without them when mps_client_info is missing); "
-        "from exporters with --mps.client-granularity pod, per server, pod and GPU (one join: the names come from "
-        "the kube record where it has the client, else from mps_client_info)",
+        f"or\n  {_pod_ratio}",
+        "each client's memory against its pinned limit, with its namespace, pod and container (the exporter's "
+        "labels) and its user and command (kept without them when mps_client_info is missing); from exporters "
+        "with --mps.client-granularity pod, per server, pod and GPU",
         HEAVY),
     Recording(POD_MEMORY, _per_pod("mps_client_memory_used_bytes", "namespace, pod, gpu",
                                    "mps_pod_client_memory_used_bytes"),

@@ -26,7 +26,7 @@ from grafanalib.core import (
 
 from alerts import config as C
 from alerts.expressions import client_info_join, matchers, server_info_join
-from alerts.recordings import KUBE_PODS, RECORDINGS
+from alerts.recordings import POD_MEMORY, RECORDINGS
 from mps_exporter.catalog import METRICS
 from mps_exporter.contract import COUNTER, HISTOGRAM
 from mps_exporter.sources.registry import SOURCES
@@ -74,11 +74,11 @@ def node_variables() -> List[Template]:
 
 
 def kubernetes_variables() -> List[Template]:
-    """Namespace (the first one by default) and pod (All of it), from the recorded names of
+    """Namespace (the first one by default) and pod (All of it), from the recorded memory of
     the pods with MPS clients (per client, or summed per pod by the exporter)."""
     return [
-        _query_variable("namespace", "Namespace", f"label_values({KUBE_PODS}, namespace)", all_by_default=False),
-        _query_variable("pod", "Pod", f'label_values({KUBE_PODS}{{namespace=~"$namespace"}}, pod)'),
+        _query_variable("namespace", "Namespace", f"label_values({POD_MEMORY}, namespace)", all_by_default=False),
+        _query_variable("pod", "Pod", f'label_values({POD_MEMORY}{{namespace=~"$namespace"}}, pod)'),
     ]
 
 

@@ -1,7 +1,8 @@
-"""Kubernetes: MPS clients by namespace and pod (names from kube-state-metrics, joined by
-the recording rules of alerts/recordings.py)."""
+"""Kubernetes: MPS clients by namespace and pod (the exporter's own `namespace`, `pod` and
+`container` labels; per-pod sums recorded by alerts/recordings.py)."""
 
 from alerts import recordings as R
+from alerts.expressions import job
 from dashboards.common import build, kubernetes_variables, rec, row, row_query, table, target, timeseries
 
 POD = {"namespace": "namespace", "pod": "pod"}
@@ -9,27 +10,30 @@ POD_LEGEND = "{{namespace}}/{{pod}} on {{instance}}"
 GPU_LEGEND = POD_LEGEND + " GPU {{gpu}}"
 
 
+# The MPS clients of the selected pods, named by the exporter.
+CLIENTS = job("mps_client_info", namespace="=~$namespace", pod="=~$pod")
 # MPS clients of each selected pod (counted here: one series per pod is not worth recording).
-POD_CLIENTS = f"count by (job, instance, namespace, pod) ({rec(R.CLIENT_KUBE, **POD)})"
+POD_CLIENTS = f"count by (job, instance, namespace, pod) ({CLIENTS})"
 
 
 def on_pod_nodes(record: str) -> str:
     """A per-node record, only for the nodes the selected pods run on."""
-    return f"{record} and on(job, instance) {rec(R.CLIENT_KUBE, **POD)}"
+    return f"{record} and on(job, instance) {rec(R.POD_MEMORY, **POD)}"
 
 
 dashboard = build(
     title="MPS / Kubernetes",
     uid="mps-kubernetes",
     description="MPS clients by namespace and pod: memory against the limits in force, thread share, node and GPU, "
-                "and the contention on their nodes. Needs kube-state-metrics; pods are named by the recording rules.",
+                "and the contention on their nodes. Pods are named by the exporter (the container runtime's files or the "
+                "kubelet on each node): no kube-state-metrics.",
     variables=kubernetes_variables(),
     panels=[
         row("Pods"),
         table("MPS clients of the selected pods",
               "One row per MPS client process in a pod: its node (instance), daemon, server, container, command and "
               "user, and the pod's device memory, limits and thread share on that node.",
-              [row_query(rec(R.CLIENT_KUBE, **POD))],
+              [row_query(CLIENTS)],
               units={"Value": "none"}, rename={"instance": "node"},
               hide=["Value", "container_id", "pod_uid", "uid", "__name__"], h=8),
         table("Where the pods run",

@@ -2,10 +2,11 @@
 pods' MPS clients) and kube-state-metrics' exposition, scraped by a real Prometheus with
 the project's rule file.
 
-1. Kubernetes: the recording rules give every client in a pod its namespace, pod and
-   container (kube-state-metrics writes container ids with runtime prefixes, the
-   cgroup gives them bare), the bare process none; per-pod sums add up; every query
-   of the Kubernetes and fleet dashboards returns data.
+1. Kubernetes: every client in a pod carries its namespace, pod and container from the
+   exporter (containerd's spec on the recorded node), the bare process none; per-pod
+   sums add up without kube-state-metrics, whose rows (other names for the same pods,
+   non-MPS pods) no rule reads; every query of the Kubernetes and fleet dashboards
+   returns data.
 2. Fleet: several exporters on loopback ports, one of them with
    --mps.client-granularity pod and one with server; the fleet dashboard's queries
    answer for every one of them; with one node selected the per-node dashboards show
@@ -31,8 +32,6 @@ from tests.support.prometheus import Prometheus, Target, running_prometheus
 pytestmark = pytest.mark.slow
 
 KSM_JOB = "kube-state-metrics"
-NAMES = {1: ("ml", "trainer-0", "train", "containerd://"), 2: ("ml", "infer-7f9c-x2x", "server", "cri-o://"),
-         3: ("batch", "bench-1", "bench", "containerd://")}
 
 
 def _rules(tmp: Path) -> str:
@@ -58,12 +57,13 @@ def _empty_queries(prom: Prometheus, dashboards: Set[str], start: float,
 def test_pods_get_their_names_and_the_kubernetes_dashboard_has_data(tmp_path):
     scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3, clients_per_pod=2)
     bundle = record_bundle(tmp_path, scen)
-    pod_index = {uid: int(uid.rsplit("-", 1)[1]) for uid, _ in scen.pods.values()}
-    pods = [Pod(NAMES[i][0], NAMES[i][1], uid, NAMES[i][2], NAMES[i][3] + cid, "gpu-node-1")
+    pod_index = {uid: int(uid.rsplit("-", 1)[1]) - 1 for uid, _ in scen.pods.values()}
+    # kube-state-metrics names the same pods otherwise, and lists pods without MPS clients:
+    # if a rule read it, its names would show.
+    pods = [Pod("ksm-ns", f"ksm-{i}", uid, "ksm-container", "containerd://" + cid, "gpu-node-1")
             for uid, cid in sorted(set(scen.pods.values())) for i in [pod_index[uid]]]
-    # Pods without MPS clients are in kube-state-metrics too.
     pods += [Pod("web", f"nginx-{i}", f"aaaaaaaa-0000-4000-8000-{i:012d}", "nginx", f"containerd://{i:064x}",
-                 "cpu-node-1") for i in range(3)]
+                 "cpu-node-1") for i in range(30)]
     with running_replays([bundle], tmp_path) as (address,), serving_text(kube_state_metrics(pods)) as ksm, \
             running_prometheus(tmp_path, [Target(address, job="mps-exporter"), Target(ksm, job=KSM_JOB)],
                                rule_files=[_rules(tmp_path)]) as prom:
@@ -71,26 +71,29 @@ def test_pods_get_their_names_and_the_kubernetes_dashboard_has_data(tmp_path):
         started = time.time()
         prom.wait_for(R.POD_MEMORY)
 
-        named = {r["metric"]["pid"]: r["metric"] for r in prom.wait_for(R.CLIENT_KUBE)}
+        named = {r["metric"]["pid"]: r["metric"] for r in prom.query('mps_client_info{pod!=""}')}
         expected = {}
         for pid, (uid, cid) in scen.pods.items():
-            namespace, pod, container, _ = NAMES[pod_index[uid]]
-            expected[str(pid)] = {"namespace": namespace, "pod": pod, "container": container, "pod_uid": uid,
-                                  "container_id": cid, "instance": address}
+            expected[str(pid)] = {"namespace": scenarios.SYNTHETIC_NAMESPACE,
+                                  "pod": scenarios.synthetic_pod_name(pod_index[uid]),
+                                  "container": scenarios.SYNTHETIC_CONTAINER, "pod_uid": uid, "container_id": cid,
+                                  "instance": address}
         assert {pid: {k: m[k] for k in expected[pid]} for pid, m in named.items()} == expected
         bare = [str(p) for p in (10000 + i for i in range(6)) if p not in scen.pods]
         assert bare and not set(bare) & set(named)  # the bare process has no pod
 
-        # Per-pod sums: trainer-0's two clients on GPU 0 (512 MiB and 1 GiB, 64 GiB limit each).
+        # Per-pod sums: job-000's two clients on GPU 0 (512 MiB and 1 GiB, 64 GiB limit each).
         memory = {(r["metric"]["pod"], r["metric"]["gpu"]): float(r["value"][1]) for r in prom.query(R.POD_MEMORY)}
-        assert memory[("trainer-0", "0")] == (512 + 1024) * 2**20
+        assert memory[("job-000", "0")] == (512 + 1024) * 2**20
         limits = {(r["metric"]["pod"], r["metric"]["gpu"]): float(r["value"][1]) for r in prom.query(R.POD_LIMIT)}
-        assert limits[("trainer-0", "0")] == 2 * 64 * 2**30
+        assert limits[("job-000", "0")] == 2 * 64 * 2**30
         threads = {r["metric"]["pod"]: float(r["value"][1]) for r in prom.query(R.POD_THREADS)}
-        assert set(threads) == {"trainer-0", "infer-7f9c-x2x", "bench-1"}
-        # The memory ratio the alert reads carries the pod.
+        assert set(threads) == {"job-000", "job-001", "job-002"}
+        # The memory ratio the alert reads carries the pod; the bare process's, none.
         ratio = {r["metric"]["pid"]: r["metric"] for r in prom.query(R.CLIENT_MEMORY_USAGE)}
-        assert ratio["10000"]["pod"] == "trainer-0" and "pod" not in ratio[bare[0]]
+        assert ratio["10000"]["pod"] == "job-000" and ratio[bare[0]].get("pod", "") == ""
+        # No recorded series took a name from kube-state-metrics.
+        assert prom.query('count({__name__=~".+:.+", namespace=~"ksm-ns|web"})') == []
 
         time.sleep(3)
         assert _empty_queries(prom, {"kubernetes", "fleet"}, started) == []

@@ -146,6 +146,17 @@ def test_every_raw_series_is_read_with_the_job_selector():
                 assert name in recorded, f"{name} is not a recording rule of ours"
 
 
+def test_no_rule_reads_another_exporters_series():
+    """Issue 31: names come from the exporter; no default rule reads kube-state-metrics
+    (whose pods are the whole cluster's) or any series but the exporter's and `up`."""
+    text = (ROOT / "alerts" / "prometheus" / "mps-exporter.rules.yml").read_text()
+    assert "kube_pod_info" not in text and "kube_pod_container_info" not in text
+    exprs = [a.expr for a in definitions.ALERTS] + [r.expr for r in definitions.RECORDINGS]
+    for expr in exprs:
+        for name in re.findall(r"(?<![\w:\"$.{])([a-z_][a-z0-9_:]*)\s*\{", expr):
+            assert name.startswith("mps_") or name == "up" or ":" in name, (name, expr)
+
+
 def _seconds(duration: str) -> float:
     units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
     parts = re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration)

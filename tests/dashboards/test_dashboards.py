@@ -14,6 +14,7 @@ import yaml
 
 from dashboards import common, generate
 from dashboards.queries import concrete, queries
+from alerts import config as C
 from alerts.recordings import RECORDINGS
 from mps_exporter.catalog import METRICS
 from mps_exporter.contract import HISTOGRAM
@@ -210,15 +211,25 @@ def test_panels_have_datasource_description_unit_and_targets():
                 assert any(s in t["expr"] for s in UNIT_EVIDENCE[unit]), f"{where}: unit {unit} for {t['expr']}"
 
 
+def _pod_selected(q) -> bool:
+    """Every raw series of the query selected by the namespace and pod variables."""
+    return all(re.search(re.escape(series) + r'\{[^}]*namespace=~"\$namespace", pod=~"\$pod"', q.expr)
+               for series, _ in _metric_names(q.expr))
+
+
 def test_fleet_and_kubernetes_dashboards_read_recorded_series_only():
     """Issue 19: the fleet view stays fast at 10,000 nodes because it reads only the
-    fleet group's aggregates; the Kubernetes one reads the per-pod records."""
+    fleet group's aggregates; the Kubernetes one reads the per-pod records, and (issue 31)
+    the exporter's client series of the selected pods only, by their own labels."""
     for q in queries(ROOT / generate.JSON_DIR):
         if q.dashboard not in VARIABLES:
             continue
-        assert list(_metric_names(q.expr)) == [], q
+        if q.dashboard == "fleet":
+            assert list(_metric_names(q.expr)) == [], q
+        else:
+            assert _pod_selected(q), q
         names = _recorded_names(q.expr)
-        assert names and all(n in RECORDED for n in names), q
+        assert all(n in RECORDED for n in names) and (names or q.dashboard == "kubernetes"), q
         if q.dashboard == "fleet":
             assert {RECORDED[n].group for n in names} == {"fleet"}, q
         else:  # every pod-level record is selected by the namespace and pod variables
@@ -245,6 +256,9 @@ def test_queries_use_contract_metrics_and_the_variables():
         for series, metric in _metric_names(q.expr):
             assert metric in METRICS or metric in SCRAPE_SERIES, f"{q.dashboard}/{q.panel}: {metric}"
             selector = re.search(re.escape(series) + r"\{([^}]*)\}", q.expr).group(1)
+            if q.dashboard == "kubernetes":  # by pod, over every node: the job, namespace and pod
+                assert selector.startswith(C.JOB_SELECTOR) and _pod_selected(q), q
+                continue
             assert 'instance=~"$node"' in selector and 'job=~"$job"' in selector, q
             labels = METRICS[metric].labels if metric in METRICS else ()
             for label, var in (("gpu", "$gpu"), ("daemon", "$daemon")):

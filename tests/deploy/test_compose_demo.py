@@ -34,7 +34,7 @@ COMPOSE_DIR = os.path.join(DEPLOY, "compose")
 # session (the client with CUDA_MPS_CLIENT_PRIORITY=1, about 9 s) must get several scrapes.
 SPEED = 3
 SCRAPE = "500ms"
-NEEDS_KUBE_STATE_METRICS = {"kubernetes"}  # tested by tests/alerts/test_kubernetes_fleet.py
+NEEDS_PODS = {"kubernetes"}  # the demo's recorded node runs no pods: tests/alerts/test_kubernetes_fleet.py
 # Panels of the other client granularities (`--mps.client-granularity pod` or `server`:
 # sums instead of per-client series); the demo runs the default, per client.
 OTHER_GRANULARITIES = ("(--mps.client-granularity pod)", "(--mps.client-granularity server)")
@@ -124,7 +124,7 @@ def test_demo_stack_scrapes_and_evaluates_the_rules(demo_exporter, tmp_path):
         played = load(shipped_bundle()).duration / SPEED
         time.sleep(max(0.0, started + played + 4 - time.time()))
         empty = [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries()
-                 if q.dashboard not in NEEDS_KUBE_STATE_METRICS and not q.panel.endswith(OTHER_GRANULARITIES)
+                 if q.dashboard not in NEEDS_PODS and not q.panel.endswith(OTHER_GRANULARITIES)
                  and not any(m in q.expr for m in NOT_IN_SHIPPED_SESSION)
                  and not _has_numbers(prom.api(
                      "query_range", query=concrete(q.expr, rate_interval="10s"), start=str(started),

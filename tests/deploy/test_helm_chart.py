@@ -51,7 +51,7 @@ def _chart_dashboards():
 def test_ci_variants_exist():
     names = {os.path.basename(p) for p in ci_values_files()}
     assert {"operator-values.yaml", "webconfig-values.yaml", "nonroot-values.yaml",
-            "hostdriver-values.yaml", "multi-daemon-values.yaml"} <= names
+            "hostdriver-values.yaml", "multi-daemon-values.yaml", "kubelet-values.yaml"} <= names
 
 
 @pytest.mark.parametrize("values_file", VARIANTS, ids=_variant_id)
@@ -99,6 +99,40 @@ def test_default_daemonset_least_privilege(default_objects):
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
     assert all(m.get("readOnly") for m in container["volumeMounts"] if m["name"] in mps_volumes)
     assert writable == {"/var/lib/mps-exporter", "/tmp"}
+
+
+def test_default_reads_pod_names_from_the_runtimes_files_read_only(default_objects):
+    """containerd's and CRI-O's OCI bundles, each mounted read-only at its own path and
+    passed as --path.runtime-root; no token, no RBAC, no kubelet (issue 31)."""
+    pod, container = _pod(default_objects), _container(default_objects)
+    roots = ["/run/containerd/io.containerd.runtime.v2.task/k8s.io", "/run/containers/storage/overlay-containers"]
+    assert [a.split("=", 1)[1] for a in container["args"] if a.startswith("--path.runtime-root=")] == roots
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for root in roots:
+        assert mounts[root]["readOnly"] is True and "mountPropagation" not in mounts[root]
+        assert volumes[mounts[root]["name"]]["hostPath"]["path"] == root
+    assert not any(a.startswith("--kubelet.") for a in container["args"])
+    assert not find(default_objects, "ClusterRole") and pod["automountServiceAccountToken"] is False
+
+
+def test_servicemonitor_honours_the_exporters_pod_labels():
+    monitor = one(render(load_yaml(os.path.join(CHART, "ci", "operator-values.yaml"))), "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
+
+
+def test_kubelet_variant_asks_for_nodes_pods_only():
+    objects = render(load_yaml(os.path.join(CHART, "ci", "kubelet-values.yaml")))
+    pod, container = _pod(objects), _container(objects)
+    assert pod["automountServiceAccountToken"] is True
+    assert "--kubelet.url=https://$(NODE_IP):10250" in container["args"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    (role,) = find(objects, "ClusterRole")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes/pods"], "verbs": ["get"]}]
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
 
 
 def test_default_keeps_the_state_file_on_the_node(default_objects):
@@ -150,7 +184,7 @@ def test_default_watches_the_device_plugin_layout(default_objects):
         "log_directory": "/run/nvidia/mps/nvidia.com/gpu/log",
     }]}
     pod = _pod(default_objects)
-    host_paths = [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v and v["name"] != "state"]
+    host_paths = [v["hostPath"]["path"] for v in pod["volumes"] if v["name"].startswith("mps-")]
     assert host_paths == ["/run/nvidia/mps"]
     assert pod["nodeSelector"] == {"nvidia.com/mps.capable": "true"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
@@ -324,6 +358,8 @@ def test_dashboards_become_sidecar_configmaps():
     ({"clientGranularity": "pid"}, "clientGranularity"),
     ({"serviceMonitor": {"interval": "30 seconds"}}, "interval"),
     ({"colectors": {}}, "colectors"),
+    ({"podNames": {"runtimeRoots": ["run/containerd"]}}, "runtimeRoots"),
+    ({"podNames": {"kubelet": {"port": 0}}}, "port"),
 ])
 def test_schema_rejects_bad_values(values, message):
     with pytest.raises(helm.HelmValuesError, match=message):
