@@ -150,6 +150,14 @@ MEMORY_FILL_FOR = "10m"
 COLLECTOR_FAILING_FOR = "5m"
 TARGET_DOWN_FOR = "5m"
 
+# A reading is stale when a scrape serves it older than this many of its collector's
+# refresh intervals (mps_exporter_collector_refresh_interval_seconds; 0 for a source read
+# in every scrape) plus the slack: the slowest read a scrape waits for
+# (--scrape.max-duration, 5 s) and a storm's slowest NVML read (1.5 s), rounded up.
+READINGS_STALE_INTERVALS = 3
+READINGS_STALE_SLACK_SECONDS = 10
+READINGS_STALE_FOR = "5m"
+
 # A log file that began to fail in this window (missing or unreadable log directory,
 # a FIFO or device in place of a log, permission denied) alerts at once: the
 # queueing and fault metrics from that file stop. One that lasts also fails the

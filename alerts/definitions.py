@@ -205,6 +205,19 @@ ALERTS: Tuple[Alert, ...] = (
         f"Collector {lbl('collector')} of the mps-exporter on {NODE} has failed for "
         f"{C.COLLECTOR_FAILING_FOR}: its metrics are missing and the alerts built on them are silent."),
     Alert(
+        "ExporterReadingsStale", "exporter",
+        f"timestamp({job('mps_exporter_collector_last_success_timestamp_seconds')})\n"
+        f"  - {job('mps_exporter_collector_last_success_timestamp_seconds')}\n"
+        f"> on({T}, collector)\n"
+        f"  {C.READINGS_STALE_INTERVALS} * {job('mps_exporter_collector_refresh_interval_seconds')} "
+        f"+ {C.READINGS_STALE_SLACK_SECONDS}",
+        C.READINGS_STALE_FOR, "warning",
+        "An mps-exporter serves old readings of a source.",
+        f"The {lbl('collector')} readings the mps-exporter on {NODE} serves have been more than "
+        f"{C.READINGS_STALE_INTERVALS} refresh intervals + {C.READINGS_STALE_SLACK_SECONDS} s old for "
+        f"{C.READINGS_STALE_FOR} (now {{{{ $value | humanizeDuration }}}}): its metrics show the past, and "
+        f"alerts built on them fire late or not at all."),
+    Alert(
         "ExporterLogReadErrors", "exporter",
         f"increase({job('mps_log_read_errors_total')}[{C.LOG_READ_ERRORS_WINDOW}]) > 0", "0m", "warning",
         "The mps-exporter cannot read an MPS log file.",

@@ -315,6 +315,8 @@ class MpsCollector(Collector):
                 served = result if result.reading is not None else None
                 last = result.taken_at if result.ok else (run.last.taken_at if run.last else None)
                 snap.outcomes[name] = Outcome(result.ok, result.duration_seconds, last, result.error or None)
+            if self._refresher is not None and run in self._refreshed:
+                snap.outcomes[name].refresh_interval_seconds = self.refresh_interval
             if served is not None:
                 run.source.store(snap, served.reading)
             with run._lock:

@@ -162,6 +162,7 @@ class Outcome:
     # collection's own time when a late source's last reading is served.
     last_success_seconds: Optional[float] = None
     error: Optional[str] = None  # why it failed (`status` shows it; /metrics has only success)
+    refresh_interval_seconds: float = 0.0  # of its background reads; 0: read in the collection
 
 
 @dataclass

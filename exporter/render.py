@@ -208,6 +208,9 @@ SELF_METRICS = table(
     gauge("mps_exporter_collector_last_success_timestamp_seconds", "Time of the collection whose reading of the "
           "source is the latest complete one. Older than the scrape when the source failed or was late: its series "
           "are then that reading, or absent.", COLLECTOR),
+    gauge("mps_exporter_collector_refresh_interval_seconds", "Seconds between the background reads of the "
+          "collector's source (--collector.refresh-interval; scrapes serve the latest one); 0: read in every "
+          "scrape. The age of a served reading is the scrape's time less its last success timestamp.", COLLECTOR),
     histogram("mps_exporter_collector_read_duration_seconds", "Time each read of the source took, reads that "
               "finished after their scrape's deadline included.", COLLECTOR),
     counter("mps_exporter_control_commands_total", "Commands the exporter sent to the control daemon, by verb. MPS "
@@ -281,6 +284,7 @@ def render_self(out: FamilyBuilder, snap: Snapshot) -> None:
         out.add("mps_exporter_collector_success", int(outcome.success), collector=name)
         out.add("mps_exporter_collector_duration_seconds", outcome.duration_seconds, collector=name)
         out.add("mps_exporter_collector_last_success_timestamp_seconds", outcome.last_success_seconds, collector=name)
+        out.add("mps_exporter_collector_refresh_interval_seconds", outcome.refresh_interval_seconds, collector=name)
     for name, hist in sorted(snap.read_durations.items()):
         out.add_histogram("mps_exporter_collector_read_duration_seconds", hist.cumulative(), hist.total, collector=name)
     for d in snap.daemons:

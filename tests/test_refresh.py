@@ -20,7 +20,7 @@ from mps_exporter.collector import MpsCollector
 from mps_exporter.sources.registry import SOURCES
 from mps_exporter.wiring import build_collector
 from tests.support import scenarios
-from tests.test_deadline import Clock, text_of, value
+from tests.test_deadline import Clock, gated, text_of, value  # noqa: F401 (gated: a fixture)
 
 MPS_LIST = "nvmlDeviceGetMPSComputeRunningProcesses"
 NVML_TIME = 'mps_exporter_collector_last_success_timestamp_seconds{collector="nvml"}'
@@ -133,3 +133,17 @@ def test_the_flags_reach_the_collector():
     collector = build_collector(cfg, {})
     collector.start()  # nothing to refresh in the background: no thread
     assert collector.refreshes == 0
+
+
+def test_status_shows_the_age_of_each_reading(gated):  # noqa: F811 (the fixture)
+    from mps_exporter.status import text, view
+
+    collector, gate, clock = gated
+    collector.snapshot(0.3)  # NVML's reading at 1000
+    gate.close()  # and no other: its next read hangs past the deadline
+    clock.now += 7.0
+    st = view.build(collector.snapshot(0.3), "test")
+    ages = {s.name: s.age_seconds for s in st.sources}
+    assert ages["nvml"] == 7.0 and ages["control"] == 0.0
+    assert "reading ages: control 0.0 s, nvml 7.0 s, proc 0.0 s" in [line for line, _ in text.report(st)]
+    gate.open()

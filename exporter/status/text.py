@@ -36,6 +36,9 @@ def report(st: NodeStatus) -> List[Line]:
                          (f"at {_datetime(st.time)} UTC", PLAIN)]
     sources = ", ".join(f"{s.name} {'ok' if s.ok else 'FAILED'}" for s in st.sources)
     lines.append((f"sources: {sources or 'none enabled'}", PLAIN))
+    if st.sources:
+        ages = ", ".join(f"{s.name} {'none' if s.age_seconds is None else f'{s.age_seconds:.1f} s'}" for s in st.sources)
+        lines.append((f"reading ages: {ages}", PLAIN))
     lines += [(f"! {s.name} failed: {s.error or 'no reason given'}", ALERT) for s in st.sources if not s.ok]
     lines += _gpus(st)
     for d in st.daemons:

@@ -38,6 +38,9 @@ class SourceStatus:
     name: str
     ok: bool
     error: Optional[str] = None  # why it failed, as the collector logged it
+    # Seconds between the collection and the reading shown of this source (its last
+    # success); None: no reading yet. Above 0 when a late source's last reading is shown.
+    age_seconds: Optional[float] = None
 
 
 @dataclass
@@ -190,7 +193,9 @@ def build(snap: Snapshot, origin: str, daemons: Sequence[str] = ()) -> NodeStatu
     """The view of one collection: its samples, as /metrics would publish them, plus the log state.
     `daemons`: the configured names, listed even where no source said anything of them."""
     m = Samples(render(snap).families())
-    sources = [SourceStatus(name, o.success, o.error) for name, o in sorted(snap.outcomes.items())]
+    sources = [SourceStatus(name, o.success, o.error,
+                            None if o.last_success_seconds is None else max(0.0, snap.now - o.last_success_seconds))
+               for name, o in sorted(snap.outcomes.items())]
     names = [labels["daemon"] for labels, _ in m.rows("mps_control_daemon_up")]
     names += [n for n in [*snap.logs, *daemons] if n not in names]
     failed = {s.name: s.error or "no reason given" for s in sources if not s.ok}
