@@ -1,5 +1,6 @@
 """Exporter health: is every collector answering, how long do scrapes take."""
 
+from alerts import config as C
 from dashboards.common import build, m, row, row_query, source_panels, table, target, timeseries
 
 dashboard = build(
@@ -15,11 +16,16 @@ dashboard = build(
         timeseries("Collector duration", "Time each collector took in the scrape.", "s",
                    [target(m("mps_exporter_collector_duration_seconds"), "{{instance}} {{collector}}")], w=8),
         timeseries("Age of the served reading",
-                   "Seconds since the collection whose reading of each source is served. Grows while a source "
-                   "fails or is late (past --scrape.max-duration or Prometheus' scrape timeout): its series are "
-                   "then its last complete reading, or absent.", "s",
-                   [target(f"time() - {m('mps_exporter_collector_last_success_timestamp_seconds')}",
-                           "{{instance}} {{collector}}")], w=8),
+                   "Age of each source's reading when the scrape served it: under one refresh interval "
+                   "(--collector.refresh-interval, NVML and DCGM) or about 0 (read in the scrape). Grows while a "
+                   "source fails or is late (past --scrape.max-duration or Prometheus' scrape timeout): its series "
+                   f"are then its last complete reading, or absent. 'stale above': where MpsExporterReadingsStale "
+                   f"begins ({C.READINGS_STALE_INTERVALS} intervals + {C.READINGS_STALE_SLACK_SECONDS} s).", "s",
+                   [target(f"timestamp({m('mps_exporter_collector_last_success_timestamp_seconds')}) - "
+                           f"{m('mps_exporter_collector_last_success_timestamp_seconds')}", "{{instance}} {{collector}}"),
+                    target(f"{C.READINGS_STALE_INTERVALS} * {m('mps_exporter_collector_refresh_interval_seconds')} "
+                           f"+ {C.READINGS_STALE_SLACK_SECONDS}",
+                           "{{instance}} {{collector}} stale above")], w=8),
         timeseries("Source read time p99", "99th percentile of each source's read time, late reads included.", "s",
                    [target("histogram_quantile(0.99, sum by (instance, collector, le) (rate("
                            f"{m('mps_exporter_collector_read_duration_seconds', '_bucket')}[$__rate_interval])))",
