@@ -26,6 +26,7 @@ from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple
 from . import __version__
 from .bundle import SUFFIX, BundleWriter, LogChunk, LogError, log_error_record, log_record
 from .config import Config
+from .discovery import DaemonSet
 from .logs.events import FILES
 from .logs.follower import NOT_REGULAR_FILE, NotRegularFile, ReadError, missing_file_error, open_regular, read_error
 from .logs.parser import resolve_timezone
@@ -288,6 +289,8 @@ def capture(cfg: Config, stop: Optional[threading.Event] = None, readers: Option
     """The `capture` command. `readers` replaces the live ones (tests)."""
     started = time.time()
     path = bundle_path(cfg.capture.out, started)
+    # A bundle records a fixed list of daemons: those discovery finds now join the static ones.
+    cfg = dataclasses.replace(cfg, daemons=DaemonSet(cfg.daemons, cfg.discover).rescan(), discover=[])
     readers = build_readers(cfg, recorded=True) if readers is None else readers
     stop = stop or threading.Event()
     stop_on_signals(stop)  # Ctrl-C ends the capture early and still writes the bundle

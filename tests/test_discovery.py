@@ -272,3 +272,22 @@ def test_200_claims_appear_and_leave_leaving_nothing_behind(tmp_path):
     finally:
         for r in readers.values():
             r.close()
+
+
+def test_status_lists_every_daemon_found(tmp_path):
+    import io
+
+    from mps_exporter.status import command
+
+    plugin, plugins_dir = tmp_path / "mps-root", tmp_path / "plugins"
+    gpu = make_daemon_dir(plugin / "nvidia.com" / "gpu")
+    make_daemon_dir(dra_dir(plugins_dir, CLAIM))  # its daemon not running: listed all the same
+    cfg = discovery_config(tmp_path, [DiscoveryRoot(DEVICE_PLUGIN, str(plugin)), DiscoveryRoot(DRA, str(plugins_dir))],
+                           state_file=False)
+    cfg.status.output = "json"
+    fakes = FakeDaemons({str(gpu / "pipe"): FakeControlDaemon(servers=[FakeServer(500)])})
+    out = io.StringIO()
+    command.status(cfg, out, Backends(control_runner=fakes))
+    listed = {d["name"]: d for d in json.loads(out.getvalue())["daemons"]}
+    assert set(listed) == {"nvidia.com/gpu", f"{CLAIM}-a1b2c"}
+    assert [s["pid"] for s in listed["nvidia.com/gpu"]["servers"]] == [500]

@@ -30,13 +30,14 @@ from ..bundle import BundleError, load
 from ..config import Config
 from ..replay import Player, replay_config
 from ..sources.base import Backends
-from ..wiring import build_collector, build_readers
+from ..wiring import build_collector, build_readers, with_daemon_set
 from . import text, view
 from .watch import watch
 
 
 @contextlib.contextmanager
 def _live(cfg: Config, backends: Optional[Backends]) -> Iterator[Callable[[], view.NodeStatus]]:
+    backends = with_daemon_set(cfg, backends or Backends())
     readers = build_readers(dataclasses.replace(cfg, state_file=None), backends)
     collector = build_collector(cfg, readers)
     origin = f"host {socket.gethostname()}"
@@ -45,7 +46,9 @@ def _live(cfg: Config, backends: Optional[Backends]) -> Iterator[Callable[[], vi
         for reader in readers.values():
             reader.catch_up()  # the logs: from the files' beginning, then what they grew by
         # As long as a scrape would wait: a hung source shows as failed, the rest still prints.
-        return view.build(collector.snapshot(collector.budget(None)), origin, [d.name for d in cfg.daemons])
+        # Every daemon watched now, the discovered ones included, is listed.
+        return view.build(collector.snapshot(collector.budget(None)), origin,
+                          [d.name for d in backends.daemon_set.current()])
 
     try:
         yield collect

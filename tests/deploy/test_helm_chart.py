@@ -389,3 +389,44 @@ def test_args_are_single_tokens(default_objects):
     # No arg may need a shell: each is one flag=value.
     for arg in _container(default_objects)["args"]:
         assert shlex.split(arg) == [arg]
+
+
+@pytest.mark.parametrize("switches, roots, mounts", [
+    ({"devicePlugin": True}, [{"layout": "device-plugin", "root": "/run/nvidia/mps"}], ["/run/nvidia/mps"]),
+    ({"dra": True}, [{"layout": "dra", "root": "/var/lib/kubelet/plugins"}],
+     ["/run/nvidia/mps", "/var/lib/kubelet/plugins/gpu.nvidia.com/mps"]),
+    ({"devicePlugin": True, "dra": True, "draPluginsDirectory": "/var/lib/k0s/kubelet/plugins"},
+     [{"layout": "device-plugin", "root": "/run/nvidia/mps"}, {"layout": "dra", "root": "/var/lib/k0s/kubelet/plugins"}],
+     ["/run/nvidia/mps", "/var/lib/k0s/kubelet/plugins/gpu.nvidia.com/mps"]),
+])
+def test_discovery_switch_per_layout(switches, roots, mounts, tmp_path):
+    """Each layout's switch: its root in the config file, its host directory mounted
+    read-only (the DRA one without propagation), and the exporter accepts both."""
+    from mps_exporter import cli as exporter_config
+    from mps_exporter.config import DiscoveryRoot
+
+    objects = render({"mps": {"daemons": [], "discover": {**switches, "interval": 2}}})
+    config = load_yaml_text(_daemon_config(objects))
+    assert config == {"daemons": [], "discover": roots}
+    pod, container = _pod(objects), _container(objects)
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]
+            if "hostPath" in v and v["name"].startswith("mps-") and v["name"] != "mps-control-binary"}
+    assert sorted(host.values()) == sorted(mounts)
+    by_name = {m["name"]: m for m in container["volumeMounts"]}
+    for name, path in host.items():
+        assert by_name[name]["mountPath"] == path and by_name[name]["readOnly"] is True
+        assert ("mountPropagation" in by_name[name]) == (not path.endswith("/gpu.nvidia.com/mps"))
+    assert "--mps.discover-interval=2" in container["args"]
+    for obj in objects:
+        assert validate_object(obj) == [], obj["kind"]
+    config_file = tmp_path / "config.yml"
+    config_file.write_text(_daemon_config(objects))
+    args = [f"--config.file={config_file}" if a.startswith("--config.file=") else a for a in container["args"]]
+    _, cfg = exporter_config.parse_args(args)
+    assert cfg.daemons == [] and cfg.discovery_interval == 2
+    assert cfg.discover == [DiscoveryRoot(r["layout"], r["root"]) for r in roots]
+
+
+def test_no_daemon_and_no_discovery_fails_with_a_message():
+    with pytest.raises(helm.HelmError, match="mps.daemons is empty"):
+        render({"mps": {"daemons": []}})

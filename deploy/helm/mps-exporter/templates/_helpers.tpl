@@ -82,13 +82,33 @@ plugin's layout <root>/<resource>/{pipe,log}.
 {{- end }}
 
 {{/*
-Host directories to mount read-only: mps.root, plus every daemon directory
-outside it. A JSON list of paths.
+The discovery roots of --config.file's `discover` list, as JSON: the device plugin's
+under mps.root, the DRA driver's under its kubelet plugins directory.
+*/}}
+{{- define "mps-exporter.discover" -}}
+{{- $out := list }}
+{{- if .Values.mps.discover.devicePlugin }}
+{{- if not .Values.mps.root }}{{ fail "mps.discover.devicePlugin needs mps.root (the device plugin's mps.root)" }}{{ end }}
+{{- $out = append $out (dict "layout" "device-plugin" "root" (.Values.mps.root | trimSuffix "/")) }}
+{{- end }}
+{{- if .Values.mps.discover.dra }}
+{{- $out = append $out (dict "layout" "dra" "root" (.Values.mps.discover.draPluginsDirectory | trimSuffix "/")) }}
+{{- end }}
+{{- if and (not $out) (not .Values.mps.daemons) }}{{ fail "mps.daemons is empty: name a daemon or turn on mps.discover.devicePlugin or mps.discover.dra" }}{{ end }}
+{{- toJson $out }}
+{{- end }}
+
+{{/*
+Host directories to mount read-only: mps.root, the DRA driver's MPS directory where
+discovered, plus every daemon directory outside mps.root. A JSON list of paths.
 */}}
 {{- define "mps-exporter.hostDirectories" -}}
 {{- $root := .Values.mps.root | trimSuffix "/" }}
 {{- $dirs := list }}
 {{- if $root }}{{ $dirs = append $dirs $root }}{{ end }}
+{{- if .Values.mps.discover.dra }}
+{{- $dirs = append $dirs (printf "%s/gpu.nvidia.com/mps" (.Values.mps.discover.draPluginsDirectory | trimSuffix "/")) }}
+{{- end }}
 {{- range (include "mps-exporter.daemons" . | fromJsonArray) }}
 {{- range (list .pipe_directory .log_directory) }}
 {{- if not (and $root (hasPrefix (printf "%s/" $root) .)) }}
