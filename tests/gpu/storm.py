@@ -1,19 +1,24 @@
-"""The client storm on a real GPU (issue 12): many MPS clients arriving at once, both
-exporters scraped every second through it.
+"""The client storm on a real GPU (issues 12 and 29): many MPS clients arriving at once,
+the exporters scraped every second through it.
 
     python3 tests/gpu/storm.py --work /tmp/mps-storm --out DIR [--clients 48] [--busy 12]
 
 - starts its own MPS control daemon (its own pipe and log directories; `quit` at the end
   whatever happens) and mps-exporter (`serve`) with every NVML call timed per GPU
   inside the exporter process (`timed-serve` below: thin wrappers around pynvml);
-- starts nvitop-exporter beside it;
+- starts nvitop-exporter beside it, and (issue 29) a second mps-exporter that reads NVML
+  in every scrape (`--collector.refresh-interval 0`) to compare with the first (the
+  default background refresh, 1 s); the age of the NVML reading each scrape served is
+  recorded, and after the storm, with nobody scraping past `--pause-after`, control.log's
+  growth and the first exporter's CPU per second;
 - scrapes both once a second (mps-exporter as Prometheus does: OpenMetrics, gzip and
   `X-Prometheus-Scrape-Timeout-Seconds: 1`, the timeout Prometheus sends for a 1 s
   interval), a few seconds idle, then through the storm: CLIENTS clients started at
   once, BUSY of them multiplying matrices, the others holding memory; until every
   client is ready and a while after;
 - once settled, every client's memory as mps-exporter serves it against nvidia-smi;
-- writes DIR/storm-report.json (the fields issue 12 asks for) and
+- writes DIR/storm-report.json (the fields issue 12 asks for; `side_by_side`, `pause`),
+  DIR/storm-report.md (the side-by-side table) and
   DIR/storm-nvml-latency.json (every NVML call: seconds since the storm began, GPU,
   function, seconds), the fixture bench/scrape_bench.py replays.
 
@@ -105,9 +110,10 @@ def wait_http(url: str, seconds: float) -> None:
 class Scraper(threading.Thread):
     """Scrapes one URL once a second (on the tick, never bunching up)."""
 
-    def __init__(self, name: str, url: str, pid: int, headers: Dict[str, str]) -> None:
+    def __init__(self, name: str, url: str, pid: int, headers: Dict[str, str], ages: bool = False) -> None:
         super().__init__(name=name, daemon=True)
         self.url, self.pid, self.headers = url, pid, headers
+        self.ages = ages  # record the age of the NVML reading each scrape served (mps-exporter)
         self.results: List[Dict[str, Any]] = []  # t, seconds, status, phase, bytes
         self.phase = "idle"
         self.stop_event = threading.Event()
@@ -117,6 +123,7 @@ class Scraper(threading.Thread):
         tick = time.monotonic()
         while not self.stop_event.is_set():
             start = time.monotonic()
+            wall = time.time()
             status, size = 0, 0
             try:
                 req = urllib.request.Request(self.url, headers=self.headers)
@@ -130,12 +137,64 @@ class Scraper(threading.Thread):
             except OSError as e:
                 status = -1
                 print(f"{self.name}: scrape failed: {e}", flush=True)
-            self.results.append({"t": start, "seconds": time.monotonic() - start, "status": status,
-                                 "phase": self.phase, "bytes": size, "cpu": cpu_seconds(self.pid)})
+            row = {"t": start, "seconds": time.monotonic() - start, "status": status,
+                   "phase": self.phase, "bytes": size, "cpu": cpu_seconds(self.pid)}
+            if self.ages and status == 200:
+                row["age"] = reading_age(self.last_text, wall)
+            self.results.append(row)
             tick += 1.0
             while tick <= time.monotonic():
                 tick += 1.0
             self.stop_event.wait(tick - time.monotonic())
+
+
+def reading_age(text: str, at: float) -> Optional[float]:
+    """Seconds between the scrape (wall clock at its start) and the NVML reading it served."""
+    taken = [v for labels, v in series(text, "mps_exporter_collector_last_success_timestamp_seconds")
+             if labels.get("collector") == "nvml"]
+    return round(max(0.0, at - taken[0]), 4) if taken else None
+
+
+def cpu_per_second(results: List[Dict[str, Any]], phases: Tuple[str, ...]) -> Optional[float]:
+    """The process's CPU seconds per second of wall time over these phases' scrapes."""
+    rows = [r for r in results if r["phase"] in phases]
+    if len(rows) < 2:
+        return None
+    return round((rows[-1]["cpu"] - rows[0]["cpu"]) / (rows[-1]["t"] - rows[0]["t"]), 5)
+
+
+def age_stats(results: List[Dict[str, Any]], phases: Tuple[str, ...]) -> Dict[str, Any]:
+    ages = [r["age"] for r in results if r["phase"] in phases and r.get("age") is not None]
+    if not ages:
+        return {}
+    return {"scrapes": len(ages), "p50_seconds": round(percentile(ages, 50), 3),
+            "p99_seconds": round(percentile(ages, 99), 3), "max_seconds": round(max(ages), 3)}
+
+
+def memory_check(text: str, text2: str, apps: Dict[int, int], client_pids: set) -> Dict[str, Any]:
+    """Every client's memory as the exporter served it against nvidia-smi (within 1 MiB)."""
+    served = {int(l["pid"]): v for l, v in series(text, "mps_client_memory_used_bytes")}
+    served2 = {int(l["pid"]): v for l, v in series(text2, "mps_client_memory_used_bytes")}
+    mismatches = []
+    for pid in sorted(client_pids):
+        want = apps.get(pid)
+        got = served.get(pid, served2.get(pid))
+        if want is None or got is None or abs(got / MIB - want) > 1.0:
+            mismatches.append({"pid": pid, "nvidia_smi_mib": want, "exporter_mib": None if got is None else got / MIB})
+    return {"clients_compared": len(client_pids), "within_1_mib": len(client_pids) - len(mismatches),
+            "exact": len(client_pids) - len(mismatches), "mismatches": mismatches}
+
+
+def pause_check(exporter_pid: int, control_log: Path, pause_after: float, seconds: float) -> Dict[str, Any]:
+    """Nobody scrapes: after --collector.pause-after the exporter sends no control command
+    (control.log does not grow) and its CPU per second (issue 29, done-when 3)."""
+    time.sleep(pause_after + 3.0)
+    size0, cpu0, t0 = control_log.stat().st_size, cpu_seconds(exporter_pid), time.monotonic()
+    time.sleep(seconds)
+    size1, cpu1, t1 = control_log.stat().st_size, cpu_seconds(exporter_pid), time.monotonic()
+    return {"pause_after_seconds": pause_after, "measured_seconds": round(t1 - t0, 2),
+            "control_log_growth_bytes": size1 - size0,
+            "cpu_ms_per_second": round(1000 * (cpu1 - cpu0) / (t1 - t0), 3)}
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -187,6 +246,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--idle-seconds", type=float, default=8)
     ap.add_argument("--settle-seconds", type=float, default=15)
     ap.add_argument("--max-storm-seconds", type=float, default=150)
+    ap.add_argument("--name", default="h100-storm")
+    ap.add_argument("--pause-after", type=float, default=10.0,
+                    help="the exporter's --collector.pause-after; the pause check waits this long without scrapes")
+    ap.add_argument("--pause-seconds", type=float, default=20.0, help="then measures this long (0: no pause check)")
+    ap.add_argument("--no-refresh-zero", dest="refresh_zero", action="store_false",
+                    help="leave out the second mps-exporter (--collector.refresh-interval 0) scraped beside the first")
     args = ap.parse_args(argv)
     work, out = Path(args.work), Path(args.out)
     pipe, logs, clients_dir = work / "pipe", work / "log", work / "clients"
@@ -194,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         d.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
     procs: List[subprocess.Popen] = []
-    report: Dict[str, Any] = {"name": "h100-storm", "machine": "", "notes": []}
+    report: Dict[str, Any] = {"name": args.name, "machine": "", "notes": []}
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
@@ -205,9 +270,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         exporter = subprocess.Popen(
             [sys.executable, str(Path(__file__)), "timed-serve", str(calls_file), "--", "serve",
              "--mps.pipe-directory", str(pipe), "--mps.log-directory", str(logs), "--no-collector.dcgm",
-             "--web.listen-address", "127.0.0.1:10138"],
+             "--web.listen-address", "127.0.0.1:10138", "--collector.pause-after", str(args.pause_after)],
             env=env, stdout=open(out / "exporter.log", "w"), stderr=subprocess.STDOUT)
         procs.append(exporter)
+        # The same exporter reading NVML in every scrape (as before issue 29), beside it.
+        zero = start_refresh_zero(pipe, logs, env, out) if args.refresh_zero else None
+        procs.extend([zero] if zero is not None else [])
         nvitop = subprocess.Popen(
             [sys.executable, "-c", "import sys; from nvitop_exporter.cli import main; sys.exit(main())",
              "--bind-address", "127.0.0.1", "--port", "10139", "--interval", "1.0"],
@@ -215,18 +283,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         procs.append(nvitop)
         wait_http("http://127.0.0.1:10138/metrics", 60)
         wait_http("http://127.0.0.1:10139/metrics", 60)
-        ours = Scraper("mps-exporter", "http://127.0.0.1:10138/metrics", exporter.pid,
-                       {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip",
-                        "X-Prometheus-Scrape-Timeout-Seconds": "1"})
+        prometheus = {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip", "X-Prometheus-Scrape-Timeout-Seconds": "1"}
+        ours = Scraper("mps-exporter", "http://127.0.0.1:10138/metrics", exporter.pid, prometheus, ages=True)
         theirs = Scraper("nvitop-exporter", "http://127.0.0.1:10139/metrics", nvitop.pid,
                          {"Accept-Encoding": "gzip"})
-        ours.start()
-        theirs.start()
+        scrapers = [ours, theirs]
+        if zero is not None:
+            wait_http("http://127.0.0.1:10140/metrics", 60)
+            scrapers.append(Scraper("mps-exporter-refresh-0", "http://127.0.0.1:10140/metrics", zero.pid, prometheus,
+                                    ages=True))
+        for scraper in scrapers:
+            scraper.start()
         time.sleep(args.idle_seconds)
 
         # The storm: every client at once.
         storm_start = time.monotonic()
-        ours.phase = theirs.phase = "storm"
+        set_phase(scrapers, "storm")
         stop_file = clients_dir / "stop"
         clients = []
         for i in range(args.clients):
@@ -251,34 +323,31 @@ def main(argv: Optional[List[str]] = None) -> int:
         report["clients_exited_early"] = [i for i, c in enumerate(clients) if c.poll() is not None]
         report["storm_seconds_until_all_ready"] = None if ready_at is None else round(ready_at - storm_start, 2)
         time.sleep(args.settle_seconds / 2)
-        ours.phase = theirs.phase = "settled"
+        set_phase(scrapers, "settled")
         time.sleep(args.settle_seconds / 2)
 
         # Settled: every client's memory against nvidia-smi, from the same moment.
-        text = ours.last_text
+        mps_scrapers = [sc for sc in scrapers if sc.ages]
+        texts = [sc.last_text for sc in mps_scrapers]
         smi_apps = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory",
                                    "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
-        text2 = ours.last_text
+        texts2 = [sc.last_text for sc in mps_scrapers]
         apps = {}
         for line in smi_apps.strip().splitlines():
             uuid, pid, used = [c.strip() for c in line.split(",")]
             if used.isdigit():
                 apps[int(pid)] = int(used)
-        served = {int(l["pid"]): v for l, v in series(text, "mps_client_memory_used_bytes")}
-        served2 = {int(l["pid"]): v for l, v in series(text2, "mps_client_memory_used_bytes")}
         client_pids = {c.pid for c in clients if c.poll() is None}
-        mismatches = []
-        for pid in sorted(client_pids):
-            want = apps.get(pid)
-            got = served.get(pid, served2.get(pid))
-            if want is None or got is None or int(round(got / MIB)) != want:
-                mismatches.append({"pid": pid, "nvidia_smi_mib": want, "exporter_mib": None if got is None else got / MIB})
-        report["memory_check"] = {"clients_compared": len(client_pids), "exact": len(client_pids) - len(mismatches),
-                                  "mismatches": mismatches}
-        ours.stop_event.set()
-        theirs.stop_event.set()
-        ours.join(35)
-        theirs.join(35)
+        checks = [memory_check(t1, t2, apps, client_pids) for t1, t2 in zip(texts, texts2)]
+        report["memory_check"] = checks[0]
+        if len(checks) > 1:
+            report["memory_check_refresh_0"] = checks[1]
+        for scraper in scrapers:
+            scraper.stop_event.set()
+        for scraper in scrapers:
+            scraper.join(35)
+        if args.pause_seconds > 0:  # the clients still hold their memory; nobody scrapes
+            report["pause"] = pause_check(exporter.pid, logs / "control.log", args.pause_after, args.pause_seconds)
         stop_file.write_text("stop\n")
         for c in clients:
             try:
@@ -297,14 +366,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "storm_only": scrape_stats(ours.results, ("storm",))},
             "nvitop_exporter": {"idle": scrape_stats(theirs.results, ("idle",)), "storm": s_theirs,
                                 "storm_only": scrape_stats(theirs.results, ("storm",))},
-            "scrapes": {"mps_exporter": ours.results, "nvitop_exporter": theirs.results},
+            "scrapes": {sc.name: sc.results for sc in scrapers},
             "storm_started_monotonic": storm_start,
         })
+        report["side_by_side"] = side_by_side(scrapers)
     finally:
-        for p in procs[2:]:
+        exporters = 3 if args.refresh_zero else 2  # mps-exporter (and its refresh-0 twin), nvitop-exporter
+        for p in procs[exporters:]:
             if p.poll() is None:
                 p.kill()
-        for p in procs[:2]:
+        for p in procs[:exporters]:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 try:
@@ -314,6 +385,48 @@ def main(argv: Optional[List[str]] = None) -> int:
         subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=env, text=True, timeout=30)
         (out / "storm-report.partial.json").write_text(json.dumps(report, indent=1, default=str))
     return finish(report, out)
+
+
+def start_refresh_zero(pipe: Path, logs: Path, env: Dict[str, str], out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mps_exporter.cli", "serve", "--mps.pipe-directory", str(pipe),
+         "--mps.log-directory", str(logs), "--no-collector.dcgm", "--web.listen-address", "127.0.0.1:10140",
+         "--collector.refresh-interval", "0"],
+        env=env, stdout=open(out / "exporter-refresh-0.log", "w"), stderr=subprocess.STDOUT)
+
+
+def set_phase(scrapers: List[Scraper], phase: str) -> None:
+    for scraper in scrapers:
+        scraper.phase = phase
+
+
+def side_by_side(scrapers: List[Scraper]) -> Dict[str, Any]:
+    """Per exporter and phase: scrape p50/p99/max, CPU per second, ages of the NVML reading served."""
+    out: Dict[str, Any] = {}
+    for sc in scrapers:
+        row: Dict[str, Any] = {}
+        for label, phases in (("idle", ("idle",)), ("storm", ("storm",)), ("settled", ("settled",)),
+                              ("storm+settled", ("storm", "settled"))):
+            row[label] = {**scrape_stats(sc.results, phases), "cpu_seconds_per_second": cpu_per_second(sc.results, phases),
+                          "nvml_age": age_stats(sc.results, phases)}
+        out[sc.name] = row
+    return out
+
+
+def side_by_side_markdown(report: Dict[str, Any]) -> str:
+    rows = ["| exporter | phase | scrapes | p50 ms | p99 ms | max ms | CPU ms per second | NVML age p50 / max s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, phases in report.get("side_by_side", {}).items():
+        for phase, st in phases.items():
+            if not st.get("scrapes"):
+                continue
+            age = st.get("nvml_age") or {}
+            cpu = st.get("cpu_seconds_per_second")
+            rows.append(f"| {name} | {phase} | {st['scrapes']} | {1000 * st['p50_seconds']:.1f} | "
+                        f"{1000 * st['p99_seconds']:.1f} | {1000 * st['max_seconds']:.1f} | "
+                        f"{'' if cpu is None else f'{1000 * cpu:.1f}'} | "
+                        f"{age.get('p50_seconds', '')} / {age.get('max_seconds', '')} |")
+    return "\n".join(rows)
 
 
 def finish(report: Dict[str, Any], out: Path) -> int:
@@ -340,9 +453,17 @@ def finish(report: Dict[str, Any], out: Path) -> int:
                "calls": [[round(t, 4), gpu, fn, round(sec, 6)] for t, gpu, fn, sec in calls if t >= -10]}
     (out / "storm-nvml-latency.json").write_text(json.dumps(fixture, separators=(",", ":")))
     (out / "storm-report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "storm-report.md").write_text(
+        f"# Client storm: {report.get('clients')} clients ({report.get('busy_clients')} busy) on {report.get('machine')}\n\n"
+        + side_by_side_markdown(report) + "\n\n"
+        + f"memory (refresh 1 s): {json.dumps({k: v for k, v in report.get('memory_check', {}).items() if k != 'mismatches'})}\n\n"
+        + f"memory (refresh 0): {json.dumps({k: v for k, v in report.get('memory_check_refresh_0', {}).items() if k != 'mismatches'})}\n\n"
+        + f"pause: {json.dumps(report.get('pause'))}\n")
     summary = {k: report.get(k) for k in ("gpus", "clients", "scrape_p50_seconds", "scrape_p99_seconds",
                                            "scrape_max_seconds", "exporter_cpu_seconds_per_scrape")}
     print(json.dumps(summary), flush=True)
+    print(side_by_side_markdown(report), flush=True)
+    print(json.dumps({"pause": report.get("pause")}), flush=True)
     print(json.dumps({"nvitop": report.get("nvitop_exporter", {}).get("storm"),
                       "memory": {k: v for k, v in report.get("memory_check", {}).items() if k != "mismatches"},
                       "slow": report["slow_calls"][:6]}, indent=None), flush=True)

@@ -352,7 +352,17 @@ class TruthCheck:
             raise RuntimeError("exporter did not answer: " + read(self.s.work / "exporter.log")[-2000:])
 
     def scrape(self) -> Exposition:
-        return scrape(self.url)
+        """A scrape whose NVML reading was taken after this call began. The exporter
+        reads NVML in the background (--collector.refresh-interval, 1 s) and serves a
+        reading up to two intervals old; the comparisons that follow are with oracles
+        read from now on, so the check waits (at most 5 s) for a reading that young."""
+        asked = time.time()
+        while True:
+            e = scrape(self.url)
+            taken = e.value("mps_exporter_collector_last_success_timestamp_seconds", collector="nvml")
+            if taken is None or taken >= asked or time.time() > asked + 5:
+                return e
+            time.sleep(0.05)
 
     def stable_state(self, attempts: int = 4):
         """Oracles, a scrape, oracles again; retried until the oracles agree before and after."""
@@ -440,7 +450,7 @@ class TruthCheck:
             raws.add(cost["total"])
             raw_nvml.add(cost["nvml"])
             raw_ctl.add(cost["control"])
-            e = self.scrape()
+            e = scrape(self.url)  # as Prometheus scrapes: whatever reading is the latest
             scrapes.add(e.seconds)
             for x in e.series("mps_exporter_collector_duration_seconds"):
                 durations.setdefault(x.labels["collector"], Samples()).add(x.value)
