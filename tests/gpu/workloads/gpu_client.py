@@ -73,4 +73,5 @@ while not os.path.exists(a.stop) and time.time() - t_ready < a.max_seconds:
     if iters % 20 == 0:
         torch.cuda.synchronize(dev)
 torch.cuda.synchronize(dev)
-print(f"{tag} pid={os.getpid()} uid={os.getuid()} dev={a.device} init={t_ready - t0:.2f}s iters={iters}", flush=True)
+print(f"{tag} pid={os.getpid()} uid={os.getuid()} dev={a.device} init={t_ready - t0:.2f}s iters={iters} "
+      f"busy={time.time() - t_ready:.2f}", flush=True)
