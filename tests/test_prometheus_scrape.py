@@ -34,6 +34,10 @@ ABSENT_IN_CAPTURE = {
     "mps_process_sm_utilization_ratio": "the GPU is under MPS: NVML attributes SM time to the server",
     "mps_default_pinned_memory_limit_bytes": "the capture sets no default pinned limit",
     "mps_server_pinned_memory_limit_bytes": "the capture sets no server pinned limit",
+    "mps_server_priority": "the capture's server logs no `Server Priority set to N` line",
+    "mps_client_limit_ignored": "no client of the capture sets a limit MPS ignores",
+    "mps_process_outside_mps_info": "no CUDA process runs beside MPS in the capture",
+    "mps_process_outside_mps_memory_used_bytes": "no CUDA process runs beside MPS in the capture",
 }
 TABLES = ("GPU", "MPS control daemon", "MPS servers", "MPS clients")
 EXPECTED = {name for name, spec in METRICS.items() if spec.table in TABLES} - set(ABSENT_IN_CAPTURE)

@@ -41,7 +41,15 @@ OTHER_GRANULARITIES = ("(--mps.client-granularity pod)", "(--mps.client-granular
 RULES = os.path.join(ROOT, "alerts", "prometheus", "mps-exporter.rules.yml")
 # Series of the live exporter itself that the shipped session, recorded before they
 # existed, cannot replay (a bundle recorded since carries them).
-NOT_IN_SHIPPED_SESSION = ("mps_exporter_control_commands_total",)
+NOT_IN_SHIPPED_SESSION = (
+    "mps_exporter_control_commands_total",
+    # The session sets no default client priority, and its server predates the
+    # `Server Priority set to N` line the exporter now reads.
+    "mps_default_client_priority", "mps_server_priority",
+    # No client's own limit is ignored and no CUDA process runs beside MPS while the
+    # daemon is up (the two processes without MPS at 98-110 s run after `quit`).
+    "mps_client_limit_ignored", "mps_process_outside_mps_",
+)
 
 
 def _wait_http(url: str, process: subprocess.Popen, timeout: float = 20.0) -> None:
