@@ -165,6 +165,7 @@ class Config:
     dcgm_bindings: Sequence[str] = DEFAULT_DCGM_BINDINGS
     state_file: Optional[str] = None
     log_timezone: str = "local"
+    log_start: str = "beginning"  # --mps.log-start: "end" skips the history of a log the state file lacks
     # Settings of sources' own flags that no field above holds (sources/base.Flag).
     settings: Dict[str, Any] = field(default_factory=dict)
     log_level: str = "info"

@@ -65,6 +65,7 @@ from .webconfig import (RateLimit, TLSContextSource, WebConfig, WebConfigWatch, 
 log = logging.getLogger(__name__)
 
 HEALTH_PATH = "/-/healthy"
+READY_PATH = "/-/ready"  # 503 while a source is not ready to serve the truth (the logs catching up)
 # Go's answer to a plain HTTP request on a TLS port (net/http server.go).
 _PLAIN_HTTP_ON_TLS = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
 
@@ -202,9 +203,15 @@ class _Guards:
         self.limiter = TokenBucket(config.rate_limit) if config.rate_limit else None
 
 
+def _always_ready() -> bool:
+    return True
+
+
 class _App:
-    def __init__(self, registry: Collector, telemetry_path: str, config: WebConfig, max_requests: int) -> None:
+    def __init__(self, registry: Collector, telemetry_path: str, config: WebConfig, max_requests: int,
+                 ready: Callable[[], bool] = _always_ready) -> None:
         self.registry = registry
+        self.ready = ready
         self.telemetry_path = telemetry_path
         self.web_config = WebConfigWatch(config)
         self._guards = _Guards(config)
@@ -809,6 +816,11 @@ class _Exchange:
             self._reply(HTTPStatus.OK, _landing_page(app.telemetry_path), {"Content-Type": "text/html; charset=utf-8"})
         elif url.path == HEALTH_PATH:
             self._reply(HTTPStatus.OK, b"OK")
+        elif url.path == READY_PATH:
+            if app.ready():
+                self._reply(HTTPStatus.OK, b"OK")
+            else:
+                self._reply(HTTPStatus.SERVICE_UNAVAILABLE, b"Not ready: the logs are being read through their history\n")
         elif url.path == runbook.PATH:
             self._reply(HTTPStatus.OK, runbook.served_page(), {"Content-Type": "text/html; charset=utf-8"})
         else:
@@ -903,21 +915,25 @@ def _landing_page(telemetry_path: str) -> bytes:
 
 def make_server(registry: Collector, listen_address: str, telemetry_path: str = "/metrics",
                 web_config: Optional[WebConfig] = None, max_requests: int = Config.max_requests,
-                max_connections: Optional[int] = None, listener: Optional[socket.socket] = None) -> ExporterServer:
+                max_connections: Optional[int] = None, listener: Optional[socket.socket] = None,
+                readiness: Callable[[], bool] = _always_ready) -> ExporterServer:
     """Bind (port 0 picks a free port) without serving yet; tests and serve() use it.
     max_connections: None takes what the file limit allows (connection_cap); listener: a
-    listening socket to serve instead of binding (systemd socket activation)."""
-    return ExporterServer(listen_address, _App(registry, telemetry_path, web_config or WebConfig(), max_requests),
-                          max_connections, listener)
+    listening socket to serve instead of binding (systemd socket activation);
+    `readiness`: what /-/ready answers (False: 503)."""
+    return ExporterServer(listen_address, _App(registry, telemetry_path, web_config or WebConfig(), max_requests,
+                                               readiness), max_connections, listener)
 
 
 def serve(registry: Collector, listen_address: str, telemetry_path: str, web_config: Optional[WebConfig], *,
           max_requests: int = Config.max_requests, ready: Optional[threading.Event] = None,
-          stop: Optional[threading.Event] = None, listener: Optional[socket.socket] = None) -> None:
+          stop: Optional[threading.Event] = None, listener: Optional[socket.socket] = None,
+          readiness: Callable[[], bool] = _always_ready) -> None:
     """Serve until `stop` is set (or forever). Blocking. Raises OSError when the
     address cannot be bound (nothing is logged as listening then)."""
     raise_open_file_limit()
-    server = make_server(registry, listen_address, telemetry_path, web_config, max_requests, listener=listener)
+    server = make_server(registry, listen_address, telemetry_path, web_config, max_requests, listener=listener,
+                         readiness=readiness)
     log.info("listening on %s, metrics at %s (TLS %s, basic auth %s, at most %d connections)",
              server.bound_addresses(), telemetry_path, "on" if server.tls else "off",
              "on" if server.app.auth else "off", server.max_connections)

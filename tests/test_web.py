@@ -1041,3 +1041,20 @@ def test_the_web_config_file_is_checked_at_most_every_interval(tmp_path):
     assert set(watch.current().users) == {"bob"} and watch.reloads == 1
     now[0] = 0.6
     assert set(watch.current().users) == {"bob"} and watch.reloads == 1  # unchanged: not re-read
+
+
+def test_ready_answers_503_until_every_source_is_ready():
+    state = {"ready": False}
+    server = web.make_server(registry_with(GpuCollector()), "127.0.0.1:0", readiness=lambda: state["ready"])
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        status, _, body = request(server, "/-/ready")
+        assert status == 503 and b"history" in body
+        assert request(server, "/-/healthy")[0] == 200  # alive all along: a catch-up is no reason to restart
+        state["ready"] = True
+        assert request(server, "/-/ready")[::2] == (200, b"OK")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

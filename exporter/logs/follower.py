@@ -73,6 +73,27 @@ def open_regular(path: str) -> Tuple[int, os.stat_result]:
     return fd, fst
 
 
+def end_position(path: str) -> Dict[str, Any]:
+    """A `position()` at the end of the file's last complete line (`--mps.log-start end`:
+    what it holds now is history, not news); {} where there is no regular file to read."""
+    try:
+        fd, fst = open_regular(path)
+    except OSError:
+        return {}
+    try:
+        tail_start = max(0, fst.st_size - DEFAULT_MAX_LINE_BYTES)
+        tail = os.pread(fd, fst.st_size - tail_start, tail_start)
+        head = os.pread(fd, HEAD_BYTES, 0)
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
+    newline = tail.rfind(b"\n")
+    # No newline in the last 64 KiB: past the cap, the rest of that line is never read whole.
+    offset = tail_start + newline + 1 if newline >= 0 or tail_start == 0 else fst.st_size
+    return {"dev": fst.st_dev, "ino": fst.st_ino, "offset": offset, "head": head.hex()}
+
+
 class ReadError(NamedTuple):
     reason: str  # one of READ_ERROR_REASONS
     message: str  # for people: the path and what is wrong with it
@@ -136,6 +157,19 @@ class FileFollower:
                             "offset": max(0, int(pos["offset"])), "head": bytes.fromhex(str(pos["head"]))}
         except (KeyError, TypeError, ValueError):
             self._resume = None
+
+    def unread_bytes(self) -> int:
+        """Bytes of the file under the name not read yet (0 where there is none): the backlog."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return 0
+        if self._fd is not None and (st.st_dev, st.st_ino) == self._identity:
+            return max(0, st.st_size - self._offset)
+        saved = self._resume
+        if saved and (st.st_dev, st.st_ino) == (saved["dev"], saved["ino"]):
+            return max(0, st.st_size - int(saved["offset"]))
+        return st.st_size
 
     def close(self) -> None:
         if self._fd is not None:

@@ -24,7 +24,7 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from .events import FILES
-from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, ReadError
+from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, ReadError, end_position
 from .liveness import ProcLiveness
 from .parser import parse_line, resolve_timezone
 from .state import LogSnapshot, LogState
@@ -36,13 +36,20 @@ POLL_SECONDS = 0.25
 SAVE_SECONDS = 5.0  # the state file is written at most this often (and at stop)
 PUBLISH_LINES = 100_000  # while catching up on a long log, publish every this many lines
 LIVENESS_SECONDS = 2.0  # how often /proc is asked about queued clients (a stat per client)
+# --mps.log-start: where a log the state file does not know is read from.
+LOG_START_BEGINNING, LOG_START_END = "beginning", "end"
+LOG_STARTS = (LOG_START_BEGINNING, LOG_START_END)
 
 
 class LogPipeline:
     def __init__(self, daemon: str, log_directory: str, timezone: str = "local",
                  state_store: Optional[StateStore] = None,
-                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, proc_root: Optional[str] = None) -> None:
-        """proc_root: the /proc to ask whether queued clients still exist (None: never ask)."""
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, proc_root: Optional[str] = None,
+                 log_start: str = LOG_START_BEGINNING) -> None:
+        """proc_root: the /proc to ask whether queued clients still exist (None: never ask).
+        log_start: with no state of this daemon to resume, read the files from their
+        beginning (their history counted), or from their end (LOG_START_END: counters
+        from 0, the clients already connected unknown to the logs)."""
         self.daemon = daemon
         self.log_directory = log_directory
         self._tz = resolve_timezone(timezone)  # ValueError for an unknown zone: a config error
@@ -52,7 +59,10 @@ class LogPipeline:
         self._state = LogState()
         self._liveness = ProcLiveness(proc_root) if proc_root else None
         self._next_liveness = 0.0  # time.monotonic() of the next look at /proc
-        self._snapshot = LogSnapshot()
+        self._log_start = log_start
+        self._placed = False  # where to start reading has been decided (the first round)
+        self._caught_up = False  # the files have been read to their end once since the start
+        self._snapshot = LogSnapshot(caught_up=False)
         self._write_lock = threading.Lock()  # read_once and the thread never interleave
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -98,10 +108,11 @@ class LogPipeline:
         """Read both files to their end now (from their beginning, or from the saved
         offsets when there is a state file), publish and return the snapshot."""
         with self._write_lock:
-            self._restore()
+            self._place()
             for file in FILES:
                 while self._poll_file(file):
                     pass
+            self._caught_up = True
             self._state.settle()
             self._forget_gone()
             self._publish()
@@ -114,10 +125,12 @@ class LogPipeline:
             busy = False
             try:
                 with self._write_lock:
-                    self._restore()
+                    self._place()
                     for file in FILES:  # control.log first: see LogState.settle
                         more = self._poll_file(file)
                         busy = more or busy
+                    if not busy and not self._caught_up:  # both files read to their end
+                        self._caught_up = self._dirty = True
                     if not more and self._state.settle():  # server.log, read last, is at its end
                         self._dirty = self._unsaved = True
                     if time.monotonic() >= self._next_liveness:
@@ -132,6 +145,22 @@ class LogPipeline:
                     log.exception("log pipeline %s: reading %s failed", self.daemon, self.log_directory)
             if not busy:
                 self._stop.wait(POLL_SECONDS)
+
+    def _place(self) -> None:
+        """The first round: resume from the state file, or else start where --mps.log-start says."""
+        if self._placed:
+            return
+        self._placed = True
+        fresh = self._state
+        self._restore()
+        if self._state is fresh and self._log_start == LOG_START_END:  # nothing resumed
+            for follower in self._followers.values():
+                position = end_position(follower.path)
+                if position:
+                    follower.resume(position)
+            log.info("log pipeline %s: no saved state; reading %s from the end of its files (--mps.log-start end)",
+                     self.daemon, self.log_directory)
+        self._publish()  # the backlog, known before the first line is read
 
     def _forget_gone(self) -> None:
         if self._liveness is not None and self._state.forget_gone(self._liveness, time.time()):
@@ -178,6 +207,8 @@ class LogPipeline:
             if self._internal_errors[file]:
                 errors[(file, INTERNAL_ERROR)] = self._internal_errors[file]
         snap.read_errors = errors
+        snap.caught_up = self._caught_up
+        snap.backlog_bytes = sum(f.unread_bytes() for f in self._followers.values())
         snap.problems = tuple(sorted({e.message for e in self._published_errors.values() if e is not None}))
         self._snapshot = snap  # one reference assignment: atomic for readers
         self._dirty = False

@@ -263,6 +263,10 @@ class LogSnapshot:
     # Set by the pipeline, not the state machine: how reading the files goes.
     read_errors: Dict[Tuple[str, str], int] = field(default_factory=dict)  # (file, reason) -> failures begun
     problems: Tuple[str, ...] = ()  # why a file cannot be read now (messages naming the path); () when fine
+    # False from a start until the files have been read to their end once: the counters are
+    # still climbing through history, so the logs are not served (sources/logs.py).
+    caught_up: bool = True
+    backlog_bytes: int = 0  # bytes of the files not read yet (as of the last publish)
 
     def oldest_queued_wait(self, now: float) -> float:
         """Age of the oldest pending client, among waits of 0 s to MAX_PLAUSIBLE_QUEUE_WAIT:

@@ -51,6 +51,10 @@ def _nothing() -> None:
     return None
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass
 class Reader(Generic[R]):
     """A built source. `read` runs once per collection, in its own thread."""
@@ -59,6 +63,9 @@ class Reader(Generic[R]):
     start: Callable[[], None] = _nothing  # serve: start background work (log followers)
     catch_up: Callable[[], None] = _nothing  # dump: take in what is there now, synchronously
     close: Callable[[], None] = _nothing
+    # serve: False while what it would serve is not yet true (the logs catching up on
+    # their history); /-/ready answers 503 until every reader is ready.
+    ready: Callable[[], bool] = _always
     source: Any = field(default=None, repr=False)  # the live object, for tests and benchmarks
 
 

@@ -17,7 +17,9 @@ from typing import Callable, Dict, Optional
 from ..config import Config, DaemonConfig
 from ..discovery import DaemonSet
 from ..logs.parser import resolve_timezone
-from ..logs.pipeline import LogPipeline
+from ..contract import DAEMON, gauge, table
+from ..families import FamilyBuilder
+from ..logs.pipeline import LOG_STARTS, LogPipeline
 from ..logs.state import LogSnapshot
 from ..logs.statefile import StateStore
 from ..model import Snapshot
@@ -87,6 +89,15 @@ class DaemonPipelines:
                 p.stop()
 
 
+BACKLOG_METRICS = table(
+    "The MPS logs' backlog",
+    gauge("mps_log_backlog_bytes", "Bytes of the daemon's control.log and server.log left to read before its "
+          "logs are served: after a start without a state file (or with one far behind) the logs are read "
+          "through their history first, and until then their families are absent, collector_success"
+          "{collector=\"logs\"} is 0 and /-/ready answers 503; 0 once read to their end.", DAEMON),
+)
+
+
 def pipelines_reader(pipelines: DaemonPipelines) -> Reader[Dict[str, LogSnapshot]]:
     """The reader over these pipelines (daemon name -> its pipeline)."""
 
@@ -100,11 +111,17 @@ def pipelines_reader(pipelines: DaemonPipelines) -> Reader[Dict[str, LogSnapshot
             current = pipelines.sync(rescan=True)
             logs = {name: logs[name] for name in current if name in logs}
         problems = [f"{name}: {problem}" for name, s in logs.items() for problem in s.problems]
+        problems += [f"{name}: catching up, {s.backlog_bytes} bytes of its logs left to read"
+                     for name, s in logs.items() if not s.caught_up]
         if problems:  # a file that cannot be read: what was read still counts, the collector fails
             raise PartialFailure("; ".join(problems), logs)
         return logs
 
-    return Reader(read, start=pipelines.start, catch_up=pipelines.catch_up, close=pipelines.close, source=pipelines)
+    def ready() -> bool:
+        return all(p.snapshot().caught_up for p in list(pipelines.pipelines.values()))
+
+    return Reader(read, start=pipelines.start, catch_up=pipelines.catch_up, close=pipelines.close, ready=ready,
+                  source=pipelines)
 
 
 def _file_name(path: str) -> str:
@@ -112,6 +129,12 @@ def _file_name(path: str) -> str:
     if not path or os.path.isdir(path):
         raise ValueError(f"{path!r}: give a file name, not a directory")
     return path
+
+
+def _log_start(value: str) -> str:
+    if value not in LOG_STARTS:
+        raise ValueError(f"{value!r}: give one of {', '.join(LOG_STARTS)}")
+    return value
 
 
 def _timezone(name: str) -> str:
@@ -123,9 +146,15 @@ class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
     name = "logs"
     help = "control.log and server.log: queueing, handoffs, faults, lifecycle, commands"
     recorded = False
+    metrics = BACKLOG_METRICS
     flags = (
         Flag("--mps.state-file", "state_file", "file where the log follower keeps offsets and counters across "
              "restarts", refuses=("", "/"), check=_file_name),
+        Flag("--mps.log-start", "log_start", "where to read a log from when the state file has nothing of it: "
+             "'beginning' counts its whole history (a year of a busy node's control.log takes about an hour, and "
+             "the log families are not served until then); 'end' skips what it holds now: the log counters start "
+             "at 0, and the clients already connected get their server's current limits, not those they "
+             "connected under (default %(default)s)", refuses=("middle", ""), check=_log_start),
         Flag("--mps.log-timezone", "log_timezone", "time zone of MPS log timestamps (they carry none): local or "
              "an IANA name (default %(default)s)", refuses=("Mars/Olympus", "Not A Zone"), check=_timezone),
     )
@@ -139,12 +168,20 @@ class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
 
         def make(d: DaemonConfig) -> LogPipeline:
             return LogPipeline(d.name, d.log_directory, timezone=cfg.log_timezone, state_store=store,
-                               proc_root=liveness)
+                               proc_root=liveness, log_start=cfg.log_start)
 
         return pipelines_reader(DaemonPipelines(daemons, make, store))
 
     def store(self, snap: Snapshot, reading: Dict[str, LogSnapshot]) -> None:
-        snap.logs = reading
+        # A daemon whose logs are still being read through their history has counters on
+        # their way up from 0: Prometheus would see a reset, then months of events as
+        # news. Only the backlog is served until the end is reached.
+        snap.logs = {name: s for name, s in reading.items() if s.caught_up}
+        snap.extra[self.name] = reading
+
+    def render(self, out: FamilyBuilder, snap: Snapshot) -> None:
+        for name, s in sorted((self.reading(snap) or {}).items()):
+            out.add("mps_log_backlog_bytes", 0 if s.caught_up else s.backlog_bytes, daemon=name)
 
 
 SOURCE = LogsSourceSpec()
