@@ -16,6 +16,8 @@ CUDA clients (workloads/); it quits MPS at the end whatever failed. Phases:
             a client near its limit, clients over their limit
   fault     a client that hits a fatal GPU error beside a bystander
   quit      the daemon quits; the log counters against the whole logs
+  discovery daemons in the device plugin's and DRA driver's layouts, found by a
+            second exporter as they come and go (discovery_phase.py)
 
 Each comparison goes into the report (name, expected, actual, passed); the
 JSON and a Markdown summary are written to --report-dir.
@@ -930,6 +932,11 @@ class TruthCheck:
             seen_exp += [f"{x.labels['server_pid']} {x.labels['status']}" for x in self.scrape().series("mps_server_status")]
             time.sleep(0.1)
         return seen_ctl, seen_exp
+
+    def phase_discovery(self) -> None:
+        self.phase("discovery")
+        import discovery_phase
+        discovery_phase.run(self, free_port())
 
     def phase_quit(self) -> None:
         self.phase("quit")
