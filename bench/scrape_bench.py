@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prometheus_client.exposition import choose_encoder, generate_latest  # noqa: E402
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics  # noqa: E402
 
-from mps_exporter.collector import build_registry, scrape_timeout  # noqa: E402
+from mps_exporter.collector import build_registry  # noqa: E402
+from mps_exporter.scrape_timeout import scrape_timeout  # noqa: E402
 from mps_exporter.wiring import build_collector, build_readers  # noqa: E402
 from tests.support import scenarios  # noqa: E402
 

@@ -5,7 +5,7 @@ its own thread, and join the results (render.py) into fresh families.
   `mps_exporter_collector_success` to 0; the scrape still answers.
 - Sources are read concurrently (proc waits for the PIDs NVML and the daemons
   name); a collection ends at its deadline, from Prometheus' scrape timeout
-  (`scrape_timeout`) or the configured ceiling. A source still reading then is
+  (scrape_timeout.py) or the configured ceiling. A source still reading then is
   late: its collector reports failure, and its last complete reading is served
   where there is one, with the time it was taken
   (`mps_exporter_collector_last_success_timestamp_seconds`).
@@ -29,10 +29,8 @@ import time
 import zlib
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
@@ -42,32 +40,13 @@ from .config import DEFAULT_PAUSE_AFTER, Config
 from .contract import READ_DURATION_BUCKETS
 from .model import Histogram, Outcome, Snapshot
 from .families import FamilyBuilder
+from . import scrape_timeout
 from .render import readings_key, render, render_readings, render_self
 from .sources.base import PartialFailure, ReadContext, Reader, Source
-from .sources.registry import SOURCES
+from .sources.registry import SOURCES, own_renders
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_scrape_timeout: ContextVar[Optional[float]] = ContextVar("mps_exporter_scrape_timeout", default=None)
-
-
-@contextmanager
-def scrape_timeout(header: Optional[str]) -> Iterator[None]:
-    """Collections started inside end by this scrape's timeout: the value of
-    Prometheus' `X-Prometheus-Scrape-Timeout-Seconds` header (None or junk: no header)."""
-    try:
-        seconds: Optional[float] = float(header) if header else None
-    except ValueError:
-        seconds = None
-    if seconds is not None and not seconds > 0:
-        seconds = None
-    token = _scrape_timeout.set(seconds)
-    try:
-        yield
-    finally:
-        _scrape_timeout.reset(token)
-
 
 class SingleFlight(Generic[T]):
     """Callers arriving while a call is running wait for it and share its result."""
@@ -261,14 +240,14 @@ class MpsCollector(Collector):
         return []  # keeps registration from running a whole collection
 
     def collect(self) -> Iterable[Metric]:
-        return render(self.collection(), self.granularity).families()
+        return render(self.collection(), self.granularity, own_renders()).families()
 
     def collection(self) -> Snapshot:
         """This scrape's snapshot: the collection in flight, or a new one."""
         return self._collect_once()
 
     def _collect(self) -> Snapshot:
-        return self.snapshot(self.budget(_scrape_timeout.get()))
+        return self.snapshot(self.budget(scrape_timeout.current()))
 
     def budget(self, scrape_timeout: Optional[float]) -> Optional[float]:
         """Seconds a collection may take: the scrape's timeout less the offset (half the
@@ -388,7 +367,7 @@ class Exposition(CollectorRegistry):
             part = self._encoded.get((content_type, gzip))
         if part is None or part.key != key:
             out = FamilyBuilder()
-            render_readings(out, snap, self.collector.granularity)
+            render_readings(out, snap, self.collector.granularity, own_renders())
             text = encoder(_Families(out.families()))
             text = text[:-len(_EOF)] if text.endswith(_EOF) else text
             compressor = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from typing import AbstractSet, Dict, List, Mapping, Optional, Set, Tuple
+from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from . import __version__
 from .contract import (CLIENT_PID, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVER_PID, UID, USER, UUID, Label,
@@ -27,8 +27,9 @@ from .families import FamilyBuilder
 from . import limits as lim
 from .limits import Limits, client_limits, own_limits
 from .logs.render import render_log_metrics
-from .logs.state import LogServer, LogSnapshot
 from .model import (
+    LogServer,
+    LogSnapshot,
     DaemonReading,
     DcgmReading,
     GpuReading,
@@ -39,7 +40,6 @@ from .model import (
     ServerFacts,
     Snapshot,
 )
-from .sources.registry import SOURCES
 
 __all__ = ["Outcome", "Snapshot", "readings_key", "render", "render_readings", "sharing_mode", "sm_utilization"]
 
@@ -231,17 +231,23 @@ MPS_SERVER_COMMAND = "nvidia-cuda-mps"  # comm of nvidia-cuda-mps-server, cut to
 NO_PROCESS = ProcessFacts(0)
 
 
-def render(snap: Snapshot, granularity: str = "client") -> FamilyBuilder:
+OwnRender = Callable[[FamilyBuilder, Snapshot], None]
+
+
+def render(snap: Snapshot, granularity: str = "client", own_renders: Sequence[OwnRender] = ()) -> FamilyBuilder:
     """granularity (--mps.client-granularity): "client", series per client process;
     "pod", the clients' memory, limits and counts summed per server and pod; "server",
-    their memory and limits summed per server (config.GRANULARITIES)."""
+    their memory and limits summed per server (config.GRANULARITIES). own_renders: what
+    the sources render alone (sources.registry.own_renders()), given by the caller so that
+    this join imports no source."""
     out = FamilyBuilder()
     render_self(out, snap)
-    render_readings(out, snap, granularity)
+    render_readings(out, snap, granularity, own_renders)
     return out
 
 
-def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "client") -> None:
+def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "client",
+                    own_renders: Sequence[OwnRender] = ()) -> None:
     """Everything but the exporter's own series: a function of `readings_key(snap)` alone."""
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
@@ -263,8 +269,8 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
             render_sums(out, daemon, servers, unlisted, log_snap, snap.processes, joined, by_pod=granularity == "pod")
     for name, log_snap in snap.logs.items():
         render_log_metrics(out, name, log_snap, snap.now)
-    for source in SOURCES.values():  # what a source renders alone
-        source.render(out, snap)
+    for render_own in own_renders:
+        render_own(out, snap)
 
 
 def readings_key(snap: Snapshot, granularity: str) -> Tuple[object, ...]:

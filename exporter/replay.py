@@ -36,7 +36,7 @@ from .config import Config, DaemonConfig
 from .logs.parser import resolve_timezone
 from .service import serve
 from .wiring import build_readers
-from .logs.state import LogSnapshot
+from .model import LogSnapshot
 from .sources.base import PartialFailure, ReadContext, Reader
 from .sources.registry import SOURCES
 

@@ -57,8 +57,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from . import __version__, runbook
-from .collector import Exposition, scrape_timeout
+from .collector import Exposition
 from .config import Config
+from .scrape_timeout import scrape_timeout
 from .webconfig import (RateLimit, TLSContextSource, WebConfig, WebConfigWatch, bcrypt_cost, peer_sans,
                         resolve_listen_address)
 

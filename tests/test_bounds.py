@@ -7,7 +7,7 @@ from __future__ import annotations
 from mps_exporter import contract as bounds
 from mps_exporter.catalog import METRICS, labels
 from mps_exporter.families import FamilyBuilder
-from mps_exporter.logs import render_log_metrics
+from mps_exporter.logs.render import render_log_metrics
 from mps_exporter.logs.parser import parse_line
 from mps_exporter.logs.state import LogState
 

@@ -15,7 +15,8 @@ from typing import Any, Iterator, List
 import pytest
 from prometheus_client.exposition import generate_latest
 
-from mps_exporter.collector import MpsCollector, build_registry, scrape_timeout
+from mps_exporter.collector import MpsCollector, build_registry
+from mps_exporter.scrape_timeout import scrape_timeout
 from mps_exporter.config import Config
 from mps_exporter.sources.base import ReadContext, Reader
 from mps_exporter.wiring import build_collector, dump

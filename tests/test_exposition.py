@@ -108,7 +108,7 @@ def test_the_exporters_own_series_are_fresh_in_every_scrape(tmp_path, counted):
 
 
 def test_a_waiting_client_ages_in_a_reused_exposition(tmp_path):
-    from mps_exporter.logs.state import LogSnapshot, PendingClient
+    from mps_exporter.model import LogSnapshot, PendingClient
     from mps_exporter.render import readings_key
 
     snap = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1).collector().snapshot()

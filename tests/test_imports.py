@@ -89,3 +89,49 @@ def test_no_import_cycle_in_the_package():
     edges = graph()
     assert f"{PACKAGE}.cli" in edges and edges[f"{PACKAGE}.cli"], "the graph is empty: the detector is broken"
     assert cycles(edges) == []
+
+
+# Modules that read a library, a program, /proc or files: the sources and the log pipeline.
+IO_MODULES = {f"{PACKAGE}.logs.{m}" for m in ("follower", "pipeline", "statefile", "liveness")}
+
+
+def io_module(name: str) -> bool:
+    return name.startswith(f"{PACKAGE}.sources.") or name in IO_MODULES
+
+
+def reached(edges: Dict[str, Set[str]], start: str) -> Set[str]:
+    """Every module importing `start` runs: what it imports, anywhere, and the packages above each."""
+    seen: Set[str] = set()
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parents = [name.rsplit(".", i)[0] for i in range(1, name.count("."))]
+        todo.extend([*edges.get(name, ()), *(p for p in parents if p in edges)])
+    return seen
+
+
+def test_the_pure_join_reaches_no_source_and_no_log_io():
+    edges = graph()
+    assert any(io_module(n) for n in reached(edges, f"{PACKAGE}.collector")), "the check is broken"
+    for pure in ("render", "model", "logs.render", "families", "contract"):
+        assert sorted(n for n in reached(edges, f"{PACKAGE}.{pure}") if io_module(n)) == [], pure
+
+
+def test_the_plain_data_does_not_import_the_log_state_machine():
+    assert f"{PACKAGE}.logs.state" not in reached(graph(), f"{PACKAGE}.model")
+
+
+def test_importing_render_loads_no_source_and_no_log_io():
+    # The same at run time, package __init__ files and all.
+    import subprocess
+    import sys
+
+    code = "import sys, mps_exporter.render; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            check=True).stdout.split()
+    assert f"{PACKAGE}.render" in loaded
+    assert [n for n in loaded if io_module(n)] == []
+    assert "pynvml" not in loaded

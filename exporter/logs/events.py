@@ -274,3 +274,13 @@ Event = Union[
 ParseResult = Union[Event, Unrecognized]
 
 FILES: Tuple[str, str] = ("control", "server")
+
+# Why a log file cannot be read: the values of mps_log_read_errors_total's `reason`.
+MISSING_DIRECTORY = "missing_directory"  # the log directory does not exist (the file's absence alone is normal)
+NOT_A_DIRECTORY = "not_a_directory"  # the log directory is a file
+PERMISSION_DENIED = "permission_denied"
+NOT_REGULAR_FILE = "not_regular_file"  # a FIFO, directory, socket or device under the log's name
+IO_ERROR = "io_error"  # any other OSError from stat, open or read
+INTERNAL_ERROR = "internal_error"  # a bug in the pipeline while handling the file's lines
+READ_ERROR_REASONS: Tuple[str, ...] = (MISSING_DIRECTORY, NOT_A_DIRECTORY, PERMISSION_DENIED,
+                                       NOT_REGULAR_FILE, IO_ERROR, INTERNAL_ERROR)

@@ -33,21 +33,21 @@ import os
 import stat
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+# The read error reasons, declared with the other plain log data (events.py); named here too.
+from .events import INTERNAL_ERROR as INTERNAL_ERROR
+from .events import IO_ERROR as IO_ERROR
+from .events import MISSING_DIRECTORY as MISSING_DIRECTORY
+from .events import NOT_A_DIRECTORY as NOT_A_DIRECTORY
+from .events import NOT_REGULAR_FILE as NOT_REGULAR_FILE
+from .events import PERMISSION_DENIED as PERMISSION_DENIED
+from .events import READ_ERROR_REASONS as READ_ERROR_REASONS
+
 DEFAULT_MAX_LINE_BYTES = 64 * 1024
 READ_SIZE = 1 << 20
 MAX_POLL_BYTES = 16 * READ_SIZE  # one poll reads at most this much, line or no line
 HEAD_BYTES = 64  # fingerprint: the file's first bytes (MPS lines start with a ms timestamp)
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
 
-# Why a log file cannot be read: the values of mps_log_read_errors_total's `reason`.
-MISSING_DIRECTORY = "missing_directory"  # the log directory does not exist (the file's absence alone is normal)
-NOT_A_DIRECTORY = "not_a_directory"  # the log directory is a file
-PERMISSION_DENIED = "permission_denied"
-NOT_REGULAR_FILE = "not_regular_file"  # a FIFO, directory, socket or device under the log's name
-IO_ERROR = "io_error"  # any other OSError from stat, open or read
-INTERNAL_ERROR = "internal_error"  # a bug in the pipeline while handling the file's lines
-READ_ERROR_REASONS: Tuple[str, ...] = (MISSING_DIRECTORY, NOT_A_DIRECTORY, PERMISSION_DENIED,
-                                       NOT_REGULAR_FILE, IO_ERROR, INTERNAL_ERROR)
 
 
 class NotRegularFile(OSError):

@@ -27,7 +27,8 @@ from .events import FILES
 from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, ReadError, end_position
 from .liveness import ProcLiveness
 from .parser import parse_line, resolve_timezone
-from .state import LogSnapshot, LogState
+from ..model import LogSnapshot
+from .state import LogState
 from .statefile import StateStore
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from ..contract import DAEMON, FIXED, INPUT, MAX_COMMAND_VERBS, Label, counter, gauge, histogram, table
 from ..families import FamilyBuilder
-from .events import FILES
-from .follower import READ_ERROR_REASONS
-from .state import REASONS, REJECTION_REASONS, LogSnapshot
+from ..model import REASONS, REJECTION_REASONS, LogSnapshot
+from .events import FILES, READ_ERROR_REASONS
 
 QUEUE_REASON = Label("reason", FIXED, "the log state machine", "server_starting, user_switch")
 REJECTION_REASON = Label("reason", FIXED, "the log state machine (server.log refusals)",

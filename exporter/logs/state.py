@@ -46,13 +46,13 @@ for client connections, fatal errors and per-server settings):
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Set, Tuple
 
-from ..contract import MAX_PLAUSIBLE_QUEUE_WAIT, OTHER, QUEUE_WAIT_BUCKETS, command_verb, exit_status
+from ..contract import OTHER, QUEUE_WAIT_BUCKETS, command_verb, exit_status
+from ..model import (REASONS, SERVER_STARTING, THREADS, USER_SWITCH, ClientLimits, LogEvent,
+                     LogServer, LogSnapshot, PendingClient, WaitHistogram)
 from ..units import parse_size
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
@@ -62,10 +62,6 @@ from .events import (
     UiClosed, UiOpened, Unrecognized,
 )
 
-SERVER_STARTING = "server_starting"
-USER_SWITCH = "user_switch"
-REASONS = (SERVER_STARTING, USER_SWITCH)
-
 # Caps: what a broken or hostile log could otherwise grow without bound.
 MAX_PENDING = 1024
 MAX_CLIENTS = 4096
@@ -73,74 +69,8 @@ MAX_SERVERS = 1024
 MAX_EXITED_MEMORY = 4096  # exited server PIDs remembered, so late server.log lines do not revive them
 MAX_ORPHAN_FACTS = 64  # server.log facts of servers control.log has not announced (yet)
 MAX_RECENT_EVENTS = 64  # the last events `mps-exporter status` lists with their times
-MAX_LIMIT_CHANGES = 64  # per server
 MAX_PENDING_EXITS = 4096
 MAX_ATTACHED = 4096  # clients per server remembered for the exits-with-clients check
-REJECTION_REASONS = ("client_limit", "invalid_credentials", "other")
-THREADS = -1  # the "device" of an active thread percentage in a server's limit history
-
-# A client's limits as they were when it connected: (active thread percentage,
-# {device ordinal: pinned bytes}).
-ClientLimits = Tuple[Optional[float], Dict[int, int]]
-
-
-@dataclass
-class LogServer:
-    """One MPS server as the logs describe it."""
-
-    pid: int
-    uid: Optional[int] = None  # `Starting new server S for user U`
-    start_time: Optional[float] = None  # `NEW SERVER S: Ready`
-    active_thread_percentage: Optional[float] = None  # logged at server start
-    pinned_limits: Dict[int, int] = field(default_factory=dict)  # device ordinal -> bytes
-    running: bool = True  # False once server.log says `Exiting` (control.log has not yet said `exited`)
-    fatal_errors: int = 0
-    sticky_clients: List[int] = field(default_factory=list)  # of the last fatal error report
-    reset_devices: List[int] = field(default_factory=list)
-    start_failure: Optional[str] = None  # server.log's reason, where it gave one
-    # internal: the daemon itself asked it to shut down (not a Cmd:)
-    daemon_shutdown: bool = False
-    # (time, device or THREADS, value) in time order: the files are read one after
-    # the other, so a change can arrive after a later one of the other file.
-    limit_changes: List[Tuple[float, int, float]] = field(default_factory=list)
-    priority: Optional[int] = None  # `Server Priority set to N`: its clients' unless they set their own
-
-    @property
-    def ready(self) -> bool:
-        return self.start_time is not None
-
-    def copy(self) -> "LogServer":
-        return LogServer(self.pid, self.uid, self.start_time, self.active_thread_percentage,
-                         dict(self.pinned_limits), self.running, self.fatal_errors,
-                         list(self.sticky_clients), list(self.reset_devices), self.start_failure,
-                         self.daemon_shutdown, list(self.limit_changes), self.priority)
-
-    def change_limit(self, ts: float, device: int, value: float) -> None:
-        bisect.insort(self.limit_changes, (ts, device, value))
-        if len(self.limit_changes) > MAX_LIMIT_CHANGES:
-            del self.limit_changes[1]  # keep the first: the limits the server started with
-        self.active_thread_percentage, self.pinned_limits = self._limits_until(float("inf"))
-
-    def _limits_until(self, ts: float) -> ClientLimits:
-        atp: Optional[float] = None
-        pinned: Dict[int, int] = {}
-        for when, device, value in self.limit_changes:
-            if when > ts:
-                break
-            if device == THREADS:
-                atp = value
-            elif value > 0:
-                pinned[device] = int(value)
-            else:  # 0 removes the limit
-                pinned.pop(device, None)
-        return atp, pinned
-
-    def limits_at(self, ts: float) -> Optional[ClientLimits]:
-        """The limits a client connecting at `ts` got; None where the logs do not reach back
-        to the server's start (a server's first limit line is its thread percentage)."""
-        if not self.limit_changes or self.limit_changes[0][0] > ts or self.limit_changes[0][1] != THREADS:
-            return None
-        return self._limits_until(ts)
 
 
 class Liveness(Protocol):
@@ -149,131 +79,6 @@ class Liveness(Protocol):
     def sees_daemon(self, pid: int) -> bool: ...
 
     def gone(self, pid: int) -> bool: ...
-
-
-@dataclass
-class PendingClient:
-    pid: int
-    uid: int
-    reason: str
-    pushed_at: float
-    served_at: Optional[float] = None  # a server of its user became ready
-
-
-@dataclass
-class LogEvent:
-    """Something that went wrong or changed hands, kept with its time for `status`.
-
-    kind: fatal_gpu_error (clients: the processes left with a sticky error), handoff
-    (a server the daemon shut down for a waiting client of another user), start_failure,
-    exit_with_clients (clients: those still connected), client_rejected (detail: why),
-    client_terminated (clients: the client an operator ended with terminate_client),
-    left_queue (clients: a queued client whose process is gone; its time is when that
-    was seen, not a log line's).
-    """
-
-    time: float
-    kind: str
-    server_pid: Optional[int] = None
-    clients: List[int] = field(default_factory=list)
-    detail: str = ""
-
-    def copy(self) -> "LogEvent":
-        return LogEvent(self.time, self.kind, self.server_pid, list(self.clients), self.detail)
-
-
-@dataclass
-class WaitHistogram:
-    """Non-cumulative counts per bucket of QUEUE_WAIT_BUCKETS, the last one +Inf.
-
-    A wait outside 0..MAX_PLAUSIBLE_QUEUE_WAIT is not a wait but a clock step or a
-    corrupt timestamp (one line dated 9999 would add 2.5e11 s to the sum for good):
-    it is counted in `implausible` and nowhere else."""
-
-    counts: List[int] = field(default_factory=lambda: [0] * (len(QUEUE_WAIT_BUCKETS) + 1))
-    total: float = 0.0
-    implausible: int = 0
-
-    def observe(self, seconds: float) -> None:
-        if not 0.0 <= seconds <= MAX_PLAUSIBLE_QUEUE_WAIT:  # NaN included
-            self.implausible += 1
-            return
-        self.counts[bisect.bisect_left(QUEUE_WAIT_BUCKETS, seconds)] += 1
-        self.total += seconds
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> List[Tuple[float, int]]:
-        out, running = [], 0
-        for bound, n in zip(list(QUEUE_WAIT_BUCKETS) + [float("inf")], self.counts):
-            running += n
-            out.append((float(bound), running))
-        return out
-
-    def copy(self) -> "WaitHistogram":
-        return WaitHistogram(list(self.counts), self.total, self.implausible)
-
-
-@dataclass
-class LogSnapshot:
-    """A consistent copy of the state for one scrape. Never shared with the writer."""
-
-    servers: Dict[int, LogServer] = field(default_factory=dict)
-    client_start_times: Dict[int, float] = field(default_factory=dict)
-    client_servers: Dict[int, int] = field(default_factory=dict)  # client pid -> server pid
-    client_limits: Dict[int, ClientLimits] = field(default_factory=dict)  # client pid -> limits at connection
-    queued: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
-    oldest_queued_since: Optional[float] = None  # unix time of the oldest push still waiting
-    queue_wait: Dict[str, WaitHistogram] = field(default_factory=lambda: {r: WaitHistogram() for r in REASONS})
-    pushes: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
-    handoffs: int = 0
-    shutdown_deferrals: int = 0
-    rejections: Dict[str, int] = field(default_factory=dict)  # reason -> count
-    client_limit: Optional[int] = None  # "Maximum number of clients (N)" of the last refusal
-    exits_with_clients: int = 0
-    client_connections: int = 0
-    client_disconnections: int = 0
-    server_starts: int = 0
-    server_exits: Dict[str, int] = field(default_factory=dict)  # exit status -> count
-    server_start_failures: int = 0
-    fatal_gpu_errors: int = 0
-    clients_terminated: int = 0  # terminate_client
-    commands: Dict[str, int] = field(default_factory=dict)
-    # Queued clients whose process was gone before they were served (liveness.py): the logs
-    # never say that they left.
-    queued_gone: int = 0
-    # `Cmd:set_*` lines seen: when it grows, the control source reads the limits again at
-    # once instead of serving its cached ones for up to a minute.
-    limit_commands: int = 0
-    # Lines after which the daemon's `get_server_list`, `ps` or `get_server_status` may
-    # answer differently (clients and servers coming and going, faults, daemon restarts):
-    # while it stands still, the control source sends none but `get_server_list`.
-    control_changes: int = 0
-    lines: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
-    unrecognized: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
-    truncated: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
-    daemon_pid: Optional[int] = None
-    daemon_version: str = ""
-    daemon_running: Optional[bool] = None  # None: the logs have not said
-    last_line_times: Dict[str, float] = field(default_factory=dict)  # file -> timestamp of its newest line
-    pending: List[PendingClient] = field(default_factory=list)  # still waiting, oldest first
-    recent_events: List[LogEvent] = field(default_factory=list)  # oldest first, at most MAX_RECENT_EVENTS
-    # Set by the pipeline, not the state machine: how reading the files goes.
-    read_errors: Dict[Tuple[str, str], int] = field(default_factory=dict)  # (file, reason) -> failures begun
-    problems: Tuple[str, ...] = ()  # why a file cannot be read now (messages naming the path); () when fine
-    # False from a start until the files have been read to their end once: the counters are
-    # still climbing through history, so the logs are not served (sources/logs.py).
-    caught_up: bool = True
-    backlog_bytes: int = 0  # bytes of the files not read yet (as of the last publish)
-
-    def oldest_queued_wait(self, now: float) -> float:
-        """Age of the oldest pending client, among waits of 0 s to MAX_PLAUSIBLE_QUEUE_WAIT:
-        a push dated 1970 or next year (a corrupt line, a clock step) is no wait, and would
-        hold the gauge at decades for as long as that client stays pending."""
-        waits = (now - p.pushed_at for p in self.pending)
-        return max((w for w in waits if 0.0 <= w <= MAX_PLAUSIBLE_QUEUE_WAIT), default=0.0)
 
 
 class LogState:

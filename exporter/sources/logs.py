@@ -20,9 +20,8 @@ from ..logs.parser import resolve_timezone
 from ..contract import DAEMON, gauge, table
 from ..families import FamilyBuilder
 from ..logs.pipeline import LOG_STARTS, LogPipeline
-from ..logs.state import LogSnapshot
 from ..logs.statefile import StateStore
-from ..model import Snapshot
+from ..model import LogSnapshot, Snapshot
 from .base import Backends, Flag, PartialFailure, ReadContext, Reader, Source
 
 log = logging.getLogger(__name__)

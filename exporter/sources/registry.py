@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Tuple
 
+from ..families import FamilyBuilder
+from ..model import Snapshot
 from .base import Source
 
 
@@ -26,3 +28,9 @@ def _discover() -> Dict[str, Source[Any]]:
 
 
 SOURCES: Dict[str, Source[Any]] = _discover()
+
+
+def own_renders() -> Tuple[Callable[[FamilyBuilder, Snapshot], None], ...]:
+    """What each source renders alone (Source.render), for render.render's caller: the
+    pure join itself imports no source."""
+    return tuple(s.render for s in SOURCES.values())

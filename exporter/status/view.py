@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..model import Snapshot
 from ..render import render
+from ..sources.registry import own_renders
 
 Labels = Dict[str, str]
 
@@ -192,7 +193,7 @@ def _int(text: Optional[str]) -> Optional[int]:
 def build(snap: Snapshot, origin: str, daemons: Sequence[str] = ()) -> NodeStatus:
     """The view of one collection: its samples, as /metrics would publish them, plus the log state.
     `daemons`: the configured names, listed even where no source said anything of them."""
-    m = Samples(render(snap).families())
+    m = Samples(render(snap, own_renders=own_renders()).families())
     sources = [SourceStatus(name, o.success, o.error,
                             None if o.last_success_seconds is None else max(0.0, snap.now - o.last_success_seconds))
                for name, o in sorted(snap.outcomes.items())]

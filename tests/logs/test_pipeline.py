@@ -13,7 +13,9 @@ import pytest
 from mps_exporter.catalog import METRICS
 from mps_exporter.contract import QUEUE_WAIT_BUCKETS
 from mps_exporter.families import FamilyBuilder
-from mps_exporter.logs import LogPipeline, StateStore, render_log_metrics
+from mps_exporter.logs.pipeline import LogPipeline
+from mps_exporter.logs.render import render_log_metrics
+from mps_exporter.logs.statefile import StateStore
 
 from .helpers import at, replay
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mps_exporter.families import FamilyBuilder
-from mps_exporter.logs import render_log_metrics
+from mps_exporter.logs.render import render_log_metrics
 from mps_exporter.logs.events import Unrecognized
 from mps_exporter.logs.follower import FileFollower
 from mps_exporter.logs.parser import PARSER_ERROR, parse_line

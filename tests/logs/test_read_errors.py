@@ -24,7 +24,8 @@ from prometheus_client.exposition import generate_latest
 
 from mps_exporter.collector import MpsCollector, build_registry
 from mps_exporter.families import FamilyBuilder
-from mps_exporter.logs import LogPipeline, render_log_metrics
+from mps_exporter.logs.pipeline import LogPipeline
+from mps_exporter.logs.render import render_log_metrics
 from mps_exporter.config import DaemonConfig
 from mps_exporter.discovery import DaemonSet
 from mps_exporter.sources.logs import DaemonPipelines, pipelines_reader
