@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 
 from mps_exporter.config import Config, DaemonConfig
-from mps_exporter.logs import LogPipeline, StateStore
+from mps_exporter.logs.pipeline import LogPipeline
+from mps_exporter.logs.statefile import StateStore
 from mps_exporter.logs import pipeline as pipeline_mod
 from mps_exporter.logs.follower import end_position
 from mps_exporter.render import render
+from mps_exporter.sources.registry import own_renders
 from mps_exporter.sources.logs import SOURCE as LOGS
 from mps_exporter.sources.base import Backends, PartialFailure
 
@@ -31,8 +33,8 @@ def served(reading) -> dict:
 
     snap = Snapshot(now=0.0)
     LOGS.store(snap, reading)
-    always = {f.name for f in render(Snapshot(now=0.0)).families()}  # the exporter's own
-    return {f.name: f.samples for f in render(snap).families() if f.name not in always}
+    always = {f.name for f in render(Snapshot(now=0.0), own_renders=own_renders()).families()}  # the exporter's own
+    return {f.name: f.samples for f in render(snap, own_renders=own_renders()).families() if f.name not in always}
 
 
 def test_the_logs_are_served_only_once_read_to_their_end(tmp_path, capture_lines, monkeypatch):
