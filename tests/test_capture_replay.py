@@ -489,11 +489,14 @@ def test_capture_command_on_recorded_sources_makes_a_bundle_that_replays(tmp_pat
 def test_capture_cli_runs_without_yaml_and_bcrypt(tmp_path):
     """What the GPU machine has: no PyYAML, no bcrypt; here also no driver and no MPS."""
     out = tmp_path / "b.jsonl.gz"
+    # The node's sources alone: one a contributor adds (tests/test_example_source.py) may answer.
+    others = [f"--no-collector.{name}" for name, spec in SOURCES.items()
+              if spec.default is True and name not in ("control", "nvml", "logs", "proc")]
     code = ("import sys; sys.modules['yaml'] = sys.modules['bcrypt'] = None\n"
             "from mps_exporter.cli import main\n"
             f"sys.exit(main(['capture', '--out', {str(out)!r}, '--duration', '0.3', '--interval', '0.1',"
             f" '--mps.control-binary', {str(tmp_path / 'no-such-control')!r},"
-            f" '--mps.log-directory', {str(tmp_path / 'logs')!r}]))")
+            f" '--mps.log-directory', {str(tmp_path / 'logs')!r}, *{others!r}]))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     # Nothing answered (no control binary, no NVML, no log directory): the bundle is written
     # with their errors, the summary names them, and the exit code says so.
