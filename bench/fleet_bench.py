@@ -1,13 +1,22 @@
 #!/usr/bin/env python3
 """Fleet benchmark: N replay exporters of an 8 GPU x 48 client node, scraped by one real
-Prometheus with the project's rules, and kube-state-metrics' pods for all of them.
+Prometheus with the project's rules, and a kube-state-metrics listing every pod of the
+cluster: each node's MPS pods and NON_MPS_PODS others per node.
 
 For each N (default 10, 50, 100) it starts N `mps-exporter replay` processes (each its
-own pods: the bundle's pod UIDs and container ids renamed per node, one namespace per
-node), waits until every rule group has been evaluated a few times, and measures:
+own pods: the bundle's pod UIDs, container ids and namespace renamed per node; the
+exporter names the pods itself, from the recorded node's containerd specs), waits until
+every rule group has been evaluated a few times, and measures:
 
 - series per node (all, and those with a `pid` label) and recorded series per node;
-- each rule group's evaluation time (Prometheus' own `evaluationTime`), and per target;
+- each rule group's evaluation time live (Prometheus' own `evaluationTime`, with 100
+  exporters and the rules on this machine's 2 cores), and per target;
+- each rule group's evaluation time on a quiet copy: scraping and rules stopped, each
+  rule's expression asked at the last evaluation's moment with `stats=all`, Prometheus'
+  own evaluation timer (`evalTotalTime`), the fastest of QUIET_REPEATS, summed per
+  group: the rules' own cost, not the machine's load. With --baseline-rules FILE (an
+  older rule file, say), its recording rules run beside the current ones (records
+  renamed `baseline_...`) and are timed the same way, for a before/after in one run;
 - every dashboard query's time at the dashboards' default selection (per-node
   dashboards: the first node; Kubernetes: the first namespace, all its pods; fleet:
   no variables) as Grafana asks (tables: an instant query; graphs: a range query over
@@ -41,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import statistics
 import sys
@@ -49,7 +59,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -71,23 +81,85 @@ EVALUATIONS = 3  # of every group, before measuring
 WINDOW, STEP = 75, "15s"
 REPEATS = 15
 SLOWEST_RULES = 6  # listed per granularity in the report
+NON_MPS_PODS = 30  # per node, listed by kube-state-metrics: the cluster's pods are not all MPS clients
+QUIET_REPEATS = 5
+BASELINE = "baseline_"  # prefix of the --baseline-rules records and groups
+OURS = f'__name__=~".+:.+", __name__!~"{BASELINE}.+"'  # the current rules' records, not BASELINE ones
+
+
+def current(groups: Dict[str, float]) -> float:
+    """The current rules' groups summed (not the BASELINE ones)."""
+    return sum(t for g, t in groups.items() if not g.startswith(BASELINE))
 
 
 def node_bundles(tmp: Path, count: int) -> Tuple[List[Path], List[Pod]]:
-    """One bundle per node, each with its own pods; and kube-state-metrics' view of them."""
+    """One bundle per node, each with its own pods (the names the exporter serves, renamed
+    with them); and kube-state-metrics' view of the cluster: those pods and NON_MPS_PODS
+    others per node."""
     scen = scenarios.synthetic(tmp, gpus=GPUS, clients_per_gpu=CLIENTS_PER_GPU, clients_per_pod=1)
     base = record_bundle(tmp, scen)
     pods_of_node = sorted(set(scen.pods.values()))
     bundles, pods = [], []
     for i in range(count):
-        renames = {}
-        for k, (uid, cid) in enumerate(pods_of_node):
+        namespace, node = f"team-{i:05d}", f"node-{i:05d}"
+        renames = {scenarios.SYNTHETIC_NAMESPACE: namespace}
+        for uid, cid in pods_of_node:
             new_uid, new_cid = f"{i:08x}{uid[8:]}", f"{i:08x}{cid[8:]}"
             renames[uid], renames[cid] = new_uid, new_cid
-            pods.append(Pod(f"team-{i:05d}", f"job-{k:03d}", new_uid, "worker", "containerd://" + new_cid,
-                            f"node-{i:05d}"))
+            name = scenarios.synthetic_pod_name(int(uid.rsplit("-", 1)[1], 16) - 1)
+            pods.append(Pod(namespace, name, new_uid, scenarios.SYNTHETIC_CONTAINER, "containerd://" + new_cid, node))
+        for k in range(NON_MPS_PODS):
+            pods.append(Pod(f"web-{i:05d}", f"svc-{k:03d}", f"{i:08x}-0000-4000-9000-{k:012x}", "app",
+                            f"containerd://{i:08x}{k:056x}", node))
         bundles.append(renamed_bundle(base, tmp / f"node-{i:05d}.jsonl.gz", renames))
     return bundles, pods
+
+
+def baseline_renamer(path: Path) -> Callable[[str], str]:
+    """A function that prefixes BASELINE to every record name of the rule file `path`
+    in an expression (its rules', or its dashboards' that read them)."""
+    doc = yaml.safe_load(path.read_text())
+    records = sorted({r["record"] for g in doc["groups"] for r in g["rules"] if "record" in r}, key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w:])(" + "|".join(re.escape(r) for r in records) + r")(?![\w:])")
+    return lambda expr: pattern.sub(lambda m: BASELINE + m.group(1), expr)
+
+
+def baseline_rules(path: Path) -> str:
+    """The recording rules of an older rule file, records and groups prefixed BASELINE
+    (they run beside the current ones), at RULE_INTERVAL; its alerts left out."""
+    doc = yaml.safe_load(path.read_text())
+    renamed = baseline_renamer(path)
+    groups = []
+    for g in doc["groups"]:
+        rules = [{"record": BASELINE + r["record"], "expr": renamed(r["expr"])}
+                 for r in g["rules"] if "record" in r]
+        if rules:
+            groups.append({"name": BASELINE + g["name"], "interval": RULE_INTERVAL, "rules": rules})
+    return yaml.safe_dump({"groups": groups}, sort_keys=False)
+
+
+def eval_seconds(prom: Prometheus, expr: str, at: float) -> float:
+    """Prometheus' own timer of one evaluation of `expr` at `at` (stats=all: evalTotalTime)."""
+    params = urllib.parse.urlencode({"query": expr, "time": at, "stats": "all"})
+    with urllib.request.urlopen(f"{prom.url}/api/v1/query?{params}", timeout=120) as resp:
+        body = json.load(resp)
+    assert body["status"] == "success", body
+    return float(body["data"]["stats"]["timings"]["evalTotalTime"])
+
+
+def quiet_rule_times(prom: Prometheus, rule_files: Sequence[Path], at: float) -> Tuple[Dict[str, float],
+                                                                                        Dict[str, float]]:
+    """On a quiet copy: each group's rules' evaluation times summed (the fastest of
+    QUIET_REPEATS each), and each rule's ("group / record or alert": seconds)."""
+    per_rule: Dict[str, float] = {}
+    per_group: Dict[str, float] = {}
+    for path in rule_files:
+        for g in yaml.safe_load(path.read_text())["groups"]:
+            for r in g["rules"]:
+                took = min(eval_seconds(prom, r["expr"], at) for _ in range(QUIET_REPEATS))
+                per_rule[f"{g['name']} / {r.get('record') or r.get('alert')}"] = took
+                per_group[g["name"]] = per_group.get(g["name"], 0.0) + took
+    return per_group, per_rule
 
 
 def wait_for_evaluations(prom: Prometheus, timeout: float) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
@@ -138,12 +210,16 @@ class QuietRun(NamedTuple):
     first_node: str
 
 
-def time_dashboards(runs: Sequence[QuietRun], dashboards: Sequence[Path]) -> List[Dict[str, Dict[str, float]]]:
+def time_dashboards(runs: Sequence[QuietRun], dashboards: Sequence[Path],
+                    renamed: Optional[Callable[[str], str]] = None) -> List[Dict[str, Dict[str, float]]]:
     """Per run, per dashboard JSON directory: every query's fastest of REPEATS. One
     dashboard at a time, each round asks every query of every directory of every run in
     turn, so that the machine's load at any moment falls on all runs and both sets alike
     (the fastest is the query's own cost)."""
     sets = {str(d): list(queries(d)) for d in dashboards}
+    if renamed is not None:  # the baseline dashboards read the baseline rules' records
+        for d in dashboards[1:]:
+            sets[str(d)] = [q._replace(expr=renamed(q.expr)) for q in sets[str(d)]]
     timings: List[Dict[str, Dict[str, float]]] = [{d: {} for d in sets} for _ in runs]
     for name in sorted({q.dashboard for qs in sets.values() for q in qs}):
         work = [(d, f"{q.dashboard}|{q.panel}|{q.ref_id}", q.instant,
@@ -186,12 +262,18 @@ def own_series(prom: Prometheus) -> float:
     raise AssertionError("no prometheus_tsdb_head_series")
 
 
-def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack) -> Tuple[dict, QuietRun]:
+def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack,
+            baseline: Optional[Path]) -> Tuple[dict, QuietRun]:
     """One run's numbers, and its Prometheus, left running in `keep` (the exporters
-    stop on return) for the caller to quiet and time dashboards on, or stop."""
+    stop on return) for the caller to time dashboards on, or stop. Quiet (scraping and
+    rules stopped) before returning: the rules are timed on that copy here."""
     bundles, pods = node_bundles(tmp, n)
     rules = tmp / "rules.yml"
     rules.write_text(generate.prometheus_rules(interval_override=RULE_INTERVAL))
+    rule_files = [rules]
+    if baseline is not None:
+        rule_files.append(tmp / "baseline-rules.yml")
+        rule_files[-1].write_text(baseline_rules(baseline))
     with contextlib.ExitStack() as scraped:
         addresses = scraped.enter_context(
             running_replays(bundles, tmp, timeout=60 + n, flags=[f"--mps.client-granularity={mode}"]))
@@ -199,7 +281,7 @@ def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack) -> Tuple[d
         prom = keep.enter_context(
             running_prometheus(tmp, [*(Target(a, job="mps-exporter") for a in addresses),
                                      Target(ksm, job="kube-state-metrics")],
-                               rule_files=[str(rules)], scrape_interval=SCRAPE_INTERVAL,
+                               rule_files=[str(f) for f in rule_files], scrape_interval=SCRAPE_INTERVAL,
                                evaluation_interval=SCRAPE_INTERVAL))
         prom.wait_for_target_up(timeout=120)
         groups, rules_time = wait_for_evaluations(prom, timeout=180)
@@ -219,9 +301,10 @@ def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack) -> Tuple[d
             "pid_series_per_node": per_node('{job="mps-exporter", pid!="", __name__!~".+:.+"}'),
             # Records keyed by pod or container (kube-state-metrics' names) have no instance
             # but grow with the nodes: per node, with the per-instance ones.
-            "recorded_per_node": per_node('{__name__=~".+:.+", instance!=""}') + count(
-                '{__name__=~".+:.+", instance="", pod_uid!=""} or {__name__=~".+:.+", instance="", container_id!=""}') / n,
-            "recorded_fleet": count('{__name__=~".+:.+", instance="", pod_uid="", container_id=""}'),
+            # The current rules' records (not --baseline-rules' BASELINE ones).
+            "recorded_per_node": per_node(f'{{{OURS}, instance!=""}}') + count(
+                f'{{{OURS}, instance="", pod_uid!=""}} or {{{OURS}, instance="", container_id!=""}}') / n,
+            "recorded_fleet": count(f'{{{OURS}, instance="", pod_uid="", container_id=""}}'),
             "head_series": own_series(prom),
             "samples_per_scrape": statistics.median(
                 float(r["value"][1]) for r in prom.query('scrape_samples_scraped{job="mps-exporter"}')),
@@ -229,7 +312,10 @@ def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack) -> Tuple[d
             "rules": rules_time,
         }
         end = time.time() - 5  # a moment before the last scrape
-        return result, QuietRun(prom, end, sorted(addresses)[0])
+        last_round = max(time.time() - 1, end)  # the rules' records exist up to here
+    quiet(prom)
+    result["quiet_groups"], result["quiet_rules"] = quiet_rule_times(prom, rule_files, last_round)
+    return result, QuietRun(prom, end, sorted(addresses)[0])
 
 
 def granularity_series(tmp: Path, mode: str, clients_per_pod: int) -> int:
@@ -254,16 +340,28 @@ def _rule_table(results: List[dict]) -> List[str]:
     for g in sorted(big["groups"]):
         row = [f"{r['groups'].get(g, float('nan')) * 1000:.1f} ms" for r in results]
         lines.append(f"| {g} | " + " | ".join(row) + f" | {big['groups'][g] / big['n'] * 1000:.3f} ms |")
-    total = [sum(r["groups"].values()) for r in results]
-    lines.append("| **all** | " + " | ".join(f"{t * 1000:.1f} ms" for t in total) +
+    total = [current(r["groups"]) for r in results]
+    lines.append("| **all current** | " + " | ".join(f"{t * 1000:.1f} ms" for t in total) +
                  f" | {total[-1] / big['n'] * 1000:.3f} ms |")
+    return lines
+
+
+def _quiet_table(results: List[dict]) -> List[str]:
+    """Per group: one evaluation on the quiet copy, per run and per node."""
+    ns = [r["n"] for r in results]
+    lines = ["| group | " + " | ".join(f"{n} exporters (per node)" for n in ns) + " |",
+             "| --- | " + " | ".join("---" for _ in ns) + " |"]
+    for g in sorted(results[-1]["quiet_groups"]):
+        cells = [f"{r['quiet_groups'].get(g, float('nan')) * 1000:.1f} ms "
+                 f"({r['quiet_groups'].get(g, float('nan')) / r['n'] * 1000:.2f} ms)" for r in results]
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
     return lines
 
 
 def _extrapolation(results: List[dict]) -> List[str]:
     big = results[-1]
     per_node = big["series_per_node"] + big["recorded_per_node"]
-    total = [sum(r["groups"].values()) for r in results]
+    total = [current(r["groups"]) for r in results]
     a, b = fit([float(r["n"]) for r in results], total) if len(results) > 1 else (0.0, total[0] / big["n"])
     lines = [f"`{big['mode']}` granularity: {per_node:.0f} series per node ({big['series_per_node']:.0f} scraped + "
              f"{big['recorded_per_node']:.0f} recorded) plus {big['recorded_fleet']:.0f} fleet-wide; all rule "
@@ -302,8 +400,8 @@ def report(results: List[dict], others: Dict[str, List[dict]], one_node: Dict[st
     big = results[-1]
     lines = [f"# Fleet benchmark ({started})", "",
              f"`python3 bench/fleet_bench.py {argv}`: N replay exporters of one {GPUS} GPU x {CLIENTS_PER_GPU} "
-             "client node (every client in its own pod, one namespace per node; MPS logs on), "
-             "kube-state-metrics' pods for all of them, one Prometheus "
+             "client node (every client in its own pod, one namespace per node, named by the exporter; MPS "
+             f"logs on), a kube-state-metrics listing those pods and {NON_MPS_PODS} others per node, one Prometheus "
              f"({SCRAPE_INTERVAL:g} s scrapes; rule groups every {RULE_INTERVAL} for the run, 1 m in production) "
              "with alerts/prometheus/mps-exporter.rules.yml. Machine: a shared 2-core VM with other jobs "
              "running: absolute times are pessimistic, ratios between runs are the point.", "",
@@ -323,7 +421,24 @@ def report(results: List[dict], others: Dict[str, List[dict]], one_node: Dict[st
         lines.append(f"| {layout} | " + " | ".join(str(c) for c in counts) +
                      f" | {counts[0] / one_node[f'pod {layout}']:.1f}x | {counts[0] / one_node[f'server {layout}']:.1f}x |")
 
-    lines += ["", "## Rule groups: one evaluation (mean of the last evaluations)", "", "`client` granularity:", ""]
+    lines += ["", "## Rule groups on a quiet copy: Prometheus' own evaluation timer", "",
+              "Scraping and rules stopped, the data kept; each rule's expression asked at the last round's moment "
+              f"with `stats=all` (`evalTotalTime`), the fastest of {QUIET_REPEATS}, summed per group: one round's "
+              "cost of each group, and per node (in parentheses). Groups named `" + BASELINE + "...` are the "
+              "--baseline-rules file's recording rules, run beside the current ones on the same data.", "",
+              "`client` granularity:", ""]
+    lines += _quiet_table(results)
+    for mode, runs in others.items():
+        if runs:
+            lines += ["", f"`{mode}` granularity:", ""] + _quiet_table(runs)
+    for r in [results[-1]] + [runs[-1] for runs in others.values() if runs]:
+        heavy = sorted(((k, t) for k, t in r["quiet_rules"].items() if ".heavy / " in k), key=lambda kv: -kv[1])
+        lines += ["", f"Heavy rules at `{r['mode']}` granularity, {r['n']} exporters, quiet copy (per node):", ""]
+        lines += [f"- {t * 1000:.1f} ms ({t / r['n'] * 1000:.2f} ms): {rule}" for rule, t in heavy]
+
+    lines += ["", "## Rule groups live: one evaluation (mean of the last evaluations)", "",
+              "Under load: the exporters, Prometheus' scrapes and every group (baseline ones included) on the "
+              "same 2 cores.", "", "`client` granularity:", ""]
     lines += _rule_table(results)
     for mode, runs in others.items():
         if runs:
@@ -353,10 +468,12 @@ def report(results: List[dict], others: Dict[str, List[dict]], one_node: Dict[st
     return "\n".join(lines) + "\n"
 
 
-def _time_dashboards(results: List[dict], quiet_runs: List[QuietRun], baseline: Optional[Path]) -> None:
+def _time_dashboards(results: List[dict], quiet_runs: List[QuietRun], baseline: Optional[Path],
+                     baseline_rules_file: Optional[Path]) -> None:
     t0 = time.monotonic()
     dirs = [JSON_DIR] + ([baseline] if baseline else [])
-    for result, timings in zip(results, time_dashboards(quiet_runs, dirs)):
+    renamed = baseline_renamer(baseline_rules_file) if baseline_rules_file else None
+    for result, timings in zip(results, time_dashboards(quiet_runs, dirs, renamed)):
         result["queries"] = timings[str(JSON_DIR)]
         if baseline:
             result["baseline"], result["baseline_queries"] = str(baseline), timings[str(baseline)]
@@ -371,7 +488,11 @@ def main() -> int:
     parser.add_argument("--server-nodes", type=int, nargs="*", default=[10, 100],
                         help="also run these with --mps.client-granularity server")
     parser.add_argument("--baseline-dashboards", type=Path, metavar="DIR",
-                        help="also time the dashboard JSON in DIR (e.g. an older commit's dashboards/json)")
+                        help="also time the dashboard JSON in DIR (e.g. an older commit's dashboards/json; with "
+                             "--baseline-rules, reading that file's records)")
+    parser.add_argument("--baseline-rules", type=Path, metavar="FILE",
+                        help="also run and time the recording rules of FILE (e.g. an older commit's "
+                             "alerts/prometheus/mps-exporter.rules.yml) beside the current ones")
     parser.add_argument("--out", help="also write the report here")
     parser.add_argument("--raw", help="append each run's measurements to this JSON Lines file")
     args = parser.parse_args()
@@ -386,15 +507,14 @@ def main() -> int:
                 t0 = time.monotonic()
                 with contextlib.ExitStack() as this_run:
                     tmp = Path(this_run.enter_context(tempfile.TemporaryDirectory(prefix=f"fleet-bench-{n}-")))
-                    result, kept = measure(n, tmp, mode, this_run)
+                    result, kept = measure(n, tmp, mode, this_run, args.baseline_rules)
                     if mode == "client":
-                        quiet(kept.prom)
                         keep.enter_context(this_run.pop_all())  # Prometheus and its data stay
                         quiet_runs.append(kept)
                 runs[mode].append(result)
                 print(f"{mode}: {n} exporters measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
             if mode == "client" and quiet_runs:
-                _time_dashboards(runs[mode], quiet_runs, args.baseline_dashboards)
+                _time_dashboards(runs[mode], quiet_runs, args.baseline_dashboards, args.baseline_rules)
         if args.raw:
             with open(args.raw, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in runs[mode])

@@ -9,7 +9,7 @@ import pytest
 
 from mps_exporter.sources.nvml import COMPUTE_MODES, NvmlSource, NvmlUnavailable
 from tests.fakes import fake_pynvml as fp
-from tests.fakes.fake_pynvml import FakeNvml, load_capture
+from tests.fakes.fake_pynvml import MAX_CLIENT_SHARE, FakeNvml, load_capture
 
 
 
@@ -133,7 +133,10 @@ def test_eight_gpus_by_forty_eight_clients():
     pids = set()
     for g in reading.gpus:
         assert g.up and len(g.mps_clients) == 48 and len(g.compute_processes) == 49
-        assert [c.used_bytes for c in g.mps_clients] == [(k + 1) * (512 << 20) for k in range(48)]
+        # (k + 1) steps of memory, the step cut so that the 48 fit: within MAX_CLIENT_SHARE of the GPU
+        step = g.mps_clients[0].used_bytes
+        assert [c.used_bytes for c in g.mps_clients] == [(k + 1) * step for k in range(48)]
+        assert sum(c.used_bytes for c in g.mps_clients) <= MAX_CLIENT_SHARE * g.memory_total_bytes
         assert [u.pid for u in g.process_utilization] == [4000]  # under MPS only the server has utilization
         pids |= {c.pid for c in g.mps_clients}
     assert len(pids) == 8 * 48

@@ -264,8 +264,9 @@ def test_live_node_shows_each_client_with_its_pod_and_its_limit(tmp_path):
     assert text.startswith("mps-exporter status: host ") and sources_line() in text
     assert re.search(r"^  1589 +root \(0\) +ACTIVE +3 +100% ", text, re.M), text
     # (and CUDA_MPS_CLIENT_PRIORITY=1: the PRIORITY column)
-    row = re.search(r"^  1648 +1589 +root \(0\) +pod (\S+) ctr (\S+) +2\.79 GiB / 4\.00 GiB \(70%\) +25% +1 +python3$", text, re.M)
-    assert row and scenarios.POD_UID.startswith(row.group(1)) and scenarios.CONTAINER_ID.startswith(row.group(2)), text
+    # (named by containerd's spec: namespace/pod container)
+    assert re.search(r"^  1648 +1589 +root \(0\) +ml-team/trainer-7d9c6b5f4-x2k8p trainer +2\.79 GiB / 4\.00 GiB "
+                     r"\(70%\) +25% +1 +python3$", text, re.M), text
     # 1647 sets no priority: it runs at the daemon's default, 0
     assert re.search(r"^  1647 +1589 +root \(0\) +- +8\.79 GiB / no limit +100% +0 +python3$", text, re.M), text
 
@@ -274,6 +275,7 @@ def test_live_node_shows_each_client_with_its_pod_and_its_limit(tmp_path):
     assert command.status(scen.cfg, out, scen.backends()) == 0
     (client,) = [c for c in json.loads(out.getvalue())["daemons"][0]["clients"] if c["pid"] == 1648]
     assert (client["pod_uid"], client["container_id"]) == (scenarios.POD_UID, scenarios.CONTAINER_ID)
+    assert (client["namespace"], client["pod"], client["container"]) == scenarios.POD_NAMES
     assert client["pinned_memory_limit_bytes"] == {"0": 4 << 30} and client["active_thread_ratio"] == 0.25
     assert client["memory_used_bytes"] == {"0": 2856 << 20}
 

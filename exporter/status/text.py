@@ -269,6 +269,8 @@ def _user(user: str, uid: Optional[int]) -> str:
 
 
 def _where(c: ClientStatus) -> str:
+    if c.pod:
+        return f"{c.namespace}/{c.pod}" + (f" {c.container}" if c.container else "")
     parts = ([f"pod {c.pod_uid[:8]}"] if c.pod_uid else []) + ([f"ctr {c.container_id[:12]}"] if c.container_id else [])
     return " ".join(parts) or "-"
 

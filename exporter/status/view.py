@@ -90,6 +90,9 @@ class ClientStatus:
     pid_namespace: str
     container_id: str
     pod_uid: str
+    namespace: str  # Kubernetes names of its container; "" outside a pod or where unknown
+    pod: str
+    container: str
     memory_used_bytes: Dict[int, float]  # by GPU index
     pinned_memory_limit_bytes: Dict[int, float]  # the limit in force, by GPU index
     active_thread_ratio: Optional[float]
@@ -263,6 +266,7 @@ def _daemon(m: Samples, name: str, snap: Snapshot, failed: Dict[str, str]) -> Da
             user=labels["user"], command=labels["command"],
             pid_namespace=labels["pid_namespace"],
             container_id=labels["container_id"], pod_uid=labels["pod_uid"],
+            namespace=labels["namespace"], pod=labels["pod"], container=labels["container"],
             memory_used_bytes=m.by_gpu("mps_client_memory_used_bytes", **c),
             pinned_memory_limit_bytes=m.by_gpu("mps_client_pinned_memory_limit_bytes", **c),
             active_thread_ratio=m.value("mps_client_active_thread_ratio", **c),

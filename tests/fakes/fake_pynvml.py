@@ -108,6 +108,8 @@ _GPM_KNOWN_METRICS = frozenset(
 
 _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId outside MIG, as captured
 _RESERVED_BYTES = 644939776  # memory NVML counts as used on the idle H200
+# The most of a synthetic GPU's memory its clients hold (FakeNvml.synthetic): real clients fit.
+MAX_CLIENT_SHARE = 0.8
 _UTIL_SAMPLE_BUFFER = 100  # NVML keeps a bounded ring of samples per GPU
 
 
@@ -365,9 +367,15 @@ class FakeNvml:
         and clients listed by both process calls; NVML's utilization goes to the
         server only, as the capture shows. mps=False: plain time-sliced processes,
         utilization split between them. Client k on GPU g has pid
-        10000 + g * clients_per_gpu + k and holds (k + 1) * client_memory bytes.
+        10000 + g * clients_per_gpu + k and holds (k + 1) * client_memory bytes, less where
+        that would not fit: the clients of a GPU hold at most MAX_CLIENT_SHARE of its memory
+        (48 clients at 512 MiB steps would be 4.2 times an H200's).
         """
         fake = cls([])
+        steps = clients_per_gpu * (clients_per_gpu + 1) // 2
+        if steps:
+            fitting = int(MAX_CLIENT_SHARE * FakeGpu.memory_total) // steps
+            client_memory = min(client_memory, fitting >> 20 << 20)
         for g in range(gpus):
             clients = [FakeProcess(10000 + g * clients_per_gpu + k, (k + 1) * client_memory)
                        for k in range(clients_per_gpu)]
