@@ -21,6 +21,8 @@ check-generated:
 	$(PYTHON) -m tests.support.golden --check
 
 lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy --strict exporter alerts dashboards
 	promtool check rules alerts/prometheus/mps-exporter.rules.yml
 	amtool check-config alerts/alertmanager.example.yml
 

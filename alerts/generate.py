@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import yaml
 from grafanalib.core import (
@@ -31,8 +31,8 @@ from grafanalib.core import (
 )
 
 from . import config as C
-from .definitions import ALERTS, GROUPS, RECORDINGS, Alert, check
-from .recordings import RECORDING_GROUPS
+from .definitions import ALERTS, GROUPS, Alert, check
+from .recordings import RECORDING_GROUPS, RECORDINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_RULES = "alerts/prometheus/mps-exporter.rules.yml"
@@ -70,7 +70,7 @@ def runbook_url_pattern() -> str:
     return pattern
 
 
-def annotations(alert: Alert) -> Dict[str, str]:
+def alert_annotations(alert: Alert) -> Dict[str, str]:
     return {
         "summary": alert.summary,
         "description": alert.description,
@@ -78,21 +78,21 @@ def annotations(alert: Alert) -> Dict[str, str]:
     }
 
 
-def rule_groups(for_override: Optional[str] = None, interval_override: Optional[str] = None) -> List[dict]:
+def rule_groups(for_override: Optional[str] = None, interval_override: Optional[str] = None) -> List[Dict[str, Any]]:
     """The `groups:` of the Prometheus rule file. for_override replaces every
     non-zero `for:`, interval_override every group's own interval (the
     end-to-end tests cannot wait minutes)."""
-    groups = []
+    groups: List[Dict[str, Any]] = []
     for name, interval in RECORDING_GROUPS.items():
-        group: dict = {"name": f"mps-exporter.{name}"}
+        group: Dict[str, Any] = {"name": f"mps-exporter.{name}"}
         if interval:
             group["interval"] = interval_override or interval
         group["rules"] = [{"record": r.record, "expr": r.expr} for r in RECORDINGS if r.group == name]
         groups.append(group)
-    for group in GROUPS:
+    for group_name in GROUPS:
         rules = []
         for a in ALERTS:
-            if a.group != group:
+            if a.group != group_name:
                 continue
             for_ = a.for_ if for_override is None or a.for_ in ("0m", "0s") else for_override
             rules.append({
@@ -100,9 +100,9 @@ def rule_groups(for_override: Optional[str] = None, interval_override: Optional[
                 "expr": a.expr,
                 "for": for_,
                 "labels": {"severity": a.severity},
-                "annotations": annotations(a),
+                "annotations": alert_annotations(a),
             })
-        groups.append({"name": f"mps-exporter.{group}", "rules": rules})
+        groups.append({"name": f"mps-exporter.{group_name}", "rules": rules})
     return groups
 
 
@@ -140,15 +140,20 @@ def inline_recordings(expr: str) -> str:
     return expr
 
 
+def _literally(text: str) -> Callable[["re.Match[str]"], str]:
+    """A re.sub replacement that is this text, backslashes and all."""
+    return lambda _match: text
+
+
 def _inline_once(expr: str) -> str:
     for r in RECORDINGS:
         pattern = re.escape(r.record) + r"(?![\w:])"
         if r.raw_range:
             raw, step = r.raw_range
-            expr = re.sub(pattern + r"\[[^\]]+\]", lambda _m, s=f"{raw}[{step}]": s, expr)
+            expr = re.sub(pattern + r"\[[^\]]+\]", _literally(f"{raw}[{step}]"), expr)
         if re.search(pattern + r"\s*[{\[]", expr):
             raise ValueError(f"{r.record} is used with a selector or range in {expr!r}: cannot inline it")
-        expr = re.sub(pattern, lambda _m, e=r.expr: "(\n" + e + "\n)", expr)
+        expr = re.sub(pattern, _literally("(\n" + r.expr + "\n)"), expr)
     return expr
 
 
@@ -177,14 +182,14 @@ def grafana_rule(alert: Alert) -> AlertRulev9:
         condition="C",
         evaluateFor=alert.for_,
         labels={"severity": alert.severity},
-        annotations={k: _grafana_template(v) for k, v in annotations(alert).items()},
+        annotations={k: _grafana_template(v) for k, v in alert_annotations(alert).items()},
         noDataAlertState="OK",  # no series: the condition holds nowhere
         errorAlertState="Alerting",
         timeRangeFrom=600,
     )
 
 
-def _provisioning_rule(ruler: dict) -> dict:
+def _provisioning_rule(ruler: Dict[str, Any]) -> Dict[str, Any]:
     """grafanalib writes the ruler-API shape ({..., grafana_alert: {...}}); file
     provisioning wants the rule's fields flat, in camelCase."""
     inner = ruler["grafana_alert"]

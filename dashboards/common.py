@@ -8,7 +8,7 @@ A dashboard module builds its panels with these helpers and ends with
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import attr
 from grafanalib.core import (
@@ -181,12 +181,12 @@ def table(title: str, description: str, targets: Sequence[Target], units: Dict[s
     )
 
 
-def source_panels() -> List:
+def source_panels() -> List[Any]:
     """A row per source that renders metrics of its own (Source.metrics), one panel per
     metric: counters as rates, histograms as their p99, gauges as they are. A new
     source's metrics show on the exporter dashboard without a dashboard edit; one that
     deserves more moves to a dashboard of its own."""
-    panels: List = []
+    panels: List[Any] = []
     for source in SOURCES.values():
         if not source.metrics:
             continue
@@ -210,7 +210,7 @@ def row(title: str) -> RowPanel:
     return RowPanel(title=title, gridPos=GridPos(h=1, w=GRID_WIDTH, x=0, y=0))
 
 
-def _layout(panels: Sequence) -> List:
+def _layout(panels: Sequence[Any]) -> List[Any]:
     """Flow panels left to right, top to bottom; a row always starts a new line."""
     x, y, line_height = 0, 0, 0
     for panel in panels:
@@ -227,7 +227,7 @@ def _layout(panels: Sequence) -> List:
 DEFAULT_RANGE = "now-15m"
 
 
-def build(title: str, uid: str, description: str, panels: Sequence,
+def build(title: str, uid: str, description: str, panels: Sequence[Any],
           variables: Optional[List[Template]] = None) -> Dashboard:
     """A dashboard with the data source variable and `variables` (default: node_variables())."""
     variables = node_variables() if variables is None else variables

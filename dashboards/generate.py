@@ -12,7 +12,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from alerts.generate import write_or_check
 
@@ -26,15 +26,17 @@ def sources() -> Dict[str, Path]:
     return {p.name[: -len(".dashboard.py")]: p for p in sorted(HERE.glob("*.dashboard.py"))}
 
 
-def load(path: Path):
+def load(path: Path) -> Any:
     """The `dashboard` object a .dashboard.py file defines."""
     spec = importlib.util.spec_from_file_location(f"dashboards.{path.stem.replace('.', '_').replace('-', '_')}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.dashboard
 
 
-def _drop_nulls(value):
+def _drop_nulls(value: Any) -> Any:
     """grafanalib writes every optional field, unset ones as null; Grafana's model
     has them optional (absent = default) and not nullable. A threshold step's
     `value` stays: null there means -Infinity."""
@@ -46,10 +48,12 @@ def _drop_nulls(value):
     return value
 
 
-def model(path: Path) -> dict:
+def model(path: Path) -> Dict[str, Any]:
     """The dashboard's JSON model as plain data."""
     # grafanalib's objects turn into plain data through their public to_json_data().
-    return _drop_nulls(json.loads(json.dumps(load(path).to_json_data(), default=lambda o: o.to_json_data())))
+    data: Dict[str, Any] = _drop_nulls(json.loads(json.dumps(load(path).to_json_data(),
+                                                             default=lambda o: o.to_json_data())))
+    return data
 
 
 def outputs() -> Dict[str, str]:
