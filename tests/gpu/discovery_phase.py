@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from truth_check import TruthCheck
 
 INTERVAL = 1.0  # --mps.discover-interval of the discovering exporter
+DISCOVERY_ROOT = Path("/tmp/mpsd")  # run_device.sh quits every daemon below it
+SETTLE = 3.0  # NVML is read in the background every 1 s and served while at most 2 s old
 RESOURCE = "nvidia.com/gpu"
 
 
@@ -172,8 +174,11 @@ def compare_all(tc: "TruthCheck", url: str, label: str, daemons: List[Daemon]) -
 def run(tc: "TruthCheck", port: int) -> None:
     """The phase; every daemon it started is told to quit (or killed) whatever failed."""
     s, r = tc.s, tc.r
-    base = s.work / "discovery"
-    dp_root, plugins = base / "device-plugin-root", base / "kubelet-plugins"
+    # Short roots: MPS's control socket is <pipe>/control, a UNIX socket path, which must fit
+    # in 108 bytes; under /tmp/mps-truth/discovery/kubelet-plugins a DRA daemon's is 115 and
+    # `nvidia-cuda-mps-control -d` exits 1 saying nothing (the first run, 2026-11-25).
+    dp_root, plugins = DISCOVERY_ROOT / "dp", DISCOVERY_ROOT / "kp"
+    shutil.rmtree(DISCOVERY_ROOT, ignore_errors=True)
     kept = s.work / "discovery-logs"
     kept.mkdir(parents=True, exist_ok=True)
     gpu0 = s.smi_gpus()[0].uuid
@@ -188,10 +193,15 @@ def run(tc: "TruthCheck", port: int) -> None:
     exporter: Optional[subprocess.Popen] = None
     clients = []
     try:
+        r.facts["discovery: control socket path lengths (at most 107)"] = {
+            d.name: len(str(d.pipe / "control")) for d in everyone}
         r.facts["discovery: start plugin daemon"] = plugin.start()
         (plugin.directory / ".started").touch()
         (dp_root / "shm").mkdir(parents=True, exist_ok=True)
         r.facts["discovery: start first claim's daemon"] = first.start()
+        for d in (plugin, first):
+            r.check_true(f"discovery: daemon {d.name} started", "its control socket", d.start_reply,
+                         (d.pipe / "control").exists())
         (first.directory / "shm").mkdir(exist_ok=True)
         (first.log / "startup.log").write_text("startup complete\n")
         exporter = start_exporter(tc, dp_root, plugins, port)
@@ -205,6 +215,7 @@ def run(tc: "TruthCheck", port: int) -> None:
                                               "CUDA_MPS_LOG_DIRECTORY": str(first.log)})
         clients += [a, b]
         late = s.wait_ready([a, b], 120)
+        time.sleep(SETTLE)
         r.facts["discovery: clients not ready (a second daemon's server on the GPU)"] = {
             c.tag: c.text().strip()[-400:] for c in late}
         r.facts["discovery: servers"] = {d.name: d.servers() for d in (plugin, first)}
@@ -213,6 +224,8 @@ def run(tc: "TruthCheck", port: int) -> None:
         # A claim prepared while the exporter runs.
         appeared_at = time.time()
         r.facts["discovery: start later claim's daemon"] = later.start()
+        r.check_true(f"discovery: daemon {later.name} started", "its control socket", later.start_reply,
+                     (later.pipe / "control").exists())
         e = wait_scrape(url, lambda e: later.name in e.label_set("mps_control_daemon_up", "daemon"), 30)
         seen_after = time.time() - appeared_at
         r.check_true(f"discovery: a daemon started while the exporter runs appears within one re-scan "
@@ -222,6 +235,7 @@ def run(tc: "TruthCheck", port: int) -> None:
                                               "CUDA_MPS_LOG_DIRECTORY": str(later.log)})
         clients.append(c)
         s.wait_ready([c], 120)
+        time.sleep(SETTLE)
         compare_all(tc, url, "discovery: three daemons", [plugin, first, later])
 
         # The first claim released: its client ends, its daemon quits, its directory goes.

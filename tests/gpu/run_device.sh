@@ -10,7 +10,7 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 NAME=${1:-single-h200}; TITLE=${2:-Truth check on one NVIDIA H200}; BUNDLE=${3:-}; PHASES=${4:-}
 R=/tmp/results; rm -rf $R; mkdir -p $R
 quit_all() {
-  for d in /tmp/mps-truth/pipe /tmp/mps-bundle/pipe $(find /tmp/mps-truth/discovery -type d -name pipe 2>/dev/null); do
+  for d in /tmp/mps-truth/pipe /tmp/mps-bundle/pipe $(find /tmp/mpsd -type d -name pipe 2>/dev/null); do
     [ -d $d ] && echo quit | CUDA_MPS_PIPE_DIRECTORY=$d timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1
     # A daemon that did not answer quit (one hung in phase queuedeath): kill it and its
     # servers, found by their pipe directory, so that none outlives this run.
