@@ -349,7 +349,8 @@ class Exposition(CollectorRegistry):
     (everything but the exporter's own series) is encoded once per format and compression
     while the readings stay the same (render.readings_key), and reused: between the
     background refreshes, and by a second Prometheus, scrapes cost the exporter's own
-    series and a copy, not an encoding. `collect` gives every family, as a registry does."""
+    series and a copy, not an encoding. Where the readings changed, each family equal to
+    its last encoding is reused. `collect` gives every family, as a registry does."""
 
     def __init__(self, collector: MpsCollector, process: bool = True) -> None:
         super().__init__(auto_describe=False)
@@ -357,7 +358,25 @@ class Exposition(CollectorRegistry):
         self.register(collector)
         self._others: List[Collector] = [ProcessCollector(registry=self)] if process else []
         self._encoded: Dict[Tuple[str, bool], _Encoded] = {}
+        # content type -> family name -> (family, its encoding): where readings changed,
+        # most families did not (a storm moves memory and activity, not who the clients are).
+        self._family_texts: Dict[str, Dict[str, Tuple[Metric, bytes]]] = {}
         self._lock = threading.Lock()
+
+    def _encode_families(self, encoder: Callable[[Any], bytes], content_type: str, families: List[Metric]) -> bytes:
+        """The families encoded, each one reused from the last encoding where it is equal."""
+        with self._lock:
+            before = self._family_texts.get(content_type, {})
+        now: Dict[str, Tuple[Metric, bytes]] = {}
+        for family in families:
+            kept = before.get(family.name)
+            if kept is None or kept[0] != family:
+                text = encoder(_Families([family]))
+                kept = (family, text[:-len(_EOF)] if text.endswith(_EOF) else text)
+            now[family.name] = kept
+        with self._lock:
+            self._family_texts[content_type] = now  # only the families of this encoding: no growth
+        return b"".join(text for _, text in now.values())
 
     def encode(self, encoder: Callable[[Any], bytes], content_type: str, gzip: bool) -> bytes:
         """One scrape's body, from `choose_encoder`'s encoder and content type."""
@@ -368,8 +387,7 @@ class Exposition(CollectorRegistry):
         if part is None or part.key != key:
             out = FamilyBuilder()
             render_readings(out, snap, self.collector.granularity, own_renders())
-            text = encoder(_Families(out.families()))
-            text = text[:-len(_EOF)] if text.endswith(_EOF) else text
+            text = self._encode_families(encoder, content_type, out.families())
             compressor = None
             if gzip:
                 compressor = zlib.compressobj(6, zlib.DEFLATED, 31)  # 31: the gzip container

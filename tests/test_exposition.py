@@ -5,6 +5,7 @@ one OpenMetrics EOF) with every family the collector has."""
 
 from __future__ import annotations
 
+import copy
 import zlib
 from typing import Any, List
 
@@ -136,3 +137,29 @@ def test_the_control_command_count_is_the_exporters_own_series_not_a_reading(tmp
     counts = [next(l for l in text.splitlines() if l.startswith('mps_exporter_control_commands_total{command="get_server_list"'))
               for text in sent]
     assert counts[0] != counts[1]  # fresh in every scrape though the readings' part is reused
+
+
+def test_where_readings_changed_only_the_changed_families_are_encoded_again(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3)
+    collector = scen.collector()
+    registry = build_registry(collector, process=False)
+    real, content_type = choose_encoder(OPENMETRICS)
+    encoded: List[List[str]] = []
+
+    def encoder(families: Any) -> bytes:
+        encoded.append([f.name for f in families.collect()])
+        return real(families)
+
+    snap = collector.snapshot()
+    collector.collection = lambda: snap  # type: ignore[method-assign]
+    first = registry.encode(encoder, content_type, False).decode()
+    readings = [names for names in encoded if len(names) == 1]
+    assert len(readings) > 20  # one encoding per family the first time
+    encoded.clear()
+    snap.nvml = copy.deepcopy(snap.nvml)  # a new reading, as every read returns
+    snap.nvml.gpus[0].memory_used_bytes += 1 << 20
+    second = registry.encode(encoder, content_type, False).decode()
+    again = [names[0] for names in encoded if len(names) == 1]
+    assert again == ["mps_gpu_memory_used_bytes"]
+    changed = sorted(set(second.splitlines()) - set(first.splitlines()))
+    assert len(changed) == 1 and changed[0].startswith('mps_gpu_memory_used_bytes{gpu="0"')
