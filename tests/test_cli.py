@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mps_exporter.sources.registry import SOURCES
-from tests.support.data import CAPTURE, EDGES
+from tests.support.data import CAPTURE, EDGES, LIMITS24
 from tests.support.tools import require
 EXE = [sys.executable, "-m", "mps_exporter.cli"]
 
@@ -80,6 +80,19 @@ def dump(log_directory: Path) -> str:
                                 "--no-collector.nvml"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     return res.stdout
+
+
+def test_dump_counts_terminate_client_and_knows_every_line_of_the_issue_24_run():
+    """The whole logs of the H100 run of issue 24: one `terminate_client`, a server started
+    under `set_default_client_priority 1`, clients of every limit form."""
+    out = dump(LIMITS24)
+    for sample in ('mps_clients_terminated_total{daemon="default"} 1.0',
+                   'mps_server_starts_total{daemon="default"} 5.0',
+                   'mps_control_commands_total{command="terminate_client",daemon="default"} 1.0',
+                   'mps_control_commands_total{command="set_default_client_priority",daemon="default"} 2.0',
+                   'mps_log_unrecognized_lines_total{daemon="default",file="control"} 0.0',
+                   'mps_log_unrecognized_lines_total{daemon="default",file="server"} 0.0'):
+        assert sample in out, sample
 
 
 def test_dump_counts_the_fatal_gpu_error_of_a_cuda_11_server():

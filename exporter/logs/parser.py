@@ -301,7 +301,7 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     "Display": _rules((r"Display Driver version", "server_version"),),
     "Connecting": _rules((r"Connecting to control daemon", "server_startup"),),
     "MPS": _rules(
-        # terminate_client <server> <client>, verbatim from an H100 (driver 580, MPS 13000; issue 24)
+        # terminate_client <server> <client> (tests/data/captures/h100-limits24, server.log 13:26:26)
         (r"MPS server requesting client \{PID: (-?\d{1,10}), Context ID: \d+\} to exit$",
          lambda ts, pid, m: ClientTerminated(ts, pid, int(m.group(1)))),
         (r"MPS Server connecting to control daemon", "server_startup"),

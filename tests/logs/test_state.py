@@ -463,3 +463,16 @@ def test_server_priority_is_kept_per_server_and_survives_a_restart():
     assert state.snapshot().servers[20].priority == 1
     again = LogState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert again.snapshot().servers[20].priority == 1
+
+
+def test_the_issue_24_run_server_priority_and_terminated_client():
+    """The H100 run's logs (tests/data/captures/h100-limits24): server 1332 started after
+    `set_default_client_priority 1`; client 1478 of server 1515 ended by terminate_client."""
+    from tests.support.data import LIMITS24
+
+    files = {f: (LIMITS24 / f"{f}.log").read_text().splitlines() for f in ("control", "server")}
+    snap = replay(files, until="2026-11-25 13:26:18.000").snapshot()
+    assert snap.servers[1332].priority == 1
+    snap = replay(files).snapshot()
+    assert snap.clients_terminated == 1 and snap.unrecognized == {"control": 0, "server": 0}
+    assert [(e.server_pid, e.clients) for e in snap.recent_events if e.kind == "client_terminated"] == [(1515, [1478])]

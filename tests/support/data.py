@@ -19,3 +19,6 @@ EDGES = DATA / "captures" / "h100-edges"
 # server then refuses its connection (`User did not send valid credentials`) and the
 # control daemon stops answering.
 QUEUE_DEATH = DATA / "captures" / "h100-queuedeath"
+# Issue 24 on an H100 (tests/gpu/reports/h100-limits24.md): client limit forms, thread values,
+# a process outside MPS, `set_default_client_priority 1` and `terminate_client`; whole logs.
+LIMITS24 = DATA / "captures" / "h100-limits24"
