@@ -39,7 +39,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .config import DEFAULT_PAUSE_AFTER, Config
 from .contract import READ_DURATION_BUCKETS
 from .model import Histogram, Outcome, Snapshot
-from .families import FamilyBuilder
+from .catalog import METRICS
+from .families import FamilyBuilder, empty_family
 from . import scrape_timeout
 from .render import readings_key, render, render_readings, render_self
 from .sources.base import PartialFailure, ReadContext, Reader, Source
@@ -237,7 +238,10 @@ class MpsCollector(Collector):
         self.refreshes += 1
 
     def describe(self) -> Iterable[Metric]:
-        return []  # keeps registration from running a whole collection
+        """Every declared family, empty (no collection runs): client_python's registry
+        checks names for duplicates with these, and its restricted registry (`name[]`)
+        finds the collector by them."""
+        return [empty_family(spec) for spec in METRICS.values()]
 
     def collect(self) -> Iterable[Metric]:
         return render(self.collection(), self.granularity, own_renders()).families()

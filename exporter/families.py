@@ -33,6 +33,11 @@ def _family_name(spec: MetricSpec) -> str:
     return spec.name
 
 
+def empty_family(spec: MetricSpec) -> Metric:
+    """The family of this spec without samples: what a collector's describe() returns."""
+    return Metric(_family_name(spec), spec.help, spec.type)
+
+
 def _check_labels(spec: MetricSpec, labels: Dict[str, object]) -> None:
     if labels.keys() != spec.label_set:
         raise ContractError(f"{spec.name}: labels {sorted(labels)} != contract {sorted(spec.labels)}")
@@ -57,7 +62,7 @@ class FamilyBuilder:
             raise ContractError(f"{name} is not declared (contract.table)")
         fam = self._families.get(name)
         if fam is None:
-            fam = Metric(_family_name(spec), spec.help, spec.type)
+            fam = empty_family(spec)
             self._families[name] = fam
         return spec, fam
 

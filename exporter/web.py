@@ -49,12 +49,11 @@ import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client.exposition import choose_encoder, gzip_accepted
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import __version__, runbook
 from .collector import Exposition
@@ -843,8 +842,8 @@ class _Exchange:
         registry: Collector = self.server.app.registry
         encoder, content_type = choose_encoder(self.headers.get("accept") or "")
         zipped = gzip_accepted(self.headers.get("accept-encoding") or "")
-        if params.get("name[]"):
-            registry = _OnlySamples(registry, params["name[]"])
+        if params.get("name[]") and isinstance(registry, CollectorRegistry):
+            registry = registry.restricted_registry(params["name[]"])
         try:
             with scrape_timeout(self.headers.get("x-prometheus-scrape-timeout-seconds")):
                 if isinstance(registry, Exposition):  # reuses the readings' encoded part
@@ -883,23 +882,6 @@ class _Exchange:
 def send_all(sock: socket.socket, data: bytes) -> None:
     """Every answer goes out through here, in one call."""
     sock.sendall(data)
-
-
-class _OnlySamples:
-    """`?name[]=a&name[]=b`: only samples with those names, like client_python's
-    restricted registry, but without needing collectors to describe() themselves."""
-
-    def __init__(self, registry: Collector, names: Iterable[str]) -> None:
-        self._registry = registry
-        self._names = set(names)
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self._registry.collect():
-            samples = [s for s in family.samples if s.name in self._names]
-            if samples:
-                kept = Metric(family.name, family.documentation, family.type, family.unit)
-                kept.samples = samples
-                yield kept
 
 
 def _landing_page(telemetry_path: str) -> bytes:

@@ -10,6 +10,8 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from prometheus_client.exposition import generate_latest
 
 from mps_exporter.collector import MpsCollector, SingleFlight, build_registry
@@ -305,3 +307,20 @@ def test_client_priority_from_its_environment_and_the_pid_namespace_label(tmp_pa
     info = series(text, "mps_client_info")
     assert len(info) == 3 and all('pid_namespace="4026531836"' in s for s in info)
     assert sorted(re.search(r'[{,]namespace="([^"]*)"', s).group(1) for s in info) == ["", "", "ml-team"]
+
+
+def test_describe_gives_every_declared_family_empty_and_name_filters_use_it(tmp_path):
+    from mps_exporter.catalog import METRICS
+
+    collector = scenarios.busy(tmp_path).collector()
+    described = collector.describe()
+    assert len(described) == len(METRICS) and all(not family.samples for family in described)
+    assert {"mps_gpu_up", "mps_server_starts"} <= {family.name for family in described}  # counters without _total
+    registry = build_registry(collector, process=False)
+    # client_python's duplicate check sees the names now ...
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        registry.register(scenarios.busy(tmp_path / "again").collector())
+    # ... and its restricted registry (`/metrics?name[]=...`) finds the collector by them.
+    text = generate_latest(registry.restricted_registry(["mps_gpu_up", "mps_server_starts_total"])).decode()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
+    assert names == {"mps_gpu_up", "mps_server_starts_total"}

@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry
 from mps_exporter import web, webconfig
 from mps_exporter.cli import parse_args
 from mps_exporter.config import ConfigError
-from mps_exporter.families import FamilyBuilder
+from mps_exporter.contract import DECLARED
+from mps_exporter.families import FamilyBuilder, empty_family
 from tests.support.certs import make_tls_files
 
 # Cost 4 keeps hashing fast in tests; the server accepts any cost 4..31.
@@ -33,6 +34,9 @@ ALICE_HASH = bcrypt.hashpw(ALICE_PASSWORD.encode(), bcrypt.gensalt(4)).decode()
 
 class GpuCollector:
     """Two GPUs' worth of contract families."""
+
+    def describe(self):  # as client_python's registry and its name[] filter want
+        return [empty_family(DECLARED[name]) for name in ("mps_gpu_up", "mps_gpu_memory_used_bytes")]
 
     def collect(self):
         out = FamilyBuilder()
