@@ -291,3 +291,20 @@ def test_status_lists_every_daemon_found(tmp_path):
     listed = {d["name"]: d for d in json.loads(out.getvalue())["daemons"]}
     assert set(listed) == {"nvidia.com/gpu", f"{CLAIM}-a1b2c"}
     assert [s["pid"] for s in listed["nvidia.com/gpu"]["servers"]] == [500]
+
+
+# ------------------------------------------------------------------ the live run's logs
+LIVE = Path(__file__).resolve().parent / "data" / "captures" / "h100-discovery"
+
+
+@pytest.mark.parametrize("daemon", ["device-plugin-nvidia.com_gpu", "dra-claim-multiuser", "dra-claim-later"])
+def test_live_daemons_logs_read_whole(daemon):
+    """The three daemons of the H100 run (tests/gpu/reports/h100-discovery): every line known,
+    one server, one client, whatever layout; the -M daemon's client waits for its server
+    to start (never behind another user)."""
+    from mps_exporter.logs.pipeline import LogPipeline
+
+    snap = LogPipeline(daemon, str(LIVE / daemon), timezone="UTC").read_once()
+    assert snap.unrecognized == {"control": 0, "server": 0}
+    assert (snap.server_starts, snap.client_connections) == (1, 1)
+    assert snap.pushes["user_switch"] == 0
