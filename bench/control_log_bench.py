@@ -62,10 +62,6 @@ def run(tmp: Path, gpus: int, clients: int, minutes: float, signals: bool) -> Tu
     sc.cfg.collectors["logs"] = True
     readers = build_readers(sc.cfg, sc.backends())
     collector = build_collector(sc.cfg, readers, clock=lambda: now[0])
-    source = readers["control"].source[0]
-    source.clock = lambda: now[0]
-    if not signals:  # the same node, the signals not passed on
-        source.read = lambda devices, _signals: ControlSource.read(source, devices)
 
     def scrape() -> Tuple[int, int, object]:
         if "logs" in readers:
@@ -75,8 +71,12 @@ def run(tmp: Path, gpus: int, clients: int, minutes: float, signals: bool) -> Tu
         now[0] += SCRAPE_SECONDS
         return sc.daemon.log_lines - lines, len(sc.daemon.received) - commands, snap
 
-    for _ in range(2):  # the first reads: every limit once, and a ps that confirms the first
-        scrape()
+    scrape()  # the first read: every command once; the daemon's ControlSource exists from here
+    source = readers["control"].source["default"]
+    source.clock = lambda: now[0]
+    if not signals:  # the same node, the signals not passed on
+        source.read = lambda devices, _signals: ControlSource.read(source, devices)
+    scrape()  # the ps that confirms the first
     per_scrape = [scrape()[0] for _ in range(int(minutes * 60 / SCRAPE_SECONDS))]
 
     sc.daemon.echo(["Accepting connection...", f"NEW CLIENT {NEW_CLIENT} from user 0: Server already exists"])

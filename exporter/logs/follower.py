@@ -327,10 +327,12 @@ class FileFollower:
             first, truncated = first[:cap], truncated + 1
         lines.append(first.decode("utf-8", "replace"))
         if last_nl > first_nl:
-            for line in data[first_nl + 1:last_nl].decode("utf-8", "replace").split("\n"):
-                if len(line) > cap:
-                    line, truncated = line[:cap], truncated + 1
-                lines.append(line)
+            middle = data[first_nl + 1:last_nl].decode("utf-8", "replace").split("\n")
+            if max(map(len, middle)) > cap:  # rare: only then line by line
+                for i, line in enumerate(middle):
+                    if len(line) > cap:
+                        middle[i], truncated = line[:cap], truncated + 1
+            lines.extend(middle)
         self._grow_partial(data[last_nl + 1:])
         return truncated
 

@@ -354,7 +354,8 @@ def _parse_server(ts: float, pid: int, msg: str) -> ParseResult:
 PARSER_ERROR = "parser error"  # the reason of an Unrecognized line that made a rule raise
 # `[2026-11-21 04:19:24.641 Control   546] message`: second, milliseconds and PID; the
 # role (`Control`, `Server`, `Other`, `Legacy Server`) only has to be there.
-_HEADER = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) +[A-Za-z ]*[A-Za-z] +(-?\d{1,10})\] ?").match
+HEADER_PATTERN = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) +[A-Za-z ]*[A-Za-z] +(-?\d{1,10})\] ?"
+_HEADER = re.compile(HEADER_PATTERN).match
 
 
 def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult:

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from .echoes import apply_control
 from .events import FILES
 from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, ReadError, end_position
 from .liveness import ProcLiveness
@@ -181,11 +182,15 @@ class LogPipeline:
                 return follower.more
             for _ in range(truncated):
                 state.count_truncated(file)
-            for line in lines:
-                try:
-                    state.apply(parse_line(line, file, tz), file)
-                except Exception:  # a bug costs this line's meaning, never the batch or the count
-                    self._internal_error(file, line)
+            if file == "control":  # mostly command echoes: counted without the parser
+                apply_control(state, lines, lambda line: parse_line(line, "control", tz),
+                              lambda line: self._internal_error("control", line))
+            else:
+                for line in lines:
+                    try:
+                        state.apply(parse_line(line, file, tz), file)
+                    except Exception:  # a bug costs this line's meaning, never the batch or the count
+                        self._internal_error(file, line)
             total += len(lines)
             self._dirty = self._unsaved = True
             if total >= PUBLISH_LINES:

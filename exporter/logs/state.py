@@ -148,6 +148,28 @@ class LogState:
             if type(result) in _CONTROL_CHANGES:
                 s.control_changes += 1
 
+    @property
+    def in_command(self) -> bool:
+        """Between a `Cmd:` line and the end of its block (logs/echoes.py)."""
+        return self._in_command
+
+    def end_command(self) -> None:
+        self._in_command = False
+
+    def count_command(self, verb: str) -> None:
+        """A read-only command's `Cmd:` line, recognised without the parser (logs/echoes.py)."""
+        commands = self.s.commands
+        verb = command_verb(verb, commands)
+        commands[verb] = commands.get(verb, 0) + 1
+        self._in_command = True
+
+    def count_echoes(self, lines: int, newest: Optional[float]) -> None:
+        """control.log command echoes (logs/echoes.py): counted as lines, their time kept."""
+        s = self.s
+        s.lines["control"] = s.lines.get("control", 0) + lines
+        if newest is not None and newest > self._last_ts.get("control", 0.0):
+            self._last_ts["control"] = newest
+
     def count_truncated(self, file: str) -> None:
         self.s.truncated[file] = self.s.truncated.get(file, 0) + 1
 

@@ -235,16 +235,16 @@ def test_missing_directory_fails_until_it_appears(tmp_path):
 
 
 def test_a_line_whose_handling_raises_costs_only_that_line(tmp_path):
-    from mps_exporter.logs.events import UiClosed
+    from mps_exporter.logs.events import Command
 
-    (tmp_path / "control.log").write_text("\n".join([LINE, "[2026-11-21 04:19:24.391 Control   546] UI closed",
-                                                    LINE]) + "\n")
+    (tmp_path / "control.log").write_text("\n".join([
+        LINE, "[2026-11-21 04:19:24.391 Control   546] Cmd:set_default_active_thread_percentage 50", LINE]) + "\n")
 
     def broken(ev: object) -> None:
         raise RuntimeError("a bug in a handler")
 
     pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
-    pipe._state._handlers[UiClosed] = broken
+    pipe._state._handlers[Command] = broken
     snap = pipe.read_once()
     assert snap.lines["control"] == 3  # the line after the broken one is read and counted too
     assert read_errors(pipe)[("control", "internal_error")] == 1

@@ -1,0 +1,87 @@
+"""control.log's command echoes are counted without the parser (exporter/logs/echoes.py):
+the pipeline must end in the same state as parsing and applying every line."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timezone
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from mps_exporter.logs.pipeline import LogPipeline
+from mps_exporter.logs.parser import parse_line
+from mps_exporter.logs.state import LogState
+from tests.support.data import CAPTURE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from steady_log import write_steady_logs  # noqa: E402
+
+CAPTURES = CAPTURE.parent
+H = "[2026-11-21 04:19:42.120 Control   546] "
+
+
+def parsed_line_by_line(directory: Path):
+    state = LogState()
+    for f in ("control", "server"):
+        path = directory / f"{f}.log"
+        if path.exists():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                state.apply(parse_line(line, f, timezone.utc), f)
+    state.settle()
+    return state.snapshot()
+
+
+def through_the_pipeline(directory: Path):
+    snap = LogPipeline("default", str(directory), timezone="UTC").read_once()
+    snap.read_errors, snap.caught_up, snap.backlog_bytes = {}, True, 0
+    return snap
+
+
+@pytest.mark.parametrize("capture", ["h200-driver580-a", "h100-edges", "h100-queuedeath"])
+def test_recorded_logs_end_in_the_same_state(capture):
+    directory = CAPTURES / capture
+    assert (directory / "control.log").is_file(), f"recorded log {directory} is missing"
+    assert through_the_pipeline(directory) == parsed_line_by_line(directory)
+
+
+def test_a_steady_state_log_ends_in_the_same_state(tmp_path):
+    write_steady_logs(tmp_path, 60_000, gpus=2, clients_per_gpu=10, churn_every=3)
+    snap = through_the_pipeline(tmp_path)
+    assert snap == parsed_line_by_line(tmp_path)
+    assert snap.commands["ps"] > 1000 and snap.client_connections > 100 and sum(snap.unrecognized.values()) == 0
+
+
+def test_events_and_odd_lines_among_echoes_are_still_parsed(tmp_path):
+    rows: List[str] = [
+        "Accepting connection...", "NEW UI", "Cmd:ps", "PID       ID        SERVER         DEVICE", "713       8         654",
+        # an event in the middle of a command's answer, and lines that look almost like echoes
+        "NEW CLIENT 900 from user 0: Server already exists", "714       7         654",
+        "UI closed   ", " UI closed", "Accepting connection...", "123 outside a command", "ACTIVE",
+        "NEW UI", "Cmd:get_server_status 654", "ACTIVE", "UI closed", "Accepting connection...",
+        "NEW CLIENT 901 from user 0: Server is not ready, push client to pending list", "Starting new server 655 for user 0",
+        "NEW SERVER 655: Ready", "NEW UI", "Cmd:get_server_list", "654", "655", "Server 654 exited with status 0",
+        "Server 999 not found", "garbage inside a command", "UI closed", "Cmd:set_default_active_thread_percentage 50",
+        "set_default_active_thread_percentage 50.", "UI closed",
+    ]
+    lines = [H + r for r in rows]
+    lines[6] = lines[6].replace("Control   546", "Control  1419")  # another PID's answer line
+    lines += ["[2026-11-21 04:19:42.121 Control   546]123 no space", "not a log line at all", "",
+              "[2026-11-21 04:19:43.000 Other   546] 42"]
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    snap = through_the_pipeline(tmp_path)
+    reference = parsed_line_by_line(tmp_path)
+    assert snap == reference
+    assert snap.pushes["server_starting"] == 1 and snap.server_starts == 1 and snap.unrecognized["control"] >= 2
+    assert snap.commands == {"ps": 1, "get_server_status": 1, "get_server_list": 1,
+                             "set_default_active_thread_percentage": 1}
+
+
+def test_batches_cut_anywhere_end_in_the_same_state(tmp_path, monkeypatch):
+    from mps_exporter.logs import follower
+
+    write_steady_logs(tmp_path, 5_000, gpus=1, clients_per_gpu=5, churn_every=2)
+    reference = parsed_line_by_line(tmp_path)
+    monkeypatch.setattr(follower, "READ_SIZE", 997)  # batches end inside commands and inside lines
+    assert through_the_pipeline(tmp_path) == reference
