@@ -61,9 +61,10 @@ def _stamp(t: float) -> str:
 
 
 def write_steady_logs(directory: Path, lines: int, gpus: int = 8, clients_per_gpu: int = 48,
-                      churn_every: int = 40, start: float = START) -> int:
+                      churn_every: int = 40, start: float = START, incidents_every: int = 0) -> int:
     """Write control.log and server.log into `directory` until about `lines` lines
-    (whole scrapes) are written; the number written."""
+    (whole scrapes) are written; the number written. `incidents_every` scrapes (0: never),
+    server.log also reports a fatal GPU error and a refused client: what the alerts count."""
     clients = [(10000 + g * clients_per_gpu + k, g * clients_per_gpu + k, g)
                for g in range(gpus) for k in range(clients_per_gpu)]
     next_pid, next_id = 10000 + gpus * clients_per_gpu, gpus * clients_per_gpu
@@ -92,6 +93,14 @@ def write_steady_logs(directory: Path, lines: int, gpus: int = 8, clients_per_gp
                               "Server already exists\n")
                 written += 4
                 next_pid, next_id = next_pid + 1, next_id + 1
+            if incidents_every and scrape % incidents_every == incidents_every - 1:
+                victim = clients[0][0]
+                server.write(f"[{_stamp(t - 3)} Server {SERVER_PID:>6}] Client {{PID: {victim}, Context ID: 1}} "
+                             "encountered a fatal GPU error.\n"
+                             f"[{_stamp(t - 3)} Server {SERVER_PID:>6}] Server is handling a fatal GPU error.\n"
+                             f"[{_stamp(t - 2)} Server {SERVER_PID:>6}] Failed to accept new client. Maximum number "
+                             "of clients (48) reached.\n")
+                written += 3
             head = f"[{_stamp(t)} Control {DAEMON_PID:>5}] "
             messages = scrape_messages(clients, gpus, facts=scrape % 4 == 0)
             control.write("".join(head + m + "\n" for m in messages))
@@ -106,10 +115,11 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=5_000_000)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--clients", type=int, default=48, help="clients per GPU")
+    ap.add_argument("--incidents-every", type=int, default=0, help="scrapes between fatal errors and refusals")
     args = ap.parse_args()
     args.directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    n = write_steady_logs(args.directory, args.lines, args.gpus, args.clients)
+    n = write_steady_logs(args.directory, args.lines, args.gpus, args.clients, incidents_every=args.incidents_every)
     print(f"{n:,} lines in {args.directory} ({time.perf_counter() - started:.1f} s)")
 
 
