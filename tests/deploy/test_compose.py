@@ -176,6 +176,17 @@ def test_alertmanager_config_passes_amtool():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_alertmanager_config_routes_and_inhibits_as_the_example():
+    # The compose stack's Alertmanager is the one example without notifiers: the same
+    # route tree and inhibitions, the same receiver names.
+    compose = load_yaml(os.path.join(COMPOSE_DIR, "alertmanager", "alertmanager.yml"))
+    example = load_yaml(os.path.join(ROOT, "alerts", "alertmanager.example.yml"))
+    assert compose["route"] == example["route"]
+    assert compose["inhibit_rules"] == example["inhibit_rules"]
+    assert [r["name"] for r in compose["receivers"]] == [r["name"] for r in example["receivers"]]
+    assert all(set(r) == {"name"} for r in compose["receivers"])  # notifies nobody
+
+
 def test_grafana_provisioning_matches_what_it_loads():
     datasources = load_yaml(os.path.join(COMPOSE_DIR, "grafana", "provisioning", "datasources", "prometheus.yml"))
     (datasource,) = datasources["datasources"]
