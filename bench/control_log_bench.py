@@ -35,7 +35,7 @@ from typing import List, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mps_exporter.render import render  # noqa: E402
-from mps_exporter.sources.mps_control import ControlSource  # noqa: E402
+from mps_exporter.sources.control import DaemonReader  # noqa: E402
 from mps_exporter.wiring import build_collector, build_readers  # noqa: E402
 from tests.fakes.fake_control import FakeClient  # noqa: E402
 from tests.fakes.fake_pynvml import FakeProcess  # noqa: E402
@@ -71,11 +71,11 @@ def run(tmp: Path, gpus: int, clients: int, minutes: float, signals: bool) -> Tu
         now[0] += SCRAPE_SECONDS
         return sc.daemon.log_lines - lines, len(sc.daemon.received) - commands, snap
 
-    scrape()  # the first read: every command once; the daemon's ControlSource exists from here
+    scrape()  # the first read: every command once; the daemon's DaemonReader exists from here
     source = readers["control"].source["default"]
     source.clock = lambda: now[0]
     if not signals:  # the same node, the signals not passed on
-        source.read = lambda devices, _signals: ControlSource.read(source, devices)
+        source.read = lambda devices, _signals: DaemonReader.read(source, devices)
     scrape()  # the ps that confirms the first
     per_scrape = [scrape()[0] for _ in range(int(minutes * 60 / SCRAPE_SECONDS))]
 

@@ -30,7 +30,7 @@ from prometheus_client.exposition import generate_latest  # noqa: E402
 
 from mps_exporter.collector import build_registry  # noqa: E402
 from mps_exporter.config import DRA, Config, DiscoveryRoot  # noqa: E402
-from mps_exporter.sources import mps_control  # noqa: E402
+from mps_exporter.sources import control as mps_control  # noqa: E402
 from mps_exporter.sources.base import Backends  # noqa: E402
 from mps_exporter.wiring import build_collector, build_readers  # noqa: E402
 from tests.fakes.fake_control import FakeClient, FakeControlDaemon, FakeDaemons, FakeServer  # noqa: E402

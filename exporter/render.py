@@ -216,7 +216,7 @@ SELF_METRICS = table(
     counter("mps_exporter_control_commands_total", "Commands the exporter sent to the control daemon, by verb. MPS "
             "echoes each into control.log, which it never rotates (about 5 lines; ps one more per client): at a "
             "steady state the exporter sends get_server_list alone (docs/logs.md).", DAEMON,
-            Label("command", FIXED, "the exporter's read-only verbs (sources/mps_control.py READ_ONLY_COMMANDS)",
+            Label("command", FIXED, "the exporter's read-only verbs (sources/control.py READ_ONLY_COMMANDS)",
                   "one per read-only verb")),
 )
 

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from mps_exporter.config import DaemonConfig
-from mps_exporter.sources import mps_control as mc
+from mps_exporter.sources import control as mc
 from tests.fakes.fake_control import CAPTURE, FakeClient, FakeControlDaemon, FakeServer, transcript_outputs
 
 UUID = "GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"
@@ -84,7 +84,7 @@ def test_write_commands_cannot_be_sent(verb, args):
 
 def test_every_command_a_scrape_sends_is_read_only_and_single_line():
     daemon = FakeControlDaemon.busy_capture()
-    source = mc.ControlSource(DaemonConfig("default", "/tmp/pipe", "/tmp/log"), mc.ControlClient("/tmp/pipe", runner=daemon))
+    source = mc.DaemonReader(DaemonConfig("default", "/tmp/pipe", "/tmp/log"), mc.ControlClient("/tmp/pipe", runner=daemon))
     for _ in range(3):
         source.read(devices=[0, 1])
     assert daemon.received
@@ -97,7 +97,7 @@ def test_every_command_a_scrape_sends_is_read_only_and_single_line():
 # ------------------------------------------------------------ the source
 def make_source(daemon, refresh=60.0, clock=None):
     kwargs = {"clock": clock} if clock else {}
-    return mc.ControlSource(DaemonConfig("default", "/p", "/l"), mc.ControlClient("/p", runner=daemon),
+    return mc.DaemonReader(DaemonConfig("default", "/p", "/l"), mc.ControlClient("/p", runner=daemon),
                             facts_refresh_seconds=refresh, **kwargs)
 
 
@@ -252,7 +252,7 @@ def test_a_ps_that_failed_is_sent_again_under_the_same_signals():
         rc, out = daemon(argv, stdin_text, env, timeout)
         return (rc, "garbage\n") if stdin_text == "ps\n" and garbled and garbled.pop() else (rc, out)
 
-    source = mc.ControlSource(DaemonConfig("default", "/p", "/l"), mc.ControlClient("/p", runner=runner))
+    source = mc.DaemonReader(DaemonConfig("default", "/p", "/l"), mc.ControlClient("/p", runner=runner))
     sent_by(source, daemon, log_changes=1, limit_commands=0)
     daemon.clients.append(FakeClient(1700, 1589, UUID, 9))
     garbled.append(True)
@@ -292,14 +292,14 @@ def test_fault_status_is_reported():
 def test_hung_daemon_is_an_error_not_a_crash():
     daemon = FakeControlDaemon.busy_capture()
     daemon.hang_seconds = 0.05
-    source = mc.ControlSource(DaemonConfig("default", "/p", "/l"), mc.ControlClient("/p", timeout=0.01, runner=daemon))
+    source = mc.DaemonReader(DaemonConfig("default", "/p", "/l"), mc.ControlClient("/p", timeout=0.01, runner=daemon))
     r = source.read(devices=[0])
     assert not r.up and "did not answer" in r.error
 
 
 def test_missing_binary_is_an_error():
     client = mc.ControlClient("/p", binary="/nonexistent/nvidia-cuda-mps-control")
-    r = mc.ControlSource(DaemonConfig("default", "/p", "/l"), client).read(devices=[0])
+    r = mc.DaemonReader(DaemonConfig("default", "/p", "/l"), client).read(devices=[0])
     assert not r.up and "not found" in r.error
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from mps_exporter.config import DEFAULT_DCGM_BINDINGS
 from mps_exporter.sources import dcgm
-from mps_exporter.sources.dcgm import FIELD_GROUP_NAME, DcgmSource, DcgmUnavailable, is_blank
+from mps_exporter.sources.dcgm import FIELD_GROUP_NAME, DcgmClient, DcgmUnavailable, is_blank
 from tests.fakes import fake_dcgm as fd
 
 UUIDS = {0: "GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70", 1: "GPU-00000001-0000-4000-8000-000000000001"}
@@ -37,17 +37,17 @@ def source_on(tmp_path, engine, version=4, **kwargs):
     """Bindings installed in the second of two default-like paths (the first is empty)."""
     missing = tmp_path / "dcgm3" / "bindings" / "python3"
     bindings = fd.install_bindings(tmp_path / "dcgm4" / "bindings" / "python3", engine, version=version)
-    return DcgmSource([str(missing), str(bindings)], **kwargs), bindings
+    return DcgmClient([str(missing), str(bindings)], **kwargs), bindings
 
 
 # -------------------------------------------------------------- availability
 def test_default_paths_are_the_dcgm3_and_dcgm4_locations():
-    assert DcgmSource().bindings_paths == DEFAULT_DCGM_BINDINGS == (
+    assert DcgmClient().bindings_paths == DEFAULT_DCGM_BINDINGS == (
         "/usr/local/dcgm/bindings/python3", "/usr/share/datacenter-gpu-manager-4/bindings/python3")
 
 
 def test_unavailable_without_bindings(tmp_path):
-    source = DcgmSource([str(tmp_path / "nowhere"), str(tmp_path)])
+    source = DcgmClient([str(tmp_path / "nowhere"), str(tmp_path)])
     assert source.available() is False
     assert "no DcgmReader.py" in source.unavailable_reason
     with pytest.raises(DcgmUnavailable, match="bindings not found"):
@@ -57,7 +57,7 @@ def test_unavailable_without_bindings(tmp_path):
 def test_broken_install_is_unavailable_and_leaves_sys_path_alone(tmp_path, engine):
     broken = fd.install_bindings(tmp_path / "broken", engine, broken=True)
     before = list(sys.path)
-    source = DcgmSource([str(broken)])
+    source = DcgmClient([str(broken)])
     assert source.available() is False
     assert "pydcgm" in source.unavailable_reason
     assert sys.path == before
@@ -74,7 +74,7 @@ def test_available_from_the_second_path_which_goes_on_sys_path(tmp_path, engine)
 
 def test_reader_factory_makes_it_available_without_bindings(engine):
     cls = type("R", (fd.FakeDcgmReader,), {"engine": engine})
-    assert DcgmSource([], reader_factory=cls).available() is True
+    assert DcgmClient([], reader_factory=cls).available() is True
 
 
 # ----------------------------------------------------------------- reading
@@ -112,7 +112,7 @@ def test_blanks_a_reader_hands_through_are_skipped_by_the_source(engine):
     cls = type("DcgmReader", (fd.FakeDcgmReader,), {"engine": engine})
     reader = cls(fieldIds=[1002, 1003, 1004, 1005], ignoreBlank=False)
     assert reader.GetLatestGpuValuesAsFieldIdDict()[1][1002] == fd.DCGM_FP64_NOT_FOUND  # the double really passes it
-    source = DcgmSource([], reader_factory=lambda **kw: cls(ignoreBlank=False, **kw))
+    source = DcgmClient([], reader_factory=lambda **kw: cls(ignoreBlank=False, **kw))
     assert source.read()[1] == {"sm_occupancy": 0.2}
 
 

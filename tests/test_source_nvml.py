@@ -7,7 +7,7 @@ import inspect
 import pynvml
 import pytest
 
-from mps_exporter.sources.nvml import COMPUTE_MODES, NvmlSource, NvmlUnavailable
+from mps_exporter.sources.nvml import COMPUTE_MODES, NvmlClient, NvmlUnavailable
 from tests.fakes import fake_pynvml as fp
 from tests.fakes.fake_pynvml import MAX_CLIENT_SHARE, FakeNvml, load_capture
 
@@ -15,7 +15,7 @@ from tests.fakes.fake_pynvml import MAX_CLIENT_SHARE, FakeNvml, load_capture
 
 def read_twice(fake, seconds=10.0):
     """A source that has scraped once, then `seconds` later a second time."""
-    source = NvmlSource(fake)
+    source = NvmlClient(fake)
     first = source.read()
     fake.advance(seconds)
     return source, first, source.read()
@@ -76,7 +76,7 @@ def test_capture_latency_mode_maps_each_call_to_its_measured_us(monkeypatch):
     assert fake.latency_us["nvmlDeviceGetUtilizationRates"] == doc["util"]["us"] / 2  # the probe called it twice
     slept = []
     monkeypatch.setattr(fp.time, "sleep", slept.append)
-    NvmlSource(fake).read()
+    NvmlClient(fake).read()
     # One scrape makes each captured call once and sleeps its measured time.
     assert sorted(slept) == pytest.approx(sorted(us / 1e6 for us in fake.latency_us.values()))
     assert pytest.approx(doc["proc_util"]["us"] / 1e6) in slept
@@ -87,7 +87,7 @@ def test_capture_latency_mode_maps_each_call_to_its_measured_us(monkeypatch):
 def test_every_gpu_field_from_the_capture(name):
     doc = load_capture(name)
     v = {k: e["v"] for k, e in doc.items() if isinstance(e, dict) and "v" in e}
-    reading = NvmlSource(FakeNvml.from_capture(name)).read()
+    reading = NvmlClient(FakeNvml.from_capture(name)).read()
     assert reading.driver_version == v["driver"] == "580.159.04"
     assert len(reading.gpus) == v["count"]
     gpu = reading.gpus[0]
@@ -113,21 +113,21 @@ def test_every_gpu_field_from_the_capture(name):
 
 
 def test_busy_capture_has_the_server_in_compute_processes_but_not_among_clients():
-    gpu = NvmlSource(FakeNvml.from_capture("busy")).read().gpus[0]
+    gpu = NvmlClient(FakeNvml.from_capture("busy")).read().gpus[0]
     server = {p.pid for p in gpu.compute_processes} - {p.pid for p in gpu.mps_clients}
     assert server == {u.pid for u in gpu.process_utilization} == {1589}
 
 
 def test_many_capture_lists_every_client():
     doc = load_capture("many")
-    gpu = NvmlSource(FakeNvml.from_capture("many")).read().gpus[0]
+    gpu = NvmlClient(FakeNvml.from_capture("many")).read().gpus[0]
     assert len(gpu.mps_clients) == len(doc["mps_procs"]["v"]) > 20
     assert len(gpu.compute_processes) == len(gpu.mps_clients) + 1
 
 
 # ---------------------------------------------------------------- scenarios
 def test_eight_gpus_by_forty_eight_clients():
-    reading = NvmlSource(FakeNvml.synthetic(gpus=8, clients_per_gpu=48)).read()
+    reading = NvmlClient(FakeNvml.synthetic(gpus=8, clients_per_gpu=48)).read()
     assert [g.index for g in reading.gpus] == list(range(8))
     assert len({g.uuid for g in reading.gpus}) == 8
     pids = set()
@@ -143,7 +143,7 @@ def test_eight_gpus_by_forty_eight_clients():
 
 
 def test_time_sliced_gpu_has_per_process_utilization():
-    gpu = NvmlSource(FakeNvml.synthetic(gpus=1, clients_per_gpu=3, mps=False)).read().gpus[0]
+    gpu = NvmlClient(FakeNvml.synthetic(gpus=1, clients_per_gpu=3, mps=False)).read().gpus[0]
     assert gpu.mps_clients == []
     assert {u.pid: u.sm_ratio for u in gpu.process_utilization} == {p.pid: pytest.approx(0.30) for p in gpu.compute_processes}
 
@@ -154,14 +154,14 @@ def test_compute_modes_are_lowercase_names(mode):
     fake.gpus[0].compute_mode = mode
     expected = {fp.NVML_COMPUTEMODE_DEFAULT: "default", fp.NVML_COMPUTEMODE_EXCLUSIVE_THREAD: "exclusive_thread",
                 fp.NVML_COMPUTEMODE_PROHIBITED: "prohibited", fp.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "exclusive_process"}
-    assert NvmlSource(fake).read().gpus[0].compute_mode == expected[mode]
+    assert NvmlClient(fake).read().gpus[0].compute_mode == expected[mode]
 
 
 @pytest.mark.parametrize("mig, enabled", [((1, 1), True), ((0, 1), False), (None, False)])
 def test_mig_mode(mig, enabled):
     fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=0)
     fake.gpus[0].mig_mode = mig  # None: a GPU without MIG answers NOT_SUPPORTED
-    gpu = NvmlSource(fake).read().gpus[0]
+    gpu = NvmlClient(fake).read().gpus[0]
     assert gpu.up and gpu.mig_enabled is enabled
 
 
@@ -169,7 +169,7 @@ def test_used_gpu_memory_none_stays_none():
     fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=2)
     fake.gpus[0].mps_processes[0].usedGpuMemory = None
     fake.gpus[0].compute_processes[1].usedGpuMemory = None
-    gpu = NvmlSource(fake).read().gpus[0]
+    gpu = NvmlClient(fake).read().gpus[0]
     assert gpu.mps_clients[0].used_bytes is None and gpu.mps_clients[1].used_bytes == 2 * (512 << 20)
     assert gpu.compute_processes[1].used_bytes is None
 
@@ -178,7 +178,7 @@ def test_raw_value_not_available_becomes_none():
     fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
     fake.convert_not_available = False  # a wrapper that passes NVML's sentinel through
     fake.gpus[0].mps_processes[0].usedGpuMemory = fp.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
-    assert NvmlSource(fake).read().gpus[0].mps_clients[0].used_bytes is None
+    assert NvmlClient(fake).read().gpus[0].mps_clients[0].used_bytes is None
 
 
 # ----------------------------------------------------------------- failures
@@ -187,7 +187,7 @@ def test_raw_value_not_available_becomes_none():
 def test_error_on_one_gpu_of_several_marks_only_that_gpu_down(failing):
     fake = FakeNvml.synthetic(gpus=3, clients_per_gpu=2)
     fake.gpus[1].errors[failing] = fp.NVML_ERROR_GPU_IS_LOST
-    gpus = NvmlSource(fake).read().gpus
+    gpus = NvmlClient(fake).read().gpus
     assert [g.up for g in gpus] == [True, False, True]
     assert gpus[1].mps_clients == [] and gpus[1].memory_total_bytes is None
     for i in (0, 2):
@@ -196,7 +196,7 @@ def test_error_on_one_gpu_of_several_marks_only_that_gpu_down(failing):
 
 def test_gpu_down_after_a_good_scrape_keeps_its_identity():
     fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
-    source = NvmlSource(fake)
+    source = NvmlClient(fake)
     source.read()
     fake.gpus[0].errors["*"] = fp.NVML_ERROR_GPU_IS_LOST
     gpu = source.read().gpus[0]
@@ -210,7 +210,7 @@ def test_gpu_down_after_a_good_scrape_keeps_its_identity():
 def test_optional_field_error_drops_only_that_field(function, field):
     fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=2)
     fake.gpus[0].errors[function] = fp.NVML_ERROR_NOT_SUPPORTED
-    gpu = NvmlSource(fake).read().gpus[0]
+    gpu = NvmlClient(fake).read().gpus[0]
     assert gpu.up and getattr(gpu, field) is None
     others = {"power_watts": fake.gpus[0].power_mw / 1000, "temperature_celsius": fake.gpus[0].temperature}
     others.pop(field)
@@ -222,7 +222,7 @@ def test_optional_field_error_drops_only_that_field(function, field):
 def test_process_utilization_error_drops_only_utilization():
     fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=2)
     fake.gpus[0].errors["nvmlDeviceGetProcessUtilization"] = fp.NVML_ERROR_NO_PERMISSION
-    gpu = NvmlSource(fake).read().gpus[0]
+    gpu = NvmlClient(fake).read().gpus[0]
     assert gpu.up and gpu.process_utilization == [] and gpu.power_watts is not None
 
 
@@ -230,7 +230,7 @@ def test_process_utilization_error_drops_only_utilization():
                                            (fp.NVML_ERROR_LIBRARY_NOT_FOUND, "NVML Shared Library Not Found")])
 def test_no_driver_raises_clearly_and_init_is_retried(code, message):
     fake = FakeNvml.no_driver(code)
-    source = NvmlSource(fake)
+    source = NvmlClient(fake)
     for _ in range(2):
         with pytest.raises(NvmlUnavailable, match=f"NVML cannot initialise: {message}"):
             source.read()
@@ -245,7 +245,7 @@ def test_no_driver_raises_clearly_and_init_is_retried(code, message):
 
 def test_nvml_lost_mid_life_reinitialises_next_scrape():
     fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
-    source = NvmlSource(fake)
+    source = NvmlClient(fake)
     source.read()
     fake.errors["nvmlDeviceGetCount"] = fp.NVML_ERROR_UNKNOWN
     with pytest.raises(NvmlUnavailable, match="Unknown Error"):
@@ -258,7 +258,7 @@ def test_nvml_lost_mid_life_reinitialises_next_scrape():
 def test_default_module_is_pynvml_imported_lazily(monkeypatch):
     fake = FakeNvml.no_driver()
     monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
-    source = NvmlSource()
+    source = NvmlClient()
     assert fake.calls["nvmlInit"] == 0  # nothing happens before the first scrape
     with pytest.raises(NvmlUnavailable):
         source.read()
@@ -274,7 +274,7 @@ def test_real_pynvml_without_a_gpu_raises_nvml_unavailable():
         pynvml.nvmlShutdown()
         pytest.skip("this machine has a working NVML")
     with pytest.raises(NvmlUnavailable, match="NVML cannot initialise"):
-        NvmlSource().read()
+        NvmlClient().read()
 
 
 # --------------------------------------------------- per-process utilization
@@ -283,7 +283,7 @@ def test_last_seen_timestamp_advances_between_scrapes():
     asked = []
     real_call = fake.nvmlDeviceGetProcessUtilization
     fake.nvmlDeviceGetProcessUtilization = lambda h, ts: asked.append((h.index, ts)) or real_call(h, ts)
-    source = NvmlSource(fake)
+    source = NvmlClient(fake)
     first = source.read().gpus[0].process_utilization
     t1 = fake.clock_us
     assert [u.timestamp_us for u in first] == [t1]
@@ -299,7 +299,7 @@ def test_last_seen_timestamp_advances_between_scrapes():
 
 def test_newest_sample_per_pid_wins():
     fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=1)
-    source = NvmlSource(fake)
+    source = NvmlClient(fake)
     source.read()
     fake.advance(1)
     fake.gpus[0].sm_util_by_pid[4000] = (40, 1)
@@ -314,7 +314,7 @@ def test_gpm_absent_first_then_computed_over_the_interval():
     gpu = fake.gpus[0]
     gpu.gpm_percent = {fp.NVML_GPM_METRIC_SM_UTIL: 20.0, fp.NVML_GPM_METRIC_SM_OCCUPANCY: 10.0,
                        fp.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 0.0, fp.NVML_GPM_METRIC_DRAM_BW_UTIL: 50.0}
-    source = NvmlSource(fake)
+    source = NvmlClient(fake)
     assert source.read().gpus[0].activity == {}
     fake.advance(10)
     gpu.gpm_percent[fp.NVML_GPM_METRIC_SM_UTIL] = 60.0
@@ -350,7 +350,7 @@ def test_gpm_query_refused_means_unsupported(code):
 
 def test_gpm_samples_are_freed():
     fake = FakeNvml.synthetic(gpus=3, clients_per_gpu=1)
-    source = NvmlSource(fake)
+    source = NvmlClient(fake)
     for _ in range(5):
         source.read()
         fake.advance(15)
@@ -374,7 +374,7 @@ def test_gpm_metrics_error_drops_activity_but_keeps_the_gpu():
 def test_driver_before_r510_falls_back_to_v2_process_calls():
     fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=2)
     fake.driver_before_r510 = True
-    gpus = NvmlSource(fake).read().gpus
+    gpus = NvmlClient(fake).read().gpus
     assert all(g.up and len(g.mps_clients) == 2 and len(g.compute_processes) == 3 for g in gpus)
     assert fake.calls["nvmlDeviceGetMPSComputeRunningProcesses_v2"] == 2
     assert issubclass(pynvml.NVMLLibraryMismatchError, Exception)
@@ -384,7 +384,7 @@ def test_driver_before_r510_falls_back_to_v2_process_calls():
 def test_a_gpu_that_stays_down_is_warned_about_once(caplog):
     fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
     fake.gpus[1].errors["*"] = fp.NVML_ERROR_GPU_IS_LOST
-    source = NvmlSource(fake)
+    source = NvmlClient(fake)
     with caplog.at_level("WARNING", logger="mps_exporter.sources.nvml"):
         for _ in range(3):
             source.read()
@@ -410,5 +410,5 @@ def test_gpus_are_read_side_by_side():
         return 0.0
 
     nvml.latency_of = latency
-    reading = NvmlSource(nvml).read()
+    reading = NvmlClient(nvml).read()
     assert [g.index for g in reading.gpus] == [0, 1, 2] and all(g.up for g in reading.gpus)

@@ -3,7 +3,7 @@ start times, vanished processes."""
 
 import pytest
 
-from mps_exporter.sources import procfs
+from mps_exporter.sources import proc as procfs
 from tests.fakes.fake_procfs import BOOT_TIME, CLK_TCK, FakeProcess, write_proc
 
 CID = "a" * 56 + "0123abcd"
@@ -52,7 +52,7 @@ def test_read_processes(tmp_path):
                     environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25.0", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G",
                              "CUDA_MPS_CLIENT_PRIORITY": "1"}),
     ])
-    src = procfs.ProcSource(root=str(root), user_name=lambda uid: {0: "root"}.get(uid, str(uid)), clock_ticks=CLK_TCK)
+    src = procfs.ProcClient(root=str(root), user_name=lambda uid: {0: "root"}.get(uid, str(uid)), clock_ticks=CLK_TCK)
     facts = src.read([1589, 1647, 99999])  # 99999 does not exist: skipped
     assert sorted(facts) == [1589, 1647]
     server, client = facts[1589], facts[1647]
@@ -69,7 +69,7 @@ def test_read_processes(tmp_path):
 def test_process_vanishing_mid_read_is_skipped(tmp_path):
     root = write_proc(tmp_path / "proc", [FakeProcess(10), FakeProcess(11)])
     (root / "11" / "stat").unlink()  # exited after status was read
-    facts = procfs.ProcSource(root=str(root), clock_ticks=CLK_TCK).read([10, 11])
+    facts = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK).read([10, 11])
     assert list(facts) == [10]
 
 
@@ -83,13 +83,13 @@ def test_unreadable_environ_keeps_other_facts(tmp_path, monkeypatch):
         return real_open(path, *a, **k)
 
     monkeypatch.setattr("builtins.open", deny_environ)
-    facts = procfs.ProcSource(root=str(root), clock_ticks=CLK_TCK).read([10])
+    facts = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK).read([10])
     assert facts[10].command == "python3" and facts[10].environ == {}
 
 
 def test_known_process_is_not_reread_but_a_reused_pid_is(tmp_path):
     root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0, environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"})])
-    src = procfs.ProcSource(root=str(root), clock_ticks=CLK_TCK)
+    src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK)
     assert src.read([10])[10].environ == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}
     (root / "10" / "environ").unlink()  # a second read of environ would now fail
     assert src.read([10])[10].environ == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}

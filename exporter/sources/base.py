@@ -1,5 +1,10 @@
 """What a source declares about itself; `registry.SOURCES` collects every module's `SOURCE`.
 
+Names: a `Source` subclass (`NvmlSourceSpec`, ...) is the declaration; the library
+clients it builds live beside it and are named for what they talk to (`NvmlClient`,
+`DcgmClient`, `ProcClient`, `control.ControlClient` and its per-daemon `DaemonReader`).
+A module is named after its collector (`proc.py` is `--collector.proc`).
+
 A source module ends with `SOURCE = SomeSource()`, a `Source` that says:
 - its collector name and flag default (`--collector.NAME`, `--no-collector.NAME`);
 - `flags`: the command-line flags only it reads (`Flag`: serve, dump, capture and
@@ -74,7 +79,7 @@ class Backends:
     """The library boundaries, replaced by fakes in tests and the benchmark."""
 
     nvml_module: Any = None  # None: import pynvml
-    control_runner: Any = None  # mps_control.Runner; None: run the real program
+    control_runner: Any = None  # control.Runner; None: run the real program
     # The daemons to watch (discovery.DaemonSet), shared by the sources that read per
     # daemon; None: built from the configuration (wiring.build_readers).
     daemon_set: Any = None

@@ -2,7 +2,7 @@
 
 Each command is one process (`echo CMD | nvidia-cuda-mps-control`) that costs
 about 2 ms and writes about five lines into control.log (`ps`: one more per
-client), so a scrape sends only what can have changed (`ControlSource`): at a
+client), so a scrape sends only what can have changed (`DaemonReader`): at a
 steady state, `get_server_list` alone.
 
 The exporter never changes MPS: `ControlClient` sends only the verbs in
@@ -268,7 +268,7 @@ class _Listing:
 
 
 @dataclass
-class ControlSource:
+class DaemonReader:
     """Reads one control daemon into a `DaemonReading`.
 
     MPS echoes every command and its answer into control.log, which it never
@@ -476,19 +476,19 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[List[DaemonReading]]]:
         runner = {"runner": backends.control_runner} if backends.control_runner else {}
         daemons: DaemonSet = backends.daemon_set or DaemonSet(cfg.daemons)
-        sources: Dict[str, ControlSource] = {}  # by daemon name: those watched now
+        sources: Dict[str, DaemonReader] = {}  # by daemon name: those watched now
         # Daemons are read side by side: each command is a process of its own (~2 ms), and a
         # hung daemon costs its own reading, not the others' (the scrape deadline still binds).
         pool = ThreadPoolExecutor(max_workers=MAX_PARALLEL_DAEMONS, thread_name_prefix="mps-control")
 
-        def watched() -> List[ControlSource]:
+        def watched() -> List[DaemonReader]:
             now = daemons.current()
             for gone in set(sources) - {d.name for d in now}:
                 del sources[gone]  # its cached facts go with it
             for d in now:
                 if d.name not in sources or sources[d.name].daemon != d:
                     client = ControlClient(d.pipe_directory, cfg.control_binary, cfg.command_timeout, **runner)
-                    sources[d.name] = ControlSource(d, client, facts_refresh_seconds=cfg.facts_refresh_seconds,
+                    sources[d.name] = DaemonReader(d, client, facts_refresh_seconds=cfg.facts_refresh_seconds,
                                                     proc_root=cfg.procfs)
             return [sources[d.name] for d in now]
 

@@ -90,7 +90,7 @@ def import_reader_class(paths: Sequence[str]) -> "tuple[Optional[type], str]":
     return None, "; ".join(reasons) or "no bindings path given"
 
 
-class DcgmSource:
+class DcgmClient:
     """`available()` says whether DCGM's bindings import; `read()` the activity per GPU."""
 
     def __init__(self, bindings_paths: Sequence[str] = DEFAULT_DCGM_BINDINGS,
@@ -166,7 +166,7 @@ class DcgmSourceSpec(Source[DcgmReading]):
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[DcgmReading]]:
         if cfg.collectors.get("nvml") is False:
             return None  # its values are joined into NVML's GPUs
-        source = DcgmSource(cfg.dcgm_bindings)
+        source = DcgmClient(cfg.dcgm_bindings)
         if cfg.collectors.get(self.name) is not True and not source.available():
             log.info("DCGM Python bindings not found in %s: SM activity comes from NVML GPM", list(cfg.dcgm_bindings))
             return None

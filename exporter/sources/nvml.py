@@ -95,7 +95,7 @@ def _ratio(percent: float) -> float:
     return min(max(float(percent) / 100.0, 0.0), 1.0)
 
 
-class NvmlSource:
+class NvmlClient:
     """Reads the GPU table, processes, per-process SM utilization and GPM."""
 
     def __init__(self, nvml: Any = None) -> None:
@@ -344,7 +344,7 @@ class NvmlSourceSpec(Source[NvmlReading]):
     background = True
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[NvmlReading]]:
-        source = NvmlSource(backends.nvml_module)
+        source = NvmlClient(backends.nvml_module)
         return Reader(lambda ctx: source.read(), close=source.close, source=source)
 
     def store(self, snap: Snapshot, reading: NvmlReading) -> None:

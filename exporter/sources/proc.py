@@ -107,7 +107,7 @@ def _user_name(uid: int) -> str:
 
 
 @dataclass
-class ProcSource:
+class ProcClient:
     root: str = "/proc"
     user_name: Callable[[int], str] = _user_name
     clock_ticks: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK"))
@@ -229,7 +229,7 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[Dict[int, ProcessFacts]]]:
         kubelet = (kubelet_fetcher(cfg.kubelet_url, cfg.kubelet_token_file, cfg.kubelet_ca_file)
                    if cfg.kubelet_url else None)
-        source = ProcSource(root=cfg.procfs, pod_names=PodNameLookup(roots=cfg.runtime_roots, kubelet=kubelet))
+        source = ProcClient(root=cfg.procfs, pod_names=PodNameLookup(roots=cfg.runtime_roots, kubelet=kubelet))
 
         def read(ctx: ReadContext) -> Dict[int, ProcessFacts]:
             return source.read(mps_pids(ctx.wait(("nvml", "control"))))

@@ -81,7 +81,7 @@ class FakeControlDaemon:
         self.received.append(stdin_text)
         self.envs.append(dict(env))
         if self.hang_seconds:
-            from mps_exporter.sources.mps_control import ControlError
+            from mps_exporter.sources.control import ControlError
 
             time.sleep(min(self.hang_seconds, timeout))
             raise ControlError(f"{argv[0]} did not answer within {timeout:g}s (killed)")

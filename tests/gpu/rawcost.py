@@ -54,21 +54,21 @@ class TimedRunner:
 
 
 class RawScrape:
-    """One NvmlSource and one ControlSource per daemon, as the exporter builds them."""
+    """One NvmlClient and one DaemonReader per daemon, as the exporter builds them."""
 
     def __init__(self, pipe_directory: str, log_directory: str, facts_refresh_seconds: float,
                  nvml_module: Any = None, runner: Callable = None) -> None:
         from mps_exporter.config import DaemonConfig
-        from mps_exporter.sources import mps_control
-        from mps_exporter.sources.nvml import NvmlSource
+        from mps_exporter.sources import control as mps_control
+        from mps_exporter.sources.nvml import NvmlClient
 
         if nvml_module is None:
             import pynvml as nvml_module
         self.nvml = TimedModule(nvml_module)
         self.runner = TimedRunner(runner or mps_control.subprocess_runner)
-        self.nvml_source = NvmlSource(self.nvml)
+        self.nvml_source = NvmlClient(self.nvml)
         daemon = DaemonConfig(name="default", pipe_directory=pipe_directory, log_directory=log_directory)
-        self.control = mps_control.ControlSource(
+        self.control = mps_control.DaemonReader(
             daemon, mps_control.ControlClient(pipe_directory, runner=self.runner),
             facts_refresh_seconds=facts_refresh_seconds)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from mps_exporter.config import DaemonConfig
-from mps_exporter.sources.mps_control import ControlClient, ControlSource, parse_pinned_limit, parse_ps
-from mps_exporter.sources.nvml import NvmlSource
+from mps_exporter.sources.control import ControlClient, DaemonReader, parse_pinned_limit, parse_ps
+from mps_exporter.sources.nvml import NvmlClient
 from tests.fakes.fake_control import CAPTURE
 from tests.fakes.fake_pynvml import FakeNvml, NVMLError, load_capture
 
@@ -55,7 +55,7 @@ def smi_busy_used_mib() -> int:
 
 
 def test_gpu_memory_used_is_what_nvidia_smi_shows():
-    gpu = NvmlSource(NvmlWithMemoryV2.from_capture("busy")).read().gpus[0]
+    gpu = NvmlClient(NvmlWithMemoryV2.from_capture("busy")).read().gpus[0]
     assert gpu.memory_used_bytes / MIB == pytest.approx(smi_busy_used_mib(), abs=1)  # 13621 MiB
     v1 = load_capture("busy")["mem"]["v"]["used"]
     assert abs(v1 / MIB - smi_busy_used_mib()) > 600  # the reserved memory v1 would have added
@@ -64,7 +64,7 @@ def test_gpu_memory_used_is_what_nvidia_smi_shows():
 def test_gpu_memory_falls_back_to_v1_where_v2_is_missing():
     nvml = NvmlWithMemoryV2.from_capture("busy")
     nvml.v2_missing = True
-    gpu = NvmlSource(nvml).read().gpus[0]
+    gpu = NvmlClient(nvml).read().gpus[0]
     assert gpu.up and gpu.memory_used_bytes == load_capture("busy")["mem"]["v"]["used"]
 
 
@@ -101,7 +101,7 @@ class RecordedDaemon:
 
 def read_daemon(servers: str):
     daemon = RecordedDaemon(servers)
-    source = ControlSource(DaemonConfig("default", "/tmp/p", "/tmp/l"), ControlClient("/tmp/p", runner=daemon))
+    source = DaemonReader(DaemonConfig("default", "/tmp/p", "/tmp/l"), ControlClient("/tmp/p", runner=daemon))
     return source.read([0]), daemon
 
 
@@ -147,6 +147,6 @@ def two_gpu_mixed_phase() -> FakeNvml:
 
 
 def test_mps_clients_only_on_the_gpu_they_run_on():
-    reading = NvmlSource(two_gpu_mixed_phase()).read()
+    reading = NvmlClient(two_gpu_mixed_phase()).read()
     listed = {g.index: {p.pid: p.used_bytes // MIB for p in g.mps_clients} for g in reading.gpus}
     assert listed == {0: {2947: 2696, 2949: 1770}, 1: {2948: 8840}}  # as nvidia-smi --query-compute-apps
