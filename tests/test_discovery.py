@@ -167,7 +167,13 @@ def daemons_in(text: str) -> Dict[str, str]:
     return out
 
 
-def wait_for(predicate: Callable[[], bool], seconds: float = 20.0) -> None:
+def state_daemons(cfg: Config) -> set:
+    """The daemons the state file holds (none while it is not written yet)."""
+    path = Path(cfg.state_file or "")
+    return set(json.loads(path.read_text())) if path.is_file() else set()
+
+
+def wait_for(predicate: Callable[[], bool], seconds: float = 40.0) -> None:
     deadline = time.monotonic() + seconds
     while not predicate():
         assert time.monotonic() < deadline, "not within the deadline"
@@ -202,7 +208,7 @@ def test_both_layouts_come_and_go_while_serving(tmp_path):
         assert 'mps_server_clients{daemon="nvidia.com/gpu",server_pid="500"} 1.0' in text
         # Each daemon's logs have their own pipeline: control.log's lines counted per daemon.
         wait_for(lambda: f'mps_log_lines_total{{daemon="{CLAIM}-a1b2c",file="control"}} 2.0' in scrape(collector))
-        wait_for(lambda: set(json.loads(Path(cfg.state_file).read_text())) == {"nvidia.com/gpu", f"{CLAIM}-a1b2c"})
+        wait_for(lambda: state_daemons(cfg) == {"nvidia.com/gpu", f"{CLAIM}-a1b2c"})
 
         # The DRA driver releases the claim: the directory goes, directory and all.
         shutil.rmtree(claim)
@@ -211,7 +217,7 @@ def test_both_layouts_come_and_go_while_serving(tmp_path):
         assert 'mps_exporter_collector_success{collector="logs"} 1.0' in text
         wait_for(lambda: list(daemons_in(scrape(collector))) == ["nvidia.com/gpu"])
         assert CLAIM not in scrape(collector)
-        wait_for(lambda: set(json.loads(Path(cfg.state_file).read_text())) == {"nvidia.com/gpu"})
+        wait_for(lambda: state_daemons(cfg) == {"nvidia.com/gpu"})
     finally:
         for r in readers.values():
             r.close()
@@ -242,7 +248,7 @@ def test_200_claims_appear_and_leave_leaving_nothing_behind(tmp_path):
         started = time.monotonic()
         wait_for(lambda: len(daemons_in(scrape(collector))) == 201)
         assert time.monotonic() - started < 2 * cfg.discovery_interval + 10  # a re-scan, plus the scrape
-        wait_for(lambda: len(json.loads(Path(cfg.state_file).read_text())) == 201)
+        wait_for(lambda: len(state_daemons(cfg)) == 201)
         assert len(pipelines) == 201 and len(controls) == 201
         held.append(sys.getallocatedblocks())
         shutil.rmtree(plugins_dir / "gpu.nvidia.com" / "mps")
@@ -308,3 +314,27 @@ def test_live_daemons_logs_read_whole(daemon):
     assert snap.unrecognized == {"control": 0, "server": 0}
     assert (snap.server_starts, snap.client_connections) == (1, 1)
     assert snap.pushes["user_switch"] == 0
+
+
+def test_device_plugin_daemon_without_its_log_directory_keeps_the_logs_collector_up(tmp_path):
+    """The device plugin removes a daemon's log directory at every restart of its daemon pod
+    while the pipe directory stays: the daemon is still watched and the logs collector
+    still succeeds; the missing directory shows in mps_log_read_errors_total."""
+    plugin = tmp_path / "mps-root"
+    gpu = make_daemon_dir(plugin / "nvidia.com" / "gpu")
+    cfg = discovery_config(tmp_path, [DiscoveryRoot(DEVICE_PLUGIN, str(plugin))], state_file=False)
+    fakes = FakeDaemons({str(gpu / "pipe"): FakeControlDaemon()})
+    readers = build_readers(cfg, Backends(control_runner=fakes))
+    for r in readers.values():
+        r.start()
+    collector = build_collector(cfg, readers)
+    try:
+        wait_for(lambda: 'mps_log_lines_total{daemon="nvidia.com/gpu",file="control"} 2.0' in scrape(collector))
+        shutil.rmtree(gpu / "log")
+        wait_for(lambda: 'reason="missing_directory"} 1.0' in scrape(collector))
+        text = scrape(collector)
+        assert daemons_in(text) == {"nvidia.com/gpu": "1.0"}
+        assert 'mps_exporter_collector_success{collector="logs"} 1.0' in text
+    finally:
+        for r in readers.values():
+            r.close()

@@ -109,7 +109,12 @@ def pipelines_reader(pipelines: DaemonPipelines) -> Reader[Dict[str, LogSnapshot
             # at the next scan, instead of failing the collector until then.
             current = pipelines.sync(rescan=True)
             logs = {name: logs[name] for name in current if name in logs}
-        problems = [f"{name}: {problem}" for name, s in logs.items() for problem in s.problems]
+        # A discovered daemon still there without its log directory: the device plugin removes
+        # it at every restart of its daemon pod. Its logs are absent, not failing (its
+        # mps_log_read_errors_total still counts the missing directory).
+        logless = {d.name for d in pipelines.daemons.current()
+                   if d.layout != "static" and not os.path.isdir(d.log_directory)}
+        problems = [f"{name}: {problem}" for name, s in logs.items() if name not in logless for problem in s.problems]
         problems += [f"{name}: catching up, {s.backlog_bytes} bytes of its logs left to read"
                      for name, s in logs.items() if not s.caught_up]
         if problems:  # a file that cannot be read: what was read still counts, the collector fails
