@@ -153,8 +153,7 @@ ALERTS: Tuple[Alert, ...] = (
         "ProcessOutsideMps", "contention",
         f"{job('mps_process_outside_mps_info')}", C.OUTSIDE_MPS_FOR, "warning",
         "A CUDA process runs outside MPS on a GPU that MPS serves.",
-        f"Process {lbl('pid')} ({lbl('command')}, user {lbl('user')}"
-        "{{ with $labels.pod_uid }}, pod UID {{ . }}{{ end }}) "
+        f"Process {lbl('pid')} ({lbl('command')}, user {lbl('user')}{IN_POD}) "
         f"has run on GPU {lbl('gpu')} ({lbl('uuid')}) of {NODE} beside MPS, not through it, for "
         f"{C.OUTSIDE_MPS_FOR}: no MPS limit binds it and it time-slices the GPU with the MPS server. Usually its "
         f"CUDA_MPS_PIPE_DIRECTORY is unset, different, or not mounted into its container."),

@@ -99,10 +99,14 @@ GPU_METRICS = table(
           "nor a client: they run beside MPS, outside its limits and scheduling (pipe directory not mounted or "
           "not set, another CUDA_MPS_PIPE_DIRECTORY); 0 on GPUs MPS does not serve.", GPU, UUID),
     gauge("mps_process_outside_mps_info", "A compute process outside MPS on a GPU that MPS serves (value 1): its "
-          "user, command, container and pod (empty where /proc shows none).", GPU, UUID, OUTSIDE_PID, UID, USER,
+          "user, command, container and pod (empty where /proc and the container runtime show none).",
+          GPU, UUID, OUTSIDE_PID, UID, USER,
           Label("command", INPUT, "/proc/PID/comm", f"one per process outside MPS; {CUT}"),
           Label("container_id", INPUT, "/proc/PID/cgroup (64 hex digits)", f"one per process outside MPS; {CUT}"),
-          Label("pod_uid", INPUT, "/proc/PID/cgroup (a UUID)", f"one per process outside MPS; {CUT}")),
+          Label("pod_uid", INPUT, "/proc/PID/cgroup (a UUID)", f"one per process outside MPS; {CUT}"),
+          Label("namespace", INPUT, _NAMES_SOURCE, f"one per process outside MPS in a pod; {CUT}"),
+          Label("pod", INPUT, _NAMES_SOURCE, f"one per process outside MPS in a pod; {CUT}"),
+          Label("container", INPUT, _NAMES_SOURCE, f"one per process outside MPS in a pod; {CUT}")),
     gauge("mps_process_outside_mps_memory_used_bytes", "Device memory of a compute process outside MPS on a GPU "
           "that MPS serves (NVML's compute process list).", GPU, UUID, OUTSIDE_PID),
 )
@@ -355,9 +359,10 @@ def render_gpu(out: FamilyBuilder, gpu: GpuReading, driver: str, dcgm: DcgmReadi
     for p in outside:
         proc = processes.get(p.pid) or ProcessFacts(p.pid)
         out.add("mps_process_outside_mps_info", 1, **g, pid=str(p.pid), uid="" if proc.uid is None else str(proc.uid),
-                user=proc.user, command=proc.command, container_id=proc.container_id, pod_uid=proc.pod_uid)
+                user=proc.user, command=proc.command, container_id=proc.container_id, pod_uid=proc.pod_uid,
+                namespace=proc.namespace, pod=proc.pod, container=proc.container)
         out.add("mps_process_outside_mps_memory_used_bytes", p.used_bytes, **g, pid=str(p.pid))
-    if not mode.startswith("mps"):  # under MPS NVML gives all SM time to the server: no per-client number
+    if mode not in ("mps", "mixed"):  # under MPS NVML gives all SM time to the server: no per-client number
         for pid, ratio in sm_utilization(gpu).items():
             out.add("mps_process_sm_utilization_ratio", ratio, **g, pid=str(pid))
 

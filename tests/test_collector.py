@@ -184,7 +184,7 @@ def test_every_gpu_daemon_server_and_client_metric_comes_out_of_recorded_data(tm
     plain.daemon.servers, plain.daemon.clients = [], []
     text += exposition(plain.collector())
     text += exposition(server_priority_scenario(tmp_path / "priority", 1).collector())
-    text += exposition(outside_mps_scenario(tmp_path / "outside").collector())
+    text += exposition(scenarios.outside_mps(tmp_path / "outside").collector())
     text += exposition(ignored_limit_scenario(tmp_path / "ignored").collector())
     wanted = {n for n, spec in METRICS.items() if spec.table in TABLES}
     missing = sorted(n for n in wanted if not series(text, n))
@@ -226,20 +226,8 @@ def server_priority_scenario(tmp_path, priority: int) -> "scenarios.Scenario":
     return scen
 
 
-def outside_mps_scenario(tmp_path) -> "scenarios.Scenario":
-    """One server and client on GPU 0, and pid 6000 of uid 1500 on the same GPU outside MPS
-    (its pipe directory reached no daemon): in NVML's compute list only."""
-    from tests.fakes.fake_procfs import FakeProcess as ProcProcess, write_proc
-    from tests.fakes.fake_pynvml import FakeProcess as NvmlProcess
-
-    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
-    scen.nvml.gpus[0].compute_processes.append(NvmlProcess(6000, 1468006400))
-    write_proc(scen.proc_root, [ProcProcess(6000, uid=1500, comm="train.py")])
-    return scen
-
-
 def test_a_process_outside_mps_is_published_with_its_memory_and_user(tmp_path):
-    text = exposition(outside_mps_scenario(tmp_path).collector())
+    text = exposition(scenarios.outside_mps(tmp_path).collector())
     g = 'gpu="0",uuid="' + FakeNvml.synthetic(gpus=1).gpus[0].uuid + '"'
     assert series(text, "mps_gpu_processes_outside_mps") == [f"mps_gpu_processes_outside_mps{{{g}}} 1.0"]
     uuid = FakeNvml.synthetic(gpus=1).gpus[0].uuid

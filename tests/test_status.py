@@ -377,3 +377,13 @@ def test_watch_takes_an_optional_interval():
     assert parse_args(["status", "--watch"])[1].status.watch == 2.0
     assert parse_args(["status", "--watch", "0.5", "--bundle", "b", "--at", "3"])[1].status.watch == 0.5
     assert parse_args(["status"])[1].status.watch is None
+
+
+def test_a_process_outside_mps_is_an_alert_line_under_its_gpu(tmp_path):
+    scen = scenarios.outside_mps(tmp_path)
+    out = io.StringIO()
+    assert command.status(scen.cfg, out, scen.backends()) == 0
+    text = out.getvalue()
+    assert "sharing mixed" in text, text
+    assert re.search(r"^  ! process 6000 \(train\.py, user 1500\) runs outside MPS: 1\.37 GiB, no MPS limit binds it$",
+                     text, re.M), text

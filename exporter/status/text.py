@@ -66,6 +66,10 @@ def _gpus(st: NodeStatus) -> List[Line]:
         out.append(("  " + " | ".join(facts), PLAIN))
         if activity:
             out.append(("  activity: " + " | ".join(activity), PLAIN))
+        for p in g.outside_mps:
+            where = f", pod {p.pod}" if p.pod else ""
+            out.append((f"  ! process {p.pid} ({p.command}, user {p.user}{where}) runs outside MPS: "
+                        f"{_memory(p.memory_bytes, None)}, no MPS limit binds it", ALERT))
     return out
 
 

@@ -45,6 +45,17 @@ class SourceStatus:
 
 
 @dataclass
+class OutsideProcess:
+    """A compute process on the GPU outside MPS (mps_process_outside_mps_info)."""
+
+    pid: int
+    user: str
+    command: str
+    pod: str  # namespace/pod, "" outside a pod
+    memory_bytes: Optional[float]
+
+
+@dataclass
 class GpuStatus:
     index: int
     uuid: str
@@ -65,6 +76,7 @@ class GpuStatus:
     power_watts: Optional[float] = None
     temperature_celsius: Optional[float] = None
     compute_processes: Optional[float] = None
+    outside_mps: List[OutsideProcess] = field(default_factory=list)
 
 
 @dataclass
@@ -232,7 +244,11 @@ def _gpus(m: Samples) -> List[GpuStatus]:
             dram_active_ratio=m.value("mps_gpu_dram_active_ratio", **g),
             power_watts=m.value("mps_gpu_power_watts", **g),
             temperature_celsius=m.value("mps_gpu_temperature_celsius", **g),
-            compute_processes=m.value("mps_gpu_compute_processes", **g)))
+            compute_processes=m.value("mps_gpu_compute_processes", **g),
+            outside_mps=[OutsideProcess(int(lab["pid"]), lab["user"], lab["command"],
+                                        f"{lab['namespace']}/{lab['pod']}" if lab.get("pod") else "",
+                                        m.value("mps_process_outside_mps_memory_used_bytes", **g, pid=lab["pid"]))
+                         for lab, _ in m.rows("mps_process_outside_mps_info", **g)]))
     return out
 
 

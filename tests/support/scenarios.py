@@ -25,6 +25,7 @@ from mps_exporter.sources.base import Backends, Reader
 from tests.fakes.fake_control import CAPTURE, FakeClient, FakeControlDaemon, FakeServer
 from tests.fakes.fake_procfs import FakeProcess, write_proc
 from tests.fakes.fake_pynvml import FakeNvml
+from tests.fakes.fake_pynvml import FakeProcess as NvmlProcess
 from tests.fakes.fake_runtime import CONTAINERD_ID, CONTAINERD_ROOT, CRIO_ROOT, write_containerd_spec
 
 BUSY_CLIENT_ENV = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4G",
@@ -139,3 +140,12 @@ def synthetic(tmp: Path, gpus: int = 8, clients_per_gpu: int = 6, latency: bool 
     cfg.runtime_roots = (str(tmp / "runtime"),)
     cfg.collectors["logs"] = False
     return Scenario(cfg, nvml, daemon, proc_root, pods=pods)
+
+
+def outside_mps(tmp: Path) -> Scenario:
+    """One server and client on GPU 0, and pid 6000 of uid 1500 (`train.py`, 1.4 GB) on the
+    same GPU outside MPS (its pipe directory reached no daemon): in NVML's compute list only."""
+    scen = synthetic(tmp, gpus=1, clients_per_gpu=1)
+    scen.nvml.gpus[0].compute_processes.append(NvmlProcess(6000, 1468006400))
+    write_proc(scen.proc_root, [FakeProcess(6000, uid=1500, comm="train.py")])
+    return scen
