@@ -67,6 +67,47 @@ def test_helm_values_example_is_accepted_by_the_chart():
         assert dashboards
 
 
+def _set_values(command: str) -> dict:
+    """`--set a.b=c` flags of a helm command as nested values."""
+    values: dict = {}
+    for key, value in re.findall(r"--set ([\w.]+)=(\S+)", command):
+        *parents, leaf = key.split(".")
+        node = values
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = {"true": True, "false": False}.get(value, value)
+    return values
+
+
+def _leaves(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in values.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_chart_readme_quick_start_works_with_kube_prometheus_stack():
+    # The chart's own quick start sets what docs/deploy.md step 4 sets for kube-prometheus-
+    # stack's defaults: the release label on the ServiceMonitor and PrometheusRule, and the
+    # dashboards in Grafana's namespace; rendered, the objects carry them.
+    pytest.importorskip("helm_python")
+    from tests.deploy.helpers import find, render
+
+    with open(os.path.join(ROOT, "deploy", "helm", "mps-exporter", "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    (command,) = re.findall(r"^helm install .*?(?<!\\)\n", readme.replace("\\\n", " "), re.M | re.S)
+    quick = _set_values(command)
+    (text,) = re.findall(r"cat > mps-values.yaml <<'EOF'\n(.*?)\nEOF\n", DOC, re.S)
+    documented = _leaves(yaml.safe_load(text))
+    assert {k: v for k, v in _leaves(quick).items() if k in documented} == documented
+    objects = render(quick, namespace="mps-exporter")
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        (obj,) = find(objects, kind)
+        assert obj["metadata"]["labels"].get("release") == "kube-prometheus-stack", kind
+    dashboards = [o for o in find(objects, "ConfigMap") if o["metadata"].get("labels", {}).get("grafana_dashboard")]
+    assert dashboards and {o["metadata"]["namespace"] for o in dashboards} == {"monitoring"}
+
+
 def test_documented_paths_exist():
     for path in re.findall(r"`((?:deploy|alerts|dashboards|docs)/[\w./-]+)`", DOC):
         if "<" in path or "*" in path:
