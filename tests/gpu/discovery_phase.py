@@ -29,9 +29,9 @@ import uuid as uuidlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional
 
-import oracles
 from oracles import MIB
 from scrape import Exposition, scrape
+from truth_check import Session
 
 if TYPE_CHECKING:
     from truth_check import TruthCheck
@@ -42,8 +42,9 @@ SETTLE = 3.0  # NVML is read in the background every 1 s and served while at mos
 RESOURCE = "nvidia.com/gpu"
 
 
-class Daemon:
-    """One MPS control daemon in a layout's directory."""
+class Daemon(Session):
+    """One MPS control daemon in a layout's directory: the session's control commands
+    (`ctl`, `servers`, `client_lists`, `kill_daemon`) on this daemon's pipe."""
 
     def __init__(self, name: str, directory: Path, multiuser: bool = False, claim_uid: str = "") -> None:
         self.name, self.directory, self.multiuser, self.claim_uid = name, directory, multiuser, claim_uid
@@ -63,42 +64,15 @@ class Daemon:
         self.start_reply = f"{' '.join(argv)}: rc={r.returncode} {(r.stdout + r.stderr).strip()}"
         return self.start_reply
 
-    def ctl(self, command: str, timeout: float = 10) -> str:
-        r = subprocess.run(["nvidia-cuda-mps-control"], input=command + "\n", capture_output=True, text=True,
-                           env=self.env, timeout=timeout)
-        return r.stdout + r.stderr
-
-    def servers(self) -> List[int]:
-        return oracles.parse_pids(self.ctl("get_server_list"))
-
-    def client_lists(self) -> Dict[int, List[int]]:
-        return {s: oracles.parse_pids(self.ctl(f"get_client_list {s}")) for s in self.servers()}
-
     def quit(self) -> str:
         try:
             return self.ctl("quit", timeout=15)
         except subprocess.TimeoutExpired:
-            return f"(no answer to quit: killed {kill_by_pipe(self.pipe)})"
+            return f"(no answer to quit: killed {self.kill_daemon()})"
 
     def keep_logs(self, into: Path) -> None:
         if self.log.is_dir():
             shutil.copytree(self.log, into / self.name.replace("/", "_"), dirs_exist_ok=True)
-
-
-def kill_by_pipe(pipe: Path) -> List[int]:
-    """SIGKILL the MPS processes whose CUDA_MPS_PIPE_DIRECTORY is `pipe`."""
-    mine, killed = f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                proc = Path("/proc", entry)
-                if b"nvidia-cuda-mps" in (proc / "cmdline").read_bytes() and \
-                        mine in (proc / "environ").read_bytes().split(b"\0"):
-                    os.kill(int(entry), 9)
-                    killed.append(int(entry))
-            except OSError:
-                continue
-    return killed
 
 
 def dra_directory(plugins: Path, claim_uid: str, gpu_uuids: List[str]) -> Path:
