@@ -76,6 +76,29 @@ def test_steady_state_writes_one_command_per_scrape_and_an_arrival_shows_next(tm
     readers["logs"].close()
 
 
+def test_a_client_the_log_pipeline_has_not_read_yet_is_listed_too(tmp_path):
+    """The pipeline polls every 0.25 s: a `NEW CLIENT` line it has not read yet (and that
+    NVML does not show yet) must not leave the scrape with the last `ps`."""
+    sc = with_logs(tmp_path)
+    readers = build_readers(sc.cfg, sc.backends())
+    collector = build_collector(sc.cfg, readers)
+    for _ in range(3):
+        readers["logs"].catch_up()
+        collector.snapshot()
+    sc.daemon.echo(["Accepting connection...", f"NEW CLIENT {NEW} from user 0: Server already exists"])
+    sc.daemon.clients.append(FakeClient(NEW, 4000, sc.nvml.gpus[1].uuid, 99))  # not in NVML's list yet
+    before = len(sc.daemon.received)
+    snap = collector.snapshot()  # the pipeline has not read the line
+    assert "ps\n" in sc.daemon.received[before:] and NEW in listed(snap)
+    readers["logs"].catch_up()
+    collector.snapshot()  # the line read: the logs moved, ps once more, then quiet
+    readers["logs"].catch_up()
+    before = len(sc.daemon.received)
+    collector.snapshot()
+    assert [c.strip() for c in sc.daemon.received[before:]] == ["get_server_list"]
+    readers["logs"].close()
+
+
 def test_capture_follows_the_same_rule_with_nvml_alone(tmp_path):
     sc = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3)
     readers = build_readers(sc.cfg, sc.backends(), recorded=True)  # what `capture` records: no logs

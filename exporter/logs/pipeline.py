@@ -106,6 +106,10 @@ class LogPipeline:
         """The last published state: a copy nobody else writes. Cheap; no I/O."""
         return self._snapshot
 
+    def unread_bytes(self) -> int:
+        """Bytes of the files not read yet, now (a stat of each; any thread may ask)."""
+        return sum(f.unread_bytes() for f in self._followers.values())
+
     def read_once(self) -> LogSnapshot:
         """Read both files to their end now (from their beginning, or from the saved
         offsets when there is a state file), publish and return the snapshot."""
@@ -214,7 +218,7 @@ class LogPipeline:
                 errors[(file, INTERNAL_ERROR)] = self._internal_errors[file]
         snap.read_errors = errors
         snap.caught_up = self._caught_up
-        snap.backlog_bytes = sum(f.unread_bytes() for f in self._followers.values())
+        snap.backlog_bytes = self.unread_bytes()
         snap.problems = tuple(sorted({e.message for e in self._published_errors.values() if e is not None}))
         self._snapshot = snap  # one reference assignment: atomic for readers
         self._dirty = False

@@ -247,6 +247,9 @@ class ChangeSignals:
     log_changes: Optional[int] = None  # LogSnapshot.control_changes: clients, servers, faults
     limits: Optional[Tuple[int, Optional[int]]] = None  # (LogSnapshot.limit_commands, daemon pid)
     nvml_clients: Optional[FrozenSet[Tuple[int, int]]] = None  # (GPU index, pid) of NVML's MPS processes
+    # The log files hold lines the pipeline has not read yet (it polls every 0.25 s): one
+    # may be a client's `NEW CLIENT`, so the logs cannot vouch that nothing changed.
+    log_unread: bool = False
 
 
 @dataclass
@@ -275,7 +278,8 @@ class DaemonReader:
     rotates: at 15 s scrapes a `ps` of 384 clients alone adds 1.4 M lines a day. So a
     command is sent only when its answer can have changed: `get_server_list` every
     scrape (it says the daemon is up); `ps` when the server list, the logs' client and
-    server events or NVML's MPS process lists moved since the last `ps`, and once more
+    server events or NVML's MPS process lists moved since the last `ps`, or the log files
+    hold lines the pipeline has not read yet, and once more
     after a `ps` that answered differently from the one before it (a client between
     two lines); `get_server_status` when the server list or the logs moved, or while a
     server is not ACTIVE; limits and defaults when a server first appears and after a
@@ -370,7 +374,9 @@ class DaemonReader:
         return clients
 
     def read(self, devices: Sequence[int], signals: Callable[[], ChangeSignals] = ChangeSignals) -> DaemonReading:
-        """`signals`: what the logs and NVML say now (asked after `get_server_list`)."""
+        """`signals`: what the logs and NVML say now (asked before the first command, whose
+        own echo in control.log must not count as a line the logs have not read)."""
+        seen = signals()
         reading = DaemonReading(name=self.daemon.name, up=False, pipe_directory=self.daemon.pipe_directory,
                                 log_directory=self.daemon.log_directory, claim_uid=self.daemon.claim_uid)
         try:
@@ -386,14 +392,14 @@ class DaemonReader:
             self._version = self.client.version()
         reading.version = self._version
         reading.multiuser = self.multiuser()
-        seen = signals()
         try:
             servers = tuple(sorted(server_pids))
             reading.clients = self._clients((servers, seen.log_changes, seen.nvml_clients),
-                                            seen.log_changes is not None or seen.nvml_clients is not None)
+                                            (seen.log_changes is not None or seen.nvml_clients is not None)
+                                            and not seen.log_unread)
             self._note_limits(seen.limits)
             status_key = (servers, seen.log_changes)
-            if seen.log_changes is None or status_key != self._status_key:
+            if seen.log_changes is None or seen.log_unread or status_key != self._status_key:
                 self._statuses, self._status_key = {}, status_key
             reading.default_active_thread_percentage = self._cached(
                 ("default_atp",), self._percentage("get_default_active_thread_percentage"))
@@ -500,7 +506,8 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
                     (g.index, p.pid) for g in snap.nvml.gpus for p in g.mps_clients)
                 if logs is None:
                     return ChangeSignals(nvml_clients=nvml)
-                return ChangeSignals(logs.control_changes, (logs.limit_commands, logs.daemon_pid), nvml)
+                return ChangeSignals(logs.control_changes, (logs.limit_commands, logs.daemon_pid), nvml,
+                                     log_unread=logs.backlog_bytes > 0)
             return seen
 
         def read(ctx: ReadContext) -> List[DaemonReading]:

@@ -9,6 +9,7 @@ them to real pipelines, so this source is not recorded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -109,6 +110,10 @@ def pipelines_reader(pipelines: DaemonPipelines) -> Reader[Dict[str, LogSnapshot
             # at the next scan, instead of failing the collector until then.
             current = pipelines.sync(rescan=True)
             logs = {name: logs[name] for name in current if name in logs}
+        for name, snap in logs.items():  # the backlog as of now: what the control source trusts
+            unread = current[name].unread_bytes()
+            if unread != snap.backlog_bytes:
+                logs[name] = dataclasses.replace(snap, backlog_bytes=unread)
         # A discovered daemon still there without its log directory: the device plugin removes
         # it at every restart of its daemon pod. Its logs are absent, not failing (its
         # mps_log_read_errors_total still counts the missing directory).
