@@ -73,13 +73,14 @@ dashboard = build(
                       "Value #E": "thread share", "Value #F": "connected for", "Value #G": "priority"},
               hide=["Value #A"], h=10),
         table("Client limits: where they come from",
-              "Per client and limit (pinned_memory, active_threads, priority): where the one in force comes from "
+              "Per client, for each limit (pinned memory, thread share, priority), where the one in force comes from "
               "(client: its own environment; server_at_connect: its server's when it connected; server_now; "
               "daemon_default; none) and, where the client set one that CUDA drops, why (e.g. invisible_device: "
               "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names a device it cannot see, and no pinned limit binds it).",
               [row_query(m("mps_client_limit_source")),
                row_query(m("mps_client_limit_ignored"))],
-              units={}, rename={"source": "in force from", "reason": "own setting ignored"},
+              units={}, rename={"pinned_memory": "pinned memory from", "active_threads": "thread share from",
+                                "priority": "priority from", "limit": "own setting ignored", "reason": "why"},
               hide=["Value #A", "Value #B"], h=8),
         timeseries("Client memory", "Device memory of each MPS client.", "bytes",
                    [target(f"{m('mps_client_memory_used_bytes')} {CLIENT_INFO_JOIN}",

@@ -36,7 +36,7 @@ from .units import parse_size
 
 PINNED_MEMORY, ACTIVE_THREADS, PRIORITY = "pinned_memory", "active_threads", "priority"
 LIMITS = (PINNED_MEMORY, ACTIVE_THREADS, PRIORITY)
-# Where a limit in force came from (mps_client_limit_source{source}).
+# Where a limit in force came from (mps_client_limit_source{pinned_memory, active_threads, priority}).
 CLIENT, SERVER_AT_CONNECT, SERVER_NOW, DAEMON_DEFAULT, NONE = (
     "client", "server_at_connect", "server_now", "daemon_default", "none")
 SOURCES = (CLIENT, SERVER_AT_CONNECT, SERVER_NOW, DAEMON_DEFAULT, NONE)

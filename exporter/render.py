@@ -54,7 +54,9 @@ SERVER_STATUS = Label("status", FIXED, "control daemon `get_server_status`",
 POD_UID = Label("pod_uid", INPUT, "/proc/PID/cgroup of the server's clients (a UUID, or empty)",
                 f"pods with MPS clients running now, per server; {CUT}")
 LIMIT = Label("limit", FIXED, "the exporter's limit model (exporter/limits.py)", ", ".join(lim.LIMITS))
-LIMIT_SOURCE = Label("source", FIXED, "the exporter's limit model (exporter/limits.py)", ", ".join(lim.SOURCES))
+# mps_client_limit_source: one label per limit, its value where the limit in force came from.
+LIMIT_SOURCES = tuple(Label(limit, FIXED, "the exporter's limit model (exporter/limits.py)", ", ".join(lim.SOURCES))
+                      for limit in lim.LIMITS)
 IGNORED_REASON = Label("reason", FIXED, "the exporter's limit model (exporter/limits.py)", ", ".join(lim.IGNORED_REASONS))
 # The collector names are the registry's (catalog.py writes them into the docs).
 # The Kubernetes names of a client's container (runtime_metadata.py); empty outside a pod.
@@ -173,10 +175,10 @@ CLIENT_METRICS = table(
           "CUDA_MPS_CLIENT_PRIORITY, else its server's (server.log), else the daemon default; absent where none is "
           "known.", DAEMON, *CLIENT),
     gauge("mps_client_start_time_seconds", "Unix time the client connected.", DAEMON, *CLIENT),
-    gauge("mps_client_limit_source", "Where each limit in force for the client came from (value 1): limit "
-          "pinned_memory, active_threads or priority; source client (its own environment), server_at_connect (its "
-          "server's as it connected: MPS logs), server_now (its server's now, where the logs do not reach back), "
-          "daemon_default or none.", DAEMON, *CLIENT, LIMIT, LIMIT_SOURCE),
+    gauge("mps_client_limit_source", "Where each limit in force for the client came from (value 1), one label per "
+          "limit (pinned_memory, active_threads, priority) whose value is client (its own environment), "
+          "server_at_connect (its server's as it connected: MPS logs), server_now (its server's now, where the logs "
+          "do not reach back), daemon_default or none.", DAEMON, *CLIENT, *LIMIT_SOURCES),
     gauge("mps_client_limit_ignored", "A limit the client set in its environment that CUDA does not apply (value 1; "
           "the client runs as if it had set none): reason invisible_device (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names a "
           "device the client cannot see: every pinned limit of it is dropped), no_device (a size without a device), "
@@ -532,8 +534,7 @@ def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[
         share = c.limits.thread_percentage
         out.add("mps_client_active_thread_ratio", None if share is None else share / 100, **cp)
         out.add("mps_client_priority", c.priority, **cp)
-        for limit, source in c.sources.items():
-            out.add("mps_client_limit_source", 1, **cp, limit=limit, source=source)
+        out.add("mps_client_limit_source", 1, **cp, **c.sources)
         for limit, reason in c.ignored.items():
             out.add("mps_client_limit_ignored", 1, **cp, limit=limit, reason=reason)
         out.add("mps_client_start_time_seconds", log_starts.get(pid) or proc.start_time_seconds, **cp)

@@ -298,12 +298,12 @@ def test_a_client_limit_cuda_drops_is_published_as_ignored_not_in_force():
     assert absent(r, "mps_client_pinned_memory_limit_bytes", **c)
     assert value(r, "mps_client_limit_ignored", **c, limit="pinned_memory", reason="invisible_device") == 1
     assert value(r, "mps_client_limit_ignored", **c, limit="active_threads", reason="not_a_number") == 1
-    assert value(r, "mps_client_limit_source", **c, limit="pinned_memory", source="none") == 1
-    assert value(r, "mps_client_limit_source", **c, limit="active_threads", source="server_now") == 1
+    assert value(r, "mps_client_limit_source", **c, pinned_memory="none", active_threads="server_now",
+                 priority="none") == 1
     assert value(r, "mps_client_active_thread_ratio", **c) == 1.0
     # The GPU-<uuid prefix> form binds.
     procs[1648].environ = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-a20825ef=2G"}
     r = samples(snapshot(processes=procs))
     assert value(r, "mps_client_pinned_memory_limit_bytes", **c, gpu="0") == 2 << 30
-    assert value(r, "mps_client_limit_source", **c, limit="pinned_memory", source="client") == 1
+    assert value(r, "mps_client_limit_source", **c, pinned_memory="client") == 1
     assert absent(r, "mps_client_limit_ignored", **c)

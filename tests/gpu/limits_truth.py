@@ -58,7 +58,7 @@ def phase_limitforms(tc: "TruthCheck") -> None:
         got = e.value("mps_client_pinned_memory_limit_bytes", pid=pid, gpu="0")
         r.check(f"limitforms: {forms[name]!r}: mps_client_pinned_memory_limit_bytes = what MPS enforced "
                 f"(2.5 GiB {'refused' if enforced else 'allowed'})", enforced, got)
-        source = {x.labels["source"] for x in e.series("mps_client_limit_source", pid=pid, limit="pinned_memory")}
+        source = e.label_set("mps_client_limit_source", "pinned_memory", pid=pid)
         r.check(f"limitforms: {forms[name]!r}: limit source", ["client" if enforced else "none"], sorted(source))
         ignored = {x.labels["reason"] for x in e.series("mps_client_limit_ignored", pid=pid, limit="pinned_memory")}
         r.check_true(f"limitforms: {forms[name]!r}: ignored reason published exactly when MPS dropped the setting",
@@ -195,7 +195,7 @@ def phase_priority(tc: "TruthCheck") -> None:
     r.check("priority: a client without CUDA_MPS_CLIENT_PRIORITY runs at its server's (1)", 1.0,
             e.value("mps_client_priority", pid=str(c.pid)))
     r.check("priority: its source", ["server_at_connect"],
-            sorted(e.label_set("mps_client_limit_source", "source", pid=str(c.pid), limit="priority")))
+            sorted(e.label_set("mps_client_limit_source", "priority", pid=str(c.pid))))
     r.check("priority: a client with CUDA_MPS_CLIENT_PRIORITY=0 runs at 0", 0.0,
             e.value("mps_client_priority", pid=str(own.pid)))
     s.stop([c, own])
