@@ -26,7 +26,8 @@ dashboard = build(
                    "Time from 'pushed to pending list' to admission, 50th and 95th percentile by reason.",
                    "s", [target(wait_quantile(0.5), "p50 " + DAEMON_LEGEND + " {{reason}}"),
                          target(wait_quantile(0.95), "p95 " + DAEMON_LEGEND + " {{reason}}")]),
-        timeseries("Leaving the queue", "Clients admitted after waiting on the pending list, per second. "
+        timeseries("Leaving the queue", "Clients admitted after waiting on the pending list, per second, beside "
+                   "those pushed onto it (entering). "
                    "Implausible: waits below 0 or above a day (a clock step, a corrupt timestamp), left out of the "
                    "wait histogram. Gone: queued clients whose process was gone before a server took them (killed "
                    "or cancelled while waiting; MPS may then hang, see the runbook's MpsClientsRefused).",
@@ -37,7 +38,9 @@ dashboard = build(
                                   f"(rate({m('mps_client_queue_wait_implausible_total')}[$__rate_interval]))",
                                   DAEMON_LEGEND + " implausible {{reason}}"),
                            target(f"rate({m('mps_queued_clients_gone_total')}[$__rate_interval])",
-                                  DAEMON_LEGEND + " gone")]),
+                                  DAEMON_LEGEND + " gone"),
+                           target(f"rate({m('mps_client_queue_pushes_total')}[$__rate_interval])",
+                                  DAEMON_LEGEND + " entering")]),
         row("Handoffs"),
         timeseries("Server handoffs",
                    "Servers shut down so that another user's server could start, per second: users taking turns "

@@ -151,9 +151,6 @@ class LogServer:
     active_thread_percentage: Optional[float] = None  # logged at server start
     pinned_limits: Dict[int, int] = field(default_factory=dict)  # device ordinal -> bytes
     running: bool = True  # False once server.log says `Exiting` (control.log has not yet said `exited`)
-    fatal_errors: int = 0
-    sticky_clients: List[int] = field(default_factory=list)  # of the last fatal error report
-    reset_devices: List[int] = field(default_factory=list)
     start_failure: Optional[str] = None  # server.log's reason, where it gave one
     # internal: the daemon itself asked it to shut down (not a Cmd:)
     daemon_shutdown: bool = False
@@ -168,8 +165,7 @@ class LogServer:
 
     def copy(self) -> "LogServer":
         return LogServer(self.pid, self.uid, self.start_time, self.active_thread_percentage,
-                         dict(self.pinned_limits), self.running, self.fatal_errors,
-                         list(self.sticky_clients), list(self.reset_devices), self.start_failure,
+                         dict(self.pinned_limits), self.running, self.start_failure,
                          self.daemon_shutdown, list(self.limit_changes), self.priority)
 
     def change_limit(self, ts: float, device: int, value: float) -> None:
@@ -231,38 +227,12 @@ class LogEvent:
         return LogEvent(self.time, self.kind, self.server_pid, list(self.clients), self.detail)
 
 
-@dataclass
-class WaitHistogram:
-    """Non-cumulative counts per bucket of QUEUE_WAIT_BUCKETS, the last one +Inf.
-
-    A wait outside 0..MAX_PLAUSIBLE_QUEUE_WAIT is not a wait but a clock step or a
-    corrupt timestamp (one line dated 9999 would add 2.5e11 s to the sum for good):
-    it is counted in `implausible` and nowhere else."""
-
-    counts: List[int] = field(default_factory=lambda: [0] * (len(QUEUE_WAIT_BUCKETS) + 1))
-    total: float = 0.0
-    implausible: int = 0
-
-    def observe(self, seconds: float) -> None:
-        if not 0.0 <= seconds <= MAX_PLAUSIBLE_QUEUE_WAIT:  # NaN included
-            self.implausible += 1
-            return
-        self.counts[bisect.bisect_left(QUEUE_WAIT_BUCKETS, seconds)] += 1
-        self.total += seconds
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> List[Tuple[float, int]]:
-        out, running = [], 0
-        for bound, n in zip(list(QUEUE_WAIT_BUCKETS) + [float("inf")], self.counts):
-            running += n
-            out.append((float(bound), running))
-        return out
-
-    def copy(self) -> "WaitHistogram":
-        return WaitHistogram(list(self.counts), self.total, self.implausible)
+def queue_wait_histogram(counts: Optional[List[int]] = None, total: float = 0.0, implausible: int = 0) -> "Histogram":
+    """mps_client_queue_wait_seconds of one reason: QUEUE_WAIT_BUCKETS, and a wait outside
+    0..MAX_PLAUSIBLE_QUEUE_WAIT is not a wait but a clock step or a corrupt timestamp (one
+    line dated 9999 would add 2.5e11 s to the sum for good): counted in `implausible` and
+    nowhere else."""
+    return Histogram(QUEUE_WAIT_BUCKETS, counts or [], total, implausible, MAX_PLAUSIBLE_QUEUE_WAIT)
 
 
 @dataclass
@@ -271,11 +241,10 @@ class LogSnapshot:
 
     servers: Dict[int, LogServer] = field(default_factory=dict)
     client_start_times: Dict[int, float] = field(default_factory=dict)
-    client_servers: Dict[int, int] = field(default_factory=dict)  # client pid -> server pid
     client_limits: Dict[int, ClientLimits] = field(default_factory=dict)  # client pid -> limits at connection
     queued: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
     oldest_queued_since: Optional[float] = None  # unix time of the oldest push still waiting
-    queue_wait: Dict[str, WaitHistogram] = field(default_factory=lambda: {r: WaitHistogram() for r in REASONS})
+    queue_wait: Dict[str, Histogram] = field(default_factory=lambda: {r: queue_wait_histogram() for r in REASONS})
     pushes: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
     handoffs: int = 0
     shutdown_deferrals: int = 0
@@ -304,8 +273,6 @@ class LogSnapshot:
     unrecognized: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
     truncated: Dict[str, int] = field(default_factory=lambda: {f: 0 for f in FILES})
     daemon_pid: Optional[int] = None
-    daemon_version: str = ""
-    daemon_running: Optional[bool] = None  # None: the logs have not said
     last_line_times: Dict[str, float] = field(default_factory=dict)  # file -> timestamp of its newest line
     pending: List[PendingClient] = field(default_factory=list)  # still waiting, oldest first
     recent_events: List[LogEvent] = field(default_factory=list)  # oldest first, at most MAX_RECENT_EVENTS
@@ -328,19 +295,31 @@ class LogSnapshot:
 # ------------------------------------------------------------------ one scrape
 @dataclass
 class Histogram:
-    """Observations in buckets of `bounds` (non-cumulative counts, the last one +Inf)."""
+    """Observations in buckets of `bounds` (non-cumulative counts, the last one +Inf).
+
+    With `plausible_max`, a value outside 0..plausible_max (NaN included) is no
+    observation: it is counted in `implausible` and nowhere else."""
 
     bounds: Sequence[float]
     counts: List[int] = field(default_factory=list)
     total: float = 0.0
+    implausible: int = 0
+    plausible_max: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float) -> None:
+        if self.plausible_max is not None and not 0.0 <= value <= self.plausible_max:
+            self.implausible += 1
+            return
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
 
     def cumulative(self) -> List[Tuple[float, int]]:
         out, running = [], 0
@@ -350,7 +329,7 @@ class Histogram:
         return out
 
     def copy(self) -> "Histogram":
-        return Histogram(self.bounds, list(self.counts), self.total)
+        return Histogram(self.bounds, list(self.counts), self.total, self.implausible, self.plausible_max)
 
 
 @dataclass

@@ -34,6 +34,9 @@ QUEUE_METRICS = table(
           "mps_client_queue_wait_implausible_total).", DAEMON),
     histogram("mps_client_queue_wait_seconds", "Time from 'pushed to pending list' to admission.",
               DAEMON, QUEUE_REASON),
+    counter("mps_client_queue_pushes_total", "Clients the daemon pushed to its pending list to wait for a server "
+            "('pushed to pending list'), whatever became of them: admitted (mps_client_queue_wait_seconds_count), "
+            "gone, or still waiting.", DAEMON),
     counter("mps_queued_clients_gone_total", "Queued clients whose process was gone before a server took them "
             "(killed or cancelled while waiting): the logs never say so, the exporter asks /proc where it shares "
             "the daemon's PID namespace.", DAEMON),
@@ -86,6 +89,9 @@ def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: 
                           daemon=daemon, reason=reason)
         out.add("mps_client_queue_wait_implausible_total", hist.implausible, daemon=daemon, reason=reason)
     out.add("mps_queued_client_oldest_wait_seconds", snap.oldest_queued_wait(now), daemon=daemon)
+    # One series: a push's reason may still change while it waits (server_starting becomes
+    # user_switch when the daemon shuts a server down for it), and a counter never goes down.
+    out.add("mps_client_queue_pushes_total", sum(snap.pushes.values()), daemon=daemon)
     out.add("mps_queued_clients_gone_total", snap.queued_gone, daemon=daemon)
     out.add("mps_server_handoffs_total", snap.handoffs, daemon=daemon)
     out.add("mps_server_shutdown_deferrals_total", snap.shutdown_deferrals, daemon=daemon)

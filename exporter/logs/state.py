@@ -52,7 +52,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Set, Tu
 
 from ..contract import OTHER, QUEUE_WAIT_BUCKETS, command_verb, exit_status
 from ..model import (REASONS, SERVER_STARTING, THREADS, USER_SWITCH, ClientLimits, LogEvent,
-                     LogServer, LogSnapshot, PendingClient, WaitHistogram)
+                     LogServer, LogSnapshot, PendingClient, queue_wait_histogram)
 from ..units import parse_size
 from .events import (
     ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
@@ -107,7 +107,7 @@ class LogState:
         self._failures_counted: "OrderedDict[int, None]" = OrderedDict()  # start failures counted from server.log
         self._handlers: Dict[type, Callable[[Any], None]] = {
             DaemonStarted: self._daemon_started, DaemonExited: self._daemon_exited,
-            DaemonVersion: self._daemon_version, ClientPushed: self._client_pushed,
+            DaemonVersion: _recognized, ClientPushed: self._client_pushed,
             ClientAccepted: self._client_accepted, ServerStarting: self._server_starting,
             ServerReady: self._server_ready, ServerExited: self._server_exited,
             ShutdownAttempt: self._shutdown_attempt, ShutdownDeferred: self._shutdown_deferred,
@@ -197,11 +197,10 @@ class LogState:
     def _daemon_started(self, ev: DaemonStarted) -> None:
         # A new daemon: the old one's servers and pending list are gone with it.
         self._forget_daemon()
-        self.s.daemon_pid, self.s.daemon_running = ev.pid, True
+        self.s.daemon_pid = ev.pid
 
     def _daemon_exited(self, ev: DaemonExited) -> None:
         self._forget_daemon()
-        self.s.daemon_running = False
 
     def _forget_daemon(self) -> None:
         for p in self._pending:
@@ -211,9 +210,6 @@ class LogState:
         for pid in list(self._servers):
             self._drop_server(pid)
         self._in_command = False
-
-    def _daemon_version(self, ev: DaemonVersion) -> None:
-        self.s.daemon_version = ev.version
 
     def _client_pushed(self, ev: ClientPushed) -> None:
         other_user = any(srv.uid is not None and srv.uid != ev.uid for srv in self._servers.values())
@@ -454,10 +450,6 @@ class LogState:
         self._open_reports[ev.pid] = ""
         self.s.fatal_gpu_errors += 1
         self._note(LogEvent(ev.ts, "fatal_gpu_error", ev.pid, [] if ev.client_pid is None else [ev.client_pid]))
-        srv = self._servers.get(ev.pid)
-        if srv is not None:
-            srv.fatal_errors += 1
-            srv.sticky_clients, srv.reset_devices = [], []
 
     def _report_heading(self, ev: ReportHeading) -> None:
         if ev.pid in self._open_reports:
@@ -469,12 +461,6 @@ class LogState:
             report = next((e for e in reversed(self._recent) if e.kind == "fatal_gpu_error" and e.server_pid == ev.pid), None)
             if report is not None and ev.value not in report.clients and len(report.clients) < 64:
                 report.clients.append(ev.value)
-        srv = self._servers.get(ev.pid)
-        if not topic or srv is None:
-            return
-        items = srv.sticky_clients if topic == "sticky_clients" else srv.reset_devices
-        if len(items) < 64:
-            items.append(ev.value)
 
     def _server_exiting(self, ev: ServerExiting) -> None:
         srv = self._servers.get(ev.pid)
@@ -512,7 +498,6 @@ class LogState:
         return LogSnapshot(
             servers={pid: srv.copy() for pid, srv in self._servers.items()},
             client_start_times={pid: since for pid, (_, since) in self._clients.items()},
-            client_servers={pid: server for pid, (server, _) in self._clients.items()},
             client_limits=self._client_limits(),
             queued=queued,
             oldest_queued_since=min((p.pushed_at for p in waiting), default=None),
@@ -526,8 +511,8 @@ class LogState:
             commands=dict(s.commands), limit_commands=s.limit_commands, queued_gone=s.queued_gone,
             control_changes=s.control_changes,
             lines=dict(s.lines), unrecognized=dict(s.unrecognized),
-            truncated=dict(s.truncated), daemon_pid=s.daemon_pid, daemon_version=s.daemon_version,
-            daemon_running=s.daemon_running, last_line_times=dict(self._last_ts),
+            truncated=dict(s.truncated), daemon_pid=s.daemon_pid,
+            last_line_times=dict(self._last_ts),
             pending=[PendingClient(p.pid, p.uid, p.reason, p.pushed_at) for p in waiting],
             recent_events=[e.copy() for e in self._recent],
         )
@@ -557,7 +542,7 @@ class LogState:
             "maps": {k: dict(getattr(s, k)) for k in self._COUNTER_MAPS},
             "queue_wait": {r: {"counts": h.counts, "sum": h.total, "implausible": h.implausible}
                            for r, h in s.queue_wait.items()},
-            "daemon": {"pid": s.daemon_pid, "version": s.daemon_version, "running": s.daemon_running,
+            "daemon": {"pid": s.daemon_pid,
                        "last_line_times": dict(self._last_ts)},
             "servers": [_server_dict(srv) for srv in self._servers.values()],
             "orphans": [_server_dict(srv) for srv in self._orphans.values()],
@@ -593,10 +578,9 @@ class LogState:
             counts = [int(n) for n in h["counts"]]
             if len(counts) != len(QUEUE_WAIT_BUCKETS) + 1:
                 raise ValueError("queue_wait buckets changed")
-            s.queue_wait[r] = WaitHistogram(counts, float(h["sum"]), int(h.get("implausible", 0)))
+            s.queue_wait[r] = queue_wait_histogram(counts, float(h["sum"]), int(h.get("implausible", 0)))
         daemon = d["daemon"]
-        s.daemon_pid, s.daemon_version = daemon["pid"], str(daemon["version"])
-        s.daemon_running = daemon["running"]
+        s.daemon_pid = daemon["pid"]  # older files also hold the version and running: nothing reads them
         # A file from before the times were kept per file has one for both: not worth keeping.
         st._last_ts = {str(f): float(t) for f, t in (daemon.get("last_line_times") or {}).items() if f in FILES}
         st._servers = {int(x["pid"]): _server_from(x) for x in d["servers"]}
@@ -628,6 +612,10 @@ _CONTROL_CHANGES = frozenset({
 })
 
 
+def _recognized(ev: ParseResult) -> None:
+    """A line the parser knows that changes nothing kept (the daemon's version: nothing reads it)."""
+
+
 def _in_report(ev: ParseResult) -> bool:
     """Lines that belong to a fatal error report (it stays open while they come)."""
     return type(ev) in _REPORT_EVENTS or (type(ev) is Noise and ev.kind == "fatal_report")
@@ -637,7 +625,6 @@ def _server_dict(srv: LogServer) -> Dict[str, Any]:
     return {"pid": srv.pid, "uid": srv.uid, "start_time": srv.start_time,
             "atp": srv.active_thread_percentage,
             "pinned": [[dev, n] for dev, n in srv.pinned_limits.items()], "running": srv.running,
-            "fatal_errors": srv.fatal_errors, "sticky": srv.sticky_clients, "reset": srv.reset_devices,
             "start_failure": srv.start_failure, "daemon_shutdown": srv.daemon_shutdown,
             "limit_changes": [list(c) for c in srv.limit_changes], "priority": srv.priority}
 
@@ -645,7 +632,6 @@ def _server_dict(srv: LogServer) -> Dict[str, Any]:
 def _server_from(x: Dict[str, Any]) -> LogServer:
     return LogServer(int(x["pid"]), x["uid"], x["start_time"], x["atp"],
                      {int(dev): int(n) for dev, n in x["pinned"]}, bool(x["running"]),
-                     int(x["fatal_errors"]), [int(v) for v in x["sticky"]], [int(v) for v in x["reset"]],
                      x["start_failure"], bool(x["daemon_shutdown"]),
                      [(float(a), int(b), float(c)) for a, b, c in x.get("limit_changes", [])],
                      None if x.get("priority") is None else int(x["priority"]))

@@ -98,7 +98,7 @@ def test_quit_block_still_carries_the_exits():
               "00:00:03.000 Try shutting down server 20, backoff is disabled",
               "00:00:03.100 Server 20 exited with status 0", "00:00:03.101 Exit with status 0")
     snap = replay({"control": log}).snapshot()
-    assert snap.server_exits == {"0": 1} and snap.handoffs == 0 and snap.daemon_running is False
+    assert snap.server_exits == {"0": 1} and snap.handoffs == 0
 
 
 def test_unknown_lines_inside_a_command_are_output_not_unrecognized():
@@ -117,6 +117,21 @@ def test_reason_fixed_up_when_the_daemon_shuts_down_another_users_server():
     snap = replay({"control": log}).snapshot()
     assert snap.queued == {"user_switch": 1, "server_starting": 0}
     assert snap.pushes == {"user_switch": 1, "server_starting": 0}
+
+
+def test_pushes_are_one_counter_that_a_reason_fix_up_does_not_lower():
+    # Per reason, server_starting went 1 -> 0 above; the exported counter has no reason.
+    from mps_exporter.families import FamilyBuilder
+    from mps_exporter.logs.render import render_log_metrics
+
+    push = "00:00:05.000 NEW CLIENT 11 from user 7: Server is not ready, push client to pending list"
+    values = []
+    for lines in ([push], [push, "00:00:05.000 Try shutting down server 20, backoff is disabled"]):
+        out = FamilyBuilder()
+        render_log_metrics(out, "default", replay({"control": ctl(*lines)}).snapshot(), 0.0)
+        (sample,) = [s for f in out.families() for s in f.samples if s.name == "mps_client_queue_pushes_total"]
+        values.append(sample.value)
+    assert values == [1.0, 1.0]
 
 
 def test_start_failure_and_exit_status():
@@ -168,8 +183,8 @@ def test_fatal_error_report_counts_once_per_report():
     log = {"control": ctl(*START, "00:00:01.000 Starting new server 20 for user 0", "00:00:01.200 NEW SERVER 20: Ready"),
            "server": srv(20, *rows)}
     snap = replay(log).snapshot()
-    assert snap.fatal_gpu_errors == 2 and snap.servers[20].fatal_errors == 2
-    assert (snap.servers[20].reset_devices, snap.servers[20].sticky_clients) == ([0], [30])
+    assert snap.fatal_gpu_errors == 2
+    assert [e.clients for e in snap.recent_events if e.kind == "fatal_gpu_error"] == [[30], [30]]
 
 
 
@@ -476,3 +491,16 @@ def test_the_issue_24_run_server_priority_and_terminated_client():
     snap = replay(files).snapshot()
     assert snap.clients_terminated == 1 and snap.unrecognized == {"control": 0, "server": 0}
     assert [(e.server_pid, e.clients) for e in snap.recent_events if e.kind == "client_terminated"] == [(1515, [1478])]
+
+
+def test_a_state_file_with_the_state_nothing_read_still_loads():
+    # Written before the daemon's version and running flag and the per-server fatal error
+    # lists were dropped: those keys are ignored, the rest resumes.
+    log = ctl(*START, "00:00:01.000 Starting new server 20 for user 0", "00:00:01.200 NEW SERVER 20: Ready")
+    d = replay({"control": log}).to_dict()
+    d["daemon"].update(version="13000", running=True)
+    for server in d["servers"]:
+        server.update(fatal_errors=1, sticky=[30], reset=[0])
+    resumed = LogState.from_dict(json.loads(json.dumps(d))).snapshot()
+    assert resumed.server_starts == 1 and set(resumed.servers) == {20}
+    assert "version" not in LogState.from_dict(d).to_dict()["daemon"]
