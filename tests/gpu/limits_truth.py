@@ -146,6 +146,12 @@ def phase_outsider(tc: "TruthCheck") -> None:
     r.facts["outsider: MpsProcessOutsideMps expression"] = expr
     r.check("outsider: MpsProcessOutsideMps's expression (a selector of mps_process_outside_mps_info) returns it",
             [str(outsider.pid)], sorted(x.labels["pid"] for x in _select(e, expr)))
+    r.check("outsider: no per-process SM utilization on a GPU MPS serves", [],
+            sorted(e.label_set("mps_process_sm_utilization_ratio", "pid", gpu="0")))
+    status = _status(tc)
+    r.facts["outsider: mps-exporter status (GPU section)"] = status[:status.find("MPS daemon")][:1500]
+    r.check_true("outsider: `mps-exporter status` names it under its GPU", f"process {outsider.pid} ... outside MPS",
+                 status[:1500], f"process {outsider.pid} (" in status and "runs outside MPS" in status)
     s.stop([outsider, inside])
     s.shutdown_servers()
 
