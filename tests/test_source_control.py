@@ -330,3 +330,76 @@ def test_real_subprocess_passes_pipe_directory(tmp_path):
     wrapper.chmod(0o755)
     client = mc.ControlClient("/run/nvidia/mps/pipe", binary=str(wrapper))
     assert client.run("get_server_status", 12).strip() == "/run/nvidia/mps/pipe get_server_status 12"
+
+
+# ------------------------------------------------------------ a control binary that misbehaves (issue 26)
+
+def control_program(tmp_path, body: str):
+    """A stand-in nvidia-cuda-mps-control: a shell script."""
+    wrapper = tmp_path / "nvidia-cuda-mps-control"
+    wrapper.write_text("#!/bin/sh\n" + textwrap.dedent(body))
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_a_detached_child_holding_the_output_costs_no_scrape(tmp_path):
+    import os
+    import time
+
+    pidfile = tmp_path / "orphan"
+    binary = control_program(tmp_path, f"""
+        read cmd
+        echo 713
+        setsid sh -c 'echo $$ > {pidfile}; exec sleep 30' &
+        exit 0
+    """)
+    client = mc.ControlClient("/p", binary=binary, timeout=5.0)
+    try:
+        for _ in range(3):  # every read, not only the first
+            started = time.monotonic()
+            assert mc.parse_pid_list(client.run("get_server_list")) == [713]
+            assert time.monotonic() - started < 1.0  # not the 5 s deadline
+    finally:
+        for _ in range(50):
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            time.sleep(0.02)
+        for line in pidfile.read_text().split():
+            try:
+                os.kill(int(line), 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_an_answer_over_the_cap_is_one_failed_read(tmp_path):
+    import time
+
+    binary = control_program(tmp_path, f"""
+        read cmd
+        exec {sys.executable} -c "import sys; sys.stdout.write('1234567\\\\n' * 1_430_000)"
+    """)
+    client = mc.ControlClient("/p", binary=binary, timeout=5.0)
+    started = time.monotonic()
+    with pytest.raises(mc.ControlError, match="more than 1048576 bytes"):
+        client.run("get_server_list")
+    assert time.monotonic() - started < 3.0
+
+
+def test_an_absurd_number_of_servers_or_clients_is_not_believed():
+    with pytest.raises(mc.ControlError, match="not believed"):
+        mc.parse_pid_list("\n".join(str(1000 + i) for i in range(mc.MAX_LISTED + 1)))
+    assert len(mc.parse_pid_list("\n".join(str(1000 + i) for i in range(mc.MAX_LISTED)))) == mc.MAX_LISTED
+    rows = "\n".join(f"{1000 + i} 1 713 0 4026531836 app" for i in range(mc.MAX_LISTED + 1))
+    with pytest.raises(mc.ControlError, match="not believed"):
+        mc.parse_ps("PID ID SERVER DEVICE NAMESPACE COMMAND\n" + rows)
+
+
+def test_a_child_that_closes_its_output_but_goes_on_running_is_killed_at_the_deadline(tmp_path):
+    binary = control_program(tmp_path, """
+        read cmd
+        exec 1>&- 2>&-
+        sleep 30
+    """)
+    client = mc.ControlClient("/p", binary=binary, timeout=0.5)
+    with pytest.raises(mc.ControlError, match="did not exit within 0.5s"):
+        client.run("get_server_list")

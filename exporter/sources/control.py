@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import selectors
 import signal
 import subprocess
 import time
@@ -85,10 +86,18 @@ def check_reply(text: str) -> str:
     return text
 
 
+# More servers or clients than this in one answer is no answer (48 clients per device;
+# one server per user and device): refused whole rather than planned for.
+MAX_LISTED = 4096
+
+
 def parse_pid_list(text: str) -> List[int]:
     """`get_server_list` / `get_client_list`: one PID per line, none when empty."""
     pids = []
-    for line in _lines(check_reply(text)):
+    lines = _lines(check_reply(text))
+    if len(lines) > MAX_LISTED:
+        raise ControlError(f"{len(lines)} PIDs in one answer (more than {MAX_LISTED}): not believed")
+    for line in lines:
         if not _NUMBER.match(line):
             raise ControlError(f"unexpected line in PID list: {line[:80]!r}")
         pids.append(int(line))
@@ -109,6 +118,8 @@ def parse_ps(text: str) -> List[PsEntry]:
         return []
     if tuple(lines[0].split()) != PS_HEADER:
         raise ControlError(f"unexpected ps header: {lines[0][:80]!r}")
+    if len(lines) - 1 > MAX_LISTED:
+        raise ControlError(f"{len(lines) - 1} clients in one ps answer (more than {MAX_LISTED}): not believed")
     entries = []
     for line in lines[1:]:
         cols = line.split(None, 5)
@@ -177,20 +188,90 @@ def parse_version(text: str) -> str:
 Runner = Callable[[Sequence[str], str, Dict[str, str], float], Tuple[int, str]]
 
 
+# An answer longer than this is no answer: `ps` of 48 clients on 16 GPUs is ~80 KB.
+MAX_ANSWER_BYTES = 1 << 20
+
+
 def subprocess_runner(argv: Sequence[str], stdin_text: str, env: Dict[str, str], timeout: float) -> Tuple[int, str]:
-    """Run one control process; on timeout kill its whole process group."""
+    """Run one control process and read its answer, bounded in time and in size.
+
+    The answer ends at EOF or when the process has exited and what it wrote is read
+    (all of it is in the pipe by then): a detached grandchild holding its stdout open
+    costs nothing, not even a failed read. The deadline holds whatever the children
+    do. Past the deadline or past MAX_ANSWER_BYTES its process group is killed and
+    the read fails."""
+    deadline = time.monotonic() + timeout
     proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
     try:
-        out, _ = proc.communicate(stdin_text.encode(), timeout=timeout)
-    except subprocess.TimeoutExpired:
+        assert proc.stdin is not None and proc.stdout is not None
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            proc.stdin.write(stdin_text.encode())  # one short line: the pipe buffer takes it
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):
             pass
-        proc.communicate()
-        raise ControlError(f"{argv[0]} did not answer within {timeout:g}s (killed)") from None
+        out = _read_answer(proc, proc.stdout.fileno(), deadline)
+        if out is None:
+            _kill(proc)
+            raise ControlError(f"{argv[0]} did not answer within {timeout:g}s (killed)")
+        if len(out) > MAX_ANSWER_BYTES:
+            _kill(proc)
+            raise ControlError(f"{argv[0]} answered more than {MAX_ANSWER_BYTES} bytes (killed): not an MPS answer")
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # it closed its output but goes on running
+            _kill(proc)
+            raise ControlError(f"{argv[0]} did not exit within {timeout:g}s (killed)") from None
+    finally:
+        if proc.stdout is not None:
+            proc.stdout.close()  # a grandchild still writing gets EPIPE, not our memory
     return proc.returncode, out.decode("utf-8", "replace")
+
+
+def _read_answer(proc: "subprocess.Popen[bytes]", fd: int, deadline: float) -> Optional[bytes]:
+    """Its output until EOF, the process's exit or one byte past the cap; None at the
+    deadline."""
+    os.set_blocking(fd, False)
+    chunks: List[bytes] = []
+    size = 0
+    try:  # readable once the process exits (Linux 5.3+); without it, looked at every 50 ms
+        pidfd: Optional[int] = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            if pidfd is not None:
+                sel.register(pidfd, selectors.EVENT_READ)
+            while size <= MAX_ANSWER_BYTES:
+                now = time.monotonic()
+                exited = proc.poll() is not None  # then all it wrote is in the pipe: read it, stop
+                if not exited and now >= deadline:
+                    return None
+                if not exited and not any(key.fd == fd for key, _ in sel.select(min(deadline, now + 0.05) - now)):
+                    continue
+                try:
+                    data = os.read(fd, 65536)
+                except BlockingIOError:
+                    if exited:
+                        break
+                    continue
+                if not data:
+                    break
+                chunks.append(data)
+                size += len(data)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    return b"".join(chunks)
+
+
+def _kill(proc: "subprocess.Popen[bytes]") -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 @dataclass
