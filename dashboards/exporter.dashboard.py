@@ -44,13 +44,19 @@ dashboard = build(
         timeseries("Log lines not understood",
                    "Lines no parsing rule matched, and lines cut at the line cap, per second: a new MPS version "
                    "may log differently. Read errors: a log file that began to fail (missing or unreadable "
-                   "directory, not a regular file, permission denied), by reason.",
+                   "directory, not a regular file, permission denied), by reason. Rotation gaps: a copytruncate "
+                   "rotation whose copy was compressed or removed before the unread part was read. State file "
+                   "errors: a saved state not trusted (the logs were read from their start) or not written.",
                    "cps", [target(f"rate({m('mps_log_unrecognized_lines_total')}[$__rate_interval])",
                                   "unrecognized {{instance}} {{daemon}} {{file}}"),
                            target(f"rate({m('mps_log_truncated_lines_total')}[$__rate_interval])",
                                   "truncated {{instance}} {{daemon}} {{file}}"),
                            target(f"rate({m('mps_log_read_errors_total')}[$__rate_interval])",
-                                  "read errors {{instance}} {{daemon}} {{file}} {{reason}}")], w=8),
+                                  "read errors {{instance}} {{daemon}} {{file}} {{reason}}"),
+                           target(f"rate({m('mps_log_rotation_gaps_total')}[$__rate_interval])",
+                                  "rotation gaps {{instance}} {{daemon}} {{file}}"),
+                           target(f"rate({m('mps_exporter_state_file_errors_total')}[$__rate_interval])",
+                                  "state file {{instance}} {{reason}}")], w=8),
         timeseries("Log silence", "Seconds since the time written on the newest line of each log file. "
                    "control.log also logs the exporter's own commands; a server.log that stops moving while "
                    "clients come and go is worth a look.", "s",

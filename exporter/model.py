@@ -278,6 +278,8 @@ class LogSnapshot:
     recent_events: List[LogEvent] = field(default_factory=list)  # oldest first, at most MAX_RECENT_EVENTS
     # Set by the pipeline, not the state machine: how reading the files goes.
     read_errors: Dict[Tuple[str, str], int] = field(default_factory=dict)  # (file, reason) -> failures begun
+    rotation_gaps: Dict[str, int] = field(default_factory=dict)  # file -> rotations whose unread part was lost
+    state_file_errors: Optional[Dict[str, int]] = field(default=None, compare=False)  # reason -> times; None: no file
     problems: Tuple[str, ...] = ()  # why a file cannot be read now (messages naming the path); () when fine
     # False from a start until the files have been read to their end once: the counters are
     # still climbing through history, so the logs are not served (sources/logs.py).

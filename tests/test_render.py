@@ -131,6 +131,7 @@ def test_log_start_times_win_over_proc(monkeypatch):
         servers = {1589: LogServer()}
         client_start_times = {1647: 1795234897.75}
         client_limits: dict = {}
+        state_file_errors = None
 
     r = samples(snapshot(logs={"default": Logs()}))
     assert value(r, "mps_server_start_time_seconds", server_pid="1589") == 1795234880.5

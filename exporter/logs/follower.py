@@ -7,9 +7,15 @@ complete lines; a partial last line waits for its newline. It survives:
   reading the open file while the name is gone, and starts the new file from its
   beginning when the name comes back;
 - rotation by rename: the old file is read to its end (its unterminated last line
-  included) before the new one is opened from its beginning;
+  included), then any rotated file written after it that was never read (several
+  rotations between two polls), then the new one from its beginning;
 - copytruncate: a file shorter than the read offset, or whose first bytes changed,
-  is read again from its beginning;
+  was copied and truncated. What had not been read yet is in the copy (logrotate's
+  `.1`, a dated name, any name that starts with the log's), found by content, not by
+  name: the copy's first bytes and the bytes just before the read offset must be the
+  ones read from the file. The copy is read to its end, then the file from its
+  beginning. When no copy matches (already compressed, removed), the unread part is
+  lost: `rotation_gaps` counts it and it is logged;
 - NUL bytes (stripped: a writer that kept its offset across copytruncate leaves a
   hole of NULs), invalid UTF-8 (replaced), and lines longer than `max_line_bytes`
   (cut to the cap and counted; memory never holds more than the cap of one line);
@@ -28,10 +34,13 @@ inode, first bytes), so a restarted exporter neither re-reads nor skips lines.
 
 from __future__ import annotations
 
+import collections
 import errno
+import logging
 import os
 import stat
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+import time
+from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 # The read error reasons, declared with the other plain log data (events.py); named here too.
 from .events import INTERNAL_ERROR as INTERNAL_ERROR
@@ -42,10 +51,29 @@ from .events import NOT_REGULAR_FILE as NOT_REGULAR_FILE
 from .events import PERMISSION_DENIED as PERMISSION_DENIED
 from .events import READ_ERROR_REASONS as READ_ERROR_REASONS
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_LINE_BYTES = 64 * 1024
 READ_SIZE = 1 << 20
 MAX_POLL_BYTES = 16 * READ_SIZE  # one poll reads at most this much, line or no line
 HEAD_BYTES = 64  # fingerprint: the file's first bytes (MPS lines start with a ms timestamp)
+TAIL_BYTES = 64  # and the bytes just before the read offset: a rotated copy must have both
+# Rotated copies in these forms cannot be read on: their unread part counts as a gap.
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".lzma", ".Z", ".zip")
+FINISHED_FILES = 64  # identities of rotated files read to their end, remembered
+# A rotated file is read on for this long after the name moved on: a writer that
+# reopens its log on a signal writes its last lines into the old file meanwhile.
+DRAIN_SECONDS = 2.0
+MAX_DRAINING = 32
+
+
+class _Draining:
+    """A rotated file still read for late lines: its descriptor, offset and partial line."""
+
+    __slots__ = ("fd", "offset", "partial", "until")
+
+    def __init__(self, fd: int, offset: int, partial: bytes, until: float) -> None:
+        self.fd, self.offset, self.partial, self.until = fd, offset, partial, until
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
 
 
@@ -136,27 +164,62 @@ class FileFollower:
         self._line_start = 0  # file position where the partial line starts: what position() saves
         self._resume: Optional[Dict[str, Any]] = None
         self._problem: Optional[ReadError] = None  # found during the current poll
+        self._tail = b""  # the last TAIL_BYTES before _offset
+        self._finished: Deque[Tuple[int, int]] = collections.deque(maxlen=FINISHED_FILES)
+        self._finished_mtime = 0  # st_mtime_ns of the rotated file read to its end last
         self.rotations = 0
         self.truncations = 0
+        self.rotation_gaps = 0  # rotations whose unread part was in no readable rotated file
+        self._draining: List[_Draining] = []
         self.error: Optional[ReadError] = None  # why the file cannot be read now; None: fine or absent
         self.errors: Dict[str, int] = {}  # reason -> times a failure of that reason began
         self.more = False  # the last poll stopped before the end of the file: poll again
 
     # ------------------------------------------------------------ state
     def position(self) -> Dict[str, Any]:
-        """Where to resume: the start of the partial line in the current file."""
-        if self._identity is None:  # nothing open: keep what an earlier run saved
-            return {**self._resume, "head": self._resume["head"].hex()} if self._resume else {}
+        """Where to resume: the start of the partial line in the current file, and the
+        fingerprints that confirm it (the file's first bytes, the bytes before it)."""
+        if self._identity is None or self._fd is None:  # nothing open: keep what an earlier run saved
+            if not self._resume:
+                return {}
+            return {**self._resume, "head": self._resume["head"].hex(), "tail": self._resume["tail"].hex()}
+        start = max(0, self._line_start - TAIL_BYTES)
+        try:
+            tail = os.pread(self._fd, self._line_start - start, start)
+        except OSError:
+            tail = b""
         return {"dev": self._identity[0], "ino": self._identity[1], "offset": self._line_start,
-                "head": self._head.hex()}
+                "head": self._head.hex(), "tail": tail.hex()}
 
     def resume(self, pos: Dict[str, Any]) -> None:
-        """Use a position() saved by an earlier run (before the first poll)."""
-        try:
-            self._resume = {"dev": int(pos["dev"]), "ino": int(pos["ino"]),
-                            "offset": max(0, int(pos["offset"])), "head": bytes.fromhex(str(pos["head"]))}
-        except (KeyError, TypeError, ValueError):
+        """Use a position() saved by an earlier run (before the first poll). One that is
+        not a position at all raises (KeyError, TypeError, ValueError)."""
+        if not pos:
             self._resume = None
+            return
+        offset = int(pos["offset"])
+        if offset < 0:
+            raise ValueError(f"negative offset {offset}")
+        self._resume = {"dev": int(pos["dev"]), "ino": int(pos["ino"]), "offset": offset,
+                        "head": bytes.fromhex(str(pos["head"])), "tail": bytes.fromhex(str(pos.get("tail", "")))}
+
+    def check_resume(self) -> Optional[str]:
+        """None when the saved position can be trusted (or there is none, or its file is
+        gone: a new log is read from its beginning). Otherwise why not: a file that still
+        starts as the saved one did, but is shorter than the offset or holds other bytes
+        before it. Reading it from its beginning would count its lines a second time."""
+        saved = self._resume
+        if not saved or self._saved_file(saved) is not None:
+            return None
+        for path in [self.path] + [p for p, _ in self._rotated_siblings()]:
+            try:
+                with open(path, "rb") as f:
+                    if saved["head"] and f.read(len(saved["head"])) == saved["head"]:
+                        return (f"{path} starts as the file saved at offset {saved['offset']} did, but is shorter "
+                                "or holds other bytes before that offset")
+            except OSError:
+                continue
+        return None
 
     def unread_bytes(self) -> int:
         """Bytes of the file under the name not read yet (0 where there is none): the backlog."""
@@ -192,11 +255,15 @@ class FileFollower:
         except OSError as e:  # the file is missing (normal before MPS starts), or worse
             st = None
             self._problem = missing_file_error(self.path) if e.errno == errno.ENOENT else read_error(self.path, e)
+        if self._draining:
+            self._drain(lines)
         if self._fd is None and st is not None:
             self._open()
         if self._fd is not None:
             if self._rewritten():
-                self._restart_file()
+                self.truncations += 1
+                if not self._switch_to_copy():
+                    self._restart_file()
             truncated = self._read(lines, max_bytes)
             if st is not None and (st.st_dev, st.st_ino) != self._identity and not self.more:
                 # The name now means another file (rotation, a re-created directory, a FIFO):
@@ -204,9 +271,13 @@ class FileFollower:
                 if self._partial:
                     lines.append(self._decode(self._partial))
                     truncated += self._dropping
-                self.close()
+                self._finish_file()
                 self.rotations += 1
-                self._open()
+                self._open()  # the name as it is now (it may have moved on during this poll)
+                successor = self._next_rotated() if self._identity is not None else None
+                if successor is not None:  # rotated again before we came: read that first
+                    self.close()
+                    self._open_at(*successor)
                 if self._fd is not None:
                     truncated += self._read(lines, max_bytes)
         self._set_error(self._problem)
@@ -219,7 +290,8 @@ class FileFollower:
 
     def _open(self) -> None:
         saved = self._resume
-        path = (self._saved_file(saved) if saved else None) or self.path
+        confirmed = self._saved_file(saved) if saved else None
+        path = confirmed or self.path
         try:
             fd, fst = open_regular(path)
         except NotRegularFile as e:
@@ -231,31 +303,177 @@ class FileFollower:
         self._resume = None
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset = self._line_start = 0
-        self._partial, self._dropping = b"", False
+        self._partial, self._dropping, self._tail = b"", False, b""
         self._head = self._read_head()
-        if saved and (saved["dev"], saved["ino"]) == self._identity and fst.st_size >= saved["offset"] \
-                and self._head[: len(saved["head"])] == saved["head"]:
+        if saved and confirmed:
             self._offset = self._line_start = saved["offset"]
+            self._tail = saved["tail"]
 
     def _saved_file(self, saved: Dict[str, Any]) -> Optional[str]:
-        """The file a saved position belongs to: the name itself, or after a rename
-        rotation while we were down, its new name in the same directory (control.log.1),
-        whose unread tail then comes before the new file."""
-        try:
-            st = os.stat(self.path)
-            if (st.st_dev, st.st_ino) == (saved["dev"], saved["ino"]):
-                return self.path
-        except OSError:
-            pass
-        try:
-            with os.scandir(os.path.dirname(self.path) or ".") as entries:
-                for entry in entries:
-                    est = entry.stat(follow_symlinks=False)
-                    if (est.st_dev, est.st_ino) == (saved["dev"], saved["ino"]):
-                        return entry.path
-        except OSError:
-            pass
+        """The file a saved position belongs to, confirmed by content: its first bytes and
+        the bytes before the offset are the saved ones, and it reaches the offset. The
+        name itself, or after a rotation while we were down, a rotated file beside it
+        (control.log.1 by rename, or a copytruncate copy), whose unread tail then comes
+        before the new file. The saved inode is looked at first; it only orders the search."""
+        candidates = [self.path] + [p for p, _ in self._rotated_siblings()]
+
+        def same_inode(path: str) -> bool:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False
+            return (st.st_dev, st.st_ino) == (saved["dev"], saved["ino"])
+
+        for path in sorted(candidates, key=lambda p: not same_inode(p)):
+            if self._holds(path, saved):
+                return path
         return None
+
+    @staticmethod
+    def _holds(path: str, saved: Dict[str, Any]) -> bool:
+        try:
+            fd, fst = open_regular(path)
+        except OSError:
+            return False
+        try:
+            offset, head, tail = saved["offset"], saved["head"], saved["tail"]
+            return (fst.st_size >= offset and os.pread(fd, len(head), 0) == head
+                    and (not tail or os.pread(fd, len(tail), offset - len(tail)) == tail))
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    # --------------------------------------------------------- rotation
+    def _finish_file(self) -> None:
+        """The current file is read to its end and the name means another file: it is
+        read on for late lines (DRAIN_SECONDS) while the next one is followed."""
+        if self._fd is not None and self._identity is not None:
+            try:
+                self._finished_mtime = os.fstat(self._fd).st_mtime_ns
+            except OSError:
+                pass
+            self._finished.append(self._identity)
+            if len(self._draining) >= MAX_DRAINING:
+                self._end_drain(self._draining.pop(0), [])
+            # Its unterminated last line was handed out as complete: later bytes start a new one.
+            self._draining.append(_Draining(self._fd, self._offset, b"", time.monotonic() + DRAIN_SECONDS))
+            self._fd = None
+        self.close()
+
+    def _drain(self, lines: List[str]) -> None:
+        """Complete lines appended to rotated files since they were left; a file quiet
+        for DRAIN_SECONDS is closed, an unterminated last line handed out."""
+        now = time.monotonic()
+        for d in list(self._draining):
+            try:
+                data = os.pread(d.fd, READ_SIZE, d.offset)
+            except OSError:
+                data = b""
+            if data:
+                d.offset += len(data)
+                d.until = now + DRAIN_SECONDS
+                *complete, d.partial = (d.partial + data).split(b"\n")
+                lines.extend(self._decode(line[: self.max_line_bytes]) for line in complete)
+            elif now >= d.until:
+                self._draining.remove(d)
+                self._end_drain(d, lines)
+
+    def _end_drain(self, d: _Draining, lines: List[str]) -> None:
+        if d.partial:
+            lines.append(self._decode(d.partial[: self.max_line_bytes]))
+        try:
+            os.close(d.fd)
+        except OSError:
+            pass
+
+    def _rotated_siblings(self) -> List[Tuple[str, os.stat_result]]:
+        """Regular, uncompressed files beside the log whose name starts with its name."""
+        directory, base = os.path.split(self.path)
+        out = []
+        try:
+            with os.scandir(directory or ".") as entries:
+                for entry in entries:
+                    if entry.name == base or not entry.name.startswith(base) \
+                            or entry.name.endswith(COMPRESSED_SUFFIXES):
+                        continue
+                    try:
+                        est = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISREG(est.st_mode):
+                        out.append((entry.path, est))
+        except OSError:
+            pass
+        return out
+
+    def _next_rotated(self) -> Optional[Tuple[str, int]]:
+        """(path, fd) of the oldest rotated file written after the one just finished and
+        never read (rename rotation, several times between two polls); None: go on with
+        the file the name means (open). That file may itself have been rotated since it
+        was opened: it is then a candidate like the others, in its turn. Names shift
+        while logrotate runs, so the file opened must be the one chosen (else: again)."""
+        for _ in range(5):
+            candidates = []
+            for path, est in self._rotated_siblings():
+                identity = (est.st_dev, est.st_ino)
+                if identity not in self._finished and est.st_mtime_ns >= self._finished_mtime:
+                    candidates.append((est.st_mtime_ns, -_rotation_number(path), path, identity))
+            if not candidates:
+                return None
+            _, _, path, identity = min(candidates)
+            try:
+                fd, fst = open_regular(path)
+            except OSError:
+                continue  # renamed away meanwhile: look again
+            if (fst.st_dev, fst.st_ino) == identity:
+                return path, fd
+            os.close(fd)
+        return None
+
+    def _open_at(self, path: str, fd: int) -> None:
+        """Follow an opened rotated file from its beginning."""
+        fst = os.fstat(fd)
+        self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
+        self._offset = self._line_start = 0
+        self._partial, self._dropping, self._tail = b"", False, b""
+        self._head = self._read_head()
+        log.debug("%s: reading %s, rotated before it was read", self.path, path)
+
+    def _switch_to_copy(self) -> bool:
+        """After copytruncate: go on reading from the rotated copy that holds what was
+        not read yet (found by content). False: no copy, or nothing was unread."""
+        for path, est in sorted(self._rotated_siblings(), key=lambda c: -c[1].st_mtime_ns):
+            if (est.st_dev, est.st_ino) == self._identity or est.st_size < len(self._head):
+                continue
+            try:
+                fd, fst = open_regular(path)
+            except OSError:
+                continue
+            try:
+                head = os.pread(fd, len(self._head), 0)
+                if head != self._head:
+                    os.close(fd)
+                    continue
+                if fst.st_size <= self._offset:  # copied before bytes we already read: nothing lost
+                    os.close(fd)
+                    return False
+                if self._tail and os.pread(fd, len(self._tail), self._offset - len(self._tail)) != self._tail:
+                    os.close(fd)
+                    continue
+            except OSError:
+                os.close(fd)
+                continue
+            self.close()
+            self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)  # offset, partial line and head go on
+            log.debug("%s was copied and truncated: reading the rest from %s", self.path, path)
+            return True
+        if self._offset > 0:
+            self.rotation_gaps += 1
+            log.warning("%s was truncated (copytruncate) and no rotated copy beside it holds the part not yet "
+                        "read (compressed or removed already?): lines after offset %d are lost",
+                        self.path, self._offset)
+        return False
 
     def _read_head(self) -> bytes:
         try:
@@ -281,9 +499,8 @@ class FileFollower:
 
     def _restart_file(self) -> None:
         self._offset = self._line_start = 0
-        self._partial, self._dropping = b"", False
+        self._partial, self._dropping, self._tail = b"", False, b""
         self._head = self._read_head()
-        self.truncations += 1
 
     def _read(self, lines: List[str], max_bytes: int) -> int:
         truncated, budget = 0, MAX_POLL_BYTES
@@ -301,6 +518,7 @@ class FileFollower:
             if not data:
                 break
             self._offset += len(data)
+            self._tail = (self._tail + data[-TAIL_BYTES:])[-TAIL_BYTES:]
             max_bytes -= len(data)
             budget -= len(data)
             truncated += self._split(data, lines)
@@ -348,3 +566,9 @@ class FileFollower:
     @staticmethod
     def _decode(data: bytes) -> str:
         return data.replace(b"\x00", b"").decode("utf-8", "replace")
+
+
+def _rotation_number(path: str) -> int:
+    """logrotate's N of `name.N` (higher: older); 0 for other names."""
+    suffix = path.rsplit(".", 1)[-1]
+    return int(suffix) if suffix.isdigit() else 0

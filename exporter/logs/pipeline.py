@@ -29,8 +29,8 @@ from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, Read
 from .liveness import ProcLiveness
 from .parser import parse_line, resolve_timezone
 from ..model import LogSnapshot
-from .state import LogState
-from .statefile import StateStore
+from .state import LogState, NegativeCounter
+from .statefile import NEGATIVE_COUNTER, POSITION, SHAPE, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,8 @@ class LogPipeline:
         snap.read_errors = errors
         snap.caught_up = self._caught_up
         snap.backlog_bytes = self.unread_bytes()
+        snap.rotation_gaps = {file: f.rotation_gaps for file, f in self._followers.items() if f.rotation_gaps}
+        snap.state_file_errors = dict(self._store.errors) if self._store is not None else None
         snap.problems = tuple(sorted({e.message for e in self._published_errors.values() if e is not None}))
         self._snapshot = snap  # one reference assignment: atomic for readers
         self._dirty = False
@@ -236,14 +238,29 @@ class LogPipeline:
         try:  # the file is input like any other: whatever is in it, never fatal
             state = LogState.from_dict(entry["state"])
             positions = {f: entry["files"][f] for f in FILES if isinstance(entry["files"].get(f), dict)}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            log.warning("state file %s: entry of daemon %s unusable (%r); starting fresh",
-                        self._store.path, self.daemon, e)
+            for file, pos in positions.items():
+                self._followers[file].resume(pos)
+        except NegativeCounter as e:
+            self._start_from_logs(NEGATIVE_COUNTER, str(e))
             return
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            self._start_from_logs(SHAPE, f"unusable ({type(e).__name__}: {e})")
+            return
+        for file, follower in self._followers.items():
+            doubt = follower.check_resume()
+            if doubt is not None:  # its lines would be counted on top of the saved counters again
+                self._start_from_logs(POSITION, f"{file}.log: {doubt}")
+                return
         self._state = state
-        for file, pos in positions.items():
-            self._followers[file].resume(pos)
         self._publish()
+
+    def _start_from_logs(self, reason: str, message: str) -> None:
+        """Doubt about the saved entry: none of it is used, the logs are read from their start."""
+        for follower in self._followers.values():
+            follower.resume({})
+        if self._store is not None:
+            self._store.count_error(reason, f"daemon {self.daemon}: {message}; starting from the logs")
+        self._dirty = True
 
     def _save(self, force: bool) -> None:
         if self._store is None or not self._restored:

@@ -7,10 +7,13 @@ client tables when the control daemon is slow or gone.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from ..contract import DAEMON, FIXED, INPUT, MAX_COMMAND_VERBS, Label, counter, gauge, histogram, table
 from ..families import FamilyBuilder
 from ..model import REASONS, REJECTION_REASONS, LogSnapshot
 from .events import FILES, READ_ERROR_REASONS
+from .statefile import STATE_FILE_ERROR_REASONS
 
 QUEUE_REASON = Label("reason", FIXED, "the log state machine", "server_starting, user_switch")
 REJECTION_REASON = Label("reason", FIXED, "the log state machine (server.log refusals)",
@@ -21,6 +24,7 @@ COMMAND_VERB = Label("command", INPUT, "control.log `Cmd:<verb>`",
                      f"`[a-z][a-z0-9_]{{0,47}}`, the first {MAX_COMMAND_VERBS} distinct verbs, then `other`: "
                      f"at most {MAX_COMMAND_VERBS + 1} per daemon")
 FILE = Label("file", FIXED, "the log pipeline", "control, server")
+STATE_FILE_ERROR_REASON = Label("reason", FIXED, "the state file's checks", ", ".join(STATE_FILE_ERROR_REASONS))
 READ_ERROR_REASON = Label("reason", FIXED, "the log follower",
                           "missing_directory, not_a_directory, permission_denied, not_regular_file, io_error, "
                           "internal_error")
@@ -75,6 +79,14 @@ LOG_METRICS = table(
             DAEMON, FILE),
     gauge("mps_log_last_line_timestamp_seconds", "Time written on the newest line read from the file: a log that "
           "stopped moving. control.log also logs the exporter's own commands.", DAEMON, FILE),
+    counter("mps_log_rotation_gaps_total", "Rotations after which lines of the file are missing: it was truncated "
+            "(copytruncate) and no rotated copy beside it (control.log.1, a dated name) held the part not read yet, "
+            "because it was compressed or removed first. Keep delaycompress (docs/logs.md, \"Rotation\").",
+            DAEMON, FILE),
+    counter("mps_exporter_state_file_errors_total", "Times the state file (--mps.state-file) was not trusted or not "
+            "written: reason unreadable, shape, negative_counter, position (an offset past its file or other bytes "
+            "before it), save_failed. Each doubt means the logs were read from their beginning instead.",
+            STATE_FILE_ERROR_REASON),
     counter("mps_log_read_errors_total", "Times reading a log file began to fail: reason missing_directory, "
             "not_a_directory, permission_denied, not_regular_file, io_error or internal_error. While one lasts, "
             "collector_success{collector=\"logs\"} is 0.", DAEMON, FILE, READ_ERROR_REASON),
@@ -117,6 +129,17 @@ def render_log_metrics(out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: 
         out.add("mps_log_unrecognized_lines_total", snap.unrecognized.get(file, 0), daemon=daemon, file=file)
         out.add("mps_log_truncated_lines_total", snap.truncated.get(file, 0), daemon=daemon, file=file)
         out.add("mps_log_last_line_timestamp_seconds", snap.last_line_times.get(file), daemon=daemon, file=file)
+        out.add("mps_log_rotation_gaps_total", snap.rotation_gaps.get(file, 0), daemon=daemon, file=file)
         for reason in READ_ERROR_REASONS:
             out.add("mps_log_read_errors_total", snap.read_errors.get((file, reason), 0), daemon=daemon,
                     file=file, reason=reason)
+
+
+def render_state_file_errors(out: FamilyBuilder, snaps: Iterable[LogSnapshot]) -> None:
+    """Once for the state file the pipelines share (0 without one, as with a good one)."""
+    errors = None
+    for snap in snaps:
+        errors = snap.state_file_errors or errors or {}
+    if errors is not None:
+        for reason in STATE_FILE_ERROR_REASONS:
+            out.add("mps_exporter_state_file_errors_total", errors.get(reason, 0), reason=reason)

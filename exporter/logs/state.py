@@ -47,6 +47,8 @@ for client connections, fatal errors and per-server settings):
 from __future__ import annotations
 
 import heapq
+import math
+import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Set, Tuple
 
@@ -71,6 +73,14 @@ MAX_ORPHAN_FACTS = 64  # server.log facts of servers control.log has not announc
 MAX_RECENT_EVENTS = 64  # the last events `mps-exporter status` lists with their times
 MAX_PENDING_EXITS = 4096
 MAX_ATTACHED = 4096  # clients per server remembered for the exits-with-clients check
+# A line dated further ahead of the clock than this is not believed: its time moves no
+# exported time (one line dated 9999 once pinned the last-line time there for good).
+MAX_CLOCK_AHEAD = 86400.0
+
+
+class NegativeCounter(ValueError):
+    """A saved counter, histogram count or sum below zero or not finite."""
+
 
 
 class Liveness(Protocol):
@@ -84,7 +94,10 @@ class Liveness(Protocol):
 class LogState:
     """The state machine. Not thread-safe: one writer; readers take snapshot()."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock  # wall time: a line dated more than MAX_CLOCK_AHEAD after it is not believed
+        self._believed_until = 0.0  # clock() + MAX_CLOCK_AHEAD, renewed when a line passes it
+        self.implausible_times = 0  # lines whose time was not believed
         self.s = LogSnapshot()  # counters and the published parts live here
         self._servers: Dict[int, LogServer] = {}
         self._pending: List[PendingClient] = []
@@ -132,6 +145,12 @@ class LogState:
                 s.unrecognized[file] = s.unrecognized.get(file, 0) + 1
             return
         ts = result[0]
+        if ts > self._believed_until:
+            self._believed_until = self.clock() + MAX_CLOCK_AHEAD
+            if not ts <= self._believed_until:  # NaN included: the line's time is the newest believed one
+                self.implausible_times += 1
+                ts = self._last_ts.get(file) or max(self._last_ts.values(), default=0.0) or self.clock()
+                result = result._replace(ts=ts)
         if ts > self._last_ts.get(file, 0.0):
             self._last_ts[file] = ts
         if self._pending_exits and file == "server" and ts > self._pending_exits[0][0]:
@@ -559,9 +578,10 @@ class LogState:
         }
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "LogState":
-        """Rebuild from to_dict(). Raises (KeyError, TypeError, ValueError) on a malformed dict."""
-        st = cls()
+    def from_dict(cls, d: Dict[str, Any], clock: Callable[[], float] = time.time) -> "LogState":
+        """Rebuild from to_dict(). Raises (KeyError, TypeError, ValueError) on a malformed dict,
+        NegativeCounter on a counter that went below zero; drops times from the future."""
+        st = cls(clock)
         s = st.s
         for k in cls._COUNTERS:
             setattr(s, k, int(d["counters"][k] if k not in cls._ADDED_LATER else d["counters"].get(k, 0)))
@@ -582,7 +602,10 @@ class LogState:
         daemon = d["daemon"]
         s.daemon_pid = daemon["pid"]  # older files also hold the version and running: nothing reads them
         # A file from before the times were kept per file has one for both: not worth keeping.
-        st._last_ts = {str(f): float(t) for f, t in (daemon.get("last_line_times") or {}).items() if f in FILES}
+        # One from a line dated in the future (before such lines were refused) neither.
+        believed = clock() + MAX_CLOCK_AHEAD
+        st._last_ts = {str(f): float(t) for f, t in (daemon.get("last_line_times") or {}).items()
+                       if f in FILES and float(t) <= believed}
         st._servers = {int(x["pid"]): _server_from(x) for x in d["servers"]}
         st._orphans = OrderedDict((int(x["pid"]), _server_from(x)) for x in d["orphans"])
         st._pending = [PendingClient(int(a), int(b), str(c), float(e), None if f is None else float(f))
@@ -600,7 +623,19 @@ class LogState:
         st._attached = {int(a): {int(c) for c in b} for a, b in d.get("attached", [])}
         st._pending_exits = sorted((float(a), int(b)) for a, b in d.get("pending_exits", []))
         st._unnamed = int(d.get("unnamed", 0))
+        st._check_counters()
         return st
+
+    def _check_counters(self) -> None:
+        s = self.s
+        values: List[float] = [getattr(s, k) for k in self._COUNTERS]
+        for k in self._COUNTER_MAPS:
+            values.extend(getattr(s, k).values())
+        for h in s.queue_wait.values():
+            values.extend([*h.counts, h.total, h.implausible])
+        bad = [v for v in values if not (math.isfinite(v) and v >= 0)]
+        if bad:
+            raise NegativeCounter(f"{len(bad)} saved counter(s) below zero or not finite, e.g. {bad[0]!r}")
 
 
 _REPORT_EVENTS = (FatalGpuError, ReportHeading, ReportItem)

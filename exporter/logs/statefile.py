@@ -4,7 +4,11 @@ and pending state across restarts.
 One JSON file for all daemons, keyed by daemon name. Written atomically (a
 temporary file in the same directory, fsync, rename), so a crash leaves either the
 old or the new file, never half of one. A missing, unreadable or malformed file
-means "start fresh": it is never fatal.
+means "start from the logs": it is never fatal. Its content is input like any other:
+the pipeline checks its shape, its counters (none negative) and its positions (no
+offset past its file, the file's first bytes and the bytes before the offset as
+saved) before it trusts any of it. Each doubt is logged once per reason and counted
+in `errors` (mps_exporter_state_file_errors_total), and so is each failed save.
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
+# Why a state file (or a daemon's entry in it) was not used, or could not be written:
+UNREADABLE = "unreadable"  # not JSON, or cannot be read (a directory at the path, permissions)
+SHAPE = "shape"  # JSON of the wrong shape or types, or another format version
+NEGATIVE_COUNTER = "negative_counter"  # a counter, histogram count or sum below zero (or not finite)
+POSITION = "position"  # an offset past its file's end, or the file's content is not what was saved
+SAVE_FAILED = "save_failed"
+STATE_FILE_ERROR_REASONS = (UNREADABLE, SHAPE, NEGATIVE_COUNTER, POSITION, SAVE_FAILED)
+
 
 class StateStore:
     def __init__(self, path: str) -> None:
@@ -28,12 +40,23 @@ class StateStore:
         # What the file holds, once read: this process is its only writer, and each save
         # re-reading every daemon's entry made N daemons' saves cost N squared.
         self._doc: Optional[Dict[str, Any]] = None
+        self.errors: Dict[str, int] = {}  # reason -> times
+
+    def count_error(self, reason: str, message: str) -> None:
+        """Count a doubt or failure; the first of each reason is logged as a warning."""
+        first = reason not in self.errors
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+        (log.warning if first else log.debug)("state file %s: %s", self.path, message)
 
     def load(self, daemon: str) -> Optional[Dict[str, Any]]:
         """The saved entry of `daemon`, or None."""
         with self._lock:
             entry = self._read().get(daemon)
+        if entry is None:
+            return None
         if not isinstance(entry, dict) or entry.get("version") != FORMAT_VERSION:
+            self.count_error(SHAPE, f"the entry of daemon {daemon} is not a version {FORMAT_VERSION} entry; "
+                                    "starting from the logs")
             return None
         return entry
 
@@ -46,7 +69,7 @@ class StateStore:
                 self._write(doc)
                 self._doc = doc
             except OSError as e:
-                log.warning("cannot write state file %s: %s", self.path, e)
+                self.count_error(SAVE_FAILED, f"cannot write it: {e}")
                 return False
         return True
 
@@ -61,7 +84,7 @@ class StateStore:
                 self._write({k: v for k, v in doc.items() if k in daemons})
                 self._doc = {k: v for k, v in doc.items() if k in daemons}
             except OSError as e:
-                log.warning("cannot write state file %s: %s", self.path, e)
+                self.count_error(SAVE_FAILED, f"cannot write it: {e}")
 
     def _read(self) -> Dict[str, Any]:
         if self._doc is None:
@@ -69,15 +92,19 @@ class StateStore:
         return self._doc
 
     def _read_file(self) -> Dict[str, Any]:
+        """The whole document; {} when there is none yet, or (counted) when unusable."""
         try:
             with open(self.path, encoding="utf-8") as f:
                 doc = json.load(f)
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
-            log.warning("ignoring unreadable state file %s: %s", self.path, e)
+            self.count_error(UNREADABLE, f"cannot be read ({e}); starting from the logs")
             return {}
-        return doc if isinstance(doc, dict) else {}
+        if not isinstance(doc, dict):
+            self.count_error(SHAPE, "not a JSON object; starting from the logs")
+            return {}
+        return doc
 
     def _write(self, doc: Dict[str, Any]) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))

@@ -21,6 +21,7 @@ from ..logs.parser import resolve_timezone
 from ..contract import DAEMON, gauge, table
 from ..families import FamilyBuilder
 from ..logs.pipeline import LOG_STARTS, LogPipeline
+from ..logs.render import render_state_file_errors
 from ..logs.statefile import StateStore
 from ..model import LogSnapshot, Snapshot
 from .base import Backends, Flag, PartialFailure, ReadContext, Reader, Source
@@ -134,9 +135,11 @@ def pipelines_reader(pipelines: DaemonPipelines) -> Reader[Dict[str, LogSnapshot
 
 
 def _file_name(path: str) -> str:
-    # Paths that may appear later (a mount, a daemon's directories) are not checked.
-    if not path or os.path.isdir(path):
-        raise ValueError(f"{path!r}: give a file name, not a directory")
+    # Paths that may appear later (a mount, a daemon's directories) are not checked, nor is
+    # what is there now: a directory at the path (a hostPath mount Kubernetes created)
+    # must not keep the exporter from starting; loading and saving count it instead.
+    if not path:
+        raise ValueError("give a file name")
     return path
 
 
@@ -158,7 +161,7 @@ class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
     metrics = BACKLOG_METRICS
     flags = (
         Flag("--mps.state-file", "state_file", "file where the log follower keeps offsets and counters across "
-             "restarts", refuses=("", "/"), check=_file_name),
+             "restarts", refuses=("",), check=_file_name),
         Flag("--mps.log-start", "log_start", "where to read a log from when the state file has nothing of it: "
              "'beginning' counts its whole history (a year of a busy node's control.log takes about an hour, and "
              "the log families are not served until then); 'end' skips what it holds now: the log counters start "
@@ -191,6 +194,7 @@ class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
     def render(self, out: FamilyBuilder, snap: Snapshot) -> None:
         for name, s in sorted((self.reading(snap) or {}).items()):
             out.add("mps_log_backlog_bytes", 0 if s.caught_up else s.backlog_bytes, daemon=name)
+        render_state_file_errors(out, (self.reading(snap) or {}).values())
 
 
 SOURCE = LogsSourceSpec()

@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 from typing import List
 
+import pytest
+
 from mps_exporter.logs.follower import NOT_REGULAR_FILE, FileFollower
 
 
@@ -179,7 +181,8 @@ def test_resume_with_a_different_file_reads_it_whole(tmp_path):
     g.resume(saved)
     assert drain(g) == ["new 1", "new 2", "new 3"]
     h = FileFollower(str(path))
-    h.resume({"garbage": True})
+    with pytest.raises(KeyError):  # not a position: the pipeline counts it and starts from the logs
+        h.resume({"garbage": True})
     assert drain(h) == ["new 1", "new 2", "new 3"]
 
 
@@ -204,3 +207,73 @@ def test_position_survives_while_the_file_is_missing(tmp_path):
     g.resume(saved)
     assert g.poll() == ([], 0)
     assert g.position() == saved  # saved again unchanged (JSON-safe) until the file is back
+
+
+# ------------------------------------------------------------ rotation without loss (issue 26)
+
+def copytruncate(path: Path, copy_name: str) -> None:
+    """What logrotate's copytruncate does: copy, then truncate in place."""
+    shutil.copy(path, path.parent / copy_name)
+    with open(path, "r+") as fh:
+        fh.truncate(0)
+
+
+def test_copytruncate_reads_the_unread_part_from_the_copy_first(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(10, "seen")) + "\n")
+    f = FileFollower(str(path))
+    assert drain(f) == lines(10, "seen")
+    write(path, "\n".join(lines(4, "unread")) + "\n")  # written, then rotated before the next poll
+    write(tmp_path / "control.log.3", "\n".join(lines(9, "an older rotation")) + "\n")
+    copytruncate(path, "control.log-20261125")  # a dated name: found by content, not by name
+    write(path, "\n".join(lines(2, "new")) + "\n")
+    assert drain(f) == lines(4, "unread") + lines(2, "new")  # nothing lost, nothing twice
+    write(path, "more\n")
+    assert drain(f) == ["more"]
+    assert f.truncations == 1 and f.rotation_gaps == 0
+
+
+def test_a_copy_with_other_content_is_not_taken_for_ours(tmp_path, caplog):
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(10, "seen")) + "\n")
+    f = FileFollower(str(path))
+    drain(f)
+    write(path, "\n".join(lines(4, "unread")) + "\n")
+    same_start = "\n".join(lines(10, "seen")[:1] + lines(20, "forged")) + "\n"  # same head, other bytes at our offset
+    write(tmp_path / "control.log.1", same_start)
+    with open(path, "r+") as fh:
+        fh.truncate(0)  # and the real copy was compressed already: gone
+    write(path, "\n".join(lines(2, "new")) + "\n")
+    assert drain(f) == lines(2, "new")
+    assert f.rotation_gaps == 1
+    assert "no rotated copy beside it holds the part not yet read" in caplog.text
+
+
+def test_several_renames_between_two_polls_are_all_read_in_order(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(3, "first")) + "\n")
+    f = FileFollower(str(path))
+    assert drain(f) == lines(3, "first")
+    write(path, "\n".join(lines(2, "first late")) + "\n")
+    os.rename(path, tmp_path / "control.log.1")
+    write(path, "\n".join(lines(2, "second")) + "\n")
+    os.rename(tmp_path / "control.log.1", tmp_path / "control.log.2")
+    os.rename(path, tmp_path / "control.log.1")
+    write(path, "\n".join(lines(2, "third")) + "\n")
+    os.utime(tmp_path / "control.log.2", ns=(1, 10**18))  # written before the next one
+    os.utime(tmp_path / "control.log.1", ns=(1, 10**18 + 1))
+    assert drain(f) == lines(2, "first late") + lines(2, "second") + lines(2, "third")
+    assert f.rotations == 2
+
+
+def test_lines_written_to_a_renamed_file_after_it_was_left_are_read(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "one\n")
+    f = FileFollower(str(path))
+    assert drain(f) == ["one"]
+    with open(path, "a") as late_writer:  # keeps writing to the old file until it reopens
+        os.rename(path, tmp_path / "control.log.1")
+        write(path, "new\n")
+        assert drain(f) == ["new"]
+        late_writer.write("late\n")
+    assert drain(f) == ["late"]

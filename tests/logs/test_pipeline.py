@@ -164,7 +164,87 @@ def test_restart_while_the_log_directory_is_gone_keeps_the_counters(tmp_path, ca
     logs.rmdir()  # the device plugin deleted the directory with the daemon
     second = LogPipeline("default", str(logs), "UTC", store).read_once()
     assert second.server_starts == first.server_starts == 10 and second.lines == first.lines
-    logs.mkdir()  # a new daemon writes a new file: counted on top
-    append(logs / "control.log", capture_lines["control"][:3])
+    logs.mkdir()  # a new daemon writes a new file (its first bytes are not the old one's): counted on top
+    append(logs / "control.log", ["[2026-11-22 00:00:00.000 Control  9999] NEW UI"] + capture_lines["control"][:3])
     third = LogPipeline("default", str(logs), "UTC", store).read_once()
-    assert third.lines["control"] == 1071 + 3
+    assert third.lines["control"] == 1071 + 4
+    assert store.errors == {}
+
+
+# ------------------------------------------------------------ the state file is checked (issue 26)
+
+def saved_run(tmp_path, capture_lines):
+    logs, store_path = tmp_path / "logs", tmp_path / "state.json"
+    logs.mkdir()
+    append(logs / "control.log", capture_lines["control"])
+    append(logs / "server.log", capture_lines["server"])
+    first = LogPipeline("default", str(logs), "UTC", StateStore(str(store_path))).read_once()
+    return logs, store_path, first
+
+
+def edit_state(store_path, change) -> None:
+    doc = json.loads(store_path.read_text())
+    change(doc["default"])
+    store_path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("reason, change", [
+    ("negative_counter", lambda e: e["state"]["counters"].update(server_starts=-1e308)),
+    ("negative_counter", lambda e: e["state"]["maps"]["lines"].update(control=-5)),
+    ("shape", lambda e: e.update(files=["not", "a", "mapping"])),
+    ("shape", lambda e: e["files"]["control"].update(offset="far")),
+    ("shape", lambda e: e.update(state=[1, 2, 3])),
+    ("position", lambda e: e["files"]["control"].update(offset=e["files"]["control"]["offset"] + 10_000)),
+    ("position", lambda e: e["files"]["server"].update(tail="00" * 64)),
+])
+def test_a_state_file_in_doubt_starts_from_the_logs_counted_never_doubled(tmp_path, capture_lines, reason, change):
+    logs, store_path, first = saved_run(tmp_path, capture_lines)
+    edit_state(store_path, change)
+    store = StateStore(str(store_path))
+    second = LogPipeline("default", str(logs), "UTC", store).read_once()
+    assert second.lines == first.lines == {"control": 1071, "server": 935}  # read once from the logs, not doubled
+    assert second.server_starts == first.server_starts == 10
+    assert store.errors == {reason: 1}
+    text = render(registry_snapshot(second, store))
+    assert f'mps_exporter_state_file_errors_total{{reason="{reason}"}} 1.0' in text
+
+
+def test_json_of_the_wrong_shape_and_a_directory_at_the_path_are_counted(tmp_path, capture_lines):
+    logs, store_path, first = saved_run(tmp_path, capture_lines)
+    store_path.write_text('["a", "list"]')
+    store = StateStore(str(store_path))
+    assert LogPipeline("default", str(logs), "UTC", store).read_once().lines == first.lines
+    assert store.errors["shape"] == 1
+    store_path.unlink()
+    store_path.mkdir()  # what a hostPath mount of a missing file makes
+    store = StateStore(str(store_path))
+    assert LogPipeline("default", str(logs), "UTC", store).read_once().lines == first.lines
+    assert store.errors == {"unreadable": 1, "save_failed": 1}
+
+
+def test_the_state_file_flag_takes_a_directory_and_counts_instead_of_refusing(tmp_path):
+    from mps_exporter.cli import parse_args
+
+    _, cfg = parse_args(["--mps.state-file", str(tmp_path)])
+    assert cfg.state_file == str(tmp_path)
+
+
+def registry_snapshot(snap, store):
+    from mps_exporter.families import FamilyBuilder
+    from mps_exporter.logs.render import render_state_file_errors
+
+    out = FamilyBuilder()
+    render_state_file_errors(out, [snap])
+    return out
+
+
+def render(out) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class One:
+        def collect(self):
+            return out.families()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(One())
+    return generate_latest(registry).decode()

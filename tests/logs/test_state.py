@@ -8,7 +8,7 @@ import pytest
 
 from mps_exporter import contract
 from mps_exporter.logs import state as st
-from mps_exporter.logs.state import LogState
+from mps_exporter.logs.state import LogState, NegativeCounter
 
 from .helpers import at, replay
 
@@ -272,10 +272,40 @@ def test_from_dict_rejects_malformed():
 def test_implausible_wait_is_counted_apart_not_summed(admitted):
     log = ctl(*START, "00:00:01.000 NEW CLIENT 10 from user 0: Server is not ready, push client to pending list",
               "00:00:01.001 Starting new server 20 for user 0") + [admitted]
-    hist = replay({"control": log}).snapshot().queue_wait["server_starting"]
+    far_future = lambda: at("9999-12-31 23:59:59.000") + 86400  # noqa: E731  (every line's time believed)
+    hist = replay({"control": log}, state=LogState(clock=far_future)).snapshot().queue_wait["server_starting"]
     assert (hist.count, hist.total, hist.implausible) == (0, 0.0, 1)
-    restored = LogState.from_dict(json.loads(json.dumps(replay({"control": log}).to_dict())))
+    restored = LogState.from_dict(json.loads(json.dumps(replay({"control": log}, state=LogState(clock=far_future))
+                                                        .to_dict())), clock=far_future)
     assert restored.snapshot().queue_wait["server_starting"].implausible == 1
+
+
+@pytest.mark.parametrize("future", ["9999-12-31 23:59:59.000", "2026-11-23 00:00:01.300"])
+def test_a_line_dated_more_than_a_day_ahead_moves_no_time(future):
+    now = at("2026-11-21 12:00:00.000")
+    log = ctl(*START, "00:00:01.000 NEW CLIENT 10 from user 0: Server is not ready, push client to pending list",
+              "00:00:01.001 Starting new server 20 for user 0") + [
+        f"[{future} Control   100] NEW CLIENT 10 from user 0: Server already exists"]
+    state = replay({"control": log}, state=LogState(clock=lambda: now))
+    snap = state.snapshot()
+    assert snap.last_line_times["control"] == at("00:00:01.001")  # the newest believed time, not the future one
+    assert state.implausible_times == 1
+    hist = snap.queue_wait["server_starting"]
+    assert hist.count == 1 and hist.total < 0.01  # served: at the time of the last believed line
+    assert all(e.time <= now for e in snap.recent_events)
+
+
+def test_a_saved_time_from_the_future_is_dropped_and_negative_counters_refused():
+    now = at("2026-11-21 12:00:00.000")
+    saved = LogState().to_dict()
+    saved["daemon"]["last_line_times"] = {"control": at("9999-12-31 23:59:59.000"), "server": now - 5}
+    restored = LogState.from_dict(json.loads(json.dumps(saved)), clock=lambda: now)
+    assert restored.snapshot().last_line_times == {"server": now - 5}
+    for path in (("counters", "server_starts"), ("maps", "lines", "control")):
+        broken = json.loads(json.dumps(LogState().to_dict()))
+        broken[path[0]][path[1]] = -1e308 if len(path) == 2 else {path[2]: -1}
+        with pytest.raises(NegativeCounter):
+            LogState.from_dict(broken)
 
 
 def test_a_long_but_plausible_wait_is_summed():
