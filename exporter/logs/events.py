@@ -284,3 +284,11 @@ IO_ERROR = "io_error"  # any other OSError from stat, open or read
 INTERNAL_ERROR = "internal_error"  # a bug in the pipeline while handling the file's lines
 READ_ERROR_REASONS: Tuple[str, ...] = (MISSING_DIRECTORY, NOT_A_DIRECTORY, PERMISSION_DENIED,
                                        NOT_REGULAR_FILE, IO_ERROR, INTERNAL_ERROR)
+
+# Why a state file (or a daemon's entry in it) was not used, or could not be written:
+UNREADABLE = "unreadable"  # not JSON, or cannot be read (a directory at the path, permissions)
+SHAPE = "shape"  # JSON of the wrong shape or types, or another format version
+NEGATIVE_COUNTER = "negative_counter"  # a counter, histogram count or sum below zero (or not finite)
+POSITION = "position"  # an offset past its file's end, or the file's content is not what was saved
+SAVE_FAILED = "save_failed"
+STATE_FILE_ERROR_REASONS = (UNREADABLE, SHAPE, NEGATIVE_COUNTER, POSITION, SAVE_FAILED)

@@ -12,8 +12,7 @@ from typing import Iterable
 from ..contract import DAEMON, FIXED, INPUT, MAX_COMMAND_VERBS, Label, counter, gauge, histogram, table
 from ..families import FamilyBuilder
 from ..model import REASONS, REJECTION_REASONS, LogSnapshot
-from .events import FILES, READ_ERROR_REASONS
-from .statefile import STATE_FILE_ERROR_REASONS
+from .events import FILES, READ_ERROR_REASONS, STATE_FILE_ERROR_REASONS
 
 QUEUE_REASON = Label("reason", FIXED, "the log state machine", "server_starting, user_switch")
 REJECTION_REASON = Label("reason", FIXED, "the log state machine (server.log refusals)",

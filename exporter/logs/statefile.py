@@ -20,17 +20,18 @@ import tempfile
 import threading
 from typing import Any, Collection, Dict, Optional
 
+# Why a state file was not trusted or not written (plain data, with the log events).
+from .events import NEGATIVE_COUNTER as NEGATIVE_COUNTER
+from .events import POSITION as POSITION
+from .events import SAVE_FAILED as SAVE_FAILED
+from .events import SHAPE as SHAPE
+from .events import STATE_FILE_ERROR_REASONS as STATE_FILE_ERROR_REASONS
+from .events import UNREADABLE as UNREADABLE
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
-# Why a state file (or a daemon's entry in it) was not used, or could not be written:
-UNREADABLE = "unreadable"  # not JSON, or cannot be read (a directory at the path, permissions)
-SHAPE = "shape"  # JSON of the wrong shape or types, or another format version
-NEGATIVE_COUNTER = "negative_counter"  # a counter, histogram count or sum below zero (or not finite)
-POSITION = "position"  # an offset past its file's end, or the file's content is not what was saved
-SAVE_FAILED = "save_failed"
-STATE_FILE_ERROR_REASONS = (UNREADABLE, SHAPE, NEGATIVE_COUNTER, POSITION, SAVE_FAILED)
 
 
 class StateStore:
