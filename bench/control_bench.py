@@ -1,7 +1,7 @@
 """A control binary that misbehaves: what each read of the control source costs.
 
 Stand-ins for `nvidia-cuda-mps-control` (shell scripts in a temporary directory) are
-read through the real runner and ControlSource, 10 times each, as scrapes would:
+read through the real runner and DaemonReader, 10 times each, as scrapes would:
 
 - orphan: answers one server, then leaves a detached child holding its stdout open
   (issue 26: every later scrape waited its full 5 s deadline);
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from exporter.config import DaemonConfig  # noqa: E402
-from exporter.sources import mps_control as mc  # noqa: E402
+from exporter.sources import control as mc  # noqa: E402
 
 # A daemon with one server and no clients, as the real one answers each command.
 DAEMON = """read cmd
@@ -68,7 +68,7 @@ def run_case(name: str, reads: int, timeout: float) -> Dict[str, object]:
         with open(binary, "w", encoding="utf-8") as f:
             f.write("#!/bin/sh\n" + SCRIPTS[name].format(tmp=tmp))
         os.chmod(binary, 0o755)
-        source = mc.ControlSource(DaemonConfig("default", tmp, tmp), mc.ControlClient(tmp, binary, timeout))
+        source = mc.DaemonReader(DaemonConfig("default", tmp, tmp), mc.ControlClient(tmp, binary, timeout))
         gc.collect()
         before = worst = rss_kib()
         took: List[float] = []
