@@ -297,6 +297,12 @@ def test_status_lists_every_daemon_found(tmp_path):
     listed = {d["name"]: d for d in json.loads(out.getvalue())["daemons"]}
     assert set(listed) == {"nvidia.com/gpu", f"{CLAIM}-a1b2c"}
     assert [s["pid"] for s in listed["nvidia.com/gpu"]["servers"]] == [500]
+    assert listed[f"{CLAIM}-a1b2c"]["claim_uid"] == CLAIM
+    cfg.status.output = "text"
+    out = io.StringIO()
+    command.status(cfg, out, Backends(control_runner=fakes))
+    assert "MPS daemon nvidia.com/gpu: up" in out.getvalue()
+    assert f"MPS daemon {CLAIM}-a1b2c: DOWN" in out.getvalue()
 
 
 # ------------------------------------------------------------------ the live run's logs

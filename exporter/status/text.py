@@ -94,6 +94,7 @@ def _gpu_facts(g: GpuStatus) -> Tuple[List[str], List[str]]:
 def _daemon(d: DaemonStatus, now: float) -> List[Line]:
     state = {True: "up", False: "DOWN", None: "unknown (its control source failed)"}[d.up]
     head = f"MPS daemon {d.name}: {state}" + (f" | version {d.version}" if d.version else "")
+    head += (f" | DRA claim {d.claim_uid}" if d.claim_uid else "") + (" | multi-user (-M)" if d.multiuser else "")
     if d.default_active_thread_ratio is None:  # the daemon did not answer: no telling what is set
         defaults = ["unknown"]
     else:

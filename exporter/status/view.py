@@ -146,6 +146,8 @@ class DaemonStatus:
     version: str = ""
     pipe_directory: str = ""
     log_directory: str = ""
+    claim_uid: str = ""  # DRA: the resource claim it serves
+    multiuser: Optional[bool] = None  # started with -M; None: not known
     default_active_thread_ratio: Optional[float] = None
     default_pinned_memory_limit_bytes: Dict[int, float] = field(default_factory=dict)
     servers: Optional[List[ServerStatus]] = field(default_factory=list)  # None: control failed
@@ -258,6 +260,7 @@ def _daemon(m: Samples, name: str, snap: Snapshot, failed: Dict[str, str]) -> Da
     out = DaemonStatus(
         name=name, up=_bool(m.value("mps_control_daemon_up", **d)), version=info.get("version", ""),
         pipe_directory=info.get("pipe_directory", ""), log_directory=info.get("log_directory", ""),
+        claim_uid=info.get("claim_uid", ""), multiuser={"true": True, "false": False}.get(info.get("multiuser", "")),
         default_active_thread_ratio=m.value("mps_default_active_thread_ratio", **d),
         default_pinned_memory_limit_bytes=m.by_gpu("mps_default_pinned_memory_limit_bytes", **d),
         queued_clients={lab["reason"]: v for lab, v in m.rows("mps_queued_clients", **d)},
