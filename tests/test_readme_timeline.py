@@ -127,3 +127,18 @@ def test_readme_timeline_times_are_when_metrics_shows_them():
         assert found, f"the table no longer says when /metrics shows {name}"
         first = next(t for t, facts in timeline if check(facts))
         assert int(found.group(1)) == first, f"{name}: README says from {found.group(1)}, /metrics from {first}"
+
+
+def test_readme_names_the_panels_the_demo_leaves_empty():
+    # README promises node-dashboard panels with data after one pass of the demo; the
+    # compose demo test exempts the panels of the other client granularities and the
+    # Kubernetes dashboard: README must name those exceptions.
+    from tests.deploy.test_compose_demo import NEEDS_PODS, OTHER_GRANULARITIES
+
+    paragraph = re.sub(r"\s+", " ", README.split("## Try it without a GPU", 1)[1].split("The session was", 1)[0])
+    assert "every panel of the node dashboards has data once it has played through" in paragraph
+    granularities = [mark.strip("()").split()[-1] for mark in OTHER_GRANULARITIES]
+    assert granularities == ["pod", "server"]
+    assert "(`--mps.client-granularity pod` and `server`, marked so in their titles" in paragraph
+    for dashboard in NEEDS_PODS:
+        assert f"the {dashboard.capitalize()} dashboard" in paragraph
