@@ -197,9 +197,13 @@ class TokenBucket:
 class _Guards:
     """What one version of the web config file decides for a request."""
 
-    def __init__(self, config: WebConfig) -> None:
+    def __init__(self, config: WebConfig, previous: Optional["_Guards"] = None) -> None:
         self.config = config
-        self.auth = BasicAuth(config.users) if config.users else None
+        # The decoy hash costs a full bcrypt: a new file whose users have the same cost keeps it.
+        before: Optional[BasicAuth] = previous.auth if previous is not None else None
+        decoy = before.decoy if before is not None and bcrypt_cost(before.decoy) == decoy_cost(config.users.values()) \
+            else None
+        self.auth: Optional[BasicAuth] = BasicAuth(config.users, decoy=decoy) if config.users else None
         self.limiter = TokenBucket(config.rate_limit) if config.rate_limit else None
 
 
@@ -225,7 +229,7 @@ class _App:
         config = self.web_config.current()
         guards = self._guards
         if config is not guards.config:
-            guards = self._guards = _Guards(config)
+            guards = self._guards = _Guards(config, guards)
         return guards
 
     @property

@@ -1062,3 +1062,13 @@ def test_ready_answers_503_until_every_source_is_ready():
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_a_reload_with_users_of_the_same_cost_keeps_the_decoy_hash(tmp_path):
+    path = write_config(tmp_path, f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n")
+    app = web._App(registry_with(GpuCollector()), "/metrics", webconfig.load_web_config(path), 40)
+    app.web_config = webconfig.WebConfigWatch(app.web_config.config, interval=0)
+    decoy = app.guards().auth.decoy
+    replace_file(path, f"basic_auth_users:\n  bob: '{BOB_HASH}'\n")  # cost 4 too: no new bcrypt for the decoy
+    os.utime(path, ns=(1, 2))
+    assert set(app.guards().config.users) == {"bob"} and app.guards().auth.decoy is decoy
