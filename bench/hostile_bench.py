@@ -5,7 +5,7 @@
 Besides the mutated lines it gets the worst single lines we know: an exit status of
 5,000 nines (past int()'s digit limit: once a lost 1 MiB batch), a 1 MiB and a
 20 MiB line, a line of NULs, 3,000 distinct exit statuses (once 3,001 series), a
-line dated 9999 (once 2.5e11 s in the wait sum).
+line dated 9999 (once 2.5e11 s in the wait sum, and the last-line time pinned at 9999).
 
     python3 bench/hostile_bench.py [--lines 1000000] [--rate 20000]
 
@@ -125,6 +125,10 @@ def main() -> None:
         "queue_wait_sum": {k: v for k, v in final.items() if k.startswith("mps_client_queue_wait_seconds_sum")},
         "queue_wait_implausible": {k: v for k, v in final.items()
                                    if k.startswith("mps_client_queue_wait_implausible_total")},
+        # The line dated 9999 must not move it (issue 26: it pinned the last-line time there).
+        "last_line_time_ahead_of_clock_s": round(max((v for k, v in final.items()
+                                                      if k.startswith("mps_log_last_line_timestamp_seconds")),
+                                                     default=0.0) - time.time(), 1),
         "tracebacks": log_text.count("Traceback"), "warnings": log_text.count("level=warn"),
         "peak_rss_mib": round(status["VmHWM"] / 1024, 1), "threads": status["Threads"], "fds": status["fds"],
         "scrapes_answered": len(latencies), "scrapes_failed": len(failures),
