@@ -344,3 +344,22 @@ def test_device_plugin_daemon_without_its_log_directory_keeps_the_logs_collector
     finally:
         for r in readers.values():
             r.close()
+
+
+def test_capture_records_the_daemons_found_at_its_start(tmp_path):
+    """A bundle holds a fixed daemon list: discovery's daemons join the static ones, with
+    their logs, and replay finds them by position (a resource name is no file name)."""
+    from mps_exporter.bundle import load
+    from mps_exporter.capture import capture
+
+    plugin = tmp_path / "mps-root"
+    gpu = make_daemon_dir(plugin / "nvidia.com" / "gpu")
+    cfg = discovery_config(tmp_path, [DiscoveryRoot(DEVICE_PLUGIN, str(plugin))], state_file=False)
+    cfg.capture.out = str(tmp_path)
+    cfg.capture.duration_seconds, cfg.capture.interval_seconds = 0.6, 0.2
+    fakes = FakeDaemons({str(gpu / "pipe"): FakeControlDaemon(servers=[FakeServer(500)])})
+    assert capture(cfg, readers=build_readers(cfg, Backends(control_runner=fakes), recorded=True)) == 0
+    (path,) = tmp_path.glob("mps-capture-*.jsonl.gz")
+    bundle = load(str(path))
+    assert [d["name"] for d in bundle.header["daemons"]] == ["nvidia.com/gpu"]
+    assert b"Starting control daemon" in b"".join(c.data for c in bundle.logs if c.daemon == "nvidia.com/gpu")
