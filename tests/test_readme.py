@@ -266,3 +266,17 @@ def test_the_package_names_its_license_and_where_its_docs_are(installed):
     assert cited, "the help names no document"
     for mention in cited:
         assert mention.strip("()").startswith(named["Documentation"] + "/"), mention
+
+
+def test_every_documented_pip_install_runs_in_a_virtual_environment():
+    # On Debian 12 a pip install outside a venv stops with externally-managed-environment:
+    # every README and CONTRIBUTING block that installs makes and activates one first.
+    for doc in (ROOT / "README.md", ROOT / "CONTRIBUTING.md"):
+        for block in re.findall(r"(?:^    \S.*\n)+", doc.read_text(), re.MULTILINE):
+            lines = [line[4:] for line in block.splitlines()]
+            installs = [i for i, line in enumerate(lines) if re.match(r"(python3 -m )?pip install", line)]
+            if not installs:
+                continue
+            venv = [i for i, line in enumerate(lines) if "python3 -m venv .venv && . .venv/bin/activate" in line]
+            assert venv and venv[0] < installs[0] or doc.name == "README.md" and lines == [
+                "pip install . && mps-exporter replay"], (doc.name, lines)
