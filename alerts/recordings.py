@@ -106,12 +106,15 @@ RECORDINGS: Tuple[Recording, ...] = (
     Recording(
         CLIENT_MEMORY_USAGE,
         f"(\n  {_client_ratio}\n)\n"
-        f"* on({T}, daemon, pid) group_left({CLIENT_INFO_LABELS}) {job('mps_client_info')}\n"
-        f"or on({T}, daemon, pid, gpu)\n  {_client_ratio}\n"
+        f"* on({T}, daemon, pid) group_left({CLIENT_INFO_LABELS}) (\n"
+        f"  {job('mps_client_info')}\n"
+        f"  or on({T}, daemon, pid) group by ({T}, daemon, pid) ({job('mps_client_pinned_memory_limit_bytes')})\n"
+        f")\n"
         f"or\n  {_pod_ratio}",
         "each client's memory against its pinned limit, with its namespace, pod and container (the exporter's "
-        "labels) and its user and command (kept without them when mps_client_info is missing); from exporters "
-        "with --mps.client-granularity pod, per server, pod and GPU",
+        "labels) and its user and command (kept without them when mps_client_info is missing: the info side "
+        "falls back to a bare 1 per client, so the ratio is computed once); from exporters with "
+        "--mps.client-granularity pod, per server, pod and GPU",
         HEAVY),
     Recording(POD_MEMORY, _per_pod("mps_client_memory_used_bytes", "namespace, pod, gpu",
                                    "mps_pod_client_memory_used_bytes"),
