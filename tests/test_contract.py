@@ -31,3 +31,15 @@ def test_readme_documents_every_flag():
     missing = sorted(f for f in flags if f not in readme
                      and re.sub(r"^--(no-)?collector\.\w+$", "--collector.<name>", f) not in readme)
     assert not missing, f"flags not documented in README: {missing}"
+
+
+def test_the_layout_table_names_every_module_and_package():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Package layout", 1)[1].split("\n## ", 1)[0]
+    first_cells = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `exporter/")]
+    # `exporter/config.py`, `cli.py` -> config, cli; `exporter/sources/` -> sources
+    named = {re.sub(r"^exporter/|\.py$|/$", "", name) for cell in first_cells for name in re.findall(r"`([^`]+)`", cell)}
+    exporter = ROOT / "exporter"
+    expected = {p.stem for p in exporter.glob("*.py") if p.stem != "__init__"}
+    expected |= {p.name for p in exporter.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(expected - named) == [], "README's package layout leaves these out"
