@@ -65,6 +65,7 @@ FINISHED_FILES = 64  # identities of rotated files read to their end, remembered
 # reopens its log on a signal writes its last lines into the old file meanwhile.
 DRAIN_SECONDS = 2.0
 MAX_DRAINING = 32
+MAX_FILES_PER_POLL = 16  # rotated files finished in one poll; more: `more` says to come back
 
 
 class _Draining:
@@ -265,9 +266,14 @@ class FileFollower:
                 if not self._switch_to_copy():
                     self._restart_file()
             truncated = self._read(lines, max_bytes)
-            if st is not None and (st.st_dev, st.st_ino) != self._identity and not self.more:
+            hops = 0
+            while st is not None and (st.st_dev, st.st_ino) != self._identity and not self.more:
                 # The name now means another file (rotation, a re-created directory, a FIFO):
                 # the old one is read to its end, so its unterminated last line is complete.
+                if hops == MAX_FILES_PER_POLL:  # the rest on the next poll, at once
+                    self.more = True
+                    break
+                hops += 1
                 if self._partial:
                     lines.append(self._decode(self._partial))
                     truncated += self._dropping
@@ -278,8 +284,13 @@ class FileFollower:
                 if successor is not None:  # rotated again before we came: read that first
                     self.close()
                     self._open_at(*successor)
-                if self._fd is not None:
-                    truncated += self._read(lines, max_bytes)
+                if self._fd is None:
+                    break
+                truncated += self._read(lines, max_bytes)
+                try:  # several rotations between two polls: go on to the next file at once
+                    st = os.stat(self.path)
+                except OSError:
+                    break
         self._set_error(self._problem)
         return lines, truncated
 

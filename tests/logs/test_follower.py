@@ -277,3 +277,21 @@ def test_lines_written_to_a_renamed_file_after_it_was_left_are_read(tmp_path):
         assert drain(f) == ["new"]
         late_writer.write("late\n")
     assert drain(f) == ["late"]
+
+
+def test_many_renames_between_two_polls_are_caught_up_at_once(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "start\n")
+    f = FileFollower(str(path))
+    assert drain(f) == ["start"]
+    base = os.stat(path).st_mtime_ns
+    for i in range(1, 21):  # 20 rotations (logrotate's numbering) before the follower looks again
+        for n in range(i - 1, 0, -1):
+            os.rename(tmp_path / f"control.log.{n}", tmp_path / f"control.log.{n + 1}")
+        os.rename(path, tmp_path / "control.log.1")
+        write(path, "", mode="w")
+        write(path, f"file {i}\n")
+        os.utime(path, ns=(1, base + i * 1000))  # coarse clocks: make the order of writing plain
+    first, _ = f.poll()
+    assert len(first) >= 10 and f.more  # not one rotated file per poll (the follower fell behind)
+    assert first + drain(f) == [f"file {i}" for i in range(1, 21)]
