@@ -176,9 +176,13 @@ ALERTS: Tuple[Alert, ...] = (
         f"memory limit: its next allocations fail with out-of-memory."),
     Alert(
         "ClientLimitIgnored", "oom",
-        f"{job('mps_client_limit_ignored')}\n  {client_info_join(job)}", C.CLIENT_LIMIT_IGNORED_FOR, "warning",
+        f"{job('mps_client_limit_ignored')}\n  {client_info_join(job)}\n"
+        f"or\n{job('mps_server_clients_limit_ignored')} > 0", C.CLIENT_LIMIT_IGNORED_FOR, "warning",
         "An MPS client set a limit that CUDA does not apply.",
-        f"MPS client {lbl('pid')} ({lbl('command')}, user {lbl('user')}) of server {lbl('server_pid')} on {NODE} "
+        "{{ if $labels.pid }}MPS client "
+        f"{lbl('pid')} ({lbl('command')}, user {lbl('user')})"
+        "{{ else }}{{ $value }} MPS client(s){{ end }}"
+        f" of server {lbl('server_pid')} on {NODE} "
         f"set its {lbl('limit')} limit in its environment, but "
         f"CUDA drops it ({lbl('reason')}): the client runs as if it had set none, and may take the whole GPU."),
     Alert(

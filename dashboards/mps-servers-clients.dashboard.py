@@ -1,6 +1,6 @@
 """MPS servers and clients: who runs what, with which limits."""
 
-from alerts.expressions import client_memory_ratio
+from alerts.expressions import client_info_join, client_memory_ratio
 from dashboards.common import (CLIENT_INFO_JOIN, SERVER_INFO_JOIN, build, m, row, row_query, stat, table, target,
                                timeseries)
 
@@ -82,6 +82,13 @@ dashboard = build(
               units={}, rename={"pinned_memory": "pinned memory from", "active_threads": "thread share from",
                                 "priority": "priority from", "limit": "own setting ignored", "reason": "why"},
               hide=["Value #A", "Value #B"], h=8),
+        timeseries("Clients whose own limit is ignored, per server",
+                   "Per MPS server, the clients that set a limit in their environment that CUDA does not apply "
+                   "(which clients: the table above), at every --mps.client-granularity.",
+                   "none", [target(f"sum by (instance, daemon, server_pid, limit, reason) "
+                                   f"({m('mps_client_limit_ignored')} {client_info_join(m, 'server_pid')})\n"
+                                   f"or\n{m('mps_server_clients_limit_ignored')}",
+                                   "{{instance}} server {{server_pid}} {{limit}} ({{reason}})")], w=24),
         timeseries("Client memory", "Device memory of each MPS client.", "bytes",
                    [target(f"{m('mps_client_memory_used_bytes')} {CLIENT_INFO_JOIN}",
                            "{{instance}} GPU {{gpu}} pid {{pid}} {{command}} ({{user}})")]),

@@ -203,6 +203,9 @@ SERVER_SUM_METRICS = table(
     gauge("mps_server_client_pinned_memory_usage_max_ratio", "The largest share of its pinned memory limit that one "
           "of the server's clients uses on the GPU (clients without a limit left out): what a sum would hide.",
           DAEMON, SERVER_PID, GPU),
+    gauge("mps_server_clients_limit_ignored", "At --mps.client-granularity pod and server: the server's clients "
+          "whose own limit CUDA does not apply, by limit and reason (as mps_client_limit_ignored); absent where none.",
+          DAEMON, SERVER_PID, LIMIT, IGNORED_REASON),
 )
 SELF_METRICS = table(
     "The exporter itself",
@@ -552,6 +555,7 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
     memory: Dict[Tuple[str, str, int], int] = {}  # (server, pod, gpu index) -> bytes
     limits: Dict[Tuple[str, str, int], int] = {}
     fullest: Dict[Tuple[str, str, int], float] = {}  # largest memory / limit of one client
+    ignored: Dict[Tuple[str, str, str], int] = {}  # (server, limit, reason) -> clients
     for pid in sorted(set(ps_rows) | set(unlisted)):
         row = ps_rows.get(pid)
         proc = processes.get(pid) or ProcessFacts(pid)
@@ -560,6 +564,8 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
         if by_pod and proc.pod_uid and proc.pod:
             pod_names[proc.pod_uid] = {"namespace": proc.namespace, "pod": proc.pod}
         c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
+        for what, reason in c.ignored.items():
+            ignored[(key[0], what, reason)] = ignored.get((key[0], what, reason), 0) + 1
         for gpu in c.gpus:
             limit = c.limits.pinned_bytes.get(gpu.index)
             if limit is not None:
@@ -572,6 +578,8 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
             if limit:
                 fullest[key + (gpu.index,)] = max(fullest.get(key + (gpu.index,), 0.0), n / limit)
     uuids = {gpu.index: gpu.uuid for gpu in joined.gpus}
+    for (server_pid, what, reason), n in sorted(ignored.items()):
+        out.add("mps_server_clients_limit_ignored", n, daemon=d.name, server_pid=server_pid, limit=what, reason=reason)
     if by_pod:
         for (server_pid, pod_uid), count in sorted(counts.items()):
             out.add("mps_pod_clients", count, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid,

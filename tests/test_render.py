@@ -308,3 +308,18 @@ def test_a_client_limit_cuda_drops_is_published_as_ignored_not_in_force():
     assert value(r, "mps_client_pinned_memory_limit_bytes", **c, gpu="0") == 2 << 30
     assert value(r, "mps_client_limit_source", **c, pinned_memory="client") == 1
     assert absent(r, "mps_client_limit_ignored", **c)
+
+
+@pytest.mark.parametrize("granularity", ["pod", "server"])
+def test_ignored_client_limits_are_counted_per_server_without_per_client_series(granularity):
+    procs = processes()
+    for pid in (1647, 1648):
+        procs[pid] = ProcessFacts(pid, uid=0, user="root", command="python3",
+                                  environ={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G,1=4G"})
+    out = {}
+    for fam in render(snapshot(processes=procs), granularity).families():
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    assert value(out, "mps_server_clients_limit_ignored", daemon="default", server_pid="1589", limit="pinned_memory",
+                 reason="invisible_device") == 2
+    assert absent(out, "mps_client_limit_ignored") and absent(out, "mps_client_limit_source")
