@@ -30,8 +30,10 @@ from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from exporter.config import DaemonConfig  # noqa: E402
+from report import load_average, print_rows  # noqa: E402
 from exporter.sources import control as mc  # noqa: E402
 
 # A daemon with one server and no clients, as the real one answers each command.
@@ -100,14 +102,10 @@ def main() -> None:
     ap.add_argument("--reads", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=5.0, help="the command deadline (--mps.command-timeout)")
     args = ap.parse_args()
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; cores: {os.cpu_count()}\n")
+    print(f"load average before: {load_average()}; cores: {os.cpu_count()}\n")
     rows = [run_case(name, args.reads, args.timeout) for name in ("normal", "orphan", "giant")]
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + " --- |" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
-    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print_rows(rows)
+    print(f"\nload average after: {load_average()}")
 
 
 if __name__ == "__main__":

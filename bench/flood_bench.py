@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from load_bench import WebSetup, connection, fetch, pct, start  # noqa: E402
+from report import load_average  # noqa: E402
 from tests.support.certs import make_tls_files  # noqa: E402
 from tests.support.prometheus import free_port, stop_process  # noqa: E402
 
@@ -234,7 +235,7 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; cores: {os.cpu_count()}")
+    print(f"load average before: {load_average()}; cores: {os.cpu_count()}")
     with tempfile.TemporaryDirectory(prefix="mps-flood-") as tmp:
         setup = WebSetup("plain HTTP", None, None, {})
         if args.tls:
@@ -256,7 +257,7 @@ def main() -> None:
                   "password": "web config: the only user replaced (TLS + basic auth, bcrypt cost 10)"}
         for case in args.cases:
             table(titles[case], {kind: cases[case](kind) for kind in args.kinds})
-    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"\nload average after: {load_average()}")
 
 
 if __name__ == "__main__":

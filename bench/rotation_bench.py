@@ -39,8 +39,10 @@ from typing import Dict, List, Set
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from exporter.logs.follower import FileFollower  # noqa: E402
+from report import load_average, print_rows  # noqa: E402
 from exporter.logs.pipeline import POLL_SECONDS  # noqa: E402
 
 RENAME_CONFIG = """{path} {{
@@ -161,18 +163,14 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["copytruncate:1", "copytruncate:0.1", "rename:1", "rename:0.1"],
                     help="MODE:PERIOD, MODE copytruncate or rename, PERIOD seconds between rotations")
     args = ap.parse_args()
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; cores: {os.cpu_count()}; "
+    print(f"load average before: {load_average()}; cores: {os.cpu_count()}; "
           f"{args.rate} lines/s for {args.seconds:g} s; the follower polls every {POLL_SECONDS} s\n")
     rows = []
     for spec in args.modes:
         mode, _, period = spec.partition(":")
         rows.append(run(mode, float(period or 1), args.seconds, args.rate))
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + " --- |" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
-    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print_rows(rows)
+    print(f"\nload average after: {load_average()}")
 
 
 if __name__ == "__main__":
