@@ -8,7 +8,7 @@ data.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .contract import MAX_PLAUSIBLE_QUEUE_WAIT, QUEUE_WAIT_BUCKETS
@@ -164,9 +164,8 @@ class LogServer:
         return self.start_time is not None
 
     def copy(self) -> "LogServer":
-        return LogServer(self.pid, self.uid, self.start_time, self.active_thread_percentage,
-                         dict(self.pinned_limits), self.running, self.start_failure,
-                         self.daemon_shutdown, list(self.limit_changes), self.priority)
+        """Every field, the containers copied (the state machine goes on changing them)."""
+        return replace(self, pinned_limits=dict(self.pinned_limits), limit_changes=list(self.limit_changes))
 
     def change_limit(self, ts: float, device: int, value: float) -> None:
         bisect.insort(self.limit_changes, (ts, device, value))
@@ -224,7 +223,7 @@ class LogEvent:
     detail: str = ""
 
     def copy(self) -> "LogEvent":
-        return LogEvent(self.time, self.kind, self.server_pid, list(self.clients), self.detail)
+        return replace(self, clients=list(self.clients))
 
 
 def queue_wait_histogram(counts: Optional[List[int]] = None, total: float = 0.0, implausible: int = 0) -> "Histogram":
@@ -331,7 +330,7 @@ class Histogram:
         return out
 
     def copy(self) -> "Histogram":
-        return Histogram(self.bounds, list(self.counts), self.total, self.implausible, self.plausible_max)
+        return replace(self, counts=list(self.counts))
 
 
 @dataclass
