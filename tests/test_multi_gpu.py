@@ -8,7 +8,14 @@ behaviour against what MPS enforces; these tests hold the exporter's side of it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from mps_exporter.config import DEVICE_PLUGIN, Config, DiscoveryRoot
+from mps_exporter.sources.base import Backends
+from mps_exporter.wiring import build_collector, build_readers
+from tests.fakes.fake_control import FakeClient, FakeControlDaemon, FakeDaemons, FakeServer
 from tests.fakes.fake_procfs import FakeProcess as ProcProcess, write_proc
+from tests.fakes.fake_pynvml import FakeNvml
 from tests.fakes.fake_pynvml import FakeProcess as NvmlProcess
 from tests.support import scenarios
 from tests.support.golden import exposition
@@ -86,3 +93,101 @@ def test_an_entry_naming_a_device_the_client_cannot_see_binds_no_limit(tmp_path)
     assert series(text, "mps_client_limit_source", pid="10005", pinned_memory="none") != []
     assert series(text, "mps_client_pinned_memory_limit_bytes", pid="10005") == []
     assert value(text, "mps_client_memory_used_bytes", pid="10005", gpu="1") > 0  # it runs, unlimited
+
+
+# ---------------------------------------------------------------- one daemon per GPU, 48 clients each
+def server_log(server: int, uuid: str, admitted: list, refused: list) -> str:
+    """server.log of one server as MPS 13000 writes it (line shapes copied from
+    tests/data/captures/h100-edges/server.log): `admitted` clients connect, then each of
+    `refused` is refused at the 48-client cap."""
+    def line(second: float, text: str) -> str:
+        return f"[2026-11-25 10:00:{second:06.3f} Server  {server}] {text}\n"
+    device = f"Device NVIDIA H100 80GB HBM3 (uuid {uuid}) is associated"
+    out = [f"[2026-11-25 10:00:01.000 Other  {server}] Startup\n",
+           line(2, "Creating server context on device 0 (NVIDIA H100 80GB HBM3)"),
+           line(2, "CUDA MPS Server for Linux/Unix. Binary version: 13000"),
+           line(2, "Server has started")]
+    for k, pid in enumerate(admitted + refused):
+        t = 3 + k * 0.01
+        out += [line(t, f"Received new client request for {{PID: {pid}, Context ID: 0}}"),
+                line(t, f"Client {{PID: {pid}, Context ID: 0}} connected"),
+                line(t, f"Creating worker thread for client {{PID: {pid}, Context ID: 0}}"),
+                line(t, device)]
+        if pid in refused:
+            out += [line(t, "Failed to accept new client. Maximum number of clients (48) reached."),
+                    line(t, f"Client process {pid} disconnected")]
+    return "".join(out)
+
+
+def control_log(pipe: Path, server: int, clients: list) -> str:
+    """control.log of a daemon that started `server` for `clients` (shapes from the same capture)."""
+    head = "[2026-11-25 10:00:00.000 Control  1000] "
+    out = [f"{head}Starting control daemon using socket {pipe}/control\n",
+           f"{head}To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY={pipe}\n",
+           f"{head}NEW CLIENT {clients[0]} from user 0: Server is not ready, push client to pending list\n",
+           f"[2026-11-25 10:00:00.500 Control  {server}] Starting new server {server} for user 0\n",
+           f"[2026-11-25 10:00:02.000 Control  1000] NEW SERVER {server}: Ready\n"]
+    out += [f"[2026-11-25 10:00:02.500 Control  1000] NEW CLIENT {pid} from user 0: Server already exists\n"
+            for pid in clients[1:]]
+    return "".join(out)
+
+
+def test_one_daemon_per_gpu_under_the_device_plugin_48_clients_each_the_49th_refused(tmp_path):
+    """Two device-plugin resources, each a control daemon with CUDA_VISIBLE_DEVICES set to
+    one GPU and its own pipe and log directories: discovery finds both, each daemon lists
+    its own server and 48 clients, and the 49th client of GPU 1 is refused and counted.
+
+    MPS's refusal line names no device (`Failed to accept new client. Maximum number of
+    clients (48) reached.`, written by the server): the exporter counts it on the daemon,
+    which under this layout is the GPU. (The line before it, `Device ... (uuid ...) is
+    associated`, does name the GPU; the exporter does not use it.)"""
+    nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=48)
+    servers = {0: 4000, 1: 4100}
+    gpu1 = nvml.gpus[1]
+    gpu1.compute_processes[0].pid = servers[1]  # each daemon's own server, on its GPU only
+    gpu1.sm_util_by_pid = {servers[1]: gpu1.sm_util_by_pid.pop(4000)}
+    root = tmp_path / "run-nvidia-mps"
+    fakes = FakeDaemons()
+    resources = {0: "nvidia.com/mps-gpu0", 1: "nvidia.com/mps-gpu1"}
+    refused = 19999
+    for index, resource in resources.items():
+        gpu, server = nvml.gpus[index], servers[index]
+        directory = root / resource
+        (directory / "pipe").mkdir(parents=True)
+        (directory / "pipe" / "control").touch()
+        (directory / "log").mkdir()
+        clients = [p.pid for p in gpu.mps_processes]
+        (directory / "log" / "control.log").write_text(control_log(directory / "pipe", server, clients))
+        (directory / "log" / "server.log").write_text(
+            server_log(server, gpu.uuid, clients, [refused] if index == 1 else []))
+        fakes.by_pipe[str(directory / "pipe")] = FakeControlDaemon(
+            servers=[FakeServer(server)], clients=[FakeClient(pid, server, gpu.uuid, k) for k, pid in enumerate(clients)])
+    cfg = Config()
+    cfg.discover = [DiscoveryRoot(DEVICE_PLUGIN, str(root))]
+    cfg.daemons = []
+    cfg.procfs = str(write_proc(tmp_path / "proc", [ProcProcess(4000, comm="nvidia-cuda-mps"),
+                                                     ProcProcess(4100, comm="nvidia-cuda-mps")]))
+    cfg.runtime_roots = ()
+    cfg.collectors["dcgm"] = False
+    cfg.log_timezone = "UTC"
+    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=fakes))
+    readers["logs"].catch_up()
+    text = exposition(build_collector(cfg, readers))
+
+    for index, resource in resources.items():
+        d, server, uuid = {"daemon": resource}, str(servers[index]), nvml.gpus[index].uuid
+        assert value(text, "mps_control_daemon_up", **d) == 1
+        assert [line.split('server_pid="')[1].split('"')[0] for line in series(text, "mps_server_info", **d)] == [server]
+        assert value(text, "mps_server_clients", **d, server_pid=server) == 48
+        # The server's memory on its own GPU only; every client on its own daemon and GPU.
+        assert [line.split('gpu="')[1][0] for line in series(text, "mps_server_memory_used_bytes", **d)] == [str(index)]
+        infos = series(text, "mps_client_info", **d)
+        assert len(infos) == 48 and all(f'server_pid="{server}"' in line for line in infos)
+        used = series(text, "mps_client_memory_used_bytes", **d)
+        assert len(used) == 48 and all(f'uuid="{uuid}"' in line for line in used)
+        assert value(text, "mps_client_connections_total", **d) == 48 + (index == 1)
+    assert len(series(text, "mps_client_info")) == 96
+    assert value(text, "mps_client_rejections_total", daemon=resources[1], reason="client_limit") == 1
+    assert value(text, "mps_client_rejections_total", daemon=resources[0], reason="client_limit") == 0
+    assert value(text, "mps_server_client_limit", daemon=resources[1]) == 48
+    assert series(text, "mps_server_client_limit", daemon=resources[0]) == []
