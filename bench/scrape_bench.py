@@ -16,7 +16,10 @@ refresher's reads included): the exporter's work (joins, exposition, the sources
 parsing) plus the fakes', whose calls sleep. Every row prints the machine's load average
 beside it: other work on the machine skews the times.
 
-    python3 bench/scrape_bench.py [--scrapes 200] [--storm-seconds 20]
+    python3 bench/scrape_bench.py [--scrapes 200] [--storm-seconds 20] [--storm-gpus 2,8]
+
+`--scrapes 0 --storm-gpus 2` runs the two-GPU storm alone (96 clients, issue 30's synthetic
+part: the live run on two GPUs is tests/gpu/multi_gpu_phase.py).
 
 Prints Markdown tables; numbers, not a pass/fail.
 """
@@ -201,7 +204,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scrapes", type=int, default=200)
     ap.add_argument("--storm-seconds", type=float, default=20.0, help="0: no storm")
+    ap.add_argument("--storm-gpus", default="2,8", help="GPU counts of the storm runs, comma-separated")
     args = ap.parse_args()
+    if args.scrapes > 0:
+        steady_part(args.scrapes)
+    if args.storm_seconds > 0:
+        storm_part([int(n) for n in args.storm_gpus.split(",")], args.storm_seconds)
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\npeak RSS of the benchmark process: {rss_mb:.1f} MB")
+
+
+def steady_part(scrapes: int) -> None:
     print(f"Steady: OpenMetrics and gzip, as Prometheus asks; scrape timeout 10 s ({os.cpu_count()} CPUs)\n")
     print("| scenario | --collector.refresh-interval | scrape p50 ms | scrape p99 ms | CPU p50 ms | CPU p99 ms | "
           "OpenMetrics bytes | gzip bytes | load |")
@@ -209,7 +222,7 @@ def main() -> None:
     families: List[Any] = []
     for gpus, per_gpu in ((1, 3), (8, 48)):
         for refresh in (1.0, 0.0):
-            r = steady(gpus, per_gpu, args.scrapes, refresh)
+            r = steady(gpus, per_gpu, scrapes, refresh)
             families = r["families"]
             print(f"| {gpus} GPU x {per_gpu} clients each | {refresh:g} s | {pct(r['walls'], 50):.2f} | "
                   f"{pct(r['walls'], 99):.2f} | {pct(r['cpus'], 50):.2f} | {pct(r['cpus'], 99):.2f} | {r['bytes']} | "
@@ -220,23 +233,22 @@ def main() -> None:
     print(f"\nNobody scraping, after --collector.pause-after (8 GPU x 48 clients each): "
           f"{r['cpu_ms_per_second']:.3f} ms CPU per second, {r['commands']} control commands, "
           f"{r['rounds']} background rounds in 5 s ({load()})")
-    if args.storm_seconds <= 0:
-        return
+
+
+def storm_part(gpu_counts: List[int], seconds: float) -> None:
     print(f"\nStorm: the recorded H100 storm (48 clients at once, single NVML calls up to 0.49 s) on every GPU, "
-          f"from {STORM_FROM:g} s into it, {args.storm_seconds:g} s of scrapes once a second. Age: of the NVML "
+          f"from {STORM_FROM:g} s into it, {seconds:g} s of scrapes once a second. Age: of the NVML "
           f"reading served, at the scrape\n")
     print("| scenario | --collector.refresh-interval | Prometheus timeout | --scrape.max-duration | scrape p50 ms | "
           "scrape p99 ms | scrape max ms | CPU ms per second | NVML age p50 / max s | scrapes with NVML late | load |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for gpus in (2, 8):
+    for gpus in gpu_counts:
         for refresh, timeout, ceiling in ((1.0, "10", 5.0), (0.0, "10", 5.0), (0.0, "1", 5.0)):
-            r = storm(gpus, 48, timeout, ceiling, args.storm_seconds, refresh)
+            r = storm(gpus, 48, timeout, ceiling, seconds, refresh)
             print(f"| {gpus} GPU x 48 clients each | {refresh:g} s | {timeout} s | {ceiling:g} s | "
                   f"{pct(r['walls'], 50):.0f} | {pct(r['walls'], 99):.0f} | {max(r['walls']) * 1000:.0f} | "
                   f"{r['cpu_per_second'] * 1000:.1f} | {pct(r['ages'], 50) / 1000:.2f} / {max(r['ages']):.2f} | "
                   f"{r['late']} of {len(r['walls'])} | {load()} |")
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\npeak RSS of the benchmark process: {rss_mb:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import limits_truth  # noqa: E402  (issue 24's phases)
+import multi_gpu_phase  # noqa: E402  (issue 30's phases: two or more GPUs)
 import oracles  # noqa: E402
 from oracles import MIB, Samples  # noqa: E402
 from report import Report  # noqa: E402
@@ -986,7 +987,7 @@ class TruthCheck:
                 if phase is not None:
                     phase()
                 else:
-                    limits_truth.PHASES[name](self)
+                    {**limits_truth.PHASES, **multi_gpu_phase.PHASES}[name](self)
             except Exception as e:  # one broken phase must not stop the rest (nor the quit)
                 traceback.print_exc()
                 self.r.check_true(f"{name}: phase completed", "no error", f"{type(e).__name__}: {e}", False)
