@@ -13,7 +13,8 @@
   directories (<root>/nvidia.com/mps-gpu<i>/{pipe,log}); a discovering exporter finds
   both; each daemon's servers, clients and client memory against its own commands and
   nvidia-smi (discovery_phase.compare_all); a default pinned limit set on the GPU 1
-  daemon's device 0, against MPS's refusal and the series' `gpu` label (physical 1).
+  daemon's device 0 and a client's own `0=2G` there, against MPS's refusal and the
+  series' `gpu` label (physical 1: the daemon's CUDA_VISIBLE_DEVICES remaps devices).
 - `storm2`: 44 clients on each of two GPUs arriving at once, a quarter of them busy,
   scraped once a second while they arrive: scrape p50/p99, the NVML reading's age, and
   every client's memory equal to nvidia-smi within 1 MiB once settled.
@@ -191,10 +192,13 @@ def phase_daemonpergpu(tc: "TruthCheck") -> None:
         r.check_true("daemonpergpu: both daemons found", sorted(d.name for d in daemons),
                      sorted(e.label_set("mps_control_daemon_up", "daemon")) if e else None, e is not None)
         for g, d in enumerate(daemons):
-            env = {"CUDA_MPS_PIPE_DIRECTORY": str(d.pipe), "CUDA_MPS_LOG_DIRECTORY": str(d.log),
-                   "CUDA_VISIBLE_DEVICES": str(g)}
-            clients += [s.client(f"dpg{g}_{i}", 0.5 + i * 0.25, device=0, idle=True, env=env, grow=[3.5])
-                        for i in range(3)]
+            # No CUDA_VISIBLE_DEVICES in the client: the daemon's remaps the devices (its GPU is
+            # the client's device 0), and a client keeping `1` would fail (NVIDIA's MPS docs,
+            # "Appendix: Environment Variables").
+            env = {"CUDA_MPS_PIPE_DIRECTORY": str(d.pipe), "CUDA_MPS_LOG_DIRECTORY": str(d.log)}
+            own = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G"}  # the third client's own limit
+            clients += [s.client(f"dpg{g}_{i}", 0.5 + i * 0.25, device=0, idle=True, grow=[3.5],
+                                 env={**env, **(own if i == 2 else {})}) for i in range(3)]
         s.wait_ready(clients, 120)
         grown = {clients[3].tag: s.grow(clients[3], 0)}
         r.facts["daemonpergpu: a GPU 1 client grows to 3.5 GiB under its daemon's 3G default"] = grown
@@ -214,6 +218,9 @@ def phase_daemonpergpu(tc: "TruthCheck") -> None:
         r.check(f"daemonpergpu: {name}: its clients' limit on physical GPU 1", {"1": 3 * GiB},
                 {x.labels["gpu"]: int(x.value) for x in e.series("mps_client_pinned_memory_limit_bytes", daemon=name)
                  if x.labels["pid"] == str(clients[4].pid)})
+        r.check(f"daemonpergpu: {name}: a client's own 0=2G binds its device 0, physical GPU 1", {"1": 2 * GiB},
+                {x.labels["gpu"]: int(x.value) for x in e.series("mps_client_pinned_memory_limit_bytes", daemon=name)
+                 if x.labels["pid"] == str(clients[5].pid)})
     finally:
         s.stop(clients)
         for d in daemons:
