@@ -48,6 +48,7 @@ from prometheus_client.exposition import choose_encoder, generate_latest  # noqa
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics  # noqa: E402
 
 from mps_exporter.collector import build_registry  # noqa: E402
+from mps_exporter.config import Config  # noqa: E402
 from mps_exporter.scrape_timeout import scrape_timeout  # noqa: E402
 from mps_exporter.wiring import build_collector, build_readers  # noqa: E402
 from tests.support import scenarios  # noqa: E402
@@ -81,6 +82,7 @@ def setup(tmp: Path, gpus: int, per_gpu: int, max_seconds: float = 5.0,
     scen.nvml.latency_us.update(SETTLED_48_US)
     scen.cfg.scrape_max_seconds = max_seconds  # --scrape.max-duration
     scen.cfg.refresh_interval = refresh  # --collector.refresh-interval
+    scen.cfg.control_wait = Config.control_wait  # --collector.control-wait at its default (scenarios: 0)
     collector = build_collector(scen.cfg, build_readers(scen.cfg, scen.backends()))
     collector.start()
     return scen, collector, build_registry(collector, process=False)

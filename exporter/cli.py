@@ -202,6 +202,10 @@ def _add_refresh(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collector.pause-after", dest="pause_after", type=float, default=DEFAULTS.pause_after,
                    help="seconds without a scrape after which the background reads pause; the next scrape reads "
                         "and resumes them (default %(default)s)")
+    p.add_argument("--collector.control-wait", dest="control_wait", type=float, default=DEFAULTS.control_wait,
+                   help="seconds a scrape waits for the control daemon's answers; not there by then, it serves "
+                        "their last reading (its age in mps_exporter_collector_last_success_timestamp_seconds) and "
+                        "the read ends for the next scrape. 0: wait as for any source (default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -405,6 +409,9 @@ def _refresh_flags(cfg: Config, ns: argparse.Namespace) -> None:
         raise ConfigError(f"--collector.refresh-interval must be 0 (read at scrape) or more, not {ns.refresh_interval}")
     if not cfg.pause_after > 0:
         raise ConfigError(f"--collector.pause-after must be positive, not {ns.pause_after}")
+    cfg.control_wait = ns.control_wait
+    if not cfg.control_wait >= 0:
+        raise ConfigError(f"--collector.control-wait must be 0 (wait as for any source) or more, not {ns.control_wait}")
 
 
 def _check_textfile(path: str) -> None:

@@ -19,6 +19,11 @@ its own thread, and join the results (render.py) into fresh families.
   serves their latest reading while it is at most two intervals old, and reads
   (or joins the read in flight) like any other source when it is older. With no
   scrape for `pause_after` seconds the refresher stops reading until the next one.
+- Sources that declare `served_while_reading` (control: its commands are sent by
+  scrapes only, never on a timer) are waited for at most `control_wait` seconds
+  (--collector.control-wait): a read not done by then goes on for the next scrape,
+  and this one serves the last reading with its time. Every wait of the collection
+  (proc's for the PIDs included) sees the same choice.
 """
 
 from __future__ import annotations
@@ -90,6 +95,11 @@ class _Collection(ReadContext):
         self.now = now
         self.deadline = deadline  # time.monotonic() value; None: wait for every source
         self.futures: Dict[str, Future[_Result]] = {}
+        # Source name -> (time.monotonic() after which its read is not waited for, the
+        # reading served instead): the `served_while_reading` sources with a reading.
+        self.waits: Dict[str, Tuple[float, _Result]] = {}
+        self.served_earlier: Dict[str, _Result] = {}  # those not waited for, once decided
+        self._choice = threading.Lock()
         self._devices = devices
 
     def remaining(self) -> Optional[float]:
@@ -105,13 +115,32 @@ class _Collection(ReadContext):
         # At most half the time left: the waiting read still needs time of its own, and
         # one late source must not make the sources that wait for it late as well.
         remaining = self.remaining()
+        until = None if remaining is None else time.monotonic() + remaining / 2
         snap = Snapshot(now=self.now)
-        futures = [(n, self.futures[n]) for n in names if n in self.futures]
-        wait_futures([f for _, f in futures], timeout=None if remaining is None else remaining / 2)
-        for name, future in futures:
-            if future.done() and future.result().reading is not None:
-                SOURCES[name].store(snap, future.result().reading)
+        for name in names:
+            result = self.result(name, until)
+            if result is not None and result.reading is not None:
+                SOURCES[name].store(snap, result.reading)
         return snap
+
+    def result(self, name: str, until: Optional[float]) -> Optional[_Result]:
+        """The source's result, waiting until `until` (time.monotonic(); None: no limit)
+        or its own wait's end; None: late, or not read in this collection."""
+        future = self.futures.get(name)
+        if future is None:
+            return None
+        wait = self.waits.get(name)
+        if wait is not None:
+            until = wait[0] if until is None else min(until, wait[0])
+        wait_futures([future], timeout=None if until is None else max(0.0, until - time.monotonic()))
+        if wait is None:
+            return future.result() if future.done() else None
+        with self._choice:  # decided once: proc's PIDs and the served reading agree
+            if name not in self.served_earlier and future.done():
+                return future.result()
+            if name in self.served_earlier or time.monotonic() >= wait[0]:
+                return self.served_earlier.setdefault(name, wait[1])
+        return None
 
 
 class _SourceRun:
@@ -121,6 +150,7 @@ class _SourceRun:
         self.name, self.source, self.reader = name, source, reader
         self._lock = threading.Lock()
         self._inflight: Optional[Future[_Result]] = None
+        self.inflight_since = 0.0  # time.monotonic() when the read in flight began
         self.last: Optional[_Result] = None  # the last successful read
         self.latest: Optional[_Result] = None  # the last finished read, failed or not
         self.durations = Histogram(READ_DURATION_BUCKETS)  # every read, late ones included
@@ -133,6 +163,7 @@ class _SourceRun:
                 return self._inflight, None
             future: Future[_Result] = Future()
             self._inflight = future
+            self.inflight_since = time.monotonic()
         return future, threading.Thread(target=self._read, args=(future, collection), name=f"mps-read-{self.name}",
                                         daemon=True)
 
@@ -171,12 +202,15 @@ class MpsCollector(Collector):
     `serve_last`: a late source's last complete reading is served (marked).
     `refresh_interval`: seconds between two background reads of the `background`
     sources once `start` is called (0: they are read in every scrape);
-    `pause_after`: seconds without a collection after which those reads pause."""
+    `pause_after`: seconds without a collection after which those reads pause.
+    `control_wait`: seconds a collection waits for a `served_while_reading` source
+    before it serves that source's last finished reading (0: it waits as for any);
+    a read already running longer than the collection's budget is late as before."""
 
     def __init__(self, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
                  max_seconds: Optional[float] = None, timeout_offset: float = Config.scrape_timeout_offset,
                  serve_last: bool = True, granularity: str = "client", refresh_interval: float = 0.0,
-                 pause_after: float = DEFAULT_PAUSE_AFTER) -> None:
+                 pause_after: float = DEFAULT_PAUSE_AFTER, control_wait: float = 0.0) -> None:
         self.clock = clock
         self.granularity = granularity  # --mps.client-granularity
         self.max_seconds = max_seconds
@@ -184,6 +218,7 @@ class MpsCollector(Collector):
         self.serve_last = serve_last
         self.refresh_interval = refresh_interval
         self.pause_after = pause_after
+        self.control_wait = control_wait
         self._runs = {name: _SourceRun(name, SOURCES[name], reader) for name, reader in readers.items()}
         self._devices: Optional[List[int]] = None
         self._failing: Dict[str, str] = {}
@@ -276,14 +311,16 @@ class MpsCollector(Collector):
                 continue
             collection.futures[name], thread = run.claim(collection)
             threads.append(thread)
+            earlier = run.latest
+            if self.control_wait > 0 and run.source.served_while_reading and earlier is not None \
+                    and (budget is None or time.monotonic() - run.inflight_since < budget):
+                collection.waits[name] = (time.monotonic() + self.control_wait, earlier)
         for thread in threads:
             if thread is not None:
                 thread.start()
-        wait_futures(list(collection.futures.values()), timeout=collection.remaining())
         snap = Snapshot(now=collection.now)
         for name, run in self._runs.items():
-            future = collection.futures[name]
-            result = future.result() if future.done() else None
+            result = collection.result(name, collection.deadline)
             if result is None:  # late
                 error = f"no answer within {budget:g} s" if budget is not None else "no answer"
                 self._note_failure(name, error)

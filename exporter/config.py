@@ -30,6 +30,10 @@ DEFAULT_DAEMON_NAME = "default"
 # usual scrape interval (Prometheus' 1 m), so that only an exporter nobody scrapes pauses.
 DEFAULT_REFRESH_INTERVAL = 1.0
 DEFAULT_PAUSE_AFTER = 300.0
+# --collector.control-wait: a scrape waits this long for the control daemon's answers, then
+# serves their last reading. Settled, a control read takes 4-13 ms on an H100 (0-32 busy
+# clients); while MPS admits a storm of clients it takes up to 0.5 s (docs/performance.md).
+DEFAULT_CONTROL_WAIT = 0.05
 
 # DCGM puts its Python bindings here: 3.x, then 4.x (datacenter-gpu-manager-4).
 DEFAULT_DCGM_BINDINGS = (
@@ -136,6 +140,9 @@ class Config:
     # reads stop after this many seconds without a scrape.
     refresh_interval: float = DEFAULT_REFRESH_INTERVAL
     pause_after: float = DEFAULT_PAUSE_AFTER
+    # --collector.control-wait: seconds a scrape waits for a read of a `served_while_reading`
+    # source (control) before it serves that source's last reading; 0 = wait as for any source.
+    control_wait: float = DEFAULT_CONTROL_WAIT
     textfile: Optional[str] = None  # dump: write here atomically instead of to stdout
     # --mps.client-granularity: "client", a series set per client process (pid label);
     # "pod", client memory, limits and counts summed per server and pod (no pid);

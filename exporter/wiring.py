@@ -51,7 +51,7 @@ def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]], clock: Call
     max_seconds = cfg.scrape_max_seconds or None if bounded else None
     return MpsCollector(readers, clock=clock, max_seconds=max_seconds, timeout_offset=cfg.scrape_timeout_offset,
                         granularity=cfg.client_granularity, refresh_interval=cfg.refresh_interval,
-                        pause_after=cfg.pause_after)
+                        pause_after=cfg.pause_after, control_wait=cfg.control_wait)
 
 
 def stop_on_signals(stop: threading.Event) -> None:

@@ -204,6 +204,7 @@ BAD_VALUES = {
     "--scrape.timeout-offset": ["abc", "-0.5"],
     "--collector.refresh-interval": ["abc", "-1", "nan"],
     "--collector.pause-after": ["abc", "0", "-1"],
+    "--collector.control-wait": ["abc", "-1", "nan"],
     "--textfile": ["", "/", "/nonexistent-dir/mps.prom", "{bad_yaml}/mps.prom", "/proc/mps.prom"],
     "--mps.client-granularity": ["pid", "node", ""],
     "--out": ["", "/nonexistent/dir/x.jsonl.gz"],

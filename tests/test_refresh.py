@@ -9,6 +9,7 @@ round counter, with generous timeouts, never on a measured duration."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Tuple
@@ -17,10 +18,12 @@ import pytest
 
 from mps_exporter.cli import parse_args
 from mps_exporter.collector import MpsCollector
+from mps_exporter.config import Config
+from mps_exporter.sources.base import Reader
 from mps_exporter.sources.registry import SOURCES
 from mps_exporter.wiring import build_collector
 from tests.support import scenarios
-from tests.test_deadline import Clock, gated, text_of, value  # noqa: F401 (gated: a fixture)
+from tests.test_deadline import Clock, Gate, gated, lines, text_of, value  # noqa: F401 (gated: a fixture)
 
 MPS_LIST = "nvmlDeviceGetMPSComputeRunningProcesses"
 NVML_TIME = 'mps_exporter_collector_last_success_timestamp_seconds{collector="nvml"}'
@@ -147,3 +150,98 @@ def test_status_shows_the_age_of_each_reading(gated):  # noqa: F811 (the fixture
     assert ages["nvml"] == 7.0 and ages["control"] == 0.0
     assert "reading ages: control 0.0 s, nvml 7.0 s, proc 0.0 s" in [line for line, _ in text.report(st)]
     gate.open()
+
+
+CONTROL_TIME = 'mps_exporter_collector_last_success_timestamp_seconds{collector="control"}'
+CONTROL_OK = 'mps_exporter_collector_success{collector="control"}'
+
+
+@pytest.fixture
+def control_gated(tmp_path: Path) -> Iterator[Tuple[MpsCollector, Gate, Clock]]:
+    """The control source behind a gate the test holds; a scrape may wait 2 s for its
+    sources and 0.05 s for the control daemon."""
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=2, clients_per_pod=2)
+    readers = scen.readers()
+    gate = Gate(readers["control"])
+    readers["control"] = Reader(gate.read)
+    clock = Clock()
+    collector = MpsCollector(readers, clock=clock, max_seconds=2.0, control_wait=0.05)
+    yield collector, gate, clock
+    gate.open()
+
+
+def test_a_slow_control_read_is_not_waited_for_and_its_last_reading_is_served(control_gated):
+    collector, gate, clock = control_gated
+    first = text_of(collector)
+    assert value(first, CONTROL_TIME) == 1000.0
+    gate.close()  # the daemon stalls, as while MPS admits a storm of clients
+    clock.now += 1.0
+    started = time.monotonic()
+    second = text_of(collector)
+    assert time.monotonic() - started < 1.0  # not the 2 s a source may take
+    assert value(second, CONTROL_OK) == 1
+    assert value(second, CONTROL_TIME) == 1000.0  # the earlier reading, with its time
+    for name in ("mps_server_info", "mps_client_memory_used_bytes", "mps_client_info"):
+        assert lines(second, name) == lines(first, name)  # proc used the same PIDs: same series
+    clock.now += 1.0
+    text_of(collector)
+    assert gate.calls == 2  # the stalled read is joined, not sent again
+    gate.open()
+    assert until(lambda: collector._runs["control"].latest.taken_at == 1001.0)  # ended for the next scrape
+    clock.now += 1.0
+    fourth = text_of(collector)
+    assert value(fourth, CONTROL_TIME) == 1003.0  # read again: the fast read is this scrape's
+    assert gate.calls == 3
+
+
+def test_a_control_read_running_past_the_scrape_budget_is_late(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    readers = scen.readers()
+    gate = Gate(readers["control"])
+    readers["control"] = Reader(gate.read)
+    clock = Clock()
+    collector = MpsCollector(readers, clock=clock, max_seconds=0.2, control_wait=0.05)
+    try:
+        text_of(collector)
+        gate.close()
+        clock.now += 1.0
+        assert value(text_of(collector), CONTROL_OK) == 1  # in flight under the budget: served
+        time.sleep(0.3)  # the read has now run longer than a scrape may wait
+        clock.now += 1.0
+        late = text_of(collector)
+        assert value(late, CONTROL_OK) == 0  # a hung daemon still shows as failing
+        assert value(late, CONTROL_TIME) == 1000.0
+        assert lines(late, "mps_client_memory_used_bytes")  # its last reading still served
+    finally:
+        gate.open()
+
+
+def test_control_wait_0_waits_for_the_daemon_as_before(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
+    readers = scen.readers()
+    gate = Gate(readers["control"])
+    readers["control"] = Reader(gate.read)
+    clock = Clock()
+    collector = MpsCollector(readers, clock=clock, max_seconds=5.0, control_wait=0.0)
+    text_of(collector)
+    gate.close()
+    clock.now += 1.0
+    threading.Timer(0.2, gate.open).start()  # answers after the scrape began, well within 5 s
+    assert value(text_of(collector), CONTROL_TIME) == 1001.0  # this scrape's reading, waited for
+
+
+def test_at_steady_state_every_scrape_serves_its_own_control_reading(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=4)
+    scen.cfg.control_wait = Config.control_wait  # the default wait (scenarios turn it off)
+    collector = build_collector(scen.cfg, scen.readers(), clock=Clock())
+    assert collector.control_wait == 0.05
+    for _ in range(5):
+        collector.clock.now += 1.0  # type: ignore[attr-defined]
+        assert value(text_of(collector), CONTROL_TIME) == collector.clock.now  # type: ignore[attr-defined]
+
+
+def test_the_control_wait_flag_reaches_the_collector():
+    _, cfg = parse_args(["--collector.control-wait", "0.2"])
+    assert build_collector(cfg, {}).control_wait == 0.2
+    _, cfg = parse_args(["--collector.control-wait", "0"])
+    assert build_collector(cfg, {}).control_wait == 0.0

@@ -142,6 +142,10 @@ class Source(Generic[R]):
     # for reads that are slow or slow down in a client storm; scrapes serve the latest one.
     # False: read in every scrape (cheap at scrape time, docs/performance.md says why).
     background: ClassVar[bool] = False
+    # True: a scrape waits at most --collector.control-wait for this read; not done by then,
+    # it serves the last reading and the read ends for the next scrape (for reads that must
+    # not run on a timer yet stall in a client storm: the control daemon's commands).
+    served_while_reading: ClassVar[bool] = False
     flags: ClassVar[Tuple[Flag, ...]] = ()
     metrics: ClassVar[Tuple[MetricSpec, ...]] = ()  # what `render` emits: its `contract.table(...)`
 

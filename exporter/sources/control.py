@@ -549,6 +549,7 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
     name = "control"
     help = "the MPS control daemons: servers, clients (ps), limits and defaults"
     reading_type = DaemonReading
+    served_while_reading = True  # while MPS admits a storm of clients, `ps` waits up to 0.5 s
     flags = (
         Flag("--mps.control-binary", "control_binary", "the nvidia-cuda-mps-control program (default %(default)s)",
              refuses=("",), check=not_empty),

@@ -113,7 +113,7 @@ class Scraper(threading.Thread):
     def __init__(self, name: str, url: str, pid: int, headers: Dict[str, str], ages: bool = False) -> None:
         super().__init__(name=name, daemon=True)
         self.url, self.pid, self.headers = url, pid, headers
-        self.ages = ages  # record the age of the NVML reading each scrape served (mps-exporter)
+        self.ages = ages  # record the ages of the NVML and control readings each scrape served (mps-exporter)
         self.results: List[Dict[str, Any]] = []  # t, seconds, status, phase, bytes
         self.phase = "idle"
         self.stop_event = threading.Event()
@@ -141,6 +141,7 @@ class Scraper(threading.Thread):
                    "phase": self.phase, "bytes": size, "cpu": cpu_seconds(self.pid)}
             if self.ages and status == 200:
                 row["age"] = reading_age(self.last_text, wall)
+                row["control_age"] = reading_age(self.last_text, wall, "control")
             self.results.append(row)
             tick += 1.0
             while tick <= time.monotonic():
@@ -148,10 +149,10 @@ class Scraper(threading.Thread):
             self.stop_event.wait(tick - time.monotonic())
 
 
-def reading_age(text: str, at: float) -> Optional[float]:
-    """Seconds between the scrape (wall clock at its start) and the NVML reading it served."""
+def reading_age(text: str, at: float, collector: str = "nvml") -> Optional[float]:
+    """Seconds between the scrape (wall clock at its start) and the collector's reading it served."""
     taken = [v for labels, v in series(text, "mps_exporter_collector_last_success_timestamp_seconds")
-             if labels.get("collector") == "nvml"]
+             if labels.get("collector") == collector]
     return round(max(0.0, at - taken[0]), 4) if taken else None
 
 
@@ -163,8 +164,8 @@ def cpu_per_second(results: List[Dict[str, Any]], phases: Tuple[str, ...]) -> Op
     return round((rows[-1]["cpu"] - rows[0]["cpu"]) / (rows[-1]["t"] - rows[0]["t"]), 5)
 
 
-def age_stats(results: List[Dict[str, Any]], phases: Tuple[str, ...]) -> Dict[str, Any]:
-    ages = [r["age"] for r in results if r["phase"] in phases and r.get("age") is not None]
+def age_stats(results: List[Dict[str, Any]], phases: Tuple[str, ...], key: str = "age") -> Dict[str, Any]:
+    ages = [r[key] for r in results if r["phase"] in phases and r.get(key) is not None]
     if not ages:
         return {}
     return {"scrapes": len(ages), "p50_seconds": round(percentile(ages, 50), 3),
@@ -408,24 +409,28 @@ def side_by_side(scrapers: List[Scraper]) -> Dict[str, Any]:
         for label, phases in (("idle", ("idle",)), ("storm", ("storm",)), ("settled", ("settled",)),
                               ("storm+settled", ("storm", "settled"))):
             row[label] = {**scrape_stats(sc.results, phases), "cpu_seconds_per_second": cpu_per_second(sc.results, phases),
-                          "nvml_age": age_stats(sc.results, phases)}
+                          "nvml_age": age_stats(sc.results, phases),
+                          "control_age": age_stats(sc.results, phases, "control_age")}
         out[sc.name] = row
     return out
 
 
 def side_by_side_markdown(report: Dict[str, Any]) -> str:
-    rows = ["| exporter | phase | scrapes | p50 ms | p99 ms | max ms | CPU ms per second | NVML age p50 / max s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| exporter | phase | scrapes | p50 ms | p99 ms | max ms | CPU ms per second | NVML age p50 / max s "
+            "| control age p50 / max s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, phases in report.get("side_by_side", {}).items():
         for phase, st in phases.items():
             if not st.get("scrapes"):
                 continue
             age = st.get("nvml_age") or {}
+            control = st.get("control_age") or {}
             cpu = st.get("cpu_seconds_per_second")
             rows.append(f"| {name} | {phase} | {st['scrapes']} | {1000 * st['p50_seconds']:.1f} | "
                         f"{1000 * st['p99_seconds']:.1f} | {1000 * st['max_seconds']:.1f} | "
                         f"{'' if cpu is None else f'{1000 * cpu:.1f}'} | "
-                        f"{age.get('p50_seconds', '')} / {age.get('max_seconds', '')} |")
+                        f"{age.get('p50_seconds', '')} / {age.get('max_seconds', '')} | "
+                        f"{control.get('p50_seconds', '')} / {control.get('max_seconds', '')} |")
     return "\n".join(rows)
 
 

@@ -79,6 +79,9 @@ def _config(pipe: str, log_dir: str, proc_root: Path) -> Config:
     cfg.runtime_roots = ()  # no pod names but a scenario's own (never this machine's runtime)
     cfg.collectors["dcgm"] = False  # no DCGM on these machines
     cfg.log_timezone = "UTC"  # the capture's machine wrote its logs in UTC
+    # Tests that change the fake daemon expect the next scrape to show it, on a machine
+    # loaded enough for a fake read to outlast 50 ms; test_refresh tests the wait itself.
+    cfg.control_wait = 0.0
     return cfg
 
 
