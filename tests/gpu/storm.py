@@ -251,6 +251,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--pause-after", type=float, default=10.0,
                     help="the exporter's --collector.pause-after; the pause check waits this long without scrapes")
     ap.add_argument("--pause-seconds", type=float, default=20.0, help="then measures this long (0: no pause check)")
+    ap.add_argument("--exporter-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for mps-exporter serve (repeat: --exporter-arg=--collector.control-wait --exporter-arg=0.01)")
     ap.add_argument("--no-refresh-zero", dest="refresh_zero", action="store_false",
                     help="leave out the second mps-exporter (--collector.refresh-interval 0) scraped beside the first")
     args = ap.parse_args(argv)
@@ -271,7 +273,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         exporter = subprocess.Popen(
             [sys.executable, str(Path(__file__)), "timed-serve", str(calls_file), "--", "serve",
              "--mps.pipe-directory", str(pipe), "--mps.log-directory", str(logs), "--no-collector.dcgm",
-             "--web.listen-address", "127.0.0.1:10138", "--collector.pause-after", str(args.pause_after)],
+             "--web.listen-address", "127.0.0.1:10138", "--collector.pause-after", str(args.pause_after), *args.exporter_arg],
             env=env, stdout=open(out / "exporter.log", "w"), stderr=subprocess.STDOUT)
         procs.append(exporter)
         # The same exporter reading NVML in every scrape (as before issue 29), beside it.
