@@ -8,7 +8,8 @@ complete lines; a partial last line waits for its newline. It survives:
   beginning when the name comes back;
 - rotation by rename: the old file is read to its end (its unterminated last line
   included), then any rotated file written after it that was never read (several
-  rotations between two polls), then the new one from its beginning;
+  rotations between two polls, or a poll that found no file under the name while
+  logrotate was between its rename and its create), then the new one from its beginning;
 - copytruncate: a file shorter than the read offset, or whose first bytes changed,
   was copied and truncated. What had not been read yet is in the copy (logrotate's
   `.1`, a dated name, any name that starts with the log's), found by content, not by
@@ -258,8 +259,8 @@ class FileFollower:
             self._problem = missing_file_error(self.path) if e.errno == errno.ENOENT else read_error(self.path, e)
         if self._draining:
             self._drain(lines)
-        if self._fd is None and st is not None:
-            self._open()
+        if self._fd is None and (st is not None or self._finished):
+            self._open_next()
         if self._fd is not None:
             if self._rewritten():
                 self.truncations += 1
@@ -279,11 +280,7 @@ class FileFollower:
                     truncated += self._dropping
                 self._finish_file()
                 self.rotations += 1
-                self._open()  # the name as it is now (it may have moved on during this poll)
-                successor = self._next_rotated() if self._identity is not None else None
-                if successor is not None:  # rotated again before we came: read that first
-                    self.close()
-                    self._open_at(*successor)
+                self._open_next()
                 if self._fd is None:
                     break
                 truncated += self._read(lines, max_bytes)
@@ -371,6 +368,18 @@ class FileFollower:
             self._draining.append(_Draining(self._fd, self._offset, b"", time.monotonic() + DRAIN_SECONDS))
             self._fd = None
         self.close()
+
+    def _open_next(self) -> None:
+        """Open what follows the file finished last: a rotated file written after it and
+        never read (rotated again before we came), else the file the name means now.
+        The name is opened first: should it move on meanwhile, the file opened is one of
+        the rotated candidates. It may be missing (logrotate renames the log, then
+        creates the new one): the rotated files are looked at all the same."""
+        self._open()
+        successor = self._next_rotated() if self._finished else None
+        if successor is not None:
+            self.close()
+            self._open_at(*successor)
 
     def _drain(self, lines: List[str]) -> None:
         """Complete lines appended to rotated files since they were left; a file quiet

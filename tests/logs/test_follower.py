@@ -295,3 +295,29 @@ def test_many_renames_between_two_polls_are_caught_up_at_once(tmp_path):
     first, _ = f.poll()
     assert len(first) >= 10 and f.more  # not one rotated file per poll (the follower fell behind)
     assert first + drain(f) == [f"file {i}" for i in range(1, 21)]
+
+
+def test_a_rename_caught_between_logrotates_rename_and_create_loses_nothing(tmp_path, monkeypatch):
+    """logrotate renames the log, then creates the new one: a follower that looks in
+    between finds no file under the name. The file rotated meanwhile must still be read."""
+    from mps_exporter.logs import follower as follower_module
+
+    path = tmp_path / "control.log"
+    write(path, "first\n")
+    f = FileFollower(str(path))
+    assert drain(f) == ["first"]
+    os.rename(path, tmp_path / "control.log.1")
+    write(path, "second\n")  # the writer reopened the new file and wrote to it
+    real_open_regular = follower_module.open_regular
+
+    def next_rotation_in_progress(name: str):  # the follower saw `second`'s file, then opens the name:
+        if name == str(path) and not os.path.exists(tmp_path / "control.log.2"):
+            os.rename(tmp_path / "control.log.1", tmp_path / "control.log.2")
+            os.rename(path, tmp_path / "control.log.1")  # ... renamed already, not created yet
+        return real_open_regular(name)
+
+    monkeypatch.setattr(follower_module, "open_regular", next_rotation_in_progress)
+    got = drain(f)
+    write(path, "third\n")  # logrotate creates the file, the writer reopens it
+    assert got + drain(f) == ["second", "third"]
+    assert f.rotations == 2

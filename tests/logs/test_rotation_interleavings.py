@@ -1,0 +1,133 @@
+"""Rename rotation interleaved with the follower at the level of single system calls.
+
+A scripted world (a writer that keeps its descriptor until told to reopen, and
+logrotate's rename rotation done one rename or create at a time, as strace shows it)
+advances at random points inside the follower's own calls (stat, open, fstat, pread,
+scandir), so every order of "name renamed / new file created / line written / follower
+looks" comes up. Whatever the order, every line is read once. Seeded: a failure names
+its seed."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from collections import Counter
+from typing import Any, Iterator, List, Optional
+
+import pytest
+
+from mps_exporter.logs import follower as follower_module
+from mps_exporter.logs.follower import FileFollower
+
+ROTATED = re.compile(r"control\.log\.(\d+)$")
+
+
+class World:
+    def __init__(self, directory: str, rng: random.Random, mtime_tick_ns: int) -> None:
+        self.directory, self.rng, self.tick = directory, rng, mtime_tick_ns
+        self.path = os.path.join(directory, "control.log")
+        self.clock = 10**18  # mtimes set by hand: the follower orders rotated files by them
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._touch(self.fd)
+        self.written = 0
+        self.rotation: Optional[Iterator[None]] = None
+        self.reopen = False  # the writer's signal to reopen its log
+        self.writing = True
+        self.steps = 0
+
+    def _touch(self, fd: int) -> None:
+        now = self.clock - self.clock % self.tick  # a coarse file system clock: equal mtimes happen
+        os.utime(fd, ns=(now, now))
+
+    def _logrotate(self) -> Iterator[None]:
+        """`rotate N` + `create`: .N -> .N+1 from the oldest, the log -> .1, a new log."""
+        numbers = [int(m.group(1)) for m in map(ROTATED.match, os.listdir(self.directory)) if m]
+        for n in sorted(numbers, reverse=True):
+            os.rename(f"{self.path}.{n}", f"{self.path}.{n + 1}")
+            yield
+        os.rename(self.path, self.path + ".1")
+        yield
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._touch(fd)
+        os.close(fd)
+        self.reopen = True
+
+    def step(self) -> None:
+        self.steps += 1
+        self.clock += self.rng.choice([1, 100, 1000, 10000]) * 1000
+        r = self.rng.random()
+        if self.rotation is not None and r < 0.5:
+            if next(self.rotation, StopIteration) is StopIteration:
+                self.rotation = None
+        elif self.reopen and self.rotation is None and r < 0.7:
+            os.close(self.fd)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            self.reopen = False
+        elif self.rotation is None and r > 0.93 and self.writing:
+            self.rotation = self._logrotate()
+        elif self.writing:
+            os.write(self.fd, f"NEW UI {self.written}\n".encode())
+            self._touch(self.fd)
+            self.written += 1
+
+    def settle(self) -> None:
+        self.writing = False
+        while self.rotation is not None or self.reopen:
+            self.step()
+
+
+class StepsInsideCalls:
+    """`os` for the follower module: before each look at the files, the world may move."""
+
+    def __init__(self, world: World, chance: float) -> None:
+        self.world, self.chance = world, chance
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(os, name)
+        if name not in ("stat", "open", "fstat", "pread", "scandir"):
+            return real
+
+        def moved_first(*args: Any, **kwargs: Any) -> Any:
+            while self.world.rng.random() < self.chance:
+                self.world.step()
+            return real(*args, **kwargs)
+        return moved_first
+
+
+def follow(tmp_path, monkeypatch, seed: int, chance: float, mtime_tick_ns: int) -> Counter:
+    rng = random.Random(seed)
+    world = World(str(tmp_path), rng, mtime_tick_ns)
+    f = FileFollower(world.path)
+    seen: List[int] = []
+
+    def poll_all() -> None:
+        while True:
+            lines, _ = f.poll()
+            seen.extend(int(line.rsplit(" ", 1)[1]) for line in lines)
+            if not lines and not f.more:
+                return
+
+    poll_all()  # the follower has the file open before anything happens
+    monkeypatch.setattr(follower_module, "os", StepsInsideCalls(world, chance))
+    try:
+        while world.steps < 1500:
+            for _ in range(rng.randint(0, 60)):
+                world.step()
+            poll_all()
+        world.settle()
+    finally:
+        monkeypatch.undo()
+        os.close(world.fd)
+    poll_all()
+    counts = Counter(seen)
+    assert set(counts) == set(range(world.written)), f"seed {seed}: lines lost"
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("chance, mtime_tick_ns", [(0.3, 4_000_000), (0.6, 1), (0.3, 1_000_000_000)],
+                         ids=["4ms-mtimes", "fine-mtimes", "1s-mtimes"])
+def test_every_line_read_once_whatever_the_order(tmp_path, monkeypatch, seed, chance, mtime_tick_ns):
+    counts = follow(tmp_path, monkeypatch, seed, chance, mtime_tick_ns)
+    assert max(counts.values()) == 1, f"seed {seed}: lines read twice"
