@@ -47,7 +47,7 @@ from .model import Histogram, Outcome, Snapshot
 from .catalog import METRICS
 from .families import FamilyBuilder, empty_family
 from . import scrape_timeout
-from .render import readings_key, render, render_readings, render_self
+from .render import ClientTableMemo, readings_key, render, render_readings, render_self
 from .sources.base import PartialFailure, ReadContext, Reader, Source
 from .sources.registry import SOURCES, own_renders
 
@@ -402,6 +402,7 @@ class Exposition(CollectorRegistry):
         # content type -> family name -> (family, its encoding): where readings changed,
         # most families did not (a storm moves memory and activity, not who the clients are).
         self._family_texts: Dict[str, Dict[str, Tuple[Metric, bytes]]] = {}
+        self._client_tables = ClientTableMemo()
         self._lock = threading.Lock()
 
     def _encode_families(self, encoder: Callable[[Any], bytes], content_type: str, families: List[Metric]) -> bytes:
@@ -427,7 +428,7 @@ class Exposition(CollectorRegistry):
             part = self._encoded.get((content_type, gzip))
         if part is None or part.key != key:
             out = FamilyBuilder()
-            render_readings(out, snap, self.collector.granularity, own_renders())
+            render_readings(out, snap, self.collector.granularity, own_renders(), self._client_tables)
             text = self._encode_families(encoder, content_type, out.families())
             compressor = None
             if gzip:

@@ -97,6 +97,14 @@ class FamilyBuilder:
     def families(self) -> List[Metric]:
         return [f for f in self._families.values() if f.samples]
 
+    def parts(self) -> List[Tuple[str, List[Sample]]]:
+        """(declared name, samples) of each family with samples: what `extend` takes back."""
+        return [(name, f.samples) for name, f in self._families.items() if f.samples]
+
+    def extend(self, name: str, samples: Sequence[Sample]) -> None:
+        """Samples built and checked by an earlier builder (`parts`), added as they are."""
+        self._family(name)[1].samples.extend(samples)
+
 
 def _format_le(bound: float) -> str:
     # Same spelling client_python uses for its own histograms ("0.05", "1.0").

@@ -24,6 +24,7 @@ from . import __version__
 from .contract import (CLIENT_PID, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVER_PID, UID, USER, UUID, Label,
                        counter, gauge, histogram, table)
 from .families import FamilyBuilder
+from prometheus_client.samples import Sample
 from . import limits as lim
 from .limits import Limits, client_limits, own_limits
 from .logs.render import render_log_metrics
@@ -256,8 +257,9 @@ def render(snap: Snapshot, granularity: str = "client", own_renders: Sequence[Ow
 
 
 def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "client",
-                    own_renders: Sequence[OwnRender] = ()) -> None:
-    """Everything but the exporter's own series: a function of `readings_key(snap)` alone."""
+                    own_renders: Sequence[OwnRender] = (), memo: Optional["ClientTableMemo"] = None) -> None:
+    """Everything but the exporter's own series: a function of `readings_key(snap)` alone.
+    `memo`: the client tables of the last call, reused where their inputs are equal."""
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
     listed = {c.pid for d in snap.daemons for c in d.clients}
@@ -272,10 +274,14 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
         servers = render_servers(out, daemon, log_snap, snap.processes, joined)
         # NVML's MPS clients that no daemon listed belong to the only daemon there is.
         unlisted = [pid for pid in joined.mps_memory if pid not in listed] if len(snap.daemons) == 1 else []
-        if granularity == "client":
+        if granularity == "client" and memo is not None:
+            memo.render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
+        elif granularity == "client":
             render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
         else:
             render_sums(out, daemon, servers, unlisted, log_snap, snap.processes, joined, by_pod=granularity == "pod")
+    if memo is not None:
+        memo.keep_only({daemon.name for daemon in snap.daemons})
     for name, log_snap in snap.logs.items():
         render_log_metrics(out, name, log_snap, snap.now)
     for render_own in own_renders:
@@ -541,6 +547,45 @@ def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[
         for limit, reason in c.ignored.items():
             out.add("mps_client_limit_ignored", 1, **cp, limit=limit, reason=reason)
         out.add("mps_client_start_time_seconds", log_starts.get(pid) or proc.start_time_seconds, **cp)
+
+
+class ClientTableMemo:
+    """Each daemon's client table as last rendered, with what it was rendered from.
+
+    Settled, the clients' series stay the same from one scrape to the next while the GPU
+    numbers and the log counters move: the table (six or more series a client) was most
+    of a scrape's render with 48 clients (issue 29). Reused only where every input
+    render_clients reads is equal; the samples are shared, never changed."""
+
+    def __init__(self) -> None:
+        self._tables: Dict[str, Tuple[Tuple[object, ...], List[Tuple[str, List[Sample]]]]] = {}
+
+    @staticmethod
+    def _inputs(d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
+                log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
+                joined: _GpuJoin) -> Tuple[object, ...]:
+        logged = None if log_snap is None else (log_snap.servers, log_snap.client_start_times,
+                                                log_snap.client_limits)
+        gpus = tuple((g.index, g.uuid) for g in joined.gpus)
+        memory = {pid: [(g.index, used) for g, used in rows] for pid, rows in joined.mps_memory.items()}
+        return (d, dict(server_limits), tuple(unlisted), logged, dict(processes), gpus, memory)
+
+    def render_clients(self, out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits],
+                       unlisted: List[int], log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
+                       joined: _GpuJoin) -> None:
+        inputs = self._inputs(d, server_limits, unlisted, log_snap, processes, joined)
+        kept = self._tables.get(d.name)
+        if kept is None or kept[0] != inputs:
+            table = FamilyBuilder()
+            render_clients(table, d, server_limits, unlisted, log_snap, processes, joined)
+            kept = (inputs, table.parts())
+        self._tables[d.name] = kept
+        for name, samples in kept[1]:
+            out.extend(name, samples)
+
+    def keep_only(self, names: AbstractSet[str]) -> None:
+        """Forget the tables of daemons no longer read."""
+        self._tables = {name: kept for name, kept in self._tables.items() if name in names}
 
 
 def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],

@@ -163,3 +163,40 @@ def test_where_readings_changed_only_the_changed_families_are_encoded_again(tmp_
     assert again == ["mps_gpu_memory_used_bytes"]
     changed = sorted(set(second.splitlines()) - set(first.splitlines()))
     assert len(changed) == 1 and changed[0].startswith('mps_gpu_memory_used_bytes{gpu="0"')
+
+
+def _client_samples(text: str) -> List[str]:
+    return sorted(l for l in text.splitlines() if l.startswith("mps_client_"))
+
+
+def test_the_client_table_is_reused_while_its_inputs_stay_and_redone_when_one_moves(tmp_path, monkeypatch):
+    import mps_exporter.render as render_module
+
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=3)
+    collector = scen.collector()
+    registry = build_registry(collector, process=False)
+    encoder, content_type = choose_encoder(OPENMETRICS)
+    tables: List[int] = []
+    real = render_module.render_clients
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        tables.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(render_module, "render_clients", counting)
+    first = registry.encode(encoder, content_type, False).decode()
+    scen.nvml.gpus[0].util_gpu += 40  # the GPU's numbers move, the clients' do not
+    second = registry.encode(encoder, content_type, False).decode()
+    assert first != second and len(tables) == 1
+    assert _client_samples(second) == _client_samples(first)
+
+    pid = scen.nvml.gpus[0].mps_processes[0].pid
+    scen.nvml.gpus[0].mps_processes[0].usedGpuMemory += 1 << 20  # one client's memory moves
+    third = registry.encode(encoder, content_type, False).decode()
+    assert len(tables) == 2
+    plain = render_module.FamilyBuilder()  # the same readings without the memo
+    render_module.render_readings(plain, collector.snapshot(), "client")
+    memory = next(f for f in plain.families() if f.name == "mps_client_memory_used_bytes")
+    expected = next(s.value for s in memory.samples if s.labels["pid"] == str(pid))
+    line = next(l for l in third.splitlines() if l.startswith("mps_client_memory_used_bytes{") and f'pid="{pid}"' in l)
+    assert float(line.split()[-1]) == expected
