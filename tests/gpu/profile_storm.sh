@@ -3,7 +3,7 @@
 #   bash tests/gpu/profile_storm.sh NAME [storm.py arguments...]
 # The client storm of tests/gpu/storm.py with py-spy (from .whl/) sampling the
 # mps-exporter process, non-blocking, from its start to its exit: where its CPU goes.
-# Results packed into $OUT/results.tgz. storm.py tells its MPS daemon to quit itself.
+# PYSPY=0: no profile (the numbers as a user sees them). Results packed into $OUT/results.tgz. storm.py tells its MPS daemon to quit itself.
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 NAME=$1; shift
@@ -17,7 +17,7 @@ python3 -m pip list 2>/dev/null | grep -i -E "prometheus|nvidia-ml|nvitop" >> $R
 python3 $REPO/tests/gpu/storm.py --work /tmp/mps-storm-$NAME --out $R/$NAME --name $NAME "$@" > $R/$NAME/storm.out 2>&1 &
 STORM=$!
 for _ in $(seq 200); do PID=$(pgrep -f "storm.py timed-serve" | head -1); [ -n "$PID" ] && break; sleep 0.1; done
-if [ -n "${PID:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
+if [ "${PYSPY:-1}" = 1 ] && [ -n "${PID:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
   /tmp/site/bin/py-spy record --nonblocking --rate 250 --threads --format raw -p $PID -o $R/$NAME/py-spy.txt > $R/$NAME/py-spy.out 2>&1 &
 fi
 wait $STORM
