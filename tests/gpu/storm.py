@@ -56,6 +56,26 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
 
     calls: List[Tuple[float, int, str, float]] = []
     handles: Dict[int, int] = {}  # id(handle) -> GPU index
+    # Where the exporter's CPU goes: thread CPU seconds per part, cumulative, sampled every
+    # second with the process's own CPU (cpu_series in the calls file).
+    cpu: Dict[str, float] = {}
+    depth = threading.local()
+
+    def counted(part: str, fn: Any) -> Any:
+        """fn with its thread's CPU added to cpu[part] (the outermost call of a part only;
+        "read:" parts are named after the source)."""
+        def run(*args: Any, **kwargs: Any) -> Any:
+            outer = getattr(depth, part, 0)
+            setattr(depth, part, outer + 1)
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(depth, part, outer)
+                if not outer:
+                    key = part + args[0].name if part == "read:" else part
+                    cpu[key] = cpu.get(key, 0.0) + time.thread_time() - start
+        return run
 
     def wrap(name: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -66,7 +86,7 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
                 seconds = time.monotonic() - start
                 gpu = handles.get(id(args[0]), -1) if args else -1
                 calls.append((start, gpu, name, seconds))
-        return timed
+        return counted("nvml", timed)
 
     for name in dir(pynvml):
         if name.startswith("nvml") and inspect.isfunction(getattr(pynvml, name)) and name != "nvmlDeviceGetHandleByIndex":
@@ -81,13 +101,30 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
         return handle
 
     pynvml.nvmlDeviceGetHandleByIndex = handle_by_index
+    import mps_exporter.collector as collector_module
+    import mps_exporter.logs.pipeline as pipeline_module
+    import mps_exporter.web as web_module
     from mps_exporter.cli import main
 
+    collector_module._SourceRun._read = counted("read:", collector_module._SourceRun._read)
+    collector_module.Exposition.encode = counted("encode", collector_module.Exposition.encode)
+    web_module._Exchange.answer = counted("http", web_module._Exchange.answer)
+    pipeline_module.LogPipeline._poll_file = counted("logs", pipeline_module.LogPipeline._poll_file)
+    series: List[Tuple[float, float, Dict[str, float]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(1.0):
+            t = os.times()
+            series.append((time.monotonic(), t.user + t.system, dict(cpu)))
+
+    threading.Thread(target=sample, daemon=True).start()
     try:
         return main(argv)
     finally:
+        stop.set()
         with open(calls_out, "w") as f:
-            json.dump({"clock": "monotonic", "calls": calls}, f)
+            json.dump({"clock": "monotonic", "calls": calls, "cpu_series": series}, f)
 
 
 # ---------------------------------------------------------------- the driver
