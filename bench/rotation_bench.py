@@ -1,20 +1,24 @@
 """Log rotation under load: is every line read once, none lost, none twice?
 
-A writer appends numbered control.log lines at a steady rate through one descriptor
-that it keeps (O_APPEND, as MPS never reopens its logs), while the real `logrotate`
-rotates the file every PERIOD seconds, and the exporter's FileFollower polls it every
-POLL_SECONDS (the pipeline's 250 ms) in another thread. At the end it prints, per mode:
-lines written, read, read twice, and the lines lost, split in two: lost by the
-follower (in some file at the end, never read) and lost by the rotation itself (in no
-file: copytruncate's window between logrotate's copy, with its fsync, and its
-truncate, documented by logrotate), and the rotations the follower could not recover
-from (`rotation_gaps`). Rotated files are kept (rotate 10000) so that the files say
-what was there to read.
+A writer process appends numbered control.log lines at a steady rate through one
+descriptor that it keeps (O_APPEND, as MPS never reopens its logs), while the real
+`logrotate`, run from the same process, rotates the file every PERIOD seconds. This
+process runs the exporter's own LogPipeline on the directory (its thread, its inotify
+wake-ups, its POLL_SECONDS fallback), its control.log follower recording each line it
+hands to the pipeline: what the exporter counts. At the end it prints, per mode: lines
+written, read, read twice, and the lines lost, split in two: lost by the follower (in
+some file at the end, never read) and lost by the rotation itself (in no file and never
+read: written after logrotate's copy, with its fsync, and truncated before anyone read
+them); then the lines read that no file holds any more (saved by reading on each
+write), the rotations the follower could not recover from (`rotation_gaps`), and the
+reader thread's CPU. Rotated files are kept (rotate 10000) so that the files say what
+was there to read.
 
 Modes: `copytruncate` uses the shipped deploy/systemd/nvidia-mps.logrotate (paths
 changed); `rename` is create-style rotation (`create`, no compression), which tools
 that reopen their logs use. In rename mode the writer reopens the name after each
-rotation, as such a program does on its signal.
+rotation, as such a program does on its signal. `none` rotates nothing: the reader's
+CPU at that rate alone.
 
     python3 bench/rotation_bench.py [--seconds 60] [--rate 500] [--modes copytruncate:1 rename:0.1 ...]
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import os
 import re
 import shutil
@@ -35,15 +40,16 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from exporter.logs.follower import FileFollower  # noqa: E402
+from exporter.logs import wake  # noqa: E402
+from exporter.logs.pipeline import POLL_SECONDS, LogPipeline  # noqa: E402
 from report import load_average, print_rows  # noqa: E402
-from exporter.logs.pipeline import POLL_SECONDS  # noqa: E402
 
 RENAME_CONFIG = """{path} {{
     size 1
@@ -65,70 +71,98 @@ def shipped_config(log_dir: str) -> str:
     return config
 
 
-def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object]:
+def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: float, rate: int) -> None:
+    """The writer process (MPS and logrotate stand-ins): prints {"written", "rotations"}."""
     logrotate = shutil.which("logrotate") or "/usr/sbin/logrotate"
-    if not os.path.exists(logrotate):
+    state = os.path.join(os.path.dirname(conf), "state")
+    stop = threading.Event()
+    reopen = threading.Event()
+    rotations = [0]
+
+    def rotator() -> None:
+        while not stop.wait(period):
+            subprocess.run([logrotate, "--force", "--state", state, conf], capture_output=True, timeout=30)
+            rotations[0] += 1
+            if mode == "rename":
+                reopen.set()
+
+    rotating = threading.Thread(target=rotator)
+    if mode != "none":
+        rotating.start()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    start = time.monotonic()
+    n = 0
+    while time.monotonic() - start < seconds:
+        due = int((time.monotonic() - start) * rate)
+        while n < due:
+            if reopen.is_set():  # rename mode: the program reopens its log
+                reopen.clear()
+                os.close(fd)
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            os.write(fd, f"[{stamp}.000 Control  1419] NEW UI {n}\n".encode())
+            n += 1
+        time.sleep(0.002)
+    stop.set()
+    if rotating.is_alive():
+        rotating.join()
+    os.close(fd)
+    print(json.dumps({"written": n, "rotations": rotations[0]}))
+
+
+class RecordingFollower(FileFollower):
+    """The pipeline's control.log follower, noting the number of each line it hands out."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.seen: List[int] = []
+
+    def poll(self, max_bytes: int = 1 << 20) -> Tuple[List[str], int]:
+        lines, truncated = super().poll(max_bytes)
+        for line in lines:
+            m = LINE.search(line)
+            if m:
+                self.seen.append(int(m.group(1)))
+        return lines, truncated
+
+
+def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object]:
+    if not (shutil.which("logrotate") or os.path.exists("/usr/sbin/logrotate")):
         sys.exit("logrotate is not installed: apt-get install logrotate")
     with tempfile.TemporaryDirectory(prefix="mps-rotation-") as tmp:
         log_dir = os.path.join(tmp, "log")
         os.mkdir(log_dir)
         path = os.path.join(log_dir, "control.log")
+        open(path, "a").close()
         conf = os.path.join(tmp, "rotate.conf")
         with open(conf, "w", encoding="utf-8") as f:
             f.write(shipped_config(log_dir) if mode == "copytruncate" else RENAME_CONFIG.format(path=path))
-        state = os.path.join(tmp, "state")
-        stop = threading.Event()
-        written = [0]
-        reopen = threading.Event()
-        fd_box = [os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)]
-
-        def writer() -> None:
-            start = time.monotonic()
-            n = 0
-            while not stop.is_set():
-                due = int((time.monotonic() - start) * rate)
-                while n < due:
-                    if reopen.is_set():  # rename mode: the program reopens its log
-                        reopen.clear()
-                        os.close(fd_box[0])
-                        fd_box[0] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                    os.write(fd_box[0], f"[{stamp}.000 Control  1419] NEW UI {n}\n".encode())
-                    n += 1
-                written[0] = n
-                time.sleep(0.002)
-
-        def rotator() -> None:
-            while not stop.wait(period):
-                subprocess.run([logrotate, "--force", "--state", state, conf], capture_output=True, timeout=30)
-                rotations[0] += 1
-                if mode == "rename":
-                    reopen.set()
-
-        rotations = [0]
-        seen: List[int] = []
-        follower = FileFollower(path)
-        threads = [threading.Thread(target=writer), threading.Thread(target=rotator)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            _poll_all(follower, seen)
-            time.sleep(POLL_SECONDS)
-        stop.set()
-        for t in threads:
-            t.join()
-        time.sleep(POLL_SECONDS)
-        _poll_all(follower, seen)
-        os.close(fd_box[0])
-        counts = Counter(seen)
+        pipe = LogPipeline("bench", log_dir)
+        follower = RecordingFollower(path)
+        pipe._followers["control"] = follower  # the bench's one intrusion: which lines came out
+        pipe.start()
+        thread = pipe._thread
+        assert thread is not None and thread.ident is not None
+        clock = time.pthread_getcpuclockid(thread.ident)
+        cpu0 = time.clock_gettime(clock)
+        writer = subprocess.run([sys.executable, __file__, "--write", path, conf, mode, str(period), str(seconds),
+                                 str(rate)], capture_output=True, text=True, check=True)
+        done = json.loads(writer.stdout)
+        time.sleep(4 * POLL_SECONDS)  # the last lines, read by the next look at the files
+        cpu = time.clock_gettime(clock) - cpu0
+        inotify = pipe._watch is not None and pipe._watch.watching
+        pipe.stop()
+        written = int(done["written"])
+        counts = Counter(follower.seen)
         in_files = numbers_in_files(log_dir)
         twice = sum(c - 1 for c in counts.values() if c > 1)
-        return {"mode": mode, "rotate every, s": period, "rotations": rotations[0], "lines written": written[0],
-                "lines read": len(seen), "read twice": twice,
+        return {"mode": mode, "rotate every, s": period, "rotations": done["rotations"], "lines written": written,
+                "lines read": len(follower.seen), "read twice": twice,
                 "lost by the follower": len(in_files - set(counts)),
-                "lost by the rotation (in no file)": len(set(range(written[0])) - in_files - set(counts)),
-                "rotation gaps": follower.rotation_gaps}
+                "lost by the rotation (in no file)": len(set(range(written)) - in_files - set(counts)),
+                "read, in no file now": len(set(counts) - in_files),
+                "rotation gaps": follower.rotation_gaps, "inotify": "yes" if inotify else "no",
+                "reader CPU, ms/s": f"{1000 * cpu / (seconds + 4 * POLL_SECONDS):.1f}"}
 
 
 def numbers_in_files(log_dir: str) -> Set[int]:
@@ -145,26 +179,24 @@ def numbers_in_files(log_dir: str) -> Set[int]:
     return found
 
 
-def _poll_all(follower: FileFollower, seen: List[int]) -> None:
-    while True:
-        lines, _ = follower.poll()
-        for line in lines:
-            m = LINE.search(line)
-            if m:
-                seen.append(int(m.group(1)))
-        if not lines and not follower.more:
-            return
-
-
 def main() -> None:
+    if sys.argv[1:2] == ["--write"]:  # the writer process
+        path, conf, mode, period, seconds, rate = sys.argv[2:8]
+        write_and_rotate(path, conf, mode, float(period), float(seconds), int(rate))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--rate", type=int, default=500, help="lines written per second")
     ap.add_argument("--modes", nargs="+", default=["copytruncate:1", "copytruncate:0.1", "rename:1", "rename:0.1"],
-                    help="MODE:PERIOD, MODE copytruncate or rename, PERIOD seconds between rotations")
+                    help="MODE:PERIOD, MODE copytruncate, rename or none, PERIOD seconds between rotations")
+    ap.add_argument("--poll-only", action="store_true",
+                    help="no inotify: the pipeline looks at the files every POLL_SECONDS only (as before issue 26)")
     args = ap.parse_args()
+    if args.poll_only:
+        wake._libc = lambda: None  # what the pipeline does where inotify cannot be had
     print(f"load average before: {load_average()}; cores: {os.cpu_count()}; "
-          f"{args.rate} lines/s for {args.seconds:g} s; the follower polls every {POLL_SECONDS} s\n")
+          f"{args.rate} lines/s for {args.seconds:g} s; the log pipeline reads on each write (inotify), "
+          f"else every {POLL_SECONDS} s\n")
     rows = []
     for spec in args.modes:
         mode, _, period = spec.partition(":")

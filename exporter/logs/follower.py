@@ -59,6 +59,9 @@ READ_SIZE = 1 << 20
 MAX_POLL_BYTES = 16 * READ_SIZE  # one poll reads at most this much, line or no line
 HEAD_BYTES = 64  # fingerprint: the file's first bytes (MPS lines start with a ms timestamp)
 TAIL_BYTES = 64  # and the bytes just before the read offset: a rotated copy must have both
+# The last bytes read are kept to confirm a copy that ends before the read offset (lines
+# written after logrotate's copy, read before its truncate) by its own last bytes.
+RECENT_BYTES = 64 * 1024
 # Rotated copies in these forms cannot be read on: their unread part counts as a gap.
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".lzma", ".Z", ".zip")
 FINISHED_FILES = 64  # identities of rotated files read to their end, remembered
@@ -166,7 +169,7 @@ class FileFollower:
         self._line_start = 0  # file position where the partial line starts: what position() saves
         self._resume: Optional[Dict[str, Any]] = None
         self._problem: Optional[ReadError] = None  # found during the current poll
-        self._tail = b""  # the last TAIL_BYTES before _offset
+        self._recent = bytearray()  # up to RECENT_BYTES read last, ending at _offset (TAIL_BYTES at least)
         self._finished: Deque[Tuple[int, int]] = collections.deque(maxlen=FINISHED_FILES)
         self._finished_mtime = 0  # st_mtime_ns of the rotated file read to its end last
         self.rotations = 0
@@ -311,11 +314,11 @@ class FileFollower:
         self._resume = None
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset = self._line_start = 0
-        self._partial, self._dropping, self._tail = b"", False, b""
+        self._partial, self._dropping, self._recent = b"", False, bytearray()
         self._head = self._read_head()
         if saved and confirmed:
             self._offset = self._line_start = saved["offset"]
-            self._tail = saved["tail"]
+            self._recent = bytearray(saved["tail"])
 
     def _saved_file(self, saved: Dict[str, Any]) -> Optional[str]:
         """The file a saved position belongs to, confirmed by content: its first bytes and
@@ -456,32 +459,30 @@ class FileFollower:
         fst = os.fstat(fd)
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset = self._line_start = 0
-        self._partial, self._dropping, self._tail = b"", False, b""
+        self._partial, self._dropping, self._recent = b"", False, bytearray()
         self._head = self._read_head()
         log.debug("%s: reading %s, rotated before it was read", self.path, path)
 
     def _switch_to_copy(self) -> bool:
         """After copytruncate: go on reading from the rotated copy that holds what was
-        not read yet (found by content). False: no copy, or nothing was unread."""
+        not read yet (found by content). False: nothing was unread (the copy ends at or
+        before the read offset: what was written after the copy was read before the
+        truncate), or no copy holds it (counted in `rotation_gaps`)."""
         for path, est in sorted(self._rotated_siblings(), key=lambda c: -c[1].st_mtime_ns):
-            if (est.st_dev, est.st_ino) == self._identity or est.st_size < len(self._head):
+            if (est.st_dev, est.st_ino) == self._identity or est.st_size == 0:
                 continue
             try:
                 fd, fst = open_regular(path)
             except OSError:
                 continue
             try:
-                head = os.pread(fd, len(self._head), 0)
-                if head != self._head:
-                    os.close(fd)
-                    continue
-                if fst.st_size <= self._offset:  # copied before bytes we already read: nothing lost
-                    os.close(fd)
-                    return False
-                if self._tail and os.pread(fd, len(self._tail), self._offset - len(self._tail)) != self._tail:
-                    os.close(fd)
-                    continue
+                ours = self._is_copy(fd, fst.st_size)
             except OSError:
+                ours = False
+            if ours and fst.st_size <= self._offset:  # read to its end already, and past it
+                os.close(fd)
+                return False
+            if not ours:
                 os.close(fd)
                 continue
             self.close()
@@ -494,6 +495,21 @@ class FileFollower:
                         "read (compressed or removed already?): lines after offset %d are lost",
                         self.path, self._offset)
         return False
+
+    def _is_copy(self, fd: int, size: int) -> bool:
+        """The file `fd` (`size` bytes) is a copy of the one followed: it starts with the
+        same bytes, and its bytes just before min(size, read offset) are the ones read
+        there (kept for the last RECENT_BYTES; a copy ending before them is judged by its
+        first bytes alone)."""
+        head = self._head[:size]
+        if not head or os.pread(fd, len(head), 0) != head:
+            return False
+        end = min(size, self._offset)
+        recent_start = self._offset - len(self._recent)
+        start = max(end - TAIL_BYTES, recent_start, 0)
+        if start >= end:
+            return True
+        return os.pread(fd, end - start, start) == bytes(self._recent[start - recent_start: end - recent_start])
 
     def _read_head(self) -> bytes:
         try:
@@ -519,7 +535,7 @@ class FileFollower:
 
     def _restart_file(self) -> None:
         self._offset = self._line_start = 0
-        self._partial, self._dropping, self._tail = b"", False, b""
+        self._partial, self._dropping, self._recent = b"", False, bytearray()
         self._head = self._read_head()
 
     def _read(self, lines: List[str], max_bytes: int) -> int:
@@ -538,7 +554,9 @@ class FileFollower:
             if not data:
                 break
             self._offset += len(data)
-            self._tail = (self._tail + data[-TAIL_BYTES:])[-TAIL_BYTES:]
+            self._recent += data[-RECENT_BYTES:]
+            if len(self._recent) > 2 * RECENT_BYTES:  # trimmed now and then, not on every read
+                del self._recent[:-RECENT_BYTES]
             max_bytes -= len(data)
             budget -= len(data)
             truncated += self._split(data, lines)

@@ -1,7 +1,9 @@
 """One MPS daemon's log pipeline: followers -> parser -> state machine -> snapshot.
 
-A background thread polls `control.log` and `server.log` every POLL_SECONDS and
-publishes a fresh `LogSnapshot` after each round that read lines. While clients are
+A background thread reads `control.log` and `server.log` as soon as they are written
+(inotify on the log directory: wake.py says why), or every POLL_SECONDS where that
+cannot be had, and publishes a fresh `LogSnapshot` at most every PUBLISH_SECONDS
+while lines keep coming. While clients are
 queued it also asks /proc, every LIVENESS_SECONDS, whether they still exist
 (liveness.py: the logs never say that a queued client died). A scrape calls
 `snapshot()`, which returns the last published copy: it never reads a file and
@@ -27,6 +29,7 @@ from .echoes import apply_control
 from .events import FILES
 from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, ReadError, end_position
 from .liveness import ProcLiveness
+from .wake import DirectoryWatch
 from .parser import parse_line, resolve_timezone
 from ..model import LogSnapshot
 from .state import LogState, NegativeCounter
@@ -34,7 +37,8 @@ from .statefile import NEGATIVE_COUNTER, POSITION, SHAPE, StateStore
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.25
+POLL_SECONDS = 0.25  # the longest wait between two looks at the files (all of them, without inotify)
+PUBLISH_SECONDS = 0.25  # reading on each write must not mean a snapshot per line
 SAVE_SECONDS = 5.0  # the state file is written at most this often (and at stop)
 PUBLISH_LINES = 100_000  # while catching up on a long log, publish every this many lines
 LIVENESS_SECONDS = 2.0  # how often /proc is asked about queued clients (a stat per client)
@@ -68,6 +72,8 @@ class LogPipeline:
         self._write_lock = threading.Lock()  # read_once and the thread never interleave
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._watch: Optional[DirectoryWatch] = None  # wakes the thread when the files change
+        self._published_at = 0.0  # time.monotonic() of the last publish
         self._restored = False
         self._last_save = 0.0
         self._dirty = False  # lines applied since the last publish
@@ -81,6 +87,7 @@ class LogPipeline:
         if self._thread is not None:
             return
         self._stop.clear()
+        self._watch = DirectoryWatch(self.log_directory, [f + ".log" for f in FILES])
         self._thread = threading.Thread(target=self._run, name=f"mps-logs-{self.daemon}", daemon=True)
         self._thread.start()
 
@@ -89,9 +96,13 @@ class LogPipeline:
         file system) costs the last save, never the exit."""
         self._stop.set()
         deadline = time.monotonic() + timeout
+        if self._watch is not None:
+            self._watch.wake()
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            if self._watch is not None and not self._thread.is_alive():  # a stuck thread keeps its descriptors
+                self._watch.close()
+            self._thread, self._watch = None, None
         if not self._write_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             log.warning("log pipeline %s: reader still busy after %.0f s; not saving state", self.daemon, timeout)
             return
@@ -127,30 +138,33 @@ class LogPipeline:
 
     # ---------------------------------------------------------- internal
     def _run(self) -> None:
+        watch = self._watch
+        assert watch is not None
         while not self._stop.is_set():
-            busy = False
+            busy = urgent = False
             try:
                 with self._write_lock:
                     self._place()
                     for file in FILES:  # control.log first: see LogState.settle
                         more = self._poll_file(file)
                         busy = more or busy
-                    if not busy and not self._caught_up:  # both files read to their end
-                        self._caught_up = self._dirty = True
+                    if not busy and not self._caught_up:  # both files read to their end: say so at once
+                        self._caught_up = self._dirty = urgent = True
                     if not more and self._state.settle():  # server.log, read last, is at its end
                         self._dirty = self._unsaved = True
                     if time.monotonic() >= self._next_liveness:
                         self._next_liveness = time.monotonic() + LIVENESS_SECONDS
                         self._forget_gone()
-                    if self._dirty:
+                    if self._dirty and (busy or urgent or time.monotonic() - self._published_at >= PUBLISH_SECONDS):
                         self._publish()
                     self._save(force=False)
             except Exception:  # a bug must cost freshness, not the exporter
                 self.errors += 1
                 if self.errors == 1:  # with its traceback once, not every 250 ms
                     log.exception("log pipeline %s: reading %s failed", self.daemon, self.log_directory)
-            if not busy:
-                self._stop.wait(POLL_SECONDS)
+            if not busy:  # until the files change; with lines not yet published, no longer than that is due
+                due = self._published_at + PUBLISH_SECONDS - time.monotonic() if self._dirty else POLL_SECONDS
+                watch.wait(min(POLL_SECONDS, max(0.0, due)))
 
     def _place(self) -> None:
         """The first round: resume from the state file, or else start where --mps.log-start says."""
@@ -224,6 +238,7 @@ class LogPipeline:
         snap.problems = tuple(sorted({e.message for e in self._published_errors.values() if e is not None}))
         self._snapshot = snap  # one reference assignment: atomic for readers
         self._dirty = False
+        self._published_at = time.monotonic()
 
     # -------------------------------------------------------- state file
     def _restore(self) -> None:

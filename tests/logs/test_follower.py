@@ -321,3 +321,61 @@ def test_a_rename_caught_between_logrotates_rename_and_create_loses_nothing(tmp_
     write(path, "third\n")  # logrotate creates the file, the writer reopens it
     assert got + drain(f) == ["second", "third"]
     assert f.rotations == 2
+
+
+def test_a_copy_that_ends_before_the_read_offset_was_read_already(tmp_path):
+    """Lines written after logrotate's copy were read before its truncate (the reader is
+    woken during rotations): the copy is shorter than the offset. Not lost, not twice."""
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(10, "seen")) + "\n")
+    f = FileFollower(str(path))
+    assert drain(f) == lines(10, "seen")
+    write(path, "\n".join(lines(3, "copied")) + "\n")
+    shutil.copy(path, tmp_path / "control.log.1")  # logrotate's copy ...
+    write(path, "\n".join(lines(2, "after the copy")) + "\n")
+    assert drain(f) == lines(3, "copied") + lines(2, "after the copy")  # ... read before its truncate
+    with open(path, "r+") as fh:
+        fh.truncate(0)
+    write(path, "\n".join(lines(2, "new")) + "\n")
+    assert drain(f) == lines(2, "new")
+    assert f.truncations == 1 and f.rotation_gaps == 0
+
+
+def test_a_shorter_copy_with_other_bytes_at_its_end_is_not_ours(tmp_path, caplog):
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(10, "seen")) + "\n")
+    f = FileFollower(str(path))
+    drain(f)
+    forged = "\n".join(lines(10, "seen")[:1] + lines(3, "forged")) + "\n"  # our first line, then others
+    write(tmp_path / "control.log.1", forged)
+    with open(path, "r+") as fh:
+        fh.truncate(0)
+    write(path, "new\n")
+    assert drain(f) == ["new"]
+    assert f.rotation_gaps == 1  # it cannot be told that nothing was lost
+
+
+def test_a_truncate_racing_a_read_loses_nothing(tmp_path, monkeypatch):
+    """logrotate copies and truncates between the follower's look at the file and its read."""
+    from mps_exporter.logs import follower as follower_module
+
+    path = tmp_path / "control.log"
+    write(path, "\n".join(lines(10, "seen")) + "\n")
+    f = FileFollower(str(path))
+    assert drain(f) == lines(10, "seen")
+    write(path, "\n".join(lines(3, "unread")) + "\n")
+    real_pread = os.pread
+    rotated = []
+
+    def rotation_first(fd: int, n: int, offset: int) -> bytes:
+        if not rotated and offset > 0:  # the read of what is new, not the look at the first bytes
+            rotated.append(offset)
+            copytruncate(path, "control.log.1")
+            write(path, "new\n")  # shorter than the offset: the read finds nothing
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(follower_module.os, "pread", rotation_first)
+    got = drain(f)
+    monkeypatch.undo()
+    assert rotated and got + drain(f) == lines(3, "unread") + ["new"]
+    assert f.truncations == 1 and f.rotation_gaps == 0
