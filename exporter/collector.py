@@ -383,6 +383,10 @@ class _Encoded:
 
 
 _EOF = b"# EOF\n"  # OpenMetrics' last line: once, after every part
+# gzip level of the scrape bodies. 1, not 6: 48 clients' 53 KB compress to 5.7 KB in
+# 0.05 ms instead of 5.0 KB in 0.18 ms (this machine); the body is re-compressed in
+# every scrape whose readings changed, and 0.7 KB is nothing to a scrape.
+GZIP_LEVEL = 1
 
 
 class Exposition(CollectorRegistry):
@@ -432,7 +436,7 @@ class Exposition(CollectorRegistry):
             text = self._encode_families(encoder, content_type, out.families())
             compressor = None
             if gzip:
-                compressor = zlib.compressobj(6, zlib.DEFLATED, 31)  # 31: the gzip container
+                compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)  # 31: the gzip container
                 text = compressor.compress(text)
             part = _Encoded(key, text, compressor)
             with self._lock:

@@ -32,8 +32,10 @@ DEFAULT_REFRESH_INTERVAL = 1.0
 DEFAULT_PAUSE_AFTER = 300.0
 # --collector.control-wait: a scrape waits this long for the control daemon's answers, then
 # serves their last reading. Settled, a control read takes 4-13 ms on an H100 (0-32 busy
-# clients); while MPS admits a storm of clients it takes up to 0.5 s (docs/performance.md).
-DEFAULT_CONTROL_WAIT = 0.05
+# clients); while MPS admits a storm of clients it takes 30-60 ms, up to 0.5 s. In the
+# H100 storm of issue 29, 0.05 made most storm scrapes wait it out (45-90 ms); 0.01 served
+# the last reading instead (25-40 ms) and settled reads still came within it (docs/performance.md).
+DEFAULT_CONTROL_WAIT = 0.01
 
 # DCGM puts its Python bindings here: 3.x, then 4.x (datacenter-gpu-manager-4).
 DEFAULT_DCGM_BINDINGS = (

@@ -56,7 +56,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import __version__, runbook
-from .collector import Exposition
+from .collector import GZIP_LEVEL, Exposition
 from .config import Config
 from .scrape_timeout import scrape_timeout
 from .webconfig import (RateLimit, TLSContextSource, WebConfig, WebConfigWatch, bcrypt_cost, peer_sans,
@@ -854,7 +854,7 @@ class _Exchange:
                     body = registry.encode(encoder, content_type, zipped)
                 else:
                     body = encoder(registry)
-                    body = gzip.compress(body, compresslevel=6) if zipped else body
+                    body = gzip.compress(body, compresslevel=GZIP_LEVEL) if zipped else body
         except Exception as e:  # a broken collector must cost one scrape, not the server
             log.error("scrape failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR,

@@ -18,7 +18,7 @@ import pytest
 
 from mps_exporter.cli import parse_args
 from mps_exporter.collector import MpsCollector
-from mps_exporter.config import Config
+from mps_exporter.config import DEFAULT_CONTROL_WAIT, Config
 from mps_exporter.sources.base import Reader
 from mps_exporter.sources.registry import SOURCES
 from mps_exporter.wiring import build_collector
@@ -234,7 +234,7 @@ def test_at_steady_state_every_scrape_serves_its_own_control_reading(tmp_path):
     scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=4)
     scen.cfg.control_wait = Config.control_wait  # the default wait (scenarios turn it off)
     collector = build_collector(scen.cfg, scen.readers(), clock=Clock())
-    assert collector.control_wait == 0.05
+    assert collector.control_wait == DEFAULT_CONTROL_WAIT
     for _ in range(5):
         collector.clock.now += 1.0  # type: ignore[attr-defined]
         assert value(text_of(collector), CONTROL_TIME) == collector.clock.now  # type: ignore[attr-defined]

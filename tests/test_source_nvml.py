@@ -165,6 +165,24 @@ def test_mig_mode(mig, enabled):
     assert gpu.up and gpu.mig_enabled is enabled
 
 
+def test_compute_and_mig_mode_are_read_again_after_modes_seconds(monkeypatch):
+    import mps_exporter.sources.nvml as nvml_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(nvml_module.time, "monotonic", lambda: clock[0])
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=0)
+    client = NvmlClient(fake)
+    assert client.read().gpus[0].compute_mode == "default"
+    fake.gpus[0].compute_mode = fp.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS  # as nvidia-smi -c 3 does
+    fake.gpus[0].mig_mode = (1, 1)
+    clock[0] += nvml_module.MODES_SECONDS - 1
+    gpu = client.read().gpus[0]
+    assert (gpu.compute_mode, gpu.mig_enabled) == ("default", False)  # not asked again yet
+    clock[0] += 1
+    gpu = client.read().gpus[0]
+    assert (gpu.compute_mode, gpu.mig_enabled) == ("exclusive_process", True)
+
+
 def test_used_gpu_memory_none_stays_none():
     fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=2)
     fake.gpus[0].mps_processes[0].usedGpuMemory = None

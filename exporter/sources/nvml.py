@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
 
 from ..config import Config
@@ -95,6 +96,13 @@ def _ratio(percent: float) -> float:
     return min(max(float(percent) / 100.0, 0.0), 1.0)
 
 
+# Compute and MIG mode are read again after this many seconds, not in every round: they
+# change only when an administrator changes them, and while MPS admits a storm of
+# clients every NVML call costs CPU (13-20 ms/s for NVML in the H100 storm of issue 29,
+# 6.4 settled), these two up to 0.1 s each.
+MODES_SECONDS = 30.0
+
+
 class NvmlClient:
     """Reads the GPU table, processes, per-process SM utilization and GPM."""
 
@@ -106,6 +114,8 @@ class NvmlClient:
         self._gpm_prev: Dict[int, Any] = {}  # index -> previous GPM sample (to free later)
         self._gpm_supported: Dict[int, bool] = {}
         self._down: Set[int] = set()  # GPUs whose last read failed
+        # index -> (time.monotonic() of the read, compute mode, MIG enabled): see MODES_SECONDS
+        self._modes: Dict[int, Tuple[float, str, bool]] = {}
 
     # ------------------------------------------------------------ lifecycle
     def _module(self) -> Any:
@@ -135,6 +145,7 @@ class NvmlClient:
         self._gpm_supported.clear()
         self._last_seen_us.clear()
         self._identity.clear()
+        self._modes.clear()
 
     def close(self) -> None:
         """Free GPM samples and shut NVML down. Safe to call twice."""
@@ -184,10 +195,17 @@ class NvmlClient:
             self._identity[index] = (_text(nvml.nvmlDeviceGetName(handle)), _text(nvml.nvmlDeviceGetUUID(handle)))
         return self._identity[index]
 
-    def _read_required(self, nvml: Any, handle: Any, gpu: GpuReading) -> None:
+    def _read_modes(self, nvml: Any, handle: Any, index: int) -> Tuple[str, bool]:
+        kept = self._modes.get(index)
+        if kept is not None and time.monotonic() - kept[0] < MODES_SECONDS:
+            return kept[1], kept[2]
         mode = int(nvml.nvmlDeviceGetComputeMode(handle))
-        gpu.compute_mode = COMPUTE_MODES.get(mode, f"unknown_{mode}")
-        gpu.mig_enabled = self._mig_enabled(nvml, handle)
+        modes = (COMPUTE_MODES.get(mode, f"unknown_{mode}"), self._mig_enabled(nvml, handle))
+        self._modes[index] = (time.monotonic(), *modes)
+        return modes
+
+    def _read_required(self, nvml: Any, handle: Any, gpu: GpuReading) -> None:
+        gpu.compute_mode, gpu.mig_enabled = self._read_modes(nvml, handle, gpu.index)
         memory = self._memory_info(nvml, handle)
         gpu.memory_total_bytes = int(memory.total)
         gpu.memory_used_bytes = int(memory.used)
