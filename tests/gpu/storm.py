@@ -61,9 +61,9 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
     cpu: Dict[str, float] = {}
     depth = threading.local()
 
-    def counted(part: str, fn: Any) -> Any:
-        """fn with its thread's CPU added to cpu[part] (the outermost call of a part only;
-        "read:" parts are named after the source)."""
+    def counted(part: str, fn: Any, key: str = "") -> Any:
+        """fn with its thread's CPU added to cpu[key or part] (the outermost call of a part
+        only; "read:" parts are named after the source)."""
         def run(*args: Any, **kwargs: Any) -> Any:
             outer = getattr(depth, part, 0)
             setattr(depth, part, outer + 1)
@@ -73,8 +73,8 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
             finally:
                 setattr(depth, part, outer)
                 if not outer:
-                    key = part + args[0].name if part == "read:" else part
-                    cpu[key] = cpu.get(key, 0.0) + time.thread_time() - start
+                    name = key or (part + args[0].name if part == "read:" else part)
+                    cpu[name] = cpu.get(name, 0.0) + time.thread_time() - start
         return run
 
     def wrap(name: str, fn: Any) -> Any:
@@ -86,7 +86,7 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
                 seconds = time.monotonic() - start
                 gpu = handles.get(id(args[0]), -1) if args else -1
                 calls.append((start, gpu, name, seconds))
-        return counted("nvml", timed)
+        return counted("nvml", timed, "nvml:" + name)
 
     for name in dir(pynvml):
         if name.startswith("nvml") and inspect.isfunction(getattr(pynvml, name)) and name != "nvmlDeviceGetHandleByIndex":
@@ -108,6 +108,28 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
 
     collector_module._SourceRun._read = counted("read:", collector_module._SourceRun._read)
     collector_module.Exposition.encode = counted("encode", collector_module.Exposition.encode)
+    # Each scrape's wall time split: waiting for the sources, and the rest of the encoding.
+    scrape_walls: List[Tuple[float, float, float]] = []  # (start, collection seconds, encode seconds)
+    collection = collector_module.MpsCollector.collection
+    encode = collector_module.Exposition.encode
+    waited = threading.local()
+
+    def timed_collection(self: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return collection(self)
+        finally:
+            waited.seconds = time.monotonic() - start
+
+    def timed_encode(self: Any, *args: Any) -> Any:
+        start, waited.seconds = time.monotonic(), 0.0
+        try:
+            return encode(self, *args)
+        finally:
+            scrape_walls.append((start, waited.seconds, time.monotonic() - start))
+
+    collector_module.MpsCollector.collection = timed_collection
+    collector_module.Exposition.encode = timed_encode
     web_module._Exchange.answer = counted("http", web_module._Exchange.answer)
     pipeline_module.LogPipeline._poll_file = counted("logs", pipeline_module.LogPipeline._poll_file)
     series: List[Tuple[float, float, Dict[str, float]]] = []
@@ -119,12 +141,25 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
             series.append((time.monotonic(), t.user + t.system, dict(cpu)))
 
     threading.Thread(target=sample, daemon=True).start()
+    import gc
+
+    collections: List[Tuple[float, int, float]] = []  # (start, generation, seconds) of the slow ones
+    gc_start = [0.0]
+
+    def gc_timed(phase: str, info: Dict[str, Any]) -> None:
+        if phase == "start":
+            gc_start[0] = time.monotonic()
+        elif time.monotonic() - gc_start[0] > 0.002:
+            collections.append((gc_start[0], info["generation"], time.monotonic() - gc_start[0]))
+
+    gc.callbacks.append(gc_timed)
     try:
         return main(argv)
     finally:
         stop.set()
         with open(calls_out, "w") as f:
-            json.dump({"clock": "monotonic", "calls": calls, "cpu_series": series}, f)
+            json.dump({"clock": "monotonic", "calls": calls, "cpu_series": series, "scrape_walls": scrape_walls,
+                       "slow_gc": collections}, f)
 
 
 # ---------------------------------------------------------------- the driver
