@@ -204,8 +204,9 @@ class MpsCollector(Collector):
     sources once `start` is called (0: they are read in every scrape);
     `pause_after`: seconds without a collection after which those reads pause.
     `control_wait`: seconds a collection waits for a `served_while_reading` source
-    before it serves that source's last finished reading (0: it waits as for any);
-    a read already running longer than the collection's budget is late as before."""
+    before it serves that source's last finished reading (0: it waits as for any), where
+    that reading is at most two refresh intervals old (`_may_stand_in`); a read already
+    running longer than the collection's budget is late as before."""
 
     def __init__(self, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
                  max_seconds: Optional[float] = None, timeout_offset: float = Config.scrape_timeout_offset,
@@ -313,6 +314,7 @@ class MpsCollector(Collector):
             threads.append(thread)
             earlier = run.latest
             if self.control_wait > 0 and run.source.served_while_reading and earlier is not None \
+                    and self._may_stand_in(earlier, collection.now) \
                     and (budget is None or time.monotonic() - run.inflight_since < budget):
                 collection.waits[name] = (time.monotonic() + self.control_wait, earlier)
         for thread in threads:
@@ -344,6 +346,13 @@ class MpsCollector(Collector):
         if snap.nvml is not None and snap.nvml.gpus:
             self._devices = [g.index for g in snap.nvml.gpus]
         return snap
+
+    def _may_stand_in(self, earlier: _Result, now: float) -> bool:
+        """Whether a `served_while_reading` source's last reading may be served in place of
+        this collection's: while it is no older than a background reading may be (two
+        refresh intervals). Scraped every second through a client storm it is; scraped
+        every 15 s it is not, and the scrape waits for its own read (within its budget)."""
+        return self.refresh_interval <= 0 or now - earlier.taken_at <= 2 * self.refresh_interval
 
     def _note_collection(self) -> None:
         self._last_collection = time.monotonic()

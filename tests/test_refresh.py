@@ -194,6 +194,28 @@ def test_a_slow_control_read_is_not_waited_for_and_its_last_reading_is_served(co
     assert gate.calls == 3
 
 
+def test_a_control_reading_older_than_two_refresh_intervals_is_not_served_in_place(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    readers = scen.readers()
+    gate = Gate(readers["control"])
+    readers["control"] = Reader(gate.read)
+    clock = Clock()
+    collector = MpsCollector(readers, clock=clock, max_seconds=5.0, control_wait=0.05, refresh_interval=1.0)
+    try:
+        text_of(collector)
+        gate.close()
+        clock.now += 1.5  # scraped often (a 1 s interval, say): the last reading stands in
+        assert value(text_of(collector), CONTROL_TIME) == 1000.0
+        gate.open()
+        assert until(lambda: collector._runs["control"].latest.taken_at == 1001.5)
+        gate.close()
+        clock.now += 15.0  # Prometheus' default interval: that reading is 15 s old
+        threading.Timer(0.3, gate.open).start()  # the daemon answers well within the budget
+        assert value(text_of(collector), CONTROL_TIME) == 1016.5  # waited for, not 15 s old
+    finally:
+        gate.open()
+
+
 def test_a_control_read_running_past_the_scrape_budget_is_late(tmp_path):
     scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
     readers = scen.readers()
