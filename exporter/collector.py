@@ -123,6 +123,17 @@ class _Collection(ReadContext):
                 SOURCES[name].store(snap, result.reading)
         return snap
 
+    def known(self, names: Sequence[str]) -> Snapshot:
+        snap = Snapshot(now=self.now)
+        for name in names:
+            future = self.futures.get(name)
+            result = future.result() if future is not None and future.done() else None
+            if result is None and name in self.waits:
+                result = self.waits[name][1]
+            if result is not None and result.reading is not None:
+                SOURCES[name].store(snap, result.reading)
+        return snap
+
     def result(self, name: str, until: Optional[float]) -> Optional[_Result]:
         """The source's result, waiting until `until` (time.monotonic(); None: no limit)
         or its own wait's end; None: late, or not read in this collection."""

@@ -267,3 +267,37 @@ def test_the_control_wait_flag_reaches_the_collector():
     assert build_collector(cfg, {}).control_wait == 0.2
     _, cfg = parse_args(["--collector.control-wait", "0"])
     assert build_collector(cfg, {}).control_wait == 0.0
+
+
+def test_proc_reads_the_known_pids_while_the_control_read_runs_then_those_it_adds(tmp_path):
+    from tests.fakes.fake_control import FakeClient
+    from tests.fakes.fake_procfs import FakeProcess, write_proc
+
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    readers = scen.readers()
+    gate = Gate(readers["control"])
+    readers["control"] = Reader(gate.read)
+    proc_client = readers["proc"].source
+    asked = []  # (PIDs asked, whether the control read was still held then)
+    real_read = proc_client.read
+
+    def spy(pids, keep=frozenset()):
+        asked.append((set(pids), not gate._open.is_set()))
+        return real_read(pids, keep)
+
+    proc_client.read = spy
+    collector = MpsCollector(readers, clock=Clock(), max_seconds=5.0, control_wait=0.0)  # waits for control
+    text_of(collector)
+    known = asked[-1][0]
+    newcomer = 7777  # connected since: only the daemon's `ps` names it, NVML not yet
+    write_proc(scen.proc_root, [FakeProcess(newcomer, uid=1500, comm="late.py")])
+    scen.daemon.clients.append(FakeClient(newcomer, 4000, scen.nvml.gpus[0].uuid, 9))
+    gate.close()
+    asked.clear()
+    threading.Timer(0.3, gate.open).start()
+    text = text_of(collector)
+    assert asked[0] == (known, True)  # read before the daemon answered
+    assert asked[1] == ({newcomer}, False)  # then only the PID its answer added
+    info = next(l for l in text.splitlines() if l.startswith("mps_client_info{") and 'pid="7777"' in l)
+    assert 'uid="1500"' in info  # its /proc facts, in this scrape
+    assert all(pid in proc_client._known for pid in known | {newcomer})  # nobody forgotten

@@ -51,6 +51,11 @@ class ReadContext:
         late leaves its part empty."""
         raise NotImplementedError
 
+    def known(self, names: Sequence[str]) -> Snapshot:
+        """These sources as far as they are known now, without waiting: a read of this
+        collection that has ended, else the last reading that may stand in for it."""
+        raise NotImplementedError
+
 
 def _nothing() -> None:
     return None

@@ -23,7 +23,7 @@ import os
 import pwd
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Optional, Set, Tuple
+from typing import AbstractSet, Callable, Dict, Iterable, Optional, Set, Tuple
 
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
@@ -133,7 +133,8 @@ class ProcClient:
                 return None
         return self._boot_time
 
-    def read(self, pids: Iterable[int]) -> Dict[int, ProcessFacts]:
+    def read(self, pids: Iterable[int], keep: AbstractSet[int] = frozenset()) -> Dict[int, ProcessFacts]:
+        """Facts of these PIDs; the known processes not among them or in `keep` are forgotten."""
         facts = {}
         for pid in set(pids):
             try:
@@ -144,7 +145,7 @@ class ProcClient:
             except (FileNotFoundError, ProcessLookupError):
                 continue  # exited while we read it
             facts[pid] = self._named(known[1])
-        for pid in set(self._known) - set(facts):
+        for pid in set(self._known) - set(facts) - keep:
             del self._known[pid]
         return facts
 
@@ -232,7 +233,16 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
         source = ProcClient(root=cfg.procfs, pod_names=PodNameLookup(roots=cfg.runtime_roots, kubelet=kubelet))
 
         def read(ctx: ReadContext) -> Dict[int, ProcessFacts]:
-            return source.read(mps_pids(ctx.wait(("nvml", "control"))))
+            # The PIDs known at once (NVML's latest reading, the daemon's last answer) are
+            # read while this collection's control read may still run; then those its
+            # answer adds. Serialised, a storm scrape waited for the control wait and then
+            # for /proc (issue 29).
+            early = mps_pids(ctx.known(("nvml", "control")))
+            facts = source.read(early)
+            pids = mps_pids(ctx.wait(("nvml", "control")))
+            if pids - early:
+                facts.update(source.read(pids - early, keep=early))
+            return {pid: facts[pid] for pid in pids if pid in facts}
 
         return Reader(read, source=source)
 
