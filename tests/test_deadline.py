@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator, List
 
@@ -42,6 +43,16 @@ class Gate:
 
     def open(self) -> None:
         self._open.set()
+
+
+def read_ended(collector: Any, name: str, timeout: float = 10.0) -> bool:
+    """Whether the source's read in flight ended within `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while (inflight := collector._runs[name]._inflight) is not None and not inflight.done():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 class Clock:
@@ -112,10 +123,9 @@ def test_at_most_one_read_per_source_is_outstanding(gated):
     gate.close()
     for _ in range(4):  # each scrape finds the late read still running and joins it
         text_of(collector)
-    readers = [t for t in threading.enumerate() if t.name == "mps-read-nvml"]
-    assert gate.calls == 2 and len(readers) == 1
+    assert gate.calls == 2  # the late read and no other
     gate.open()
-    readers[0].join(10)
+    assert read_ended(collector, "nvml")
     text = text_of(collector)  # the late read finished: the next scrape starts a new one
     assert gate.calls == 3 and value(text, 'mps_exporter_collector_success{collector="nvml"}') == 1.0
     count = value(text, 'mps_exporter_collector_read_duration_seconds_count{collector="nvml"}')
@@ -193,11 +203,34 @@ def test_a_late_read_that_ends_after_its_scrape_logs_no_recovery(gated, caplog):
     with caplog.at_level("INFO", logger="mps_exporter.collector"):
         text_of(collector)
         gate.open()
-        [t.join(10) for t in threading.enumerate() if t.name == "mps-read-nvml"]
+        assert read_ended(collector, "nvml")
         gate.close()
         text_of(collector)  # late again: the same failure, not logged again
         gate.open()
-        [t.join(10) for t in threading.enumerate() if t.name == "mps-read-nvml"]
+        assert read_ended(collector, "nvml")
         text_of(collector)  # in time: recovered
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["collector nvml failed: no answer within 0.3 s", "collector nvml recovered"], messages
+
+
+def test_a_sources_reads_share_one_thread_that_ends_when_idle_or_closed(tmp_path, monkeypatch):
+    import mps_exporter.collector as collector_module
+
+    monkeypatch.setattr(collector_module, "READ_THREAD_IDLE_SECONDS", 0.3)
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
+    readers = scen.readers()
+    real = readers["nvml"]
+    threads: List[int] = []
+    readers["nvml"] = Reader(lambda ctx: (threads.append(threading.get_ident()), real.read(ctx))[1])
+    collector = MpsCollector(readers, clock=Clock(), max_seconds=5.0)
+    for _ in range(3):
+        assert value(text_of(collector), 'mps_exporter_collector_success{collector="nvml"}') == 1.0
+    assert len(threads) == 3 and len(set(threads)) == 1  # no thread started per read
+    worker = collector._runs["nvml"]._worker
+    worker.join(5)
+    assert not worker.is_alive() and collector._runs["nvml"]._worker is None  # idle: ended
+    assert value(text_of(collector), 'mps_exporter_collector_success{collector="nvml"}') == 1.0  # a new one
+    worker = collector._runs["nvml"]._worker
+    collector.close()
+    worker.join(5)
+    assert not worker.is_alive()
