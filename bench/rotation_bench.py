@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import logging
 import os
 import re
 import shutil
@@ -192,6 +193,7 @@ def main() -> None:
     ap.add_argument("--poll-only", action="store_true",
                     help="no inotify: the pipeline looks at the files every POLL_SECONDS only (as before issue 26)")
     args = ap.parse_args()
+    logging.disable(logging.WARNING)  # a gap's warning, once per rotation: the table counts them
     if args.poll_only:
         wake._libc = lambda: None  # what the pipeline does where inotify cannot be had
     print(f"load average before: {load_average()}; cores: {os.cpu_count()}; "

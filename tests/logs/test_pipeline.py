@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, List
@@ -62,6 +64,31 @@ def test_thread_follows_appends_off_the_scrape_path(tmp_path, capture_lines):
     finally:
         pipe.stop()
     assert pipe.errors == 0
+
+
+def test_copytruncate_counts_every_line_once_and_stop_closes_what_start_opened(tmp_path, capture_lines):
+    control, log = capture_lines["control"], tmp_path / "control.log"
+    descriptors = len(os.listdir("/proc/self/fd"))
+    append(log, control[:10])
+    pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
+    pipe.start()
+    try:
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == 10)
+        append(log, control[10:12])
+        shutil.copy(log, tmp_path / "control.log.1")  # logrotate's copy ...
+        append(log, control[12:14])  # ... MPS writes on ...
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == 14)  # ... read before the truncate
+        with open(log, "r+") as f:
+            f.truncate(0)
+        append(log, control[14:16])
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == 16)
+        append(log, control[16:17])
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == 17)  # nothing read twice on the way
+        assert pipe.snapshot().rotation_gaps == {}
+    finally:
+        pipe.stop()
+    assert pipe.errors == 0
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # the inotify instance and the wake-up pipe
 
 
 def test_restart_with_state_file_neither_loses_nor_double_counts(tmp_path, capture_lines):

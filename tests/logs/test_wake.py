@@ -141,3 +141,20 @@ def test_the_watch_limit_falls_back_to_polling_with_one_warning(tmp_path, monkey
         assert len(warnings) == 1 and os.strerror(errno.ENOSPC) in warnings[0].getMessage()
     finally:
         watch.close()
+
+
+def test_writes_right_after_the_first_sign_of_a_rotation_are_not_missed(tmp_path):
+    """The round that the first sign starts reads the file; a line written after that
+    read and before the next wait must still end that wait (the watch asks for writes
+    from the sign on, not from the next wait on)."""
+    log = tmp_path / "control.log"
+    append(log)
+    watch = DirectoryWatch(str(tmp_path), ["control.log"])
+    try:
+        watch.wait(0)
+        (tmp_path / "control.log.1").write_text("")  # created empty: no write event of its own
+        assert watch.wait(0) is True  # ... the round reads the log here ...
+        append(log)  # ... and MPS writes one more line before the next wait
+        assert watch.wait(0) is True
+    finally:
+        watch.close()
