@@ -100,6 +100,7 @@ class _Collection(ReadContext):
         # reading served instead): the `served_while_reading` sources with a reading.
         self.waits: Dict[str, Tuple[float, _Result]] = {}
         self.served_earlier: Dict[str, _Result] = {}  # those not waited for, once decided
+        self.earlier: Dict[str, _Result] = {}  # each source's last finished read when this one was claimed
         self._choice = threading.Lock()
         self._devices = devices
 
@@ -128,9 +129,7 @@ class _Collection(ReadContext):
         snap = Snapshot(now=self.now)
         for name in names:
             future = self.futures.get(name)
-            result = future.result() if future is not None and future.done() else None
-            if result is None and name in self.waits:
-                result = self.waits[name][1]
+            result = future.result() if future is not None and future.done() else self.earlier.get(name)
             if result is not None and result.reading is not None:
                 SOURCES[name].store(snap, result.reading)
         return snap
@@ -370,10 +369,15 @@ class MpsCollector(Collector):
             collection.futures[name], start = run.claim(collection)
             starts.append(start)
             earlier = run.latest
+            if earlier is not None:
+                collection.earlier[name] = earlier
             if self.control_wait > 0 and run.source.served_while_reading and earlier is not None \
                     and self._may_stand_in(earlier, collection.now) \
                     and (budget is None or time.monotonic() - run.inflight_since < budget):
-                collection.waits[name] = (time.monotonic() + self.control_wait, earlier)
+                # A daemon whose last answer took longer than the wait (MPS admitting a
+                # storm of clients) is not waited for at all: it would only cost the wait.
+                wait = self.control_wait if earlier.duration_seconds <= self.control_wait else 0.0
+                collection.waits[name] = (time.monotonic() + wait, earlier)
         for start in starts:
             if start is not None:
                 start()

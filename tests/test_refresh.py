@@ -190,8 +190,11 @@ def test_a_slow_control_read_is_not_waited_for_and_its_last_reading_is_served(co
     assert until(lambda: collector._runs["control"].latest.taken_at == 1001.0)  # ended for the next scrape
     clock.now += 1.0
     fourth = text_of(collector)
-    assert value(fourth, CONTROL_TIME) == 1003.0  # read again: the fast read is this scrape's
+    assert value(fourth, CONTROL_TIME) == 1001.0  # the stalled answer; the slow daemon was not waited for
     assert gate.calls == 3
+    assert until(lambda: collector._runs["control"].latest.taken_at == 1003.0)
+    clock.now += 1.0
+    assert value(text_of(collector), CONTROL_TIME) == 1004.0  # answering fast again: this scrape's own
 
 
 def test_a_control_reading_older_than_two_refresh_intervals_is_not_served_in_place(tmp_path):
@@ -214,6 +217,29 @@ def test_a_control_reading_older_than_two_refresh_intervals_is_not_served_in_pla
         assert value(text_of(collector), CONTROL_TIME) == 1016.5  # waited for, not 15 s old
     finally:
         gate.open()
+
+
+def test_a_daemon_slower_than_the_wait_last_time_is_not_waited_for(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    readers = scen.readers()
+    real = readers["control"]
+    delay = [0.0]
+    readers["control"] = Reader(lambda ctx: (time.sleep(delay[0]), real.read(ctx))[1])
+    clock = Clock()
+    collector = MpsCollector(readers, clock=clock, max_seconds=5.0, control_wait=0.5)
+    text_of(collector)
+    delay[0] = 0.8  # slower than the wait: served the first reading, ends for the next scrape
+    clock.now += 1.0
+    assert value(text_of(collector), CONTROL_TIME) == 1000.0
+    assert until(lambda: collector._runs["control"].latest.taken_at == 1001.0)
+    delay[0] = 0.05  # well within the wait now, but the last answer took 0.8 s
+    clock.now += 1.0
+    started = time.monotonic()
+    assert value(text_of(collector), CONTROL_TIME) == 1001.0  # not waited for: the last reading
+    assert time.monotonic() - started < 0.5
+    assert until(lambda: collector._runs["control"].latest.taken_at == 1002.0)
+    clock.now += 1.0
+    assert value(text_of(collector), CONTROL_TIME) == 1003.0  # fast again: waited for, this scrape's
 
 
 def test_a_control_read_running_past_the_scrape_budget_is_late(tmp_path):
