@@ -139,7 +139,6 @@ class LogPipeline:
     # ---------------------------------------------------------- internal
     def _run(self) -> None:
         watch = self._watch
-        assert watch is not None
         while not self._stop.is_set():
             busy = urgent = False
             try:
@@ -164,7 +163,17 @@ class LogPipeline:
                     log.exception("log pipeline %s: reading %s failed", self.daemon, self.log_directory)
             if not busy:  # until the files change; with lines not yet published, no longer than that is due
                 due = self._published_at + PUBLISH_SECONDS - time.monotonic() if self._dirty else POLL_SECONDS
-                watch.wait(min(POLL_SECONDS, max(0.0, due)))
+                pause = min(POLL_SECONDS, max(0.0, due))
+                try:
+                    if watch is not None:
+                        watch.wait(pause)
+                        continue
+                except Exception:  # a bug in the watch costs the wake-ups, never the reader
+                    self.errors += 1
+                    log.exception("log pipeline %s: watching %s failed; polling from now on",
+                                  self.daemon, self.log_directory)
+                    watch = None  # stop() closes it
+                self._stop.wait(pause)
 
     def _place(self) -> None:
         """The first round: resume from the state file, or else start where --mps.log-start says."""

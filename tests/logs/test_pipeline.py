@@ -91,6 +91,26 @@ def test_copytruncate_counts_every_line_once_and_stop_closes_what_start_opened(t
     assert len(os.listdir("/proc/self/fd")) == descriptors  # the inotify instance and the wake-up pipe
 
 
+def test_a_watch_that_fails_costs_the_wake_ups_not_the_reader(tmp_path, capture_lines, monkeypatch, caplog):
+    from mps_exporter.logs.wake import DirectoryWatch
+
+    def broken(self, timeout):
+        raise RuntimeError("a bug in the watch")
+
+    monkeypatch.setattr(DirectoryWatch, "wait", broken)
+    control, log = capture_lines["control"], tmp_path / "control.log"
+    append(log, control[:5])
+    pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
+    pipe.start()
+    try:
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == 5)
+        append(log, control[5:8])
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == 8)  # polled every 250 ms
+    finally:
+        pipe.stop()
+    assert pipe.errors == 1 and "polling from now on" in caplog.text
+
+
 def test_restart_with_state_file_neither_loses_nor_double_counts(tmp_path, capture_lines):
     logs, store_path = tmp_path / "logs", tmp_path / "state.json"
     logs.mkdir()
