@@ -16,7 +16,8 @@ its own thread, and join the results (render.py) into fresh families.
   behind slow NVML calls (one took 350 ms under 30 busy clients in the capture).
 - Sources that declare `background` (NVML, DCGM) are read by a refresher thread
   every `refresh_interval` seconds (--collector.refresh-interval) instead: a scrape
-  serves their latest reading while it is at most two intervals old, and reads
+  serves their latest reading while it is at most two intervals old (plus the time
+  the read in flight has taken: a slow read in a storm is not waited for), and reads
   (or joins the read in flight) like any other source when it is older. With no
   scrape for `pause_after` seconds the refresher stops reading until the next one.
 - Sources that declare `served_while_reading` (control: its commands are sent by
@@ -29,6 +30,7 @@ its own thread, and join the results (render.py) into fresh families.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -237,11 +239,21 @@ class _SourceRun:
         self.latest = result
         future.set_result(result)
 
-    def fresh(self, now: float, max_age: float) -> Optional["Future[_Result]"]:
+    def fresh(self, now: float, max_age: float, read_for: float) -> Optional["Future[_Result]"]:
         """The latest reading as a finished read, where it was taken at most `max_age`
-        seconds before `now` (None: older, or none yet)."""
+        seconds before `now`, plus the time the read in flight has taken while that is
+        under `read_for` seconds: its predecessor is served while a slow read (NVML in a
+        client storm: up to 1.5 s) goes on, not waited for. None: older, or none yet."""
         latest = self.latest
-        if latest is None or now - latest.taken_at > max_age:
+        if latest is None:
+            return None
+        allowed = max_age
+        inflight = self._inflight
+        if inflight is not None and not inflight.done():
+            running = time.monotonic() - self.inflight_since
+            if running < read_for:
+                allowed += running
+        if now - latest.taken_at > allowed:
             return None
         done: Future[_Result] = Future()
         done.set_result(latest)
@@ -362,7 +374,8 @@ class MpsCollector(Collector):
         starts = []
         for name, run in self._runs.items():  # all claimed first: a read may wait for another
             refreshed = self._refresher is not None and run in self._refreshed
-            latest = run.fresh(collection.now, 2 * self.refresh_interval) if refreshed else None
+            latest = run.fresh(collection.now, 2 * self.refresh_interval,
+                               math.inf if budget is None else budget) if refreshed else None
             if latest is not None:
                 collection.futures[name] = latest
                 continue

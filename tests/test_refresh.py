@@ -49,6 +49,35 @@ def refreshed(tmp_path: Path) -> Iterator[Tuple[scenarios.Scenario, MpsCollector
     collector.close()
 
 
+def test_a_stale_reading_is_served_while_its_successor_is_still_being_read(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    readers = scen.readers()
+    gate = Gate(readers["nvml"])
+    readers["nvml"] = Reader(gate.read)
+    clock = Clock()
+    collector = MpsCollector(readers, clock=clock, max_seconds=5.0, refresh_interval=30.0, pause_after=1e9)
+    collector.start()
+    try:
+        assert until(lambda: collector.refreshes >= 1)
+        gate.close()  # the next round's read is slow (a client storm)
+        clock.now += 30.0
+        threading.Thread(target=collector.refresh, daemon=True).start()  # that round, now
+        assert until(lambda: gate.calls == 2)  # in flight
+        time.sleep(0.6)  # the read has run 0.6 s
+        clock.now += 30.5  # the last reading is 60.5 s old: over two intervals, by less than that
+        started = time.monotonic()
+        text = text_of(collector)
+        assert time.monotonic() - started < 1.0  # not waited for
+        assert value(text, NVML_TIME) == 1000.0 and gate.calls == 2
+        assert 'mps_client_memory_used_bytes{' in text
+        clock.now += 2.0  # older than two intervals and the read's time: waited for
+        threading.Timer(0.3, gate.open).start()
+        assert value(text_of(collector), NVML_TIME) == 1030.0 and gate.calls == 2
+    finally:
+        gate.open()
+        collector.close()
+
+
 def test_nvml_and_dcgm_are_the_background_sources():
     assert sorted(name for name, source in SOURCES.items() if source.background) == ["dcgm", "nvml"]
 
