@@ -523,69 +523,91 @@ def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[
                    log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
     """Rows of the daemon's `ps`, plus the NVML MPS clients in `unlisted`."""
     ps_rows = {c.pid: c for c in d.clients}
-    log_starts = log_snap.client_start_times if log_snap else {}
     for pid in sorted(set(ps_rows) | set(unlisted)):
-        row: Optional[PsEntry] = ps_rows.get(pid)
-        proc = processes.get(pid) or ProcessFacts(pid)
-        cp = {"daemon": d.name, "pid": str(pid), "namespace": proc.namespace, "pod": proc.pod,
-              "container": proc.container}
-        server_pid = row.server_pid if row else None
-        out.add("mps_client_info", 1, **cp, server_pid="" if server_pid is None else str(server_pid),
-                uid="" if proc.uid is None else str(proc.uid), user=proc.user,
-                command=(row.command if row else "") or proc.command, pid_namespace=row.namespace if row else "",
-                container_id=proc.container_id, pod_uid=proc.pod_uid)
-        c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
-        for gpu, used in c.memory:
-            out.add("mps_client_memory_used_bytes", used, **cp, gpu=str(gpu.index), uuid=gpu.uuid)
-        for gpu in c.gpus:
-            out.add("mps_client_pinned_memory_limit_bytes", c.limits.pinned_bytes.get(gpu.index), **cp,
-                    gpu=str(gpu.index))
-        share = c.limits.thread_percentage
-        out.add("mps_client_active_thread_ratio", None if share is None else share / 100, **cp)
-        out.add("mps_client_priority", c.priority, **cp)
-        out.add("mps_client_limit_source", 1, **cp, **c.sources)
-        for limit, reason in c.ignored.items():
-            out.add("mps_client_limit_ignored", 1, **cp, limit=limit, reason=reason)
-        out.add("mps_client_start_time_seconds", log_starts.get(pid) or proc.start_time_seconds, **cp)
+        render_client(out, d, pid, ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid), server_limits, joined,
+                      log_snap)
+
+
+def render_client(out: FamilyBuilder, d: DaemonReading, pid: int, row: Optional[PsEntry], proc: ProcessFacts,
+                  server_limits: Mapping[int, Limits], joined: _GpuJoin, log_snap: Optional[LogSnapshot]) -> None:
+    """One client's series. What it reads is what ClientTableMemo._inputs compares."""
+    cp = {"daemon": d.name, "pid": str(pid), "namespace": proc.namespace, "pod": proc.pod,
+          "container": proc.container}
+    server_pid = row.server_pid if row else None
+    out.add("mps_client_info", 1, **cp, server_pid="" if server_pid is None else str(server_pid),
+            uid="" if proc.uid is None else str(proc.uid), user=proc.user,
+            command=(row.command if row else "") or proc.command, pid_namespace=row.namespace if row else "",
+            container_id=proc.container_id, pod_uid=proc.pod_uid)
+    c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
+    for gpu, used in c.memory:
+        out.add("mps_client_memory_used_bytes", used, **cp, gpu=str(gpu.index), uuid=gpu.uuid)
+    for gpu in c.gpus:
+        out.add("mps_client_pinned_memory_limit_bytes", c.limits.pinned_bytes.get(gpu.index), **cp,
+                gpu=str(gpu.index))
+    share = c.limits.thread_percentage
+    out.add("mps_client_active_thread_ratio", None if share is None else share / 100, **cp)
+    out.add("mps_client_priority", c.priority, **cp)
+    out.add("mps_client_limit_source", 1, **cp, **c.sources)
+    for limit, reason in c.ignored.items():
+        out.add("mps_client_limit_ignored", 1, **cp, limit=limit, reason=reason)
+    log_start = log_snap.client_start_times.get(pid) if log_snap else None
+    out.add("mps_client_start_time_seconds", log_start or proc.start_time_seconds, **cp)
+
+
+ClientParts = List[Tuple[str, List[Sample]]]
 
 
 class ClientTableMemo:
-    """Each daemon's client table as last rendered, with what it was rendered from.
+    """Each client's series as last rendered, with what they were rendered from.
 
-    Settled, the clients' series stay the same from one scrape to the next while the GPU
-    numbers and the log counters move: the table (six or more series a client) was most
-    of a scrape's render with 48 clients (issue 29). Reused only where every input
-    render_clients reads is equal; the samples are shared, never changed."""
+    The clients' series mostly stay the same from one scrape to the next while the GPU
+    numbers and the log counters move; in a storm a few clients change at a time. The
+    client table (six or more series a client) was most of a scrape's render with 48
+    clients (issue 29). A client's series are reused where every input render_client
+    reads is equal; the samples are shared, never changed."""
 
     def __init__(self) -> None:
-        self._tables: Dict[str, Tuple[Tuple[object, ...], List[Tuple[str, List[Sample]]]]] = {}
+        self._clients: Dict[str, Dict[int, Tuple[Tuple[object, ...], ClientParts]]] = {}  # daemon -> pid -> ...
 
     @staticmethod
-    def _inputs(d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
-                log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
-                joined: _GpuJoin) -> Tuple[object, ...]:
-        logged = None if log_snap is None else (log_snap.servers, log_snap.client_start_times,
-                                                log_snap.client_limits)
-        gpus = tuple((g.index, g.uuid) for g in joined.gpus)
-        memory = {pid: [(g.index, used) for g, used in rows] for pid, rows in joined.mps_memory.items()}
-        return (d, dict(server_limits), tuple(unlisted), logged, dict(processes), gpus, memory)
+    def _inputs(d: DaemonReading, pid: int, row: Optional[PsEntry], proc: ProcessFacts,
+                server_limits: Mapping[int, Limits], joined: _GpuJoin, log_snap: Optional[LogSnapshot],
+                shared: Tuple[object, ...]) -> Tuple[object, ...]:
+        server_pid = row.server_pid if row else None
+        logged = None if log_snap is None else (
+            log_snap.client_start_times.get(pid), log_snap.client_limits.get(pid),
+            None if server_pid is None else log_snap.servers.get(server_pid))
+        memory = tuple((g.index, used) for g, used in joined.mps_memory.get(pid, ()))
+        return (shared, row, proc, None if server_pid is None else server_limits.get(server_pid), memory, logged)
 
     def render_clients(self, out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits],
                        unlisted: List[int], log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
                        joined: _GpuJoin) -> None:
-        inputs = self._inputs(d, server_limits, unlisted, log_snap, processes, joined)
-        kept = self._tables.get(d.name)
-        if kept is None or kept[0] != inputs:
-            table = FamilyBuilder()
-            render_clients(table, d, server_limits, unlisted, log_snap, processes, joined)
-            kept = (inputs, table.parts())
-        self._tables[d.name] = kept
-        for name, samples in kept[1]:
+        # What every client of the daemon reads: its name and defaults, the GPUs, whether logs are read.
+        shared = (d.name, d.default_active_thread_percentage, tuple(sorted(d.default_pinned_limits.items())),
+                  d.default_client_priority, tuple((g.index, g.uuid) for g in joined.gpus), log_snap is None)
+        before = self._clients.get(d.name, {})
+        now: Dict[int, Tuple[Tuple[object, ...], ClientParts]] = {}
+        families: Dict[str, List[Sample]] = {}  # in the order render_clients adds them
+        ps_rows = {c.pid: c for c in d.clients}
+        for pid in sorted(set(ps_rows) | set(unlisted)):
+            row, proc = ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid)
+            inputs = self._inputs(d, pid, row, proc, server_limits, joined, log_snap, shared)
+            kept = before.get(pid)
+            if kept is None or kept[0] != inputs:
+                part = FamilyBuilder()
+                render_client(part, d, pid, row, proc, server_limits, joined, log_snap)
+                kept = (inputs, part.parts())
+            now[pid] = kept
+            for name, samples in kept[1]:
+                families.setdefault(name, []).extend(samples)
+        self._clients[d.name] = now  # clients gone are forgotten
+        for name, samples in families.items():
             out.extend(name, samples)
 
     def keep_only(self, names: AbstractSet[str]) -> None:
-        """Forget the tables of daemons no longer read."""
-        self._tables = {name: kept for name, kept in self._tables.items() if name in names}
+        """Forget the clients of daemons no longer read."""
+        self._clients = {name: kept for name, kept in self._clients.items() if name in names}
 
 
 def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],

@@ -169,34 +169,78 @@ def _client_samples(text: str) -> List[str]:
     return sorted(l for l in text.splitlines() if l.startswith("mps_client_"))
 
 
-def test_the_client_table_is_reused_while_its_inputs_stay_and_redone_when_one_moves(tmp_path, monkeypatch):
+def test_a_clients_series_are_reused_while_its_inputs_stay_and_redone_when_one_moves(tmp_path, monkeypatch):
     import mps_exporter.render as render_module
 
     scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=3)
     collector = scen.collector()
     registry = build_registry(collector, process=False)
     encoder, content_type = choose_encoder(OPENMETRICS)
-    tables: List[int] = []
-    real = render_module.render_clients
+    rendered: List[int] = []
+    real = render_module.render_client
 
-    def counting(*args: Any, **kwargs: Any) -> None:
-        tables.append(1)
-        real(*args, **kwargs)
+    def counting(out: Any, d: Any, pid: int, *args: Any) -> None:
+        rendered.append(pid)
+        real(out, d, pid, *args)
 
-    monkeypatch.setattr(render_module, "render_clients", counting)
+    monkeypatch.setattr(render_module, "render_client", counting)
     first = registry.encode(encoder, content_type, False).decode()
+    assert len(rendered) == 3
     scen.nvml.gpus[0].util_gpu += 40  # the GPU's numbers move, the clients' do not
     second = registry.encode(encoder, content_type, False).decode()
-    assert first != second and len(tables) == 1
+    assert first != second and len(rendered) == 3
     assert _client_samples(second) == _client_samples(first)
 
     pid = scen.nvml.gpus[0].mps_processes[0].pid
     scen.nvml.gpus[0].mps_processes[0].usedGpuMemory += 1 << 20  # one client's memory moves
     third = registry.encode(encoder, content_type, False).decode()
-    assert len(tables) == 2
-    plain = render_module.FamilyBuilder()  # the same readings without the memo
-    render_module.render_readings(plain, collector.snapshot(), "client")
-    memory = next(f for f in plain.families() if f.name == "mps_client_memory_used_bytes")
-    expected = next(s.value for s in memory.samples if s.labels["pid"] == str(pid))
+    assert rendered[3:] == [pid]  # that client alone
     line = next(l for l in third.splitlines() if l.startswith("mps_client_memory_used_bytes{") and f'pid="{pid}"' in l)
-    assert float(line.split()[-1]) == expected
+    before = next(l for l in first.splitlines() if l.startswith("mps_client_memory_used_bytes{") and f'pid="{pid}"' in l)
+    assert float(line.split()[-1]) - float(before.split()[-1]) == 1 << 20
+
+
+def _families(snap: Any, memo: Any = None) -> List[Any]:
+    from mps_exporter.render import FamilyBuilder, render_readings
+
+    out = FamilyBuilder()
+    render_readings(out, snap, "client", (), memo)
+    return out.families()
+
+
+def test_the_client_memo_renders_what_a_fresh_render_does_whatever_input_moves(tmp_path):
+    """Every input render_client reads, moved one after the other: with the memo the
+    families are those of a render without it."""
+    import dataclasses
+
+    from mps_exporter.model import LogServer, LogSnapshot, ProcessMemory
+    from mps_exporter.render import ClientTableMemo
+
+    snap = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3).collector().snapshot()
+    memo = ClientTableMemo()
+    d = snap.daemons[0]
+    pid, other = d.clients[0].pid, d.clients[1].pid
+    gpu = next(g for g in snap.nvml.gpus if any(p.pid == pid for p in g.mps_clients))
+
+    def set_memory(used: int) -> None:
+        gpu.mps_clients = [ProcessMemory(p.pid, used if p.pid == pid else p.used_bytes) for p in gpu.mps_clients]
+
+    moves = [
+        lambda: None,
+        lambda: setattr(snap.nvml.gpus[0], "utilization_ratio", 0.77),
+        lambda: set_memory(5 << 30),
+        lambda: snap.processes.__setitem__(pid, dataclasses.replace(  # the client's own limit
+            snap.processes[pid], environ={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G"})),
+        lambda: setattr(d, "default_pinned_limits", {0: 3 << 30}),
+        lambda: setattr(d, "default_client_priority", 1),
+        lambda: setattr(d, "default_active_thread_percentage", 40.0),
+        lambda: setattr(d.servers[0], "pinned_limits", {0: 4 << 30, 1: 4 << 30}),
+        lambda: snap.logs.__setitem__(d.name, LogSnapshot(servers={d.servers[0].pid: LogServer(d.servers[0].pid, priority=1)},
+                                                          client_start_times={pid: 1.7e9}, client_limits={other: (25.0, {0: 1 << 30})})),
+        lambda: setattr(d, "clients", [c for c in d.clients if c.pid != other]),
+        lambda: setattr(snap.nvml.gpus[1], "uuid", "GPU-ffffffff-0000-0000-0000-000000000000"),
+    ]
+    for step, move in enumerate(moves):
+        move()
+        assert _families(snap, memo) == _families(snap), f"move {step}"
+
