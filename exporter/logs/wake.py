@@ -20,7 +20,11 @@ rotating: one inotify instance per log directory, its mask changed in place.
 
 Where inotify cannot be had (not Linux, the per-user instance or watch limit reached,
 the directory missing or unreadable), `wait` just sleeps its timeout: polling as
-before; `watching` says which. The watch is set again on the next wait when the
+before; `watching` says which. Each watch is an inotify instance, and instances are
+scarce: 128 per user by default (fs.inotify.max_user_instances), shared with systemd,
+udev, container runtimes... of the same user. So one process uses at most
+MAX_INSTANCES; the daemons past that poll (with one warning). An exporter following
+200 DRA claims' daemons would otherwise take them all. The watch is set again on the next wait when the
 directory comes back. Only libc through ctypes: no dependency for three system calls.
 """
 
@@ -33,6 +37,7 @@ import logging
 import os
 import select
 import struct
+import threading
 import time
 from typing import Any, Optional, Sequence, Tuple
 
@@ -56,7 +61,34 @@ NAMES_MASK = IN_CREATE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE | IN_DELETE_SEL
 ROTATING_MASK = NAMES_MASK | IN_MODIFY  # and every write (or truncate: copytruncate's last step)
 EVENT_HEADER = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
 READ_BYTES = 64 * 1024  # events read per call; more wait for the next read
+MAX_INSTANCES = 16  # inotify instances one process holds at most (the per-user default limit is 128)
 ROTATION_SECONDS = 5.0  # after a rotated name last changed, every write ends the wait (a copy's fsync can be slow)
+
+
+_instances_lock = threading.Lock()
+_instances = 0  # inotify instances this process holds now
+_cap_warned = False
+
+
+def _take_instance() -> bool:
+    """One of the process's MAX_INSTANCES, or False (warned once)."""
+    global _instances, _cap_warned
+    with _instances_lock:
+        if _instances < MAX_INSTANCES:
+            _instances += 1
+            return True
+        warn, _cap_warned = not _cap_warned, True
+    if warn:
+        log.warning("more than %d log directories: the others are read every poll interval, not on each write "
+                    "during rotations (copytruncate may then lose lines written just before a rotation)",
+                    MAX_INSTANCES)
+    return False
+
+
+def _give_instance() -> None:
+    global _instances
+    with _instances_lock:
+        _instances -= 1
 
 
 def _libc() -> Optional[Any]:
@@ -82,6 +114,7 @@ class DirectoryWatch:
         self._poller = select.poll()  # not select(): descriptors past 1024 (the web server raises the limit)
         self._poller.register(self._wake_r, select.POLLIN)
         self._warned: Optional[int] = None  # errno of the last failure logged (once per kind)
+        self._capped = False  # the process holds MAX_INSTANCES already: this one polls
         self._rotating_until = 0.0  # time.monotonic() until which writes end the wait
         self.wakeups = 0  # waits ended by a change of the files
 
@@ -114,6 +147,8 @@ class DirectoryWatch:
             pass
 
     def close(self) -> None:
+        if self._inotify >= 0:
+            _give_instance()
         for fd in (self._inotify, self._wake_r, self._wake_w):
             try:
                 if fd >= 0:
@@ -128,8 +163,12 @@ class DirectoryWatch:
         if self._libc is None or self._watch >= 0 and mask == self._mask:
             return
         if self._inotify < 0:
+            if self._capped or not _take_instance():
+                self._capped = True  # for good: an instance freed later goes to a watch made later
+                return
             fd = self._libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
             if fd < 0:
+                _give_instance()
                 self._failed(ctypes.get_errno(), "inotify_init1")
                 return
             self._inotify = fd

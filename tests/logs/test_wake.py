@@ -158,3 +158,27 @@ def test_writes_right_after_the_first_sign_of_a_rotation_are_not_missed(tmp_path
         assert watch.wait(0) is True
     finally:
         watch.close()
+
+
+def test_a_process_holds_at_most_max_instances_and_gives_them_back(tmp_path, monkeypatch, caplog):
+    """200 DRA claims' daemons must not take every inotify instance of the user (128 by
+    default, shared with systemd and the container runtime): past MAX_INSTANCES, poll."""
+    held = wake._instances  # by other watches of this process, if any
+    monkeypatch.setattr(wake, "MAX_INSTANCES", held + 2)
+    monkeypatch.setattr(wake, "_cap_warned", False)
+    watches = [DirectoryWatch(str(tmp_path), ["control.log"]) for _ in range(4)]
+    try:
+        for w in watches:
+            w.wait(0)
+        assert [w.watching for w in watches] == [True, True, False, False]
+        assert caplog.text.count("more than") == 1
+        watches[0].close()
+        again = DirectoryWatch(str(tmp_path), ["control.log"])
+        watches.append(again)
+        again.wait(0)
+        assert again.watching  # the instance given back went to the next watch made
+        assert not watches[2].watching  # a capped one stays polling
+    finally:
+        for w in watches:
+            w.close()
+    assert wake._instances == held  # all given back, none twice
