@@ -10,8 +10,9 @@ written, read, read twice, and the lines lost, split in two: lost by the followe
 some file at the end, never read) and lost by the rotation itself (in no file and never
 read: written after logrotate's copy, with its fsync, and truncated before anyone read
 them); then the lines read that no file holds any more (saved by reading on each
-write), the rotations the follower could not recover from (`rotation_gaps`), and the
-reader thread's CPU. Rotated files are kept (rotate 10000) so that the files say what
+write), the rotations the follower could not recover from (`rotation_gaps`), the
+reader thread's CPU, and how long after its write a line reached the pipeline (a line
+written closer than that to copytruncate's truncate is lost). Rotated files are kept (rotate 10000) so that the files say what
 was there to read.
 
 Modes: `copytruncate` uses the shipped deploy/systemd/nvidia-mps.logrotate (paths
@@ -73,7 +74,8 @@ def shipped_config(log_dir: str) -> str:
 
 
 def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: float, rate: int) -> None:
-    """The writer process (MPS and logrotate stand-ins): prints {"written", "rotations"}."""
+    """The writer process (MPS and logrotate stand-ins): prints {"written", "rotations",
+    "at"}, `at` the time.monotonic_ns() of each line's write (one clock for both processes)."""
     logrotate = shutil.which("logrotate") or "/usr/sbin/logrotate"
     state = os.path.join(os.path.dirname(conf), "state")
     stop = threading.Event()
@@ -93,6 +95,7 @@ def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: fl
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     start = time.monotonic()
     n = 0
+    at: List[int] = []
     while time.monotonic() - start < seconds:
         due = int((time.monotonic() - start) * rate)
         while n < due:
@@ -102,13 +105,14 @@ def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: fl
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             os.write(fd, f"[{stamp}.000 Control  1419] NEW UI {n}\n".encode())
+            at.append(time.monotonic_ns())
             n += 1
         time.sleep(0.002)
     stop.set()
     if rotating.is_alive():
         rotating.join()
     os.close(fd)
-    print(json.dumps({"written": n, "rotations": rotations[0]}))
+    print(json.dumps({"written": n, "rotations": rotations[0], "at": at}))
 
 
 class RecordingFollower(FileFollower):
@@ -117,13 +121,16 @@ class RecordingFollower(FileFollower):
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.seen: List[int] = []
+        self.read_at: List[int] = []  # time.monotonic_ns() when each line of `seen` was handed out
 
     def poll(self, max_bytes: int = 1 << 20) -> Tuple[List[str], int]:
         lines, truncated = super().poll(max_bytes)
+        now = time.monotonic_ns()
         for line in lines:
             m = LINE.search(line)
             if m:
                 self.seen.append(int(m.group(1)))
+                self.read_at.append(now)
         return lines, truncated
 
 
@@ -157,13 +164,19 @@ def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object
         counts = Counter(follower.seen)
         in_files = numbers_in_files(log_dir)
         twice = sum(c - 1 for c in counts.values() if c > 1)
+        delays = sorted((t - done["at"][n]) / 1e6 for n, t in zip(follower.seen, follower.read_at))
         return {"mode": mode, "rotate every, s": period, "rotations": done["rotations"], "lines written": written,
                 "lines read": len(follower.seen), "read twice": twice,
                 "lost by the follower": len(in_files - set(counts)),
                 "lost by the rotation (in no file)": len(set(range(written)) - in_files - set(counts)),
                 "read, in no file now": len(set(counts) - in_files),
                 "rotation gaps": follower.rotation_gaps, "inotify": "yes" if inotify else "no",
-                "reader CPU, ms/s": f"{1000 * cpu / (seconds + 4 * POLL_SECONDS):.1f}"}
+                "reader CPU, ms/s": f"{1000 * cpu / (seconds + 4 * POLL_SECONDS):.1f}",
+                "write to read, ms p50 / p99": f"{_quantile(delays, 0.5):.2f} / {_quantile(delays, 0.99):.2f}"}
+
+
+def _quantile(values: List[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def numbers_in_files(log_dir: str) -> Set[int]:
