@@ -1,9 +1,9 @@
 """One MPS daemon's log pipeline: followers -> parser -> state machine -> snapshot.
 
-A background thread reads `control.log` and `server.log` as soon as they are written
-(inotify on the log directory: wake.py says why), or every POLL_SECONDS where that
-cannot be had, and publishes a fresh `LogSnapshot` at most every PUBLISH_SECONDS
-while lines keep coming. While clients are
+A background thread reads `control.log` and `server.log` every POLL_SECONDS, and at
+once on each write while logrotate is at work (inotify on the log directory: wake.py
+says why), and publishes a fresh `LogSnapshot` at most every PUBLISH_SECONDS while
+lines keep coming. While clients are
 queued it also asks /proc, every LIVENESS_SECONDS, whether they still exist
 (liveness.py: the logs never say that a queued client died). A scrape calls
 `snapshot()`, which returns the last published copy: it never reads a file and
@@ -37,7 +37,7 @@ from .statefile import NEGATIVE_COUNTER, POSITION, SHAPE, StateStore
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.25  # the longest wait between two looks at the files (all of them, without inotify)
+POLL_SECONDS = 0.25  # the longest wait between two looks at the files
 PUBLISH_SECONDS = 0.25  # reading on each write must not mean a snapshot per line
 SAVE_SECONDS = 5.0  # the state file is written at most this often (and at stop)
 PUBLISH_LINES = 100_000  # while catching up on a long log, publish every this many lines
