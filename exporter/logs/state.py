@@ -239,6 +239,10 @@ class LogState:
         self._pending.append(PendingClient(ev.client_pid, ev.uid, reason, ev.ts))
         self._pusher_pid = ev.pid  # the daemon, where no `Starting control daemon` line was read
 
+    def waiting(self) -> bool:
+        """Whether a queued client waits (then /proc is asked about it every few seconds)."""
+        return any(p.served_at is None for p in self._pending)
+
     def forget_gone(self, liveness: Liveness, now: float) -> int:
         """Drop the waiting clients whose process is gone (liveness.py says why and when
         /proc is asked at all); how many. The daemon is the one that logged the pushes."""

@@ -127,15 +127,16 @@ class DirectoryWatch:
         """A rotation was seen under way lately: writes end the wait."""
         return time.monotonic() < self._rotating_until
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float, writes: bool = False) -> bool:
         """Until a rotation begins or, during one, a log is written (True), `wake()` or
-        `timeout` seconds (False)."""
-        self._watch_for(ROTATING_MASK if self.rotating else NAMES_MASK)
+        `timeout` seconds (False). `writes`: any write to a log ends the wait as well (a
+        reader with nothing to do sleeps until there is something, not 4 times a second)."""
+        self._watch_for(ROTATING_MASK if writes or self.rotating else NAMES_MASK)
         woken, written, rotation = self._events(timeout)
         if rotation:
             self._rotating_until = time.monotonic() + ROTATION_SECONDS
             self._watch_for(ROTATING_MASK)  # now, before the round this starts reads: no write falls between
-        changed = rotation or written and self.rotating  # a write queued as the rotation ended: no matter
+        changed = rotation or written and (writes or self.rotating)  # a write queued as the rotation ended: no matter
         self.wakeups += changed
         return changed and not woken
 

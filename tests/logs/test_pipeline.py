@@ -94,7 +94,7 @@ def test_copytruncate_counts_every_line_once_and_stop_closes_what_start_opened(t
 def test_a_watch_that_fails_costs_the_wake_ups_not_the_reader(tmp_path, capture_lines, monkeypatch, caplog):
     from mps_exporter.logs.wake import DirectoryWatch
 
-    def broken(self, timeout):
+    def broken(self, timeout, writes=False):
         raise RuntimeError("a bug in the watch")
 
     monkeypatch.setattr(DirectoryWatch, "wait", broken)
@@ -109,6 +109,37 @@ def test_a_watch_that_fails_costs_the_wake_ups_not_the_reader(tmp_path, capture_
     finally:
         pipe.stop()
     assert pipe.errors == 1 and "polling from now on" in caplog.text
+
+
+def test_an_idle_reader_sleeps_until_a_write_and_reads_it_at_once(tmp_path, capture_lines, monkeypatch):
+    from mps_exporter.logs import pipeline as pipeline_module
+    from mps_exporter.logs.wake import DirectoryWatch
+
+    waits = []  # (timeout, writes) of each pause between two rounds
+    real = DirectoryWatch.wait
+
+    def recorded(self, timeout, writes=False):
+        waits.append((timeout, writes))
+        return real(self, timeout, writes)
+
+    monkeypatch.setattr(DirectoryWatch, "wait", recorded)
+    control, log = capture_lines["control"], tmp_path / "control.log"
+    append(log, control[:5])
+    pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
+    pipe.start()
+    try:
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == 5)
+        assert wait_until(lambda: waits and waits[-1] == (pipeline_module.QUIET_SECONDS, True))  # nothing to read
+        rounds = len(waits)
+        time.sleep(1.0)
+        assert len(waits) == rounds  # asleep: not 4 looks a second
+        started = time.monotonic()
+        append(log, control[5:8])
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == 8)
+        assert time.monotonic() - started < pipeline_module.QUIET_SECONDS / 2  # woken by the write
+    finally:
+        pipe.stop()
+    assert pipe.errors == 0
 
 
 def test_restart_with_state_file_neither_loses_nor_double_counts(tmp_path, capture_lines):

@@ -182,3 +182,19 @@ def test_a_process_holds_at_most_max_instances_and_gives_them_back(tmp_path, mon
         for w in watches:
             w.close()
     assert wake._instances == held  # all given back, none twice
+
+
+def test_asked_for_writes_a_plain_write_ends_the_wait(tmp_path):
+    log = tmp_path / "control.log"
+    append(log)
+    watch = DirectoryWatch(str(tmp_path), ["control.log", "server.log"])
+    try:
+        assert watch.wait(0.05) is False and not watch.rotating
+        later(lambda: append(log)).join()
+        assert watch.wait(0.2) is False  # outside a rotation a write does not wake a plain wait
+        later(lambda: append(log))
+        started = time.monotonic()
+        assert watch.wait(30, writes=True) is True and time.monotonic() - started < 10
+        assert not watch.rotating  # a write is no rotation
+    finally:
+        watch.close()
