@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Tuple
+from typing import Any, Callable, Iterator, Tuple
 
 import pytest
 
@@ -38,6 +38,18 @@ def until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
     return True
 
 
+def gated_collector(tmp_path: Path, source: str, gpus: int = 1, clients_per_gpu: int = 2,
+                    **collector_args: Any) -> Tuple[scenarios.Scenario, MpsCollector, Gate, Clock]:
+    """A collector over the synthetic scenario whose `source` reads wait behind a gate the
+    test holds, on the test's clock."""
+    scen = scenarios.synthetic(tmp_path, gpus=gpus, clients_per_gpu=clients_per_gpu)
+    readers = scen.readers()
+    gate = Gate(readers[source])
+    readers[source] = Reader(gate.read)
+    clock = Clock()
+    return scen, MpsCollector(readers, clock=clock, **collector_args), gate, clock
+
+
 @pytest.fixture
 def refreshed(tmp_path: Path) -> Iterator[Tuple[scenarios.Scenario, MpsCollector, Clock]]:
     scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=2)
@@ -50,12 +62,8 @@ def refreshed(tmp_path: Path) -> Iterator[Tuple[scenarios.Scenario, MpsCollector
 
 
 def test_a_stale_reading_is_served_while_its_successor_is_still_being_read(tmp_path):
-    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
-    readers = scen.readers()
-    gate = Gate(readers["nvml"])
-    readers["nvml"] = Reader(gate.read)
-    clock = Clock()
-    collector = MpsCollector(readers, clock=clock, max_seconds=5.0, refresh_interval=30.0, pause_after=1e9)
+    scen, collector, gate, clock = gated_collector(tmp_path, "nvml", max_seconds=5.0, refresh_interval=30.0, pause_after=1e9, gpus=1,
+                                                   clients_per_gpu=2)
     collector.start()
     try:
         assert until(lambda: collector.refreshes >= 1)
@@ -227,12 +235,8 @@ def test_a_slow_control_read_is_not_waited_for_and_its_last_reading_is_served(co
 
 
 def test_a_control_reading_older_than_two_refresh_intervals_is_not_served_in_place(tmp_path):
-    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
-    readers = scen.readers()
-    gate = Gate(readers["control"])
-    readers["control"] = Reader(gate.read)
-    clock = Clock()
-    collector = MpsCollector(readers, clock=clock, max_seconds=5.0, control_wait=0.05, refresh_interval=1.0)
+    scen, collector, gate, clock = gated_collector(tmp_path, "control", max_seconds=5.0, control_wait=0.05, refresh_interval=1.0, gpus=1,
+                                                   clients_per_gpu=2)
     try:
         text_of(collector)
         gate.close()
@@ -272,12 +276,8 @@ def test_a_daemon_slower_than_the_wait_last_time_is_not_waited_for(tmp_path):
 
 
 def test_a_control_read_running_past_the_scrape_budget_is_late(tmp_path):
-    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
-    readers = scen.readers()
-    gate = Gate(readers["control"])
-    readers["control"] = Reader(gate.read)
-    clock = Clock()
-    collector = MpsCollector(readers, clock=clock, max_seconds=0.2, control_wait=0.05)
+    scen, collector, gate, clock = gated_collector(tmp_path, "control", max_seconds=0.2, control_wait=0.05, gpus=1,
+                                                   clients_per_gpu=2)
     try:
         text_of(collector)
         gate.close()
@@ -294,12 +294,8 @@ def test_a_control_read_running_past_the_scrape_budget_is_late(tmp_path):
 
 
 def test_control_wait_0_waits_for_the_daemon_as_before(tmp_path):
-    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
-    readers = scen.readers()
-    gate = Gate(readers["control"])
-    readers["control"] = Reader(gate.read)
-    clock = Clock()
-    collector = MpsCollector(readers, clock=clock, max_seconds=5.0, control_wait=0.0)
+    scen, collector, gate, clock = gated_collector(tmp_path, "control", max_seconds=5.0, control_wait=0.0, gpus=1,
+                                                   clients_per_gpu=1)
     text_of(collector)
     gate.close()
     clock.now += 1.0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, Iterator, List, Tuple
 
 import pytest
 
@@ -91,6 +92,20 @@ def test_copytruncate_counts_every_line_once_and_stop_closes_what_start_opened(t
     assert len(os.listdir("/proc/self/fd")) == descriptors  # the inotify instance and the wake-up pipe
 
 
+@contextlib.contextmanager
+def following(tmp_path: Path, first: List[str]) -> Iterator[Tuple[LogPipeline, Path]]:
+    """A started pipeline whose control.log holds `first`, read to its end; stopped after."""
+    log = tmp_path / "control.log"
+    append(log, first)
+    pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
+    pipe.start()
+    try:
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == len(first))
+        yield pipe, log
+    finally:
+        pipe.stop()
+
+
 def test_a_watch_that_fails_costs_the_wake_ups_not_the_reader(tmp_path, capture_lines, monkeypatch, caplog):
     from mps_exporter.logs.wake import DirectoryWatch
 
@@ -98,16 +113,10 @@ def test_a_watch_that_fails_costs_the_wake_ups_not_the_reader(tmp_path, capture_
         raise RuntimeError("a bug in the watch")
 
     monkeypatch.setattr(DirectoryWatch, "wait", broken)
-    control, log = capture_lines["control"], tmp_path / "control.log"
-    append(log, control[:5])
-    pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
-    pipe.start()
-    try:
-        assert wait_until(lambda: pipe.snapshot().lines["control"] == 5)
+    control = capture_lines["control"]
+    with following(tmp_path, control[:5]) as (pipe, log):
         append(log, control[5:8])
         assert wait_until(lambda: pipe.snapshot().lines["control"] == 8)  # polled every 250 ms
-    finally:
-        pipe.stop()
     assert pipe.errors == 1 and "polling from now on" in caplog.text
 
 
@@ -123,12 +132,8 @@ def test_an_idle_reader_sleeps_until_a_write_and_reads_it_at_once(tmp_path, capt
         return real(self, timeout, writes)
 
     monkeypatch.setattr(DirectoryWatch, "wait", recorded)
-    control, log = capture_lines["control"], tmp_path / "control.log"
-    append(log, control[:5])
-    pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
-    pipe.start()
-    try:
-        assert wait_until(lambda: pipe.snapshot().lines["control"] == 5)
+    control = capture_lines["control"]
+    with following(tmp_path, control[:5]) as (pipe, log):
         assert wait_until(lambda: waits and waits[-1] == (pipeline_module.QUIET_SECONDS, True))  # nothing to read
         rounds = len(waits)
         time.sleep(1.0)
@@ -137,8 +142,6 @@ def test_an_idle_reader_sleeps_until_a_write_and_reads_it_at_once(tmp_path, capt
         append(log, control[5:8])
         assert wait_until(lambda: pipe.snapshot().lines["control"] == 8)
         assert time.monotonic() - started < pipeline_module.QUIET_SECONDS / 2  # woken by the write
-    finally:
-        pipe.stop()
     assert pipe.errors == 0
 
 
