@@ -24,6 +24,11 @@ the exporters scraped every second through it.
 
 CPU per scrape is each exporter's user+system time (/proc/PID/stat) over the storm
 divided by its scrapes: everything it did at this cadence, background threads included.
+Inside the exporter (`timed-serve`), DIR/calls.json also holds where that CPU went
+(`cpu_series`: thread CPU per part, NVML per function, sampled every second), each
+scrape's wall time split into waiting for the sources and the rest (`scrape_walls`), and
+the garbage collector's passes over 2 ms (`slow_gc`). `profile_storm.sh` runs it on the
+lent machine, with py-spy unless PYSPY=0.
 """
 
 from __future__ import annotations
