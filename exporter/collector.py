@@ -98,11 +98,11 @@ class _Collection(ReadContext):
         self.now = now
         self.deadline = deadline  # time.monotonic() value; None: wait for every source
         self.futures: Dict[str, Future[_Result]] = {}
-        # Source name -> (time.monotonic() after which its read is not waited for, the
-        # reading served instead): the `served_while_reading` sources with a reading.
-        self.waits: Dict[str, Tuple[float, _Result]] = {}
-        self.served_earlier: Dict[str, _Result] = {}  # those not waited for, once decided
         self.earlier: Dict[str, _Result] = {}  # each source's last finished read when this one was claimed
+        # Source name -> time.monotonic() after which its read is not waited for and its
+        # `earlier` reading is served instead: the `served_while_reading` sources with one.
+        self.waits: Dict[str, float] = {}
+        self.served_earlier: Dict[str, _Result] = {}  # those not waited for, once decided
         self._choice = threading.Lock()
         self._devices = devices
 
@@ -144,15 +144,15 @@ class _Collection(ReadContext):
             return None
         wait = self.waits.get(name)
         if wait is not None:
-            until = wait[0] if until is None else min(until, wait[0])
+            until = wait if until is None else min(until, wait)
         wait_futures([future], timeout=None if until is None else max(0.0, until - time.monotonic()))
         if wait is None:
             return future.result() if future.done() else None
         with self._choice:  # decided once: proc's PIDs and the served reading agree
             if name not in self.served_earlier and future.done():
                 return future.result()
-            if name in self.served_earlier or time.monotonic() >= wait[0]:
-                return self.served_earlier.setdefault(name, wait[1])
+            if name in self.served_earlier or time.monotonic() >= wait:
+                return self.served_earlier.setdefault(name, self.earlier[name])
         return None
 
 
@@ -390,7 +390,7 @@ class MpsCollector(Collector):
                 # A daemon whose last answer took longer than the wait (MPS admitting a
                 # storm of clients) is not waited for at all: it would only cost the wait.
                 wait = self.control_wait if earlier.duration_seconds <= self.control_wait else 0.0
-                collection.waits[name] = (time.monotonic() + wait, earlier)
+                collection.waits[name] = time.monotonic() + wait
         for start in starts:
             if start is not None:
                 start()
