@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -30,7 +29,7 @@ from typing import Callable, Dict, List
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from steady_log import write_steady_logs  # noqa: E402
+from steady_log import steady_history  # noqa: E402
 
 from mps_exporter.logs import pipeline as pipeline_mod  # noqa: E402
 from mps_exporter.logs.parser import _HEADER  # noqa: E402
@@ -79,10 +78,7 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="mps-steady-") as d:
-        directory = Path(d)
-        written = write_steady_logs(directory, args.lines)
-        size = sum((directory / f"{f}.log").stat().st_size for f in ("control", "server"))
+    with steady_history(args.lines) as (directory, written, size):
         print(f"# steady-state logs: {written:,} lines, {size / 1e6:.0f} MB (bench/steady_log.py, 8 GPUs x 48 "
               f"clients); load average before: {os.getloadavg()[0]:.2f}\n")
         print("| round | regex lines/s | pipeline lines/s | parse every line lines/s | pipeline / regex | "

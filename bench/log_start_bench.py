@@ -17,14 +17,13 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from steady_log import write_steady_logs  # noqa: E402
+from steady_log import steady_history  # noqa: E402
 
 EXPORTER = [sys.executable, "-m", "mps_exporter.cli", "--no-collector.nvml", "--no-collector.dcgm",
             "--no-collector.control", "--no-collector.proc", "--mps.log-timezone", "UTC"]
@@ -62,10 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lines", type=int, default=5_000_000)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="mps-log-start-") as d:
-        directory = Path(d)
-        written = write_steady_logs(directory, args.lines)
-        size = sum((directory / f"{f}.log").stat().st_size for f in ("control", "server"))
+    with steady_history(args.lines) as (directory, written, size):
         print(f"# {written:,} lines ({size / 1e6:.0f} MB) of history, no state file\n")
         print("| --mps.log-start | first complete scrape after start | load average |")
         print("| --- | --- | --- |")

@@ -20,9 +20,11 @@ Used by bench/log_skip_bench.py and the catch-up test (tests/logs/test_catch_up.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import tempfile
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import Iterator, List, Tuple
 
 DAEMON_PID = 546
 SERVER_PID = 4000
@@ -58,6 +60,16 @@ def scrape_messages(clients: List[Tuple[int, int, int]], gpus: int, facts: bool)
 
 def _stamp(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(int(t))) + f".{int(t * 1000) % 1000:03d}"
+
+
+@contextlib.contextmanager
+def steady_history(lines: int) -> Iterator[Tuple[Path, int, int]]:
+    """A temporary directory with about `lines` lines of steady-state logs (8 GPUs x 48
+    clients): (the directory, lines written, bytes of the two files); removed after."""
+    with tempfile.TemporaryDirectory(prefix="mps-steady-") as d:
+        directory = Path(d)
+        written = write_steady_logs(directory, lines)
+        yield directory, written, sum((directory / f"{f}.log").stat().st_size for f in ("control", "server"))
 
 
 def write_steady_logs(directory: Path, lines: int, gpus: int = 8, clients_per_gpu: int = 48,

@@ -34,7 +34,8 @@ from scrape import Exposition, scrape
 from truth_check import Session
 
 if TYPE_CHECKING:
-    from truth_check import TruthCheck
+    from report import Report
+    from truth_check import Client, TruthCheck
 
 INTERVAL = 1.0  # --mps.discover-interval of the discovering exporter
 DISCOVERY_ROOT = Path("/tmp/mpsd")  # run_device.sh quits every daemon below it
@@ -89,6 +90,23 @@ def start_exporter(tc: "TruthCheck", dp_root: Path, plugins: Path, port: int) ->
             "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "info"]
     env = {k: v for k, v in tc.s.env.items() if not k.startswith("CUDA_MPS_")}
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/tmp")
+
+
+def tear_down(s: Session, r: "Report", phase: str, clients: List["Client"], daemons: List[Daemon], kept: Path,
+              exporter: Optional[subprocess.Popen]) -> None:
+    """The end of a phase with daemons of its own: clients stopped, each daemon told to quit
+    (its answer kept as a fact) and its logs kept, the exporter stopped."""
+    s.stop(clients)
+    for d in daemons:
+        if d.pipe.exists():
+            r.facts[f"{phase}: quit {d.name}"] = d.quit()
+        d.keep_logs(kept)
+    if exporter is not None:
+        exporter.terminate()
+        try:
+            exporter.wait(10)
+        except subprocess.TimeoutExpired:
+            exporter.kill()
 
 
 def wait_scrape(url: str, predicate, timeout: float) -> Optional[Exposition]:
@@ -235,16 +253,6 @@ def run(tc: "TruthCheck", port: int) -> None:
             capture_output=True, text=True, timeout=60, cwd="/tmp",
             env={k: v for k, v in s.env.items() if not k.startswith("CUDA_MPS_")}).stdout[-3000:]
     finally:
-        s.stop(clients)
-        for d in everyone:
-            if d.pipe.exists():
-                r.facts[f"discovery: quit {d.name}"] = d.quit()
-            d.keep_logs(kept)
-        if exporter is not None:
-            exporter.terminate()
-            try:
-                exporter.wait(10)
-            except subprocess.TimeoutExpired:
-                exporter.kill()
+        tear_down(s, r, "discovery", clients, everyone, kept, exporter)
         if (s.work / "exporter-discovery.log").exists():
             shutil.copy(s.work / "exporter-discovery.log", kept / "exporter-discovery.log")

@@ -222,14 +222,7 @@ def phase_daemonpergpu(tc: "TruthCheck") -> None:
                 {x.labels["gpu"]: int(x.value) for x in e.series("mps_client_pinned_memory_limit_bytes", daemon=name)
                  if x.labels["pid"] == str(clients[5].pid)})
     finally:
-        s.stop(clients)
-        for d in daemons:
-            if d.pipe.exists():
-                r.facts[f"daemonpergpu: quit {d.name}"] = d.quit()
-            d.keep_logs(kept)
-        if exporter is not None:
-            exporter.terminate()
-            exporter.wait(10)
+        dp.tear_down(s, r, "daemonpergpu", clients, daemons, kept, exporter)
 
 
 # ------------------------------------------------------------------ storm over two GPUs

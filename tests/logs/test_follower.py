@@ -21,6 +21,16 @@ def write(path: Path, text: str, mode: str = "a") -> None:
         f.write(text)
 
 
+def text(lines: List[str]) -> str:
+    """The lines as a file holds them, each with its newline."""
+    return "".join(line + "\n" for line in lines)
+
+
+def truncate(path: Path) -> None:
+    with open(path, "r+") as fh:
+        fh.truncate(0)
+
+
 def drain(f: FileFollower) -> List[str]:
     out: List[str] = []
     while True:
@@ -36,7 +46,7 @@ def test_file_that_does_not_exist_yet(tmp_path):
     assert f.poll() == ([], 0)
     path.parent.mkdir()
     assert f.poll() == ([], 0)
-    write(path, "\n".join(lines(3)) + "\n")
+    write(path, text(lines(3)))
     assert drain(f) == lines(3)
 
 
@@ -53,12 +63,12 @@ def test_partial_line_waits_for_its_newline(tmp_path):
 
 def test_rename_rotation_finishes_the_old_file_first(tmp_path):
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(5, "old")) + "\n")
+    write(path, text(lines(5, "old")))
     f = FileFollower(str(path))
     assert drain(f) == lines(5, "old")
     os.rename(path, tmp_path / "control.log.1")
     write(tmp_path / "control.log.1", "old tail\nold unterminated")  # written after the rename
-    write(path, "\n".join(lines(3, "new")) + "\n")
+    write(path, text(lines(3, "new")))
     assert drain(f) == ["old tail", "old unterminated"] + lines(3, "new")
     write(path, "more\n")
     assert drain(f) == ["more"]
@@ -67,12 +77,11 @@ def test_rename_rotation_finishes_the_old_file_first(tmp_path):
 
 def test_copytruncate_starts_again_from_the_beginning(tmp_path):
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(50)) + "\n")
+    write(path, text(lines(50)))
     f = FileFollower(str(path))
     assert len(drain(f)) == 50
     shutil.copy(path, tmp_path / "control.log.1")
-    with open(path, "r+") as fh:
-        fh.truncate(0)
+    truncate(path)
     write(path, "after truncate\n")
     assert drain(f) == ["after truncate"]
     assert f.truncations == 1
@@ -82,10 +91,10 @@ def test_copytruncate_then_regrown_past_the_old_offset(tmp_path):
     # Between two polls the file is truncated and grows beyond where we were:
     # its size does not shrink, its first bytes change.
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(2, "x")) + "\n")
+    write(path, text(lines(2, "x")))
     f = FileFollower(str(path))
     assert drain(f) == lines(2, "x")
-    write(path, "\n".join(lines(10, "y")) + "\n", mode="w")
+    write(path, text(lines(10, "y")), mode="w")
     assert drain(f) == lines(10, "y")
 
 
@@ -93,7 +102,7 @@ def test_writer_keeping_its_offset_leaves_a_nul_hole(tmp_path):
     # copytruncate while MPS writes without O_APPEND: the next write lands at its old
     # offset, the file starts with a hole of NUL bytes. The line after it must survive.
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(2000)) + "\n")
+    write(path, text(lines(2000)))
     f = FileFollower(str(path), max_line_bytes=4096)
     assert len(drain(f)) == 2000
     size = path.stat().st_size
@@ -147,7 +156,7 @@ def test_position_and_resume_neither_skip_nor_repeat(tmp_path):
     first = drain(f)
     saved = f.position()
     f.close()
-    write(path, "ne\n" + "\n".join(lines(4, "b")) + "\n")
+    write(path, "ne\n" + text(lines(4, "b")))
     g = FileFollower(str(path))
     g.resume(saved)
     assert first + drain(g) == lines(10) + ["half a line"] + lines(4, "b")
@@ -214,19 +223,18 @@ def test_position_survives_while_the_file_is_missing(tmp_path):
 def copytruncate(path: Path, copy_name: str) -> None:
     """What logrotate's copytruncate does: copy, then truncate in place."""
     shutil.copy(path, path.parent / copy_name)
-    with open(path, "r+") as fh:
-        fh.truncate(0)
+    truncate(path)
 
 
 def test_copytruncate_reads_the_unread_part_from_the_copy_first(tmp_path):
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(10, "seen")) + "\n")
+    write(path, text(lines(10, "seen")))
     f = FileFollower(str(path))
     assert drain(f) == lines(10, "seen")
-    write(path, "\n".join(lines(4, "unread")) + "\n")  # written, then rotated before the next poll
-    write(tmp_path / "control.log.3", "\n".join(lines(9, "an older rotation")) + "\n")
+    write(path, text(lines(4, "unread")))  # written, then rotated before the next poll
+    write(tmp_path / "control.log.3", text(lines(9, "an older rotation")))
     copytruncate(path, "control.log-20261125")  # a dated name: found by content, not by name
-    write(path, "\n".join(lines(2, "new")) + "\n")
+    write(path, text(lines(2, "new")))
     assert drain(f) == lines(4, "unread") + lines(2, "new")  # nothing lost, nothing twice
     write(path, "more\n")
     assert drain(f) == ["more"]
@@ -235,15 +243,14 @@ def test_copytruncate_reads_the_unread_part_from_the_copy_first(tmp_path):
 
 def test_a_copy_with_other_content_is_not_taken_for_ours(tmp_path, caplog):
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(10, "seen")) + "\n")
+    write(path, text(lines(10, "seen")))
     f = FileFollower(str(path))
     drain(f)
-    write(path, "\n".join(lines(4, "unread")) + "\n")
-    same_start = "\n".join(lines(10, "seen")[:1] + lines(20, "forged")) + "\n"  # same head, other bytes at our offset
+    write(path, text(lines(4, "unread")))
+    same_start = text(lines(10, "seen")[:1] + lines(20, "forged"))  # same head, other bytes at our offset
     write(tmp_path / "control.log.1", same_start)
-    with open(path, "r+") as fh:
-        fh.truncate(0)  # and the real copy was compressed already: gone
-    write(path, "\n".join(lines(2, "new")) + "\n")
+    truncate(path)  # and the real copy was compressed already: gone
+    write(path, text(lines(2, "new")))
     assert drain(f) == lines(2, "new")
     assert f.rotation_gaps == 1
     assert "no rotated copy beside it holds the part not yet read" in caplog.text
@@ -251,15 +258,15 @@ def test_a_copy_with_other_content_is_not_taken_for_ours(tmp_path, caplog):
 
 def test_several_renames_between_two_polls_are_all_read_in_order(tmp_path):
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(3, "first")) + "\n")
+    write(path, text(lines(3, "first")))
     f = FileFollower(str(path))
     assert drain(f) == lines(3, "first")
-    write(path, "\n".join(lines(2, "first late")) + "\n")
+    write(path, text(lines(2, "first late")))
     os.rename(path, tmp_path / "control.log.1")
-    write(path, "\n".join(lines(2, "second")) + "\n")
+    write(path, text(lines(2, "second")))
     os.rename(tmp_path / "control.log.1", tmp_path / "control.log.2")
     os.rename(path, tmp_path / "control.log.1")
-    write(path, "\n".join(lines(2, "third")) + "\n")
+    write(path, text(lines(2, "third")))
     os.utime(tmp_path / "control.log.2", ns=(1, 10**18))  # written before the next one
     os.utime(tmp_path / "control.log.1", ns=(1, 10**18 + 1))
     assert drain(f) == lines(2, "first late") + lines(2, "second") + lines(2, "third")
@@ -327,29 +334,27 @@ def test_a_copy_that_ends_before_the_read_offset_was_read_already(tmp_path):
     """Lines written after logrotate's copy were read before its truncate (the reader is
     woken during rotations): the copy is shorter than the offset. Not lost, not twice."""
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(10, "seen")) + "\n")
+    write(path, text(lines(10, "seen")))
     f = FileFollower(str(path))
     assert drain(f) == lines(10, "seen")
-    write(path, "\n".join(lines(3, "copied")) + "\n")
+    write(path, text(lines(3, "copied")))
     shutil.copy(path, tmp_path / "control.log.1")  # logrotate's copy ...
-    write(path, "\n".join(lines(2, "after the copy")) + "\n")
+    write(path, text(lines(2, "after the copy")))
     assert drain(f) == lines(3, "copied") + lines(2, "after the copy")  # ... read before its truncate
-    with open(path, "r+") as fh:
-        fh.truncate(0)
-    write(path, "\n".join(lines(2, "new")) + "\n")
+    truncate(path)
+    write(path, text(lines(2, "new")))
     assert drain(f) == lines(2, "new")
     assert f.truncations == 1 and f.rotation_gaps == 0
 
 
 def test_a_shorter_copy_with_other_bytes_at_its_end_is_not_ours(tmp_path, caplog):
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(10, "seen")) + "\n")
+    write(path, text(lines(10, "seen")))
     f = FileFollower(str(path))
     drain(f)
-    forged = "\n".join(lines(10, "seen")[:1] + lines(3, "forged")) + "\n"  # our first line, then others
+    forged = text(lines(10, "seen")[:1] + lines(3, "forged"))  # our first line, then others
     write(tmp_path / "control.log.1", forged)
-    with open(path, "r+") as fh:
-        fh.truncate(0)
+    truncate(path)
     write(path, "new\n")
     assert drain(f) == ["new"]
     assert f.rotation_gaps == 1  # it cannot be told that nothing was lost
@@ -360,10 +365,10 @@ def test_a_truncate_racing_a_read_loses_nothing(tmp_path, monkeypatch):
     from mps_exporter.logs import follower as follower_module
 
     path = tmp_path / "control.log"
-    write(path, "\n".join(lines(10, "seen")) + "\n")
+    write(path, text(lines(10, "seen")))
     f = FileFollower(str(path))
     assert drain(f) == lines(10, "seen")
-    write(path, "\n".join(lines(3, "unread")) + "\n")
+    write(path, text(lines(3, "unread")))
     real_pread = os.pread
     rotated = []
 
