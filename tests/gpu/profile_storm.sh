@@ -9,9 +9,7 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 NAME=$1; shift
 R=/tmp/results; rm -rf $R/$NAME; mkdir -p $R/$NAME
 trap 'tar czf ${OUT:-/tmp}/results.tgz -C /tmp results' EXIT
-mkdir -p /tmp/pkg && ln -sfn $REPO/exporter /tmp/pkg/mps_exporter
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $REPO/.whl/*.whl
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
+. $REPO/tests/gpu/device_env.sh
 python3 -c 'import sys, prometheus_client, pynvml; print(sys.version, prometheus_client.__file__)' > $R/$NAME/env.txt 2>&1
 python3 -m pip list 2>/dev/null | grep -i -E "prometheus|nvidia-ml|nvitop" >> $R/$NAME/env.txt
 python3 $REPO/tests/gpu/storm.py --work /tmp/mps-storm-$NAME --out $R/$NAME --name $NAME "$@" > $R/$NAME/storm.out 2>&1 &

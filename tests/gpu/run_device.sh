@@ -24,12 +24,7 @@ quit_all() {
   tar czf ${OUT:-/tmp}/results.tgz -C /tmp results
 }
 trap quit_all EXIT
-# mps_exporter importable from the checkout; wheels the image lacks (bcrypt) from .whl/
-mkdir -p /tmp/pkg && ln -sfn $REPO/exporter /tmp/pkg/mps_exporter
-if ls $REPO/.whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $REPO/.whl/*.whl
-fi
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
+. $REPO/tests/gpu/device_env.sh
 id mpsuser >/dev/null 2>&1 || useradd -M -u 1500 mpsuser
 { nvidia-smi; nvidia-smi -q -d COMPUTE | grep -i mode; python3 -c 'import sys, pynvml, prometheus_client, yaml, bcrypt, torch; print(sys.version, pynvml.__file__, torch.__version__)'; } > $R/env.txt 2>&1
 cat $R/env.txt

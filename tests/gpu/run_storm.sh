@@ -18,11 +18,8 @@ pack_storm() {
   tar czf ${OUT:-/tmp}/storm.tgz -C /tmp storm
 }
 trap pack_storm EXIT
-mkdir -p /tmp/pkg && ln -sfn $REPO/exporter /tmp/pkg/mps_exporter
-if ls $REPO/.whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $REPO/.whl/*.whl
-fi
-export PYTHONPATH=/tmp/pkg:/tmp/site:$REPO PYTHONUNBUFFERED=1
+. $REPO/tests/gpu/device_env.sh
+export PYTHONPATH=$PYTHONPATH:$REPO
 uptime > $S/load-before.txt
 timeout -s INT ${STORM_SECONDS:-200} python3 $REPO/tests/gpu/storm.py --work /tmp/mps-storm --out $S \
   --clients "$CLIENTS" --busy "$BUSY" --name storm-refresh 2>&1 | tee $S/storm.out
