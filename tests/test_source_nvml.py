@@ -2,12 +2,14 @@
 scenarios and failure injection. Expected values are derived from the capture
 JSON or from the scenario's inputs, never copied from the source's output."""
 
+import copy
+import ctypes
 import inspect
 
 import pynvml
 import pytest
 
-from mps_exporter.sources.nvml import COMPUTE_MODES, NvmlClient, NvmlUnavailable
+from mps_exporter.sources.nvml import COMPUTE_MODES, DirectLists, NvmlClient, NvmlUnavailable
 from tests.fakes import fake_pynvml as fp
 from tests.fakes.fake_pynvml import MAX_CLIENT_SHARE, FakeNvml, load_capture
 
@@ -76,10 +78,19 @@ def test_capture_latency_mode_maps_each_call_to_its_measured_us(monkeypatch):
     assert fake.latency_us["nvmlDeviceGetUtilizationRates"] == doc["util"]["us"] / 2  # the probe called it twice
     slept = []
     monkeypatch.setattr(fp.time, "sleep", slept.append)
-    NvmlClient(fake).read()
-    # One scrape makes each captured call once and sleeps its measured time.
-    assert sorted(slept) == pytest.approx(sorted(us / 1e6 for us in fake.latency_us.values()))
+    source = NvmlClient(fake)
+    source.read()
+    # One scrape makes each captured call once and sleeps its measured time; the first
+    # also asks each list how long it is, to size the buffer kept for the next reads.
+    lists = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses",
+             "nvmlDeviceGetProcessUtilization")
+    expected = [us / 1e6 for us in fake.latency_us.values()] + [fake.latency_us[f] / 1e6 for f in lists]
+    assert sorted(slept) == pytest.approx(sorted(expected))
     assert pytest.approx(doc["proc_util"]["us"] / 1e6) in slept
+    slept.clear()
+    source.read()
+    assert sorted(s for s in slept if s in [fake.latency_us[f] / 1e6 for f in lists]) == pytest.approx(
+        sorted(fake.latency_us[f] / 1e6 for f in lists))  # then one call each
 
 
 # --------------------------------------------------------- recorded answers
@@ -299,8 +310,14 @@ def test_real_pynvml_without_a_gpu_raises_nvml_unavailable():
 def test_last_seen_timestamp_advances_between_scrapes():
     fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
     asked = []
-    real_call = fake.nvmlDeviceGetProcessUtilization
-    fake.nvmlDeviceGetProcessUtilization = lambda h, ts: asked.append((h.index, ts)) or real_call(h, ts)
+    entry_point = fake._nvmlGetFunctionPointer
+
+    def recorded(name):
+        call = entry_point(name)
+        if name != "nvmlDeviceGetProcessUtilization":
+            return call
+        return lambda h, samples, count, ts: asked.append((h.index, ts.value)) or call(h, samples, count, ts)
+    fake._nvmlGetFunctionPointer = recorded
     source = NvmlClient(fake)
     first = source.read().gpus[0].process_utilization
     t1 = fake.clock_us
@@ -311,8 +328,9 @@ def test_last_seen_timestamp_advances_between_scrapes():
     fake.advance(5)
     third = source.read().gpus[0].process_utilization
     assert [u.timestamp_us for u in third] == [t1 + 5_000_000]
-    assert [ts for i, ts in asked if i == 0] == [0, t1, t1]  # each GPU keeps its own last-seen
-    assert [ts for i, ts in asked if i == 1] == [0, t1, t1]
+    # Each GPU keeps its own last-seen (the first read asks twice: the count, then the samples).
+    assert [ts for i, ts in asked if i == 0] == [0, 0, t1, t1]
+    assert [ts for i, ts in asked if i == 1] == [0, 0, t1, t1]
 
 
 def test_newest_sample_per_pid_wins():
@@ -394,7 +412,7 @@ def test_driver_before_r510_falls_back_to_v2_process_calls():
     fake.driver_before_r510 = True
     gpus = NvmlClient(fake).read().gpus
     assert all(g.up and len(g.mps_clients) == 2 and len(g.compute_processes) == 3 for g in gpus)
-    assert fake.calls["nvmlDeviceGetMPSComputeRunningProcesses_v2"] == 2
+    assert fake.calls["nvmlDeviceGetMPSComputeRunningProcesses_v2"] == 4  # two GPUs: the count, then the list
     assert issubclass(pynvml.NVMLLibraryMismatchError, Exception)
     assert not issubclass(pynvml.NVMLLibraryMismatchError, pynvml.NVMLError)  # why the source catches it apart
 
@@ -430,3 +448,65 @@ def test_gpus_are_read_side_by_side():
     nvml.latency_of = latency
     reading = NvmlClient(nvml).read()
     assert [g.index for g in reading.gpus] == [0, 1, 2] and all(g.up for g in reading.gpus)
+
+
+# ------------------------------------------- list calls straight into NVML
+LISTS = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+         "nvmlDeviceGetProcessUtilization")
+
+
+def test_installed_pynvml_has_what_the_direct_list_calls_use():
+    assert DirectLists(pynvml).usable
+    for name in ("c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t", "c_nvmlProcessUtilizationSample_t"):
+        assert [f[0] for f in getattr(fp, name)._fields_] == [f[0] for f in getattr(pynvml, name)._fields_], name
+        assert ctypes.sizeof(getattr(fp, name)) == ctypes.sizeof(getattr(pynvml, name)), name
+
+
+def test_each_list_is_one_call_once_its_buffer_is_sized():
+    fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=3)
+    source = NvmlClient(fake)
+    source.read()
+    assert [fake.entry_point_calls[f] for f in LISTS] == [4, 4, 4]  # per GPU: the count, then the list
+    for _ in range(3):
+        fake.advance(1)
+        source.read()
+    assert [fake.entry_point_calls[f] for f in LISTS] == [10, 10, 10]  # then one call a GPU
+
+
+def test_a_list_that_outgrows_its_buffer_is_read_whole():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=2)
+    source = NvmlClient(fake)
+    assert len(source.read().gpus[0].mps_clients) == 2
+    gpu = fake.gpus[0]
+    newcomers = [fp.FakeProcess(20000 + k, (k + 1) << 20) for k in range(40)]  # past 2 * 2 + 5
+    gpu.mps_processes += newcomers
+    gpu.compute_processes += copy.deepcopy(newcomers)
+    calls = fake.entry_point_calls["nvmlDeviceGetMPSComputeRunningProcesses_v3"]
+    clients = source.read().gpus[0].mps_clients
+    assert [(p.pid, p.used_bytes) for p in clients] == [(p.pid, p.usedGpuMemory) for p in gpu.mps_processes]
+    assert fake.entry_point_calls["nvmlDeviceGetMPSComputeRunningProcesses_v3"] == calls + 2  # short, then whole
+    gpu.mps_processes[:] = gpu.mps_processes[:1]  # fewer again: the larger buffer serves
+    assert [p.pid for p in source.read().gpus[0].mps_clients] == [gpu.mps_processes[0].pid]
+    assert fake.entry_point_calls["nvmlDeviceGetMPSComputeRunningProcesses_v3"] == calls + 3
+
+
+@pytest.mark.parametrize("scenario", ["busy", "many", "idle"])
+def test_direct_list_calls_read_what_pynvml_s_functions_read(scenario):
+    readings = []
+    for entry_points in (True, False):
+        fake = FakeNvml.from_capture(scenario)
+        fake.entry_points = entry_points
+        source = NvmlClient(fake)
+        first = source.read()
+        fake.advance(2)
+        readings.append((first, source.read()))
+    assert readings[0] == readings[1]
+    busy = [g for pair in readings for reading in pair for g in reading.gpus if g.mps_clients]
+    assert busy or scenario == "idle"  # the comparison saw clients where the capture has them
+
+
+def test_an_error_from_a_direct_list_call_is_nvml_s_error():
+    fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=2)
+    fake.gpus[1].errors["nvmlDeviceGetMPSComputeRunningProcesses"] = fp.NVML_ERROR_GPU_IS_LOST
+    gpus = NvmlClient(fake).read().gpus
+    assert [g.up for g in gpus] == [True, False]

@@ -18,6 +18,7 @@ drops that field.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import threading
@@ -103,6 +104,72 @@ def _ratio(percent: float) -> float:
 MODES_SECONDS = 30.0
 
 
+def _no_lookup(name: str) -> Any:
+    raise RuntimeError(f"this pynvml has no C entry point lookup for {name}")
+
+
+class DirectLists:
+    """NVML's list functions (compute and MPS processes, per-process utilization) called
+    straight through pynvml's entry points, each into a buffer kept from the last round.
+
+    pynvml calls each of them twice per read: with no buffer to learn the count, then
+    with a fresh one. While MPS admits a storm of clients every call into the driver
+    costs CPU (these three were 15 of the 21 ms/s NVML took in the H100 storm of issue
+    29), so one call where the kept buffer is large enough, the usual case; a second
+    only when the list outgrew it. `usable` is False where this pynvml lacks the entry
+    point lookup or the structs (the source then calls pynvml's public functions)."""
+
+    def __init__(self, nvml: Any) -> None:
+        self._nvml = nvml
+        self._lookup: Callable[[str], Any] = getattr(nvml, "_nvmlGetFunctionPointer", None) or _no_lookup
+        # (function, GPU index) -> ctypes array kept for the next call on that GPU
+        self._buffers: Dict[Tuple[str, int], Any] = {}
+
+    @property
+    def usable(self) -> bool:
+        return self._lookup is not _no_lookup and all(hasattr(self._nvml, struct) for struct in (
+            "c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t", "c_nvmlProcessUtilizationSample_t"))
+
+    def processes(self, function: str, handle: Any, index: int) -> List[ProcessMemory]:
+        """Compute or MPS processes: `function` is pynvml's name; its _v3 entry point,
+        _v2 where the driver lacks _v3 (before R510)."""
+        nvml = self._nvml
+        try:
+            name, struct = function + "_v3", nvml.c_nvmlProcessInfo_v3_t
+            entry = self._lookup(name)
+        except nvml.NVMLError as e:
+            if e.value != nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                raise
+            name, struct = function + "_v2", nvml.c_nvmlProcessInfo_v2_t
+            entry = self._lookup(name)
+        rows = self._fill(name, index, struct, lambda buffer, count: entry(handle, ctypes.byref(count), buffer))
+        return [ProcessMemory(int(row.pid), _used_bytes(row.usedGpuMemory)) for row in rows]
+
+    def utilization(self, handle: Any, index: int, since_us: int) -> List[Any]:
+        """Per-process utilization samples newer than `since_us` (NVMLError NOT_FOUND
+        where there is none, as pynvml)."""
+        entry = self._lookup("nvmlDeviceGetProcessUtilization")
+        since = ctypes.c_ulonglong(since_us)
+        return self._fill("nvmlDeviceGetProcessUtilization", index, self._nvml.c_nvmlProcessUtilizationSample_t,
+                          lambda buffer, count: entry(handle, buffer, ctypes.byref(count), since))
+
+    def _fill(self, name: str, index: int, struct: Any, call: Callable[[Any, ctypes.c_uint], int]) -> List[Any]:
+        nvml = self._nvml
+        buffer = self._buffers.get((name, index))
+        count = ctypes.c_uint(len(buffer) if buffer is not None else 0)
+        code = call(buffer, count)
+        if code == nvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            # Room for twice as many as now (pynvml's own margin), kept for the next rounds.
+            buffer = (struct * (count.value * 2 + 5))()
+            self._buffers[(name, index)] = buffer
+            count.value = len(buffer)
+            code = call(buffer, count)
+        if code != nvml.NVML_SUCCESS:
+            raise nvml.NVMLError(code)
+        # Rows share the kept buffer: read before the next call on this GPU overwrites them.
+        return [] if buffer is None else list(buffer[:min(count.value, len(buffer))])
+
+
 class NvmlClient:
     """Reads the GPU table, processes, per-process SM utilization and GPM."""
 
@@ -116,6 +183,7 @@ class NvmlClient:
         self._down: Set[int] = set()  # GPUs whose last read failed
         # index -> (time.monotonic() of the read, compute mode, MIG enabled): see MODES_SECONDS
         self._modes: Dict[int, Tuple[float, str, bool]] = {}
+        self._direct: Optional[DirectLists] = None  # None: pynvml's public list functions
 
     # ------------------------------------------------------------ lifecycle
     def _module(self) -> Any:
@@ -135,6 +203,8 @@ class NvmlClient:
         except nvml.NVMLError as e:
             raise NvmlUnavailable(f"NVML cannot initialise: {e} (no NVIDIA driver or no GPU?)") from e
         self._forget_state(nvml)
+        direct = DirectLists(nvml)  # buffers sized anew after a re-initialisation
+        self._direct = direct if direct.usable else None
         self._initialised = True
 
     def _forget_state(self, nvml: Any) -> None:
@@ -146,6 +216,7 @@ class NvmlClient:
         self._last_seen_us.clear()
         self._identity.clear()
         self._modes.clear()
+        self._direct = None
 
     def close(self) -> None:
         """Free GPM samples and shut NVML down. Safe to call twice."""
@@ -212,12 +283,12 @@ class NvmlClient:
         rates = nvml.nvmlDeviceGetUtilizationRates(handle)
         gpu.utilization_ratio = _ratio(rates.gpu)
         gpu.memory_utilization_ratio = _ratio(rates.memory)
-        gpu.compute_processes = self._processes(nvml, "nvmlDeviceGetComputeRunningProcesses", handle)
+        gpu.compute_processes = self._processes(nvml, "nvmlDeviceGetComputeRunningProcesses", handle, gpu.index)
         # With several GPUs, NVML's MPS list names every client of the server on every
         # GPU, with 0 bytes where it has no context; the compute list (and nvidia-smi)
         # name it only where it runs (seen live on two H200s, tests/gpu/reports).
         running = {p.pid for p in gpu.compute_processes}
-        gpu.mps_clients = [p for p in self._processes(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", handle)
+        gpu.mps_clients = [p for p in self._processes(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", handle, gpu.index)
                            if p.pid in running or (p.used_bytes or 0) > 0]
 
     @staticmethod
@@ -236,8 +307,9 @@ class NvmlClient:
                     raise
         return nvml.nvmlDeviceGetMemoryInfo(handle)
 
-    @staticmethod
-    def _processes(nvml: Any, function: str, handle: Any) -> List[ProcessMemory]:
+    def _processes(self, nvml: Any, function: str, handle: Any, index: int) -> List[ProcessMemory]:
+        if self._direct is not None:
+            return self._direct.processes(function, handle, index)
         try:
             processes = getattr(nvml, function)(handle)
         except getattr(nvml, "NVMLLibraryMismatchError", ()):
@@ -278,8 +350,12 @@ class NvmlClient:
     # ------------------------------------------------ per-process utilization
     def _process_utilization(self, nvml: Any, handle: Any, index: int) -> List[ProcessUtilization]:
         """Samples newer than the last one seen on this GPU; the newest per PID."""
+        since = self._last_seen_us.get(index, 0)
         try:
-            samples = nvml.nvmlDeviceGetProcessUtilization(handle, self._last_seen_us.get(index, 0))
+            if self._direct is not None:
+                samples = self._direct.utilization(handle, index, since)
+            else:
+                samples = nvml.nvmlDeviceGetProcessUtilization(handle, since)
         except nvml.NVMLError as e:
             # NOT_FOUND: no sample since last_seen (an idle GPU always answers this).
             # pynvml raises NVMLError(SUCCESS) when the size query finds none at all.

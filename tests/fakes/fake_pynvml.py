@@ -38,7 +38,7 @@ import copy
 import json
 import time
 from collections import Counter
-from ctypes import c_ulonglong
+from ctypes import Structure, c_uint, c_ulonglong
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -168,6 +168,21 @@ class _Struct:
 
     def __repr__(self):
         return f"{type(self).__name__}({self.__dict__})"
+
+
+# The ctypes structs the source fills through pynvml's C entry points (DirectLists):
+# the same fields as pynvml's (test_source_nvml checks).
+class c_nvmlProcessInfo_v2_t(Structure):
+    _fields_ = [("pid", c_uint), ("usedGpuMemory", c_ulonglong), ("gpuInstanceId", c_uint),
+                ("computeInstanceId", c_uint)]
+
+
+c_nvmlProcessInfo_v3_t = c_nvmlProcessInfo_v2_t
+
+
+class c_nvmlProcessUtilizationSample_t(Structure):
+    _fields_ = [("pid", c_uint), ("timeStamp", c_ulonglong), ("smUtil", c_uint), ("memUtil", c_uint),
+                ("encUtil", c_uint), ("decUtil", c_uint)]
 
 
 class c_nvmlGpmMetric_t(_Struct):
@@ -311,6 +326,9 @@ class FakeNvml:
     NVMLLibraryMismatchError = NVMLLibraryMismatchError
     c_nvmlGpmMetricsGet_t = c_nvmlGpmMetricsGet_t
     c_nvmlGpmMetric_t = c_nvmlGpmMetric_t
+    c_nvmlProcessInfo_v2_t = c_nvmlProcessInfo_v2_t
+    c_nvmlProcessInfo_v3_t = c_nvmlProcessInfo_v3_t
+    c_nvmlProcessUtilizationSample_t = c_nvmlProcessUtilizationSample_t
 
     def __init__(self, gpus: List[FakeGpu], driver_version: str = "580.159.04",
                  errors: Optional[Dict[str, int]] = None, latency_us: Optional[Dict[str, float]] = None,
@@ -329,6 +347,10 @@ class FakeNvml:
         self.convert_not_available = True
         # A driver before R510: no _v3 process calls, so pynvml's unversioned ones fail.
         self.driver_before_r510 = False
+        # False: a pynvml without the C entry point lookup (the source then calls the
+        # public list functions above).
+        self.entry_points = True
+        self.entry_point_calls: Counter = Counter()  # C entry point -> calls
         self._init_count = 0
 
     # ---------------------------------------------------------- scenarios
@@ -532,6 +554,61 @@ class FakeNvml:
         if not newer:
             raise NVMLError(NVML_ERROR_NOT_FOUND)
         return [_Struct(**s.__dict__) for s in newer]
+
+    # ------------------------------------------------ pynvml: C entry points
+    def __getattr__(self, name: str):
+        if name == "_nvmlGetFunctionPointer" and self.__dict__.get("entry_points", True):
+            return self._function_pointer
+        raise AttributeError(name)
+
+    def _function_pointer(self, name: str) -> Callable[..., int]:
+        """pynvml's `_nvmlGetFunctionPointer`: the C entry point `name`, as a callable over
+        ctypes arguments with NVML's return codes (count in, count out; INSUFFICIENT_SIZE
+        with the count needed when the buffer is missing or short). Counted, slowed and
+        failed as the public function of the same list (`calls`, `latency_us`, `errors`)."""
+        if name.endswith("_v3") and self.driver_before_r510:
+            raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
+        public = name[:-3] if name.endswith("_v3") else name
+        if public in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2",
+                      "nvmlDeviceGetMPSComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses_v2"):
+            def processes(handle, count_ref, infos) -> int:
+                gpu = self._versioned(public, handle, False)
+                listed = gpu.mps_processes if "MPS" in public else gpu.compute_processes
+                rows = [(p.pid, p.usedGpuMemory) for p in listed]
+                return self._into(name, rows, count_ref, infos, ("pid", "usedGpuMemory"))
+            return self._c_call(processes)
+        if name == "nvmlDeviceGetProcessUtilization":
+            def utilization(handle, samples, count_ref, time_stamp) -> int:
+                gpu = self._enter(name, handle)
+                newer = [(s.pid, s.timeStamp, s.smUtil, s.memUtil, s.encUtil, s.decUtil)
+                         for s in gpu.util_samples if s.timeStamp > time_stamp.value]
+                if not newer and samples is not None:
+                    return NVML_ERROR_NOT_FOUND
+                return self._into(name, newer, count_ref, samples,
+                                  ("pid", "timeStamp", "smUtil", "memUtil", "encUtil", "decUtil"))
+            return self._c_call(utilization)
+        raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    @staticmethod
+    def _c_call(fn: Callable[..., int]) -> Callable[..., int]:
+        def call(*args) -> int:
+            try:
+                return fn(*args)
+            except NVMLError as e:  # C reports errors as return codes
+                return e.value
+        return call
+
+    def _into(self, name: str, rows: List[tuple], count_ref, buffer, fields: Tuple[str, ...]) -> int:
+        self.entry_point_calls[name] += 1
+        count = count_ref._obj
+        if buffer is None or count.value < len(rows):
+            count.value = len(rows)
+            return NVML_ERROR_INSUFFICIENT_SIZE if rows else NVML_SUCCESS
+        for slot, row in zip(buffer, rows):
+            for key, value in zip(fields, row):
+                setattr(slot, key, NVML_VALUE_NOT_AVAILABLE_ulonglong.value if value is None else value)
+        count.value = len(rows)
+        return NVML_SUCCESS
 
     # --------------------------------------------------------- pynvml: GPM
     def nvmlGpmQueryDeviceSupport(self, device: FakeHandle) -> _Struct:

@@ -106,6 +106,19 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
         return handle
 
     pynvml.nvmlDeviceGetHandleByIndex = handle_by_index
+    # The list functions the exporter calls straight through their C entry points
+    # (sources/nvml.py DirectLists), timed under pynvml's public names as before.
+    lookup = pynvml._nvmlGetFunctionPointer
+
+    def timed_lookup(name: str) -> Any:
+        entry = lookup(name)
+        public = name[:-3] if name.endswith(("_v2", "_v3")) else name
+        if public not in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses",
+                          "nvmlDeviceGetProcessUtilization"):
+            return entry
+        return wrap(public, entry)
+
+    pynvml._nvmlGetFunctionPointer = timed_lookup
     import mps_exporter.collector as collector_module
     import mps_exporter.logs.pipeline as pipeline_module
     import mps_exporter.web as web_module
