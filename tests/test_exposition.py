@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 import mps_exporter.collector as collector_module
 from mps_exporter.collector import build_registry
+from mps_exporter.families import FamilyBuilder
 from tests.support import scenarios
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0"
@@ -139,7 +140,7 @@ def test_the_control_command_count_is_the_exporters_own_series_not_a_reading(tmp
     assert counts[0] != counts[1]  # fresh in every scrape though the readings' part is reused
 
 
-def test_where_readings_changed_only_the_changed_families_are_encoded_again(tmp_path):
+def test_where_readings_changed_only_the_changed_series_are_written_again(tmp_path):
     scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3)
     collector = scen.collector()
     registry = build_registry(collector, process=False)
@@ -159,8 +160,7 @@ def test_where_readings_changed_only_the_changed_families_are_encoded_again(tmp_
     snap.nvml = copy.deepcopy(snap.nvml)  # a new reading, as every read returns
     snap.nvml.gpus[0].memory_used_bytes += 1 << 20
     second = registry.encode(encoder, content_type, False).decode()
-    again = [names[0] for names in encoded if len(names) == 1]
-    assert again == ["mps_gpu_memory_used_bytes"]
+    assert encoded == []  # the series was in the last encoding: its line is kept, its value new
     changed = sorted(set(second.splitlines()) - set(first.splitlines()))
     assert len(changed) == 1 and changed[0].startswith('mps_gpu_memory_used_bytes{gpu="0"')
 
@@ -244,3 +244,145 @@ def test_the_client_memo_renders_what_a_fresh_render_does_whatever_input_moves(t
         move()
         assert _families(snap, memo) == _families(snap), f"move {step}"
 
+
+
+# ---------------------------------------------------------------- line by line reuse
+ACCEPTS = [OPENMETRICS, "text/plain", "text/plain;version=1.0.0;escaping=allow-utf-8",
+           "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8"]
+
+
+def _plain(encoder: Any, families: List[Any]) -> bytes:
+    """client_python's own encoding of the families, nothing reused."""
+    return encoder(type("Plain", (), {"collect": lambda self: families})())
+
+
+def _arrive(scen: Any, pid: int, gpu: int = 0) -> None:
+    from tests.fakes.fake_control import FakeClient
+    from tests.fakes.fake_procfs import FakeProcess, write_proc
+    from tests.fakes.fake_pynvml import FakeProcess as NvmlProcess
+
+    g = scen.nvml.gpus[gpu]
+    write_proc(scen.proc_root, [FakeProcess(pid, uid=1000 + pid % 7)])
+    g.mps_processes = g.mps_processes + [NvmlProcess(pid, 300 << 20)]
+    g.compute_processes = g.compute_processes + [NvmlProcess(pid, 300 << 20)]
+    scen.daemon.clients = scen.daemon.clients + [FakeClient(pid, 4000, g.uuid, pid)]
+
+
+def _leave(scen: Any, pid: int) -> None:
+    for g in scen.nvml.gpus:
+        g.mps_processes = [p for p in g.mps_processes if p.pid != pid]
+        g.compute_processes = [p for p in g.compute_processes if p.pid != pid]
+    scen.daemon.clients = [c for c in scen.daemon.clients if c.pid != pid]
+
+
+def test_every_scrape_is_what_client_python_writes_for_its_families(tmp_path):
+    """Through changing readings (values, clients arriving and leaving, the read duration
+    histograms moving), in every format and compression, interleaved: the body is
+    byte for byte client_python's encoding of the scrape's families."""
+    from mps_exporter.render import render_readings, render_self
+    from mps_exporter.sources.registry import own_renders
+
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=4)
+    collector = scen.collector()
+    registry = build_registry(collector, process=False)
+    gpu = scen.nvml.gpus[0]
+    steps = [
+        lambda: None,
+        lambda: setattr(gpu.mps_processes[0], "usedGpuMemory", gpu.mps_processes[0].usedGpuMemory + (1 << 20)),
+        lambda: setattr(gpu.mps_processes[1], "usedGpuMemory", 0),  # 0.0, then back
+        lambda: setattr(gpu.mps_processes[1], "usedGpuMemory", 7 << 40),  # printed with an exponent
+        lambda: _arrive(scen, 31000),
+        lambda: (_arrive(scen, 31001, gpu=1), _arrive(scen, 31002)),
+        lambda: _leave(scen, gpu.mps_processes[0].pid),
+        lambda: (_leave(scen, 31001), setattr(gpu, "memory_used", gpu.memory_used + 12345)),
+        lambda: setattr(gpu, "util_gpu", 0),
+        lambda: _arrive(scen, 31001, gpu=1),  # back after a scrape away
+        lambda: setattr(scen.daemon, "running", False),  # the daemon's families go
+        lambda: setattr(scen.daemon, "running", True),  # and come back
+    ]
+    checked = 0
+    for step in steps:
+        step()
+        scen.nvml.advance(1.0)
+        snap = collector.snapshot()  # the read durations' histograms move in every one
+        collector.collection = lambda snap=snap: snap  # type: ignore[method-assign]
+        readings = FamilyBuilder()
+        render_readings(readings, snap, "client", own_renders())
+        own = FamilyBuilder()
+        render_self(own, snap)
+        families = readings.families() + own.families()
+        for accept in ACCEPTS:
+            encoder, content_type = choose_encoder(accept)
+            for zipped in (True, False):
+                body = registry.encode(encoder, content_type, zipped)
+                assert (gunzip_one_stream(body) if zipped else body) == _plain(encoder, families), (accept, zipped)
+                checked += 1
+    assert checked == len(steps) * len(ACCEPTS) * 2
+
+
+def _odd_families(step: int) -> List[Any]:
+    """Families of every type and shape client_python writes, moving with `step`: new
+    and vanished series, zeros of both signs, NaN, infinities, escaped label values,
+    counters and histograms with `_created` (the classic format moves those to families
+    of their own), samples with timestamps and exemplars (never reused by line)."""
+    from prometheus_client.core import (CounterMetricFamily, GaugeHistogramMetricFamily, GaugeMetricFamily,
+                                        HistogramMetricFamily, InfoMetricFamily, StateSetMetricFamily,
+                                        SummaryMetricFamily)
+    from prometheus_client.samples import Exemplar, Sample, Timestamp
+
+    values = [0.0, -0.0, 1.0, float("nan"), float("inf"), -2.5, 1e22, 123456789.0, 3]
+    g = GaugeMetricFamily("odd_gauge", 'Help with "quotes", \\ and\nnewline.', labels=["k", "v"])
+    for i in range(6):
+        if (i + step) % 4:  # one series in four missing, a different one each step
+            g.add_metric([f"s{i}", ['pl"ain', "back\\slash", "new\nline", "ünï", "cr\rx", ""][i]],
+                         values[(i * step) % len(values)])
+    c = CounterMetricFamily("odd_requests", "Counter.", labels=["path"], created=1.7e9 if step % 2 else None)
+    c.add_metric(["/a"], step * 1.5, created=1.7e9 + step if step % 3 else None)
+    c.add_metric(["/b"], 7.0)
+    h = HistogramMetricFamily("odd_seconds", "Histogram.", labels=["op"], unit="seconds")
+    h.add_metric(["x"], [("0.1", step % 3), ("1.0", 4 + step % 2), ("+Inf", 6)], 3.25 + step % 2)
+    if step % 2:
+        h.add_metric(["y"], [("+Inf", step)], 0.5)
+    gh = GaugeHistogramMetricFamily("odd_queue", "Gauge histogram.", buckets=[("1.0", step % 2), ("+Inf", 3)],
+                                    gsum_value=2.0)
+    s = SummaryMetricFamily("odd_summary", "Summary.", count_value=step, sum_value=step / 3)
+    info = InfoMetricFamily("odd_build", "Info.", value={"version": f"1.{step % 2}"})
+    state = StateSetMetricFamily("odd_state", "State set.", value={"on": step % 2 == 0, "off": step % 2 == 1})
+    stamped = GaugeMetricFamily("odd_stamped", "Timestamps.", labels=["k"])
+    stamped.add_metric(["t"], step, timestamp=1.7e9 + step if step % 2 else Timestamp(1700000000, step))
+    stamped.add_metric(["u"], 1.0)
+    ex = CounterMetricFamily("odd_exemplar", "Exemplars.", labels=["k"])
+    ex.samples.append(Sample("odd_exemplar_total", {"k": "e"}, float(step), None, Exemplar({"trace": "abc"}, 0.5)))
+    help_changes = GaugeMetricFamily("odd_help", "First help." if step < 3 else "Second help.", value=1.0)
+    return [g, c, h, gh, s, info, state, stamped, ex, help_changes][step % 2:] if step % 5 == 4 else \
+        [g, c, h, gh, s, info, state, stamped, ex, help_changes]
+
+
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_reused_lines_are_what_client_python_writes_for_any_family(accept):
+    encoder, _ = choose_encoder(accept)
+    families_encoder = collector_module._FamilyEncoder(encoder)
+    assert families_encoder.by_line
+    for step in range(12):
+        families = _odd_families(step)
+        assert families_encoder.encode(families) + families_encoder.trailer == _plain(encoder, families), step
+        kept = families_encoder._last
+        assert set(kept) == {f.name for f in families}  # the last encoding's families alone
+        for family in families:
+            if kept[family.name].prefixes is not None:  # and their series alone
+                assert set(kept[family.name].prefixes) == {(s.name, tuple(s.labels.items())) for s in family.samples}
+
+
+def test_a_format_whose_lines_are_not_prefix_and_value_is_reused_only_whole():
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    def integers(registry: Any) -> bytes:  # a format that spells 1.0 as 1
+        return generate_latest(registry).replace(b".0\n", b"\n")
+
+    from prometheus_client.core import GaugeMetricFamily
+
+    families_encoder = collector_module._FamilyEncoder(integers)
+    assert not families_encoder.by_line
+    for step in range(6):
+        families = [GaugeMetricFamily("odd_halves", "1.5, 2.0, 2.5, ...", value=1.5 + step / 2)] + _odd_families(step)
+        assert families_encoder.encode(families) + families_encoder.trailer == _plain(integers, families), step
