@@ -39,7 +39,7 @@ import zlib
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
@@ -106,6 +106,7 @@ class _Collection(ReadContext):
         # `earlier` reading is served instead: the `served_while_reading` sources with one.
         self.waits: Dict[str, float] = {}
         self.served_earlier: Dict[str, _Result] = {}  # those not waited for, once decided
+        self.overdue: Set[str] = set()  # of those, the ones whose read in flight is already late
         self._choice = threading.Lock()
         self._devices = devices
 
@@ -387,20 +388,25 @@ class MpsCollector(Collector):
             earlier = run.latest
             if earlier is not None:
                 collection.earlier[name] = earlier
-            if self.control_wait > 0 and run.source.served_while_reading and earlier is not None \
-                    and self._may_stand_in(earlier, collection.now) \
-                    and (budget is None or time.monotonic() - run.inflight_since < budget):
-                # A daemon whose last answer took longer than the wait (MPS admitting a
-                # storm of clients) is not waited for at all: it would only cost the wait.
-                wait = self.control_wait if earlier.duration_seconds <= self.control_wait else 0.0
-                collection.waits[name] = time.monotonic() + wait
+            if self.control_wait > 0 and run.source.served_while_reading and earlier is not None:
+                if budget is not None and time.monotonic() - run.inflight_since >= budget:
+                    # The read this collection joined has run longer than it may wait: late
+                    # now, not after another whole budget (a daemon that a storm keeps busy
+                    # for seconds, or a hung one); failed, its last reading served.
+                    collection.waits[name] = time.monotonic()
+                    collection.overdue.add(name)
+                elif self._may_stand_in(earlier, collection.now):
+                    # A daemon whose last answer took longer than the wait (MPS admitting a
+                    # storm of clients) is not waited for at all: it would only cost the wait.
+                    wait = self.control_wait if earlier.duration_seconds <= self.control_wait else 0.0
+                    collection.waits[name] = time.monotonic() + wait
         for start in starts:
             if start is not None:
                 start()
         snap = Snapshot(now=collection.now)
         for name, run in self._runs.items():
             result = collection.result(name, collection.deadline)
-            if result is None:  # late
+            if result is None or name in collection.overdue:  # late
                 error = f"no answer within {budget:g} s" if budget is not None else "no answer"
                 self._note_failure(name, error)
                 served = run.last if self.serve_last else None

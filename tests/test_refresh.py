@@ -293,6 +293,33 @@ def test_a_control_read_running_past_the_scrape_budget_is_late(tmp_path):
         gate.open()
 
 
+def test_a_control_read_already_past_the_budget_is_not_waited_for_again(tmp_path):
+    # As while the last clients of a storm connect: the read a scrape starts is still
+    # running at the next scrape, longer than that scrape may wait.
+    scen, collector, gate, clock = gated_collector(tmp_path, "control", max_seconds=1.0, control_wait=0.05, gpus=1,
+                                                   clients_per_gpu=2)
+    try:
+        first = text_of(collector)
+        gate.close()
+        clock.now += 1.0
+        assert value(text_of(collector), CONTROL_OK) == 1  # started; under the budget: its last reading
+        time.sleep(1.1)
+        clock.now += 1.0
+        started = time.monotonic()
+        late = text_of(collector)
+        assert time.monotonic() - started < 0.5  # not another 1 s budget
+        assert value(late, CONTROL_OK) == 0 and value(late, CONTROL_TIME) == 1000.0
+        for name in ("mps_client_info", "mps_client_memory_used_bytes"):
+            assert lines(late, name) == lines(first, name)  # proc used the same PIDs: same series
+        assert gate.calls == 2  # joined, not sent again
+        gate.open()
+        assert until(lambda: collector._runs["control"].latest.taken_at == 1001.0)
+        clock.now += 1.0
+        assert value(text_of(collector), CONTROL_OK) == 1  # answering again
+    finally:
+        gate.open()
+
+
 def test_control_wait_0_waits_for_the_daemon_as_before(tmp_path):
     scen, collector, gate, clock = gated_collector(tmp_path, "control", max_seconds=5.0, control_wait=0.0, gpus=1,
                                                    clients_per_gpu=1)
