@@ -25,7 +25,8 @@ the exporters scraped every second through it.
 CPU per scrape is each exporter's user+system time (/proc/PID/stat) over the storm
 divided by its scrapes: everything it did at this cadence, background threads included.
 Inside the exporter (`timed-serve`), DIR/calls.json also holds where that CPU went
-(`cpu_series`: thread CPU per part, NVML per function, sampled every second), each
+(`cpu_series`: thread CPU per part, NVML per function, sampled every second, and per OS thread
+("thread:NAME (TID)", every 10 s)), each
 scrape's wall time split into waiting for the sources and the rest (`scrape_walls`), and
 the garbage collector's passes over 2 ms (`slow_gc`). `profile_storm.sh` runs it on the
 lent machine, with py-spy unless PYSPY=0.
@@ -153,10 +154,31 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
     series: List[Tuple[float, float, Dict[str, float]]] = []
     stop = threading.Event()
 
+    # CPU seconds per OS thread, by the Python thread's name (pool threads started with
+    # _thread have none: "tid N"), cumulative: what the parts above leave out.
+    by_thread: Dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def thread_cpu() -> Dict[str, float]:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended meanwhile
+            name = names.get(int(tid), f"tid {tid}")
+            # a thread that ended keeps what it had; a name used by several threads, the sum
+            by_thread[f"{name} ({tid})"] = (int(fields[11]) + int(fields[12])) / tick
+        return dict(by_thread)
+
     def sample() -> None:
+        rounds = 0
         while not stop.wait(1.0):
             t = os.times()
-            series.append((time.monotonic(), t.user + t.system, dict(cpu)))
+            rounds += 1  # threads every 10 s: reading their stat files costs the exporter CPU too
+            threads = thread_cpu() if rounds % 10 == 0 else by_thread
+            series.append((time.monotonic(), t.user + t.system, {**cpu, **{"thread:" + k: v for k, v in
+                                                                           threads.items()}}))
 
     threading.Thread(target=sample, daemon=True).start()
     import gc
