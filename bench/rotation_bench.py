@@ -29,6 +29,7 @@ Numbers, not a pass/fail; the load average is printed beside them.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import logging
@@ -49,7 +50,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from exporter.logs.follower import FileFollower  # noqa: E402
+from exporter.families import FamilyBuilder  # noqa: E402
 from exporter.logs import wake  # noqa: E402
+from exporter.logs.render import render_log_metrics  # noqa: E402
 from exporter.logs.pipeline import POLL_SECONDS, LogPipeline  # noqa: E402
 from report import load_average, print_rows  # noqa: E402
 
@@ -75,16 +78,21 @@ def shipped_config(log_dir: str) -> str:
 
 def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: float, rate: int) -> None:
     """The writer process (MPS and logrotate stand-ins): prints {"written", "rotations",
-    "at"}, `at` the time.monotonic_ns() of each line's write (one clock for both processes)."""
+    "at", "spans"}, `at` the time.monotonic_ns() of each line's write (one clock for both
+    processes), `spans` when each logrotate run began and ended."""
     logrotate = shutil.which("logrotate") or "/usr/sbin/logrotate"
     state = os.path.join(os.path.dirname(conf), "state")
     stop = threading.Event()
     reopen = threading.Event()
     rotations = [0]
 
+    spans: List[Tuple[int, int]] = []  # time.monotonic_ns() when each logrotate run began and ended
+
     def rotator() -> None:
         while not stop.wait(period):
+            began = time.monotonic_ns()
             subprocess.run([logrotate, "--force", "--state", state, conf], capture_output=True, timeout=30)
+            spans.append((began, time.monotonic_ns()))
             rotations[0] += 1
             if mode == "rename":
                 reopen.set()
@@ -112,7 +120,7 @@ def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: fl
     if rotating.is_alive():
         rotating.join()
     os.close(fd)
-    print(json.dumps({"written": n, "rotations": rotations[0], "at": at}))
+    print(json.dumps({"written": n, "rotations": rotations[0], "at": at, "spans": spans}))
 
 
 class RecordingFollower(FileFollower):
@@ -121,16 +129,26 @@ class RecordingFollower(FileFollower):
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.seen: List[int] = []
-        self.read_at: List[int] = []  # time.monotonic_ns() when each line of `seen` was handed out
+        self.read_at: List[int] = []  # time.monotonic_ns() when each line of `seen` was read (in hand)
+
+        self._looked_at = 0  # when look() last read bytes that the next poll hands out first
+
+    def look(self) -> bool:
+        early = len(self._early)
+        found = super().look()
+        if len(self._early) > early:
+            self._looked_at = time.monotonic_ns()
+        return found
 
     def poll(self, max_bytes: int = 1 << 20) -> Tuple[List[str], int]:
+        early = self._early.count(b"\n")  # the first lines handed out, read when look() read them
         lines, truncated = super().poll(max_bytes)
         now = time.monotonic_ns()
-        for line in lines:
+        for i, line in enumerate(lines):
             m = LINE.search(line)
             if m:
                 self.seen.append(int(m.group(1)))
-                self.read_at.append(now)
+                self.read_at.append(self._looked_at if i < early else now)
         return lines, truncated
 
 
@@ -152,6 +170,8 @@ def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object
         thread = pipe._thread
         assert thread is not None and thread.ident is not None
         clock = time.pthread_getcpuclockid(thread.ident)
+        probe = ScrapeProbe(pipe)
+        probe.start()
         cpu0 = time.clock_gettime(clock)
         writer = subprocess.run([sys.executable, __file__, "--write", path, conf, mode, str(period), str(seconds),
                                  str(rate)], capture_output=True, text=True, check=True)
@@ -159,12 +179,19 @@ def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object
         time.sleep(4 * POLL_SECONDS)  # the last lines, read by the next look at the files
         cpu = time.clock_gettime(clock) - cpu0
         inotify = pipe._watch is not None and pipe._watch.watching
+        probe.stop()
         pipe.stop()
         written = int(done["written"])
         counts = Counter(follower.seen)
         in_files = numbers_in_files(log_dir)
         twice = sum(c - 1 for c in counts.values() if c > 1)
         delays = sorted((t - done["at"][n]) / 1e6 for n, t in zip(follower.seen, follower.read_at))
+        # The first rotation is left out: it finds the reader polling, as no rotation had been seen yet.
+        spans = [tuple(span) for span in done["spans"][1:]]
+        rotating = sorted((t - done["at"][n]) / 1e3 for n, t in zip(follower.seen, follower.read_at)
+                          if _within(done["at"][n], spans))
+        saved = sorted((t - done["at"][n]) / 1e3 for n, t in zip(follower.seen, follower.read_at) if n not in in_files)
+        scrapes = sorted(late for at, late in probe.samples if _within(at, spans))
         return {"mode": mode, "rotate every, s": period, "rotations": done["rotations"], "lines written": written,
                 "lines read": len(follower.seen), "read twice": twice,
                 "lost by the follower": len(in_files - set(counts)),
@@ -172,7 +199,50 @@ def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object
                 "read, in no file now": len(set(counts) - in_files),
                 "rotation gaps": follower.rotation_gaps, "inotify": "yes" if inotify else "no",
                 "reader CPU, ms/s": f"{1000 * cpu / (seconds + 4 * POLL_SECONDS):.1f}",
-                "write to read, ms p50 / p99": f"{_quantile(delays, 0.5):.2f} / {_quantile(delays, 0.99):.2f}"}
+                "write to read, ms p50 / p99": f"{_quantile(delays, 0.5):.2f} / {_quantile(delays, 0.99):.2f}",
+                "during rotations: lines, write to read us p50 / p99 / max": f"{len(rotating)}: {_quantile(rotating, 0.5):.0f}"
+                f" / {_quantile(rotating, 0.99):.0f} / {rotating[-1] if rotating else float('nan'):.0f}",
+                "read, in no file now: write to read us p50 / max":
+                    f"{_quantile(saved, 0.5):.0f} / {saved[-1] if saved else float('nan'):.0f}",
+                "during rotations: scrape probe late, ms p50 / p99 / max (n)":
+                    f"{_quantile(scrapes, 0.5):.2f} / {_quantile(scrapes, 0.99):.2f} / "
+                    f"{scrapes[-1] if scrapes else float('nan'):.2f} ({len(scrapes)})"}
+
+
+class ScrapeProbe:
+    """A scrape stand-in in the reader's process: every PERIOD it renders the log
+    pipeline's metrics from its snapshot (what a scrape does with the logs) and stats the
+    log directory. `samples`: (time.monotonic_ns() it was due, ms from then to the end of
+    the render): a reader that holds the GIL too long shows here."""
+
+    PERIOD = 0.005
+
+    def __init__(self, pipe: LogPipeline) -> None:
+        self.pipe = pipe
+        self.samples: List[Tuple[int, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            due = time.monotonic_ns() + int(self.PERIOD * 1e9)
+            if self._stop.wait(self.PERIOD):
+                return
+            render_log_metrics(FamilyBuilder(), "bench", self.pipe.snapshot(), time.time())
+            os.stat(self.pipe.log_directory)
+            self.samples.append((due, (time.monotonic_ns() - due) / 1e6))
+
+
+def _within(at: int, spans: List[Tuple[int, ...]]) -> bool:
+    i = bisect.bisect_right(spans, (at, 1 << 62)) - 1
+    return i >= 0 and spans[i][0] <= at <= spans[i][1]
 
 
 def _quantile(values: List[float], q: float) -> float:
@@ -205,13 +275,18 @@ def main() -> None:
                     help="MODE:PERIOD, MODE copytruncate, rename or none, PERIOD seconds between rotations")
     ap.add_argument("--poll-only", action="store_true",
                     help="no inotify: the pipeline looks at the files every POLL_SECONDS only (as before issue 26)")
+    ap.add_argument("--no-spin", action="store_true",
+                    help="no tight loop while logrotate copies: woken on each write only (as before 2026-11-27)")
     args = ap.parse_args()
     logging.disable(logging.WARNING)  # a gap's warning, once per rotation: the table counts them
     if args.poll_only:
         wake._libc = lambda: None  # what the pipeline does where inotify cannot be had
+    if args.no_spin:
+        wake.COPY_SECONDS = 0.0  # a copy is over as soon as it is seen
     print(f"load average before: {load_average()}; cores: {os.cpu_count()}; "
           f"{args.rate} lines/s for {args.seconds:g} s; the log pipeline reads on each write (inotify), "
-          f"else every {POLL_SECONDS} s\n")
+          f"else every {POLL_SECONDS} s; "
+          f"{'no spin' if args.no_spin else f'spins while logrotate copies (at most {wake.COPY_SECONDS} s after the copy grew)'}\n")
     rows = []
     for spec in args.modes:
         mode, _, period = spec.partition(":")
