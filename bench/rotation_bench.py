@@ -12,8 +12,13 @@ read: written after logrotate's copy, with its fsync, and truncated before anyon
 them); then the lines read that no file holds any more (saved by reading on each
 write), the rotations the follower could not recover from (`rotation_gaps`), the
 reader thread's CPU, and how long after its write a line reached the pipeline (a line
-written closer than that to copytruncate's truncate is lost). Rotated files are kept (rotate 10000) so that the files say what
-was there to read.
+written closer than that to copytruncate's truncate is lost): over all lines, over the
+lines written while logrotate ran (the first rotation left out: it finds the reader
+polling, no rotation seen yet), and over the lines saved (read, in no file now: written
+in copytruncate's last window). Rotated files are kept (rotate 10000) so that the files
+say what was there to read. `--scrape-probe` adds a thread that renders the log metrics
+every 5 ms and reports how late it came back during rotations (what a reader holding
+the GIL or a CPU would cost a scrape).
 
 Modes: `copytruncate` uses the shipped deploy/systemd/nvidia-mps.logrotate (paths
 changed); `rename` is create-style rotation (`create`, no compression), which tools
@@ -129,30 +134,20 @@ class RecordingFollower(FileFollower):
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.seen: List[int] = []
-        self.read_at: List[int] = []  # time.monotonic_ns() when each line of `seen` was read (in hand)
-
-        self._looked_at = 0  # when look() last read bytes that the next poll hands out first
-
-    def look(self) -> bool:
-        early = len(self._early)
-        found = super().look()
-        if len(self._early) > early:
-            self._looked_at = time.monotonic_ns()
-        return found
+        self.read_at: List[int] = []  # time.monotonic_ns() when each line of `seen` was handed out
 
     def poll(self, max_bytes: int = 1 << 20) -> Tuple[List[str], int]:
-        early = self._early.count(b"\n")  # the first lines handed out, read when look() read them
         lines, truncated = super().poll(max_bytes)
         now = time.monotonic_ns()
-        for i, line in enumerate(lines):
+        for line in lines:
             m = LINE.search(line)
             if m:
                 self.seen.append(int(m.group(1)))
-                self.read_at.append(self._looked_at if i < early else now)
+                self.read_at.append(now)
         return lines, truncated
 
 
-def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object]:
+def run(mode: str, period: float, seconds: float, rate: int, scrape_probe: bool = False) -> Dict[str, object]:
     if not (shutil.which("logrotate") or os.path.exists("/usr/sbin/logrotate")):
         sys.exit("logrotate is not installed: apt-get install logrotate")
     with tempfile.TemporaryDirectory(prefix="mps-rotation-") as tmp:
@@ -171,7 +166,8 @@ def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object
         assert thread is not None and thread.ident is not None
         clock = time.pthread_getcpuclockid(thread.ident)
         probe = ScrapeProbe(pipe)
-        probe.start()
+        if scrape_probe:
+            probe.start()
         cpu0 = time.clock_gettime(clock)
         writer = subprocess.run([sys.executable, __file__, "--write", path, conf, mode, str(period), str(seconds),
                                  str(rate)], capture_output=True, text=True, check=True)
@@ -192,7 +188,7 @@ def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object
                           if _within(done["at"][n], spans))
         saved = sorted((t - done["at"][n]) / 1e3 for n, t in zip(follower.seen, follower.read_at) if n not in in_files)
         scrapes = sorted(late for at, late in probe.samples if _within(at, spans))
-        return {"mode": mode, "rotate every, s": period, "rotations": done["rotations"], "lines written": written,
+        row: Dict[str, object] = {"mode": mode, "rotate every, s": period, "rotations": done["rotations"], "lines written": written,
                 "lines read": len(follower.seen), "read twice": twice,
                 "lost by the follower": len(in_files - set(counts)),
                 "lost by the rotation (in no file)": len(set(range(written)) - in_files - set(counts)),
@@ -203,10 +199,12 @@ def run(mode: str, period: float, seconds: float, rate: int) -> Dict[str, object
                 "during rotations: lines, write to read us p50 / p99 / max": f"{len(rotating)}: {_quantile(rotating, 0.5):.0f}"
                 f" / {_quantile(rotating, 0.99):.0f} / {rotating[-1] if rotating else float('nan'):.0f}",
                 "read, in no file now: write to read us p50 / max":
-                    f"{_quantile(saved, 0.5):.0f} / {saved[-1] if saved else float('nan'):.0f}",
-                "during rotations: scrape probe late, ms p50 / p99 / max (n)":
-                    f"{_quantile(scrapes, 0.5):.2f} / {_quantile(scrapes, 0.99):.2f} / "
-                    f"{scrapes[-1] if scrapes else float('nan'):.2f} ({len(scrapes)})"}
+                    f"{_quantile(saved, 0.5):.0f} / {saved[-1] if saved else float('nan'):.0f}"}
+        if scrape_probe:
+            row["during rotations: scrape probe late, ms p50 / p99 / max (n)"] = (
+                f"{_quantile(scrapes, 0.5):.2f} / {_quantile(scrapes, 0.99):.2f} / "
+                f"{scrapes[-1] if scrapes else float('nan'):.2f} ({len(scrapes)})")
+        return row
 
 
 class ScrapeProbe:
@@ -228,7 +226,8 @@ class ScrapeProbe:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
@@ -275,22 +274,19 @@ def main() -> None:
                     help="MODE:PERIOD, MODE copytruncate, rename or none, PERIOD seconds between rotations")
     ap.add_argument("--poll-only", action="store_true",
                     help="no inotify: the pipeline looks at the files every POLL_SECONDS only (as before issue 26)")
-    ap.add_argument("--no-spin", action="store_true",
-                    help="no tight loop while logrotate copies: woken on each write only (as before 2026-11-27)")
+    ap.add_argument("--scrape-probe", action="store_true",
+                    help="a thread renders the log metrics every 5 ms beside the reader (GIL and CPU contention)")
     args = ap.parse_args()
     logging.disable(logging.WARNING)  # a gap's warning, once per rotation: the table counts them
     if args.poll_only:
         wake._libc = lambda: None  # what the pipeline does where inotify cannot be had
-    if args.no_spin:
-        wake.COPY_SECONDS = 0.0  # a copy is over as soon as it is seen
     print(f"load average before: {load_average()}; cores: {os.cpu_count()}; "
           f"{args.rate} lines/s for {args.seconds:g} s; the log pipeline reads on each write (inotify), "
-          f"else every {POLL_SECONDS} s; "
-          f"{'no spin' if args.no_spin else f'spins while logrotate copies (at most {wake.COPY_SECONDS} s after the copy grew)'}\n")
+          f"else every {POLL_SECONDS} s{'; scrape probe every 5 ms' if args.scrape_probe else ''}\n")
     rows = []
     for spec in args.modes:
         mode, _, period = spec.partition(":")
-        rows.append(run(mode, float(period or 1), args.seconds, args.rate))
+        rows.append(run(mode, float(period or 1), args.seconds, args.rate, args.scrape_probe))
     print_rows(rows)
     print(f"\nload average after: {load_average()}")
 

@@ -165,7 +165,6 @@ class FileFollower:
         self._head = b""
         self._offset = 0  # file position of the next read
         self._partial = b""  # bytes of the unterminated last line
-        self._early = b""  # bytes at _offset read by look(), handed out by the next poll
         self._dropping = False  # the partial line hit the cap: drop the rest up to its newline
         self._line_start = 0  # file position where the partial line starts: what position() saves
         self._resume: Optional[Dict[str, Any]] = None
@@ -246,7 +245,7 @@ class FileFollower:
                 os.close(self._fd)
             except OSError:
                 pass
-        self._fd, self._identity, self._early = None, None, b""
+        self._fd, self._identity = None, None
 
     # ------------------------------------------------------------- read
     def poll(self, max_bytes: int = READ_SIZE) -> Tuple[List[str], int]:
@@ -256,9 +255,6 @@ class FileFollower:
         lines: List[str] = []
         truncated = 0
         self.more, self._problem = False, None
-        if self._early:  # read by look() from the file open now, at _offset: before anything else
-            early, self._early = self._early, b""
-            truncated += self._take(early, lines)
         try:
             st: Optional[os.stat_result] = os.stat(self.path)
         except OSError as e:  # the file is missing (normal before MPS starts), or worse
@@ -557,42 +553,14 @@ class FileFollower:
                 break
             if not data:
                 break
+            self._offset += len(data)
+            self._recent += data[-RECENT_BYTES:]
+            if len(self._recent) > 2 * RECENT_BYTES:  # trimmed now and then, not on every read
+                del self._recent[:-RECENT_BYTES]
             max_bytes -= len(data)
             budget -= len(data)
-            truncated += self._take(data, lines)
+            truncated += self._split(data, lines)
         return truncated
-
-    def _take(self, data: bytes, lines: List[str]) -> int:
-        """`data`, read at _offset of the open file: the read offset moves past it."""
-        self._offset += len(data)
-        self._recent += data[-RECENT_BYTES:]
-        if len(self._recent) > 2 * RECENT_BYTES:  # trimmed now and then, not on every read
-            del self._recent[:-RECENT_BYTES]
-        return self._split(data, lines)
-
-    def look(self) -> bool:
-        """One quick look at the open file, for a reader that spins through copytruncate's
-        last window (the copy's fsync, then the truncate: pipeline.py): bytes past the read
-        offset are read now and kept for the next poll(), which hands them out first (after
-        the truncate no file holds them). True when poll() has work: bytes were read, or the
-        file is shorter than the read offset (truncated), or it could not be looked at.
-        One fstat while nothing comes (a pread when something does), no lines split, no state but the bytes kept:
-        position() still points before them until poll() hands them out."""
-        fd = self._fd
-        if fd is None:
-            return False
-        at = self._offset + len(self._early)
-        if len(self._early) >= READ_SIZE:
-            return True
-        try:
-            size = os.fstat(fd).st_size  # one system call while nothing comes
-            if size == at:
-                return bool(self._early)
-            data = os.pread(fd, min(READ_SIZE, size - at), at) if size > at else b""
-        except OSError:
-            return True  # poll() says why
-        self._early += data
-        return True  # bytes in hand, or truncated (shorter than the offset, or in between)
 
     def _split(self, data: bytes, lines: List[str]) -> int:
         last_nl = data.rfind(b"\n")

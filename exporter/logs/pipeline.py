@@ -48,13 +48,6 @@ PUBLISH_LINES = 100_000  # while catching up on a long log, publish every this m
 # are where inotify misses writes (network file systems). Without a watch it polls as before.
 QUIET_ROUNDS = 8
 QUIET_SECONDS = 2.0
-# While logrotate copies a log (copytruncate: it creates the copy, copies, fsyncs the copy,
-# then truncates the log), the reader does not wait for wake-ups: it looks at that log in a
-# tight loop (FileFollower.look: a pread and an fstat, then time.sleep(0) to let other
-# threads have the GIL), for at most this long at a time, then reads the watch's events
-# and goes on until the truncate is seen or the watch's COPY_SECONDS pass ("Rotation" in
-# docs/logs.md: a line written during the fsync is read within microseconds, not a wake-up).
-SPIN_SLICE_SECONDS = 0.02
 LIVENESS_SECONDS = 2.0  # how often /proc is asked about queued clients (a stat per client)
 # --mps.log-start: where a log the state file does not know is read from.
 LOG_START_BEGINNING, LOG_START_END = "beginning", "end"
@@ -161,14 +154,9 @@ class LogPipeline:
             try:
                 with self._write_lock:
                     self._place()
-                    ends = {file: f.truncations + f.rotations for file, f in self._followers.items()}
                     for file in FILES:  # control.log first: see LogState.settle
                         more = self._poll_file(file)
                         busy = more or busy
-                    if watch is not None:
-                        for file, f in self._followers.items():
-                            if f.truncations + f.rotations != ends[file]:  # its rotation is over
-                                watch.copied(file + ".log")
                     if not busy and not self._caught_up:  # both files read to their end: say so at once
                         self._caught_up = self._dirty = urgent = True
                     if not more and self._state.settle():  # server.log, read last, is at its end
@@ -184,15 +172,6 @@ class LogPipeline:
                 if self.errors == 1:  # with its traceback once, not every 250 ms
                     log.exception("log pipeline %s: reading %s failed", self.daemon, self.log_directory)
             idle_rounds = 0 if self._read_lines else idle_rounds + 1
-            if not busy and watch is not None:
-                try:
-                    if self._spin(watch):
-                        continue
-                except Exception:  # a bug in the spin costs the spin, never the reader
-                    self.errors += 1
-                    log.exception("log pipeline %s: reading %s during a rotation failed; waiting for wake-ups "
-                                  "from now on", self.daemon, self.log_directory)
-                    watch = None
             if not busy:  # until the files change; with lines not yet published, no longer than that is due
                 due = self._published_at + PUBLISH_SECONDS - time.monotonic() if self._dirty else POLL_SECONDS
                 pause = min(POLL_SECONDS, max(0.0, due))
@@ -207,25 +186,6 @@ class LogPipeline:
                                   self.daemon, self.log_directory)
                     watch = None  # stop() closes it
                 self._stop.wait(pause)
-
-    def _spin(self, watch: DirectoryWatch) -> bool:
-        """While logrotate copies one of the logs, look at it in a tight loop for up to
-        SPIN_SLICE_SECONDS: until bytes come (read at once and kept by the follower, since
-        the truncate may follow within microseconds), the file is truncated, or the stop.
-        Then the watch's events are read (a copy still growing keeps the spin going). False:
-        no copy under way, wait as usual. The write lock is held (read_once never
-        interleaves); a scrape never takes it."""
-        copying = watch.copying()
-        followers = [f for file, f in self._followers.items() if file + ".log" in copying]
-        if not followers:
-            return False
-        until = time.monotonic() + SPIN_SLICE_SECONDS
-        with self._write_lock:
-            while not self._stop.is_set() and not any([f.look() for f in followers]) \
-                    and time.monotonic() < until:
-                os.sched_yield()  # the GIL and the CPU for the others (time.sleep(0) sleeps ~60 us: timer slack)
-        watch.wait(0)
-        return True
 
     def _settled(self) -> bool:
         """Everything read is published and saved (where saved at all), and nobody is queued."""

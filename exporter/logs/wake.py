@@ -12,10 +12,6 @@ control.log-20261125 ...) is created, moved or deleted, or a log is (logrotate c
 its copy before it copies, syncs and truncates; a rename moves the log). From then
 until ROTATION_SECONDS after the last such sign, every write to a log ends the wait as
 well (IN_MODIFY), so the lines written during the copy are read before the truncate.
-A rotated name created (not a compressed one) is logrotate's copy beginning: `copying()`
-names its log until the reader says its truncate was seen (`copied`) or COPY_SECONDS
-after the copy last grew; the pipeline then reads that log in a tight loop rather than
-wait for a wake-up (tens of microseconds, more than some lines have before the truncate).
 Outside rotations writes do not wake the reader: each wake-up costs a round of system
 calls (~300 us of CPU on a busy 2-core VM, cold caches), and 500 lines/s would cost
 13 ms/s read one by one, 7 ms/s coalesced to 20 rounds/s, against 3 ms/s at 4 polls/s
@@ -43,9 +39,7 @@ import select
 import struct
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-from .follower import COMPRESSED_SUFFIXES
+from typing import Any, Optional, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +63,6 @@ EVENT_HEADER = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of
 READ_BYTES = 64 * 1024  # events read per call; more wait for the next read
 MAX_INSTANCES = 16  # inotify instances one process holds at most (the per-user default limit is 128)
 ROTATION_SECONDS = 5.0  # after a rotated name last changed, every write ends the wait (a copy's fsync can be slow)
-# A copy (a rotated name created, not compressed) counts as under way until its log's
-# truncate is seen (`copied`) or this long after it was created or last grew: the pipeline
-# reads that log in a tight loop meanwhile (pipeline.py, "spin").
-COPY_SECONDS = 0.5
-COMPRESSED = tuple(suffix.encode() for suffix in COMPRESSED_SUFFIXES)  # a compressed copy is no copy under way
 
 
 _instances_lock = threading.Lock()
@@ -127,7 +116,6 @@ class DirectoryWatch:
         self._warned: Optional[int] = None  # errno of the last failure logged (once per kind)
         self._capped = False  # the process holds MAX_INSTANCES already: this one polls
         self._rotating_until = 0.0  # time.monotonic() until which writes end the wait
-        self._copies: Dict[str, float] = {}  # log name -> time.monotonic() until which its copy is under way
         self.wakeups = 0  # waits ended by a change of the files
 
     @property
@@ -138,20 +126,6 @@ class DirectoryWatch:
     def rotating(self) -> bool:
         """A rotation was seen under way lately: writes end the wait."""
         return time.monotonic() < self._rotating_until
-
-    def copying(self) -> List[str]:
-        """The logs (names as given) whose copy logrotate has begun and whose truncate
-        was not seen yet (`copied`), for at most COPY_SECONDS after the copy last grew:
-        copytruncate's window is open or about to open."""
-        now = time.monotonic()
-        for name, until in list(self._copies.items()):
-            if now >= until:
-                del self._copies[name]
-        return list(self._copies)
-
-    def copied(self, name: str) -> None:
-        """`name`'s truncate (or another end of its rotation) was seen: its copy is over."""
-        self._copies.pop(name, None)
 
     def wait(self, timeout: float, writes: bool = False) -> bool:
         """Until a rotation begins or, during one, a log is written (True), `wake()` or
@@ -260,16 +234,4 @@ class DirectoryWatch:
                 written = True
             elif name.startswith(self._names):
                 rotation = True
-                if name not in self._names and mask & (IN_CREATE | IN_MODIFY) \
-                        and not name.endswith(COMPRESSED):
-                    self._copy_sign(name, mask)
         return written, rotation
-
-    def _copy_sign(self, name: bytes, mask: int) -> None:
-        """A rotated name was created (logrotate's copy begins: it creates the copy, then
-        copies, fsyncs and truncates), or a copy under way grew: its log's copy is under
-        way for COPY_SECONDS more. A write to a rotated file that is no copy under way (a
-        program still writing to its renamed log) starts nothing."""
-        log_name = max((n for n in self._names if name.startswith(n)), key=len).decode()
-        if mask & IN_CREATE or log_name in self._copies:
-            self._copies[log_name] = time.monotonic() + COPY_SECONDS
