@@ -16,7 +16,10 @@ complete lines; a partial last line waits for its newline. It survives:
   name: the copy's first bytes and the bytes just before the read offset must be the
   ones read from the file. The copy is read to its end, then the file from its
   beginning. When no copy matches (already compressed, removed), the unread part is
-  lost: `rotation_gaps` counts it and it is logged;
+  lost: `rotation_gaps` counts it and it is logged. A file with nothing read yet (offset
+  0, no first bytes to compare) is a truncation when it is shorter than it was seen
+  before, or when, having been seen empty, it holds bytes again and a rotated file that
+  appeared meanwhile does not start as it does (the copy of what it held);
 - NUL bytes (stripped: a writer that kept its offset across copytruncate leaves a
   hole of NULs), invalid UTF-8 (replaced), and lines longer than `max_line_bytes`
   (cut to the cap and counted; memory never holds more than the cap of one line);
@@ -41,7 +44,7 @@ import logging
 import os
 import stat
 import time
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Deque, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 # The read error reasons, declared with the other plain log data (events.py); named here too.
 from .events import INTERNAL_ERROR as INTERNAL_ERROR
@@ -170,6 +173,10 @@ class FileFollower:
         self._resume: Optional[Dict[str, Any]] = None
         self._problem: Optional[ReadError] = None  # found during the current poll
         self._recent = bytearray()  # up to RECENT_BYTES read last, ending at _offset (TAIL_BYTES at least)
+        self._size_seen = 0  # the largest size seen of the current file: shorter later is a truncation
+        # Rotated files beside the log when the current file was last seen empty with nothing
+        # read (no head to compare): a copy that appears later is checked against the log.
+        self._siblings_while_empty: Optional[FrozenSet[Tuple[int, int]]] = None
         self._finished: Deque[Tuple[int, int]] = collections.deque(maxlen=FINISHED_FILES)
         self._finished_mtime = 0  # st_mtime_ns of the rotated file read to its end last
         self.rotations = 0
@@ -265,7 +272,11 @@ class FileFollower:
         if self._fd is None and (st is not None or self._finished):
             self._open_next()
         if self._fd is not None:
-            if self._rewritten():
+            copy = self._copied_before_first_read(st)
+            if copy is not None:
+                self.truncations += 1
+                self._follow_copy(*copy)
+            elif self._rewritten():
                 self.truncations += 1
                 if not self._switch_to_copy():
                     self._restart_file()
@@ -291,6 +302,8 @@ class FileFollower:
                     st = os.stat(self.path)
                 except OSError:
                     break
+        if self._fd is not None and not self._offset and not self._head and self._siblings_while_empty is None:
+            self._copied_before_first_read(st)  # an empty log: note the rotated files beside it now
         self._set_error(self._problem)
         return lines, truncated
 
@@ -315,6 +328,7 @@ class FileFollower:
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset = self._line_start = 0
         self._partial, self._dropping, self._recent = b"", False, bytearray()
+        self._size_seen, self._siblings_while_empty = 0, None
         self._head = self._read_head()
         if saved and confirmed:
             self._offset = self._line_start = saved["offset"]
@@ -460,6 +474,7 @@ class FileFollower:
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset = self._line_start = 0
         self._partial, self._dropping, self._recent = b"", False, bytearray()
+        self._size_seen, self._siblings_while_empty = 0, None
         self._head = self._read_head()
         log.debug("%s: reading %s, rotated before it was read", self.path, path)
 
@@ -489,7 +504,7 @@ class FileFollower:
             self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)  # offset, partial line and head go on
             log.debug("%s was copied and truncated: reading the rest from %s", self.path, path)
             return True
-        if self._offset > 0:
+        if max(self._offset, self._size_seen) > 0:  # bytes were there that are in no copy now
             self.rotation_gaps += 1
             log.warning("%s was truncated (copytruncate) and no rotated copy beside it holds the part not yet "
                         "read (compressed or removed already?): lines after offset %d are lost",
@@ -511,6 +526,56 @@ class FileFollower:
             return True
         return os.pread(fd, end - start, start) == bytes(self._recent[start - recent_start: end - recent_start])
 
+    def _copied_before_first_read(self, st: Optional[os.stat_result]) -> Optional[Tuple[int, os.stat_result]]:
+        """A file at offset 0 with nothing read has no head to compare: a copytruncate
+        before its first read would go unseen. So while it is empty the rotated files
+        beside it are noted (once), and when it holds bytes again, a rotated file that
+        appeared meanwhile and does not start as the log does is the copy of what it
+        held: (fd, fstat) of it, to be read first. None: nothing to do (the usual case:
+        one fstat). Only while the name still means the file (`st`): a file renamed away
+        is followed by rotated files that are its successors, not its copies."""
+        if self._fd is None or self._offset or self._head or st is None \
+                or (st.st_dev, st.st_ino) != self._identity:
+            return None
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            return None
+        if size == 0:
+            if self._siblings_while_empty is None:
+                self._siblings_while_empty = frozenset(self._sibling_identities())
+            return None
+        before, self._siblings_while_empty = self._siblings_while_empty, None
+        if before is None:
+            return None
+        head = self._read_head()
+        for path, est in sorted(self._rotated_siblings(), key=lambda c: -c[1].st_mtime_ns):
+            identity = (est.st_dev, est.st_ino)
+            if identity in before or identity == self._identity or est.st_size == 0:
+                continue
+            try:
+                fd, fst = open_regular(path)
+            except OSError:
+                continue
+            try:
+                first = os.pread(fd, HEAD_BYTES, 0)
+            except OSError:
+                first = b""
+            if first and first[: len(head)] != head[: len(first)]:
+                log.debug("%s was copied and truncated before its first read: reading %s first", self.path, path)
+                return fd, fst
+            os.close(fd)  # the log still starts with its bytes: a copy, not truncated
+        return None
+
+    def _sibling_identities(self) -> List[Tuple[int, int]]:
+        return [(est.st_dev, est.st_ino) for _, est in self._rotated_siblings()]
+
+    def _follow_copy(self, fd: int, fst: os.stat_result) -> None:
+        """Read the copy of the current file from where the file was left (offset 0)."""
+        self.close()
+        self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
+        self._head = self._read_head()
+
     def _read_head(self) -> bytes:
         try:
             return os.pread(self._fd, HEAD_BYTES, 0) if self._fd is not None else b""
@@ -525,8 +590,9 @@ class FileFollower:
             size = os.fstat(self._fd).st_size
         except OSError:
             return False
-        if size < self._offset:
+        if size < max(self._offset, self._size_seen):
             return True
+        self._size_seen = size
         head = self._read_head()
         if head[: len(self._head)] != self._head:
             return True
@@ -536,6 +602,7 @@ class FileFollower:
     def _restart_file(self) -> None:
         self._offset = self._line_start = 0
         self._partial, self._dropping, self._recent = b"", False, bytearray()
+        self._size_seen, self._siblings_while_empty = 0, None
         self._head = self._read_head()
 
     def _read(self, lines: List[str], max_bytes: int) -> int:

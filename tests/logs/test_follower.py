@@ -384,3 +384,79 @@ def test_a_truncate_racing_a_read_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert rotated and got + drain(f) == lines(3, "unread") + ["new"]
     assert f.truncations == 1 and f.rotation_gaps == 0
+
+
+# ------------------------------------------------- rotated before the first byte was read
+
+def test_a_log_copied_and_truncated_before_its_first_read_is_read_from_the_copy(tmp_path):
+    """The follower opened the log empty (offset 0, no head to compare): a copytruncate
+    before it read a byte must still send it to the copy, not skip the copied lines."""
+    path = tmp_path / "control.log"
+    write(path, "")
+    write(tmp_path / "control.log.2", text(lines(3, "an older rotation")))  # there before: not ours
+    f = FileFollower(str(path))
+    assert drain(f) == []
+    write(path, text(lines(2, "copied")))
+    copytruncate(path, "control.log.1")
+    write(path, text(lines(1, "new")))
+    assert drain(f) == lines(2, "copied") + lines(1, "new")
+    write(path, "more\n")
+    assert drain(f) == ["more"]
+    assert f.truncations == 1 and f.rotation_gaps == 0
+
+
+def test_after_a_copytruncate_an_empty_log_truncated_again_before_its_first_read(tmp_path):
+    """The same blind spot after every copytruncate: the follower starts the emptied log
+    again at offset 0; a second rotation before it read a byte must not be silent."""
+    path = tmp_path / "control.log"
+    write(path, text(lines(3, "first")))
+    f = FileFollower(str(path))
+    assert drain(f) == lines(3, "first")
+    copytruncate(path, "control.log.1")
+    assert drain(f) == []
+    assert f.truncations == 1
+    os.rename(tmp_path / "control.log.1", tmp_path / "control.log.2")  # logrotate shifts the first copy
+    write(path, text(lines(2, "second")))
+    copytruncate(path, "control.log.1")
+    write(path, text(lines(1, "third")))
+    assert drain(f) == lines(2, "second") + lines(1, "third")
+    assert f.truncations == 2 and f.rotation_gaps == 0
+
+
+def test_a_copy_that_is_not_truncated_is_not_read_twice(tmp_path):
+    """logrotate `copy` without truncating (or a backup made by hand) while the follower
+    had read nothing: the log still starts with the copy's bytes, so it is read once."""
+    path = tmp_path / "control.log"
+    write(path, "")
+    f = FileFollower(str(path))
+    assert drain(f) == []
+    write(path, text(lines(2, "kept")))
+    shutil.copy(path, tmp_path / "control.log.1")
+    assert drain(f) == lines(2, "kept")
+    assert f.truncations == 0 and f.rotation_gaps == 0
+
+
+def test_a_log_seen_longer_then_shorter_before_its_first_read_counts_a_gap(tmp_path, monkeypatch):
+    """The follower saw the log hold bytes but read none (the read failed), then it was
+    truncated with no copy: the unread bytes are lost, and counted."""
+    from mps_exporter.logs import follower as follower_module
+
+    path = tmp_path / "control.log"
+    write(path, "")
+    f = FileFollower(str(path))
+    assert drain(f) == []
+    write(path, text(lines(2, "unread")))
+    real_pread = os.pread
+
+    def failing(fd: int, n: int, offset: int) -> bytes:
+        if n > follower_module.HEAD_BYTES:  # the read of the lines, not the look at the head
+            raise OSError(5, "Input/output error")
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(follower_module.os, "pread", failing)
+    assert f.poll() == ([], 0) and f.error is not None
+    monkeypatch.undo()
+    truncate(path)  # no copy beside it
+    write(path, "new\n")
+    assert drain(f) == ["new"]
+    assert f.truncations == 1 and f.rotation_gaps == 1
