@@ -177,6 +177,7 @@ class FileFollower:
         # Rotated files beside the log when the current file was last seen empty with nothing
         # read (no head to compare): a copy that appears later is checked against the log.
         self._siblings_while_empty: Optional[FrozenSet[Tuple[int, int]]] = None
+        self._copy_of: Optional[Tuple[int, int]] = None  # reading a rotated copy of this file (identity)
         self._finished: Deque[Tuple[int, int]] = collections.deque(maxlen=FINISHED_FILES)
         self._finished_mtime = 0  # st_mtime_ns of the rotated file read to its end last
         self.rotations = 0
@@ -289,12 +290,16 @@ class FileFollower:
                     self.more = True
                     break
                 hops += 1
-                if self._partial:
-                    lines.append(self._decode(self._partial))
-                    truncated += self._dropping
-                self._finish_file()
                 self.rotations += 1
-                self._open_next()
+                collapsed = self._collapsed_successor(st)
+                if collapsed is not None:  # the copy's last bytes head the log: go on after them
+                    self._continue_collapsed(*collapsed)
+                else:
+                    if self._partial:
+                        lines.append(self._decode(self._partial))
+                        truncated += self._dropping
+                    self._finish_file()
+                    self._open_next()
                 if self._fd is None:
                     break
                 truncated += self._read(lines, max_bytes)
@@ -328,7 +333,7 @@ class FileFollower:
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset = self._line_start = 0
         self._partial, self._dropping, self._recent = b"", False, bytearray()
-        self._size_seen, self._siblings_while_empty = 0, None
+        self._size_seen, self._siblings_while_empty, self._copy_of = 0, None, None
         self._head = self._read_head()
         if saved and confirmed:
             self._offset = self._line_start = saved["offset"]
@@ -474,7 +479,7 @@ class FileFollower:
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset = self._line_start = 0
         self._partial, self._dropping, self._recent = b"", False, bytearray()
-        self._size_seen, self._siblings_while_empty = 0, None
+        self._size_seen, self._siblings_while_empty, self._copy_of = 0, None, None
         self._head = self._read_head()
         log.debug("%s: reading %s, rotated before it was read", self.path, path)
 
@@ -495,13 +500,17 @@ class FileFollower:
             except OSError:
                 ours = False
             if ours and fst.st_size <= self._offset:  # read to its end already, and past it
-                os.close(fd)
-                return False
+                try:  # collapsed in place, not truncated: go on where we were, less what was removed
+                    return self._collapsed_in_place(fd, fst.st_size)
+                finally:
+                    os.close(fd)
             if not ours:
                 os.close(fd)
                 continue
+            live = self._identity
             self.close()
             self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)  # offset, partial line and head go on
+            self._copy_of = live
             log.debug("%s was copied and truncated: reading the rest from %s", self.path, path)
             return True
         if max(self._offset, self._size_seen) > 0:  # bytes were there that are in no copy now
@@ -572,9 +581,77 @@ class FileFollower:
 
     def _follow_copy(self, fd: int, fst: os.stat_result) -> None:
         """Read the copy of the current file from where the file was left (offset 0)."""
+        live = self._identity
         self.close()
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._head = self._read_head()
+        self._copy_of = live
+
+    # Rotation by `copy` and a collapse of the copied bytes (deploy/systemd/mps-log-collapse):
+    # the log loses its first N bytes, N the copy's length C rounded down to the file
+    # system's block size, so its first C - N bytes are the copy's last ones.
+
+    def _collapsed_in_place(self, copy_fd: int, c: int) -> bool:
+        """The log (the open file) shrank or changed its head, and its verified copy (`c`
+        bytes) ends at or before the read offset: if the log is that file less its first N
+        bytes (its first c - N bytes are the copy's last ones, and the bytes read just
+        before the offset are at offset - N), go on there and say True. False: truncated,
+        start again from 0 (the usual copytruncate)."""
+        assert self._fd is not None
+        o = self._offset
+        try:
+            n = c - c % _block_size(self._fd)
+            k, live_size = c - n, os.fstat(self._fd).st_size
+            t = min(TAIL_BYTES, len(self._recent), o - n)
+            if n <= 0 or t <= 0 or live_size < o - n:
+                return False
+            if k and os.pread(self._fd, k, 0) != os.pread(copy_fd, k, n):
+                return False
+            if os.pread(self._fd, t, o - n - t) != bytes(self._recent[-t:]):
+                return False
+        except OSError:
+            return False
+        self._offset, self._line_start = o - n, max(0, self._line_start - n)
+        self._head, self._size_seen = self._read_head(), live_size
+        log.debug("%s: its first %d bytes were collapsed away after a copy: going on at %d", self.path, n, o - n)
+        return True
+
+    def _collapsed_successor(self, st: os.stat_result) -> Optional[Tuple[int, os.stat_result, int]]:
+        """At the end of a copy read after a rotation: the log it is a copy of, under the
+        name still, whose first k = C - N bytes (k > 0) are the copy's last ones: (fd,
+        fstat, k). None: read the log from its start (a truncate; or N = C, where both
+        mean the same)."""
+        live = self._copy_of
+        if live is None or self._fd is None or (st.st_dev, st.st_ino) != live:
+            return None
+        c = self._offset
+        try:
+            if os.fstat(self._fd).st_size != c:
+                return None
+            fd, fst = open_regular(self.path)
+        except OSError:
+            return None
+        try:
+            n = c - c % _block_size(fd)
+            k = c - n
+            if (fst.st_dev, fst.st_ino) == live and 0 < k <= fst.st_size \
+                    and os.pread(fd, k, 0) == os.pread(self._fd, k, n):
+                return fd, fst, k
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
+    def _continue_collapsed(self, fd: int, fst: os.stat_result, k: int) -> None:
+        """Leave the copy (read to its end C) for the log at k: its first k bytes are the
+        copy's last ones, read already. The partial line goes on (its rest follows at k)."""
+        c, line_start = self._offset, self._line_start
+        self._finish_file()
+        self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
+        self._offset, self._line_start = k, max(0, line_start - (c - k))
+        self._head, self._size_seen, self._copy_of = self._read_head(), 0, None
+        log.debug("%s: after its copy, going on at %d (the copy's last %d bytes were left at its head)",
+                  self.path, k, k)
 
     def _read_head(self) -> bytes:
         try:
@@ -602,7 +679,7 @@ class FileFollower:
     def _restart_file(self) -> None:
         self._offset = self._line_start = 0
         self._partial, self._dropping, self._recent = b"", False, bytearray()
-        self._size_seen, self._siblings_while_empty = 0, None
+        self._size_seen, self._siblings_while_empty, self._copy_of = 0, None, None
         self._head = self._read_head()
 
     def _read(self, lines: List[str], max_bytes: int) -> int:
@@ -671,6 +748,12 @@ class FileFollower:
     @staticmethod
     def _decode(data: bytes) -> str:
         return data.replace(b"\x00", b"").decode("utf-8", "replace")
+
+
+def _block_size(fd: int) -> int:
+    """The file system's block size, as `stat -f -c %S` prints it (fallocate's unit)."""
+    st = os.fstatvfs(fd)
+    return st.f_frsize or st.f_bsize or 1
 
 
 def _rotation_number(path: str) -> int:

@@ -178,3 +178,51 @@ def test_logrotate_copies_and_truncates_the_mps_logs(tmp_path):
         writer.write("after rotation\n")
     assert (logs / "control.log.1").read_text() == lines  # delaycompress: plain text
     assert control.read_text().lstrip("\0") == "after rotation\n"
+
+
+@pytest.mark.parametrize("name", ["nvidia-mps.logrotate", "nvidia-mps-collapse.logrotate"])
+def test_shipped_logrotate_files_parse_with_the_real_logrotate(tmp_path, name):
+    logrotate = require("logrotate")
+    result = subprocess.run([logrotate, "-d", "--state", str(tmp_path / "state"), os.path.join(SYSTEMD, name)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "error:" not in result.stderr + result.stdout, result.stderr
+    assert "/var/log/nvidia-mps/control.log" in result.stderr + result.stdout
+
+
+def test_collapse_rotation_copies_then_removes_the_copied_blocks(tmp_path):
+    """nvidia-mps-collapse.logrotate with the shipped mps-log-collapse: logrotate `copy`,
+    then the copied bytes are removed from the front of the log in place (or, where the
+    file system cannot collapse, copied on and truncated, as copytruncate)."""
+    logrotate = require("logrotate")
+    with open(os.path.join(SYSTEMD, "nvidia-mps-collapse.logrotate"), encoding="utf-8") as f:
+        config = f.read()
+    assert "copy" in config.split() and "copytruncate" not in config.split() and "delaycompress" in config.split()
+    script = os.path.join(SYSTEMD, "mps-log-collapse")
+    assert os.access(script, os.X_OK)
+    with open(script, encoding="utf-8") as f:
+        assert f.readline() == "#!/bin/sh\n"
+    logs = tmp_path / "log"
+    logs.mkdir()
+    config = config.replace("/var/log/nvidia-mps/", f"{logs}/").replace("/usr/local/libexec/mps-log-collapse",
+                                                                        shlex.quote(script))
+    if os.geteuid() != 0:
+        config = re.sub(r"^\s*su .*$", "", config, flags=re.M)
+    conf = tmp_path / "nvidia-mps.conf"
+    conf.write_text(config)
+    block = os.statvfs(logs).f_frsize
+    lines = "".join(f"[2026-11-21 04:21:26.123 Control  1419] line {i} {'x' * 40}\n" for i in range(200))
+    assert len(lines) > 2 * block
+    control = logs / "control.log"
+    control.write_text(lines)
+    with open(control, "a", encoding="utf-8") as writer:  # MPS's descriptor, kept
+        result = subprocess.run([logrotate, "--force", "--state", str(tmp_path / "state"), str(conf)],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        writer.write("after rotation\n")
+    copy = (logs / "control.log.1").read_text()
+    assert copy.startswith(lines)  # delaycompress: plain text
+    if "fallocate --collapse-range failed" in result.stderr:  # tmpfs, btrfs, NFS: copytruncate
+        assert control.read_text().lstrip("\0") == "after rotation\n"
+    else:
+        n = len(lines) - len(lines) % block
+        assert copy == lines and control.read_text() == lines[n:] + "after rotation\n"
