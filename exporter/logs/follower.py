@@ -295,11 +295,14 @@ class FileFollower:
                 if collapsed is not None:  # the copy's last bytes head the log: go on after them
                     self._continue_collapsed(*collapsed)
                 else:
-                    if self._partial:
-                        lines.append(self._decode(self._partial))
-                        truncated += self._dropping
+                    chain = self._copy_of
+                    left = (self._offset, self._recent, self._partial, self._dropping, self._line_start)
                     self._finish_file()
                     self._open_next()
+                    if not (chain is not None and self._chained_copy(chain, *left)):
+                        if left[2]:
+                            lines.append(self._decode(left[2]))
+                            truncated += left[3]
                 if self._fd is None:
                     break
                 truncated += self._read(lines, max_bytes)
@@ -605,21 +608,22 @@ class FileFollower:
             t = min(TAIL_BYTES, len(self._recent), o - n)
             if n <= 0 or t <= 0 or live_size < o - n:
                 return False
-            if k and os.pread(self._fd, k, 0) != os.pread(copy_fd, k, n):
+            first = os.pread(self._fd, max(k, HEAD_BYTES), 0)  # one read: the head kept is the one checked
+            if k and first[:k] != os.pread(copy_fd, k, n):
                 return False
             if os.pread(self._fd, t, o - n - t) != bytes(self._recent[-t:]):
                 return False
         except OSError:
             return False
         self._offset, self._line_start = o - n, max(0, self._line_start - n)
-        self._head, self._size_seen = self._read_head(), live_size
+        self._head, self._size_seen = first[:HEAD_BYTES], live_size
         log.debug("%s: its first %d bytes were collapsed away after a copy: going on at %d", self.path, n, o - n)
         return True
 
-    def _collapsed_successor(self, st: os.stat_result) -> Optional[Tuple[int, os.stat_result, int]]:
+    def _collapsed_successor(self, st: os.stat_result) -> Optional[Tuple[int, os.stat_result, int, bytes]]:
         """At the end of a copy read after a rotation: the log it is a copy of, under the
         name still, whose first k = C - N bytes (k > 0) are the copy's last ones: (fd,
-        fstat, k). None: read the log from its start (a truncate; or N = C, where both
+        fstat, k, its first bytes as checked). None: read the log from its start (a truncate; or N = C, where both
         mean the same)."""
         live = self._copy_of
         if live is None or self._fd is None or (st.st_dev, st.st_ino) != live:
@@ -634,22 +638,43 @@ class FileFollower:
         try:
             n = c - c % _block_size(fd)
             k = c - n
-            if (fst.st_dev, fst.st_ino) == live and 0 < k <= fst.st_size \
-                    and os.pread(fd, k, 0) == os.pread(self._fd, k, n):
-                return fd, fst, k
+            first = os.pread(fd, max(k, HEAD_BYTES), 0)  # one read: the head kept is the one checked
+            if (fst.st_dev, fst.st_ino) == live and 0 < k <= len(first) and first[:k] == os.pread(self._fd, k, n):
+                return fd, fst, k, first[:HEAD_BYTES]
         except OSError:
             pass
         os.close(fd)
         return None
 
-    def _continue_collapsed(self, fd: int, fst: os.stat_result, k: int) -> None:
+    def _chained_copy(self, live: Tuple[int, int], c: int, recent: bytearray, partial: bytes, dropping: bool,
+                      line_start: int) -> bool:
+        """Two collapses before the follower came: the copy just read to its end (`c`
+        bytes, read last `recent`) is followed by the next copy, whose first c % block
+        bytes are its last ones. Go on after them (as in the log after one collapse) and
+        say True; the next copy is a copy of the log too."""
+        if self._fd is None or self._offset:
+            return False
+        try:
+            k = c % _block_size(self._fd)
+            first = os.pread(self._fd, max(k, HEAD_BYTES), 0)
+        except OSError:
+            return False
+        if not k or len(recent) < k or first[:k] != bytes(recent[-k:]):
+            return False
+        self._offset, self._line_start = k, max(0, line_start - (c - k))
+        self._partial, self._dropping, self._recent = partial, dropping, recent
+        self._head, self._copy_of = first[:HEAD_BYTES], live
+        log.debug("%s: the next copy starts with the last %d bytes of the one before: going on there", self.path, k)
+        return True
+
+    def _continue_collapsed(self, fd: int, fst: os.stat_result, k: int, head: bytes) -> None:
         """Leave the copy (read to its end C) for the log at k: its first k bytes are the
         copy's last ones, read already. The partial line goes on (its rest follows at k)."""
         c, line_start = self._offset, self._line_start
         self._finish_file()
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._offset, self._line_start = k, max(0, line_start - (c - k))
-        self._head, self._size_seen, self._copy_of = self._read_head(), 0, None
+        self._head, self._size_seen, self._copy_of = head, 0, None
         log.debug("%s: after its copy, going on at %d (the copy's last %d bytes were left at its head)",
                   self.path, k, k)
 
@@ -660,7 +685,9 @@ class FileFollower:
             return b""
 
     def _rewritten(self) -> bool:
-        """Truncated (copytruncate), or rewritten from the start since we last looked."""
+        """Truncated (copytruncate), collapsed, or rewritten from the start since we last
+        looked: shorter than the offset or than it was seen, other first bytes, or other
+        bytes just before the offset."""
         if self._fd is None:
             return False
         try:
@@ -673,6 +700,14 @@ class FileFollower:
         head = self._read_head()
         if head[: len(self._head)] != self._head:
             return True
+        # And the bytes just before the offset: after a collapse the log starts mid-line,
+        # where a run of equal bytes can make its first bytes look unchanged.
+        t = min(TAIL_BYTES, len(self._recent), self._offset)
+        try:
+            if t and os.pread(self._fd, t, self._offset - t) != bytes(self._recent[-t:]):
+                return True
+        except OSError:
+            pass
         self._head = head
         return False
 
@@ -690,11 +725,20 @@ class FileFollower:
             if max_bytes <= 0 and lines or budget <= 0:
                 self.more = True
                 break
+            # The bytes just before the offset are read again with the new ones: a file
+            # collapsed or truncated since the look at it (rotation between the two) no
+            # longer has them there, and the next look finds why (_rewritten).
+            t = min(TAIL_BYTES, len(self._recent), self._offset)
             try:
-                data = os.pread(self._fd, min(READ_SIZE, max_bytes) if max_bytes > 0 else READ_SIZE, self._offset)
+                data = os.pread(self._fd, (min(READ_SIZE, max_bytes) if max_bytes > 0 else READ_SIZE) + t,
+                                self._offset - t)
             except OSError as e:
                 self._problem = read_error(self.path, e)
                 break
+            if t:
+                if data[:t] != self._recent[-t:]:
+                    break  # the next look finds what happened
+                data = data[t:]
             if not data:
                 break
             self._offset += len(data)

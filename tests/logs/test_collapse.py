@@ -245,3 +245,22 @@ def test_the_script_falls_back_to_copytruncate_on_tmpfs():
             pytest.skip("this tmpfs collapses")
         assert result.returncode == 0
         assert path.stat().st_size == 0 and copy.read_text() == text(big(100, "copied")) + "after the copy\n"
+
+
+def test_the_script_leaves_a_log_of_whole_copied_blocks_alone(tmp_path):
+    """A collapse may not reach the end of the file: a copy of whole blocks with nothing
+    written since is left for the next rotation (and the follower sees no rotation)."""
+    path = tmp_path / "control.log"
+    bs = block(path)
+    write(path, ("y" * 99 + "\n") * (bs // 100) + "z" * (bs % 100 - 1) + "\n")
+    assert path.stat().st_size == bs
+    f = FileFollower(str(path))
+    got = drain(f)
+    copy = tmp_path / "control.log.1"
+    shutil.copy(path, copy)
+    result = subprocess.run(["sh", str(SCRIPT), str(path), str(copy)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stderr == ""
+    assert path.read_bytes() == copy.read_bytes()
+    write(path, "new\n")
+    assert got + drain(f) == ["y" * 99] * (bs // 100) + ["z" * (bs % 100 - 1), "new"]
+    assert f.truncations == 0
