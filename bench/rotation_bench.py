@@ -21,7 +21,11 @@ every 5 ms and reports how late it came back during rotations (what a reader hol
 the GIL or a CPU would cost a scrape).
 
 Modes: `copytruncate` uses the shipped deploy/systemd/nvidia-mps.logrotate (paths
-changed); `rename` is create-style rotation (`create`, no compression), which tools
+changed); `collapse` the shipped nvidia-mps-collapse.logrotate with its postrotate
+script, mps-log-collapse (logrotate `copy`, then the copied blocks removed from the
+log's front with fallocate --collapse-range; the log directory is in the system's
+temporary directory, so that must be on ext4 or XFS: `truncate fallbacks` counts the
+rotations where the script fell back to truncating); `rename` is create-style rotation (`create`, no compression), which tools
 that reopen their logs use. In rename mode the writer reopens the name after each
 rotation, as such a program does on its signal. `none` rotates nothing: the reader's
 CPU at that rate alone.
@@ -72,9 +76,10 @@ RENAME_CONFIG = """{path} {{
 LINE = re.compile(r"NEW UI (\d+)$")
 
 
-def shipped_config(log_dir: str) -> str:
-    with open(ROOT / "deploy" / "systemd" / "nvidia-mps.logrotate", encoding="utf-8") as f:
+def shipped_config(log_dir: str, name: str = "nvidia-mps.logrotate") -> str:
+    with open(ROOT / "deploy" / "systemd" / name, encoding="utf-8") as f:
         config = f.read().replace("/var/log/nvidia-mps/", f"{log_dir}/")
+    config = config.replace("/usr/local/libexec/mps-log-collapse", str(ROOT / "deploy" / "systemd" / "mps-log-collapse"))
     config = re.sub(r"\brotate \d+", "rotate 10000", config)
     if os.geteuid() != 0:
         config = re.sub(r"^\s*su .*$", "", config, flags=re.M)
@@ -90,13 +95,15 @@ def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: fl
     stop = threading.Event()
     reopen = threading.Event()
     rotations = [0]
+    fallbacks = [0]  # collapse mode: rotations where the script fell back to truncating
 
     spans: List[Tuple[int, int]] = []  # time.monotonic_ns() when each logrotate run began and ended
 
     def rotator() -> None:
         while not stop.wait(period):
             began = time.monotonic_ns()
-            subprocess.run([logrotate, "--force", "--state", state, conf], capture_output=True, timeout=30)
+            done = subprocess.run([logrotate, "--force", "--state", state, conf], capture_output=True, timeout=30)
+            fallbacks[0] += b"collapse-range failed" in done.stderr
             spans.append((began, time.monotonic_ns()))
             rotations[0] += 1
             if mode == "rename":
@@ -125,7 +132,7 @@ def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: fl
     if rotating.is_alive():
         rotating.join()
     os.close(fd)
-    print(json.dumps({"written": n, "rotations": rotations[0], "at": at, "spans": spans}))
+    print(json.dumps({"written": n, "rotations": rotations[0], "fallbacks": fallbacks[0], "at": at, "spans": spans}))
 
 
 class RecordingFollower(FileFollower):
@@ -157,7 +164,9 @@ def run(mode: str, period: float, seconds: float, rate: int, scrape_probe: bool 
         open(path, "a").close()
         conf = os.path.join(tmp, "rotate.conf")
         with open(conf, "w", encoding="utf-8") as f:
-            f.write(shipped_config(log_dir) if mode == "copytruncate" else RENAME_CONFIG.format(path=path))
+            f.write(shipped_config(log_dir) if mode == "copytruncate" else
+                    shipped_config(log_dir, "nvidia-mps-collapse.logrotate") if mode == "collapse" else
+                    RENAME_CONFIG.format(path=path))
         pipe = LogPipeline("bench", log_dir)
         follower = RecordingFollower(path)
         pipe._followers["control"] = follower  # the bench's one intrusion: which lines came out
@@ -193,7 +202,8 @@ def run(mode: str, period: float, seconds: float, rate: int, scrape_probe: bool 
                 "lost by the follower": len(in_files - set(counts)),
                 "lost by the rotation (in no file)": len(set(range(written)) - in_files - set(counts)),
                 "read, in no file now": len(set(counts) - in_files),
-                "rotation gaps": follower.rotation_gaps, "inotify": "yes" if inotify else "no",
+                "rotation gaps": follower.rotation_gaps,
+                "truncate fallbacks": done.get("fallbacks", 0), "inotify": "yes" if inotify else "no",
                 "reader CPU, ms/s": f"{1000 * cpu / (seconds + 4 * POLL_SECONDS):.1f}",
                 "write to read, ms p50 / p99": f"{_quantile(delays, 0.5):.2f} / {_quantile(delays, 0.99):.2f}",
                 "during rotations: lines, write to read us p50 / p99 / max": f"{len(rotating)}: {_quantile(rotating, 0.5):.0f}"
@@ -239,6 +249,11 @@ class ScrapeProbe:
             self.samples.append((due, (time.monotonic_ns() - due) / 1e6))
 
 
+def _fs_type(path: str) -> str:
+    done = subprocess.run(["stat", "-f", "-c", "%T, block %S", path], capture_output=True, text=True)
+    return done.stdout.strip() or "file system unknown"
+
+
 def _within(at: int, spans: List[Tuple[int, ...]]) -> bool:
     i = bisect.bisect_right(spans, (at, 1 << 62)) - 1
     return i >= 0 and spans[i][0] <= at <= spans[i][1]
@@ -271,7 +286,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--rate", type=int, default=500, help="lines written per second")
     ap.add_argument("--modes", nargs="+", default=["copytruncate:1", "copytruncate:0.1", "rename:1", "rename:0.1"],
-                    help="MODE:PERIOD, MODE copytruncate, rename or none, PERIOD seconds between rotations")
+                    help="MODE:PERIOD, MODE copytruncate, collapse, rename or none, PERIOD seconds between rotations")
     ap.add_argument("--poll-only", action="store_true",
                     help="no inotify: the pipeline looks at the files every POLL_SECONDS only (as before issue 26)")
     ap.add_argument("--scrape-probe", action="store_true",
@@ -282,7 +297,8 @@ def main() -> None:
         wake._libc = lambda: None  # what the pipeline does where inotify cannot be had
     print(f"load average before: {load_average()}; cores: {os.cpu_count()}; "
           f"{args.rate} lines/s for {args.seconds:g} s; the log pipeline reads on each write (inotify), "
-          f"else every {POLL_SECONDS} s{'; scrape probe every 5 ms' if args.scrape_probe else ''}\n")
+          f"else every {POLL_SECONDS} s{'; scrape probe every 5 ms' if args.scrape_probe else ''}; "
+          f"log directory in {tempfile.gettempdir()} ({_fs_type(tempfile.gettempdir())})\n")
     rows = []
     for spec in args.modes:
         mode, _, period = spec.partition(":")
