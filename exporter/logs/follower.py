@@ -44,7 +44,7 @@ import logging
 import os
 import stat
 import time
-from typing import Any, Deque, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import AbstractSet, Any, Deque, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Tuple
 
 # The read error reasons, declared with the other plain log data (events.py); named here too.
 from .events import INTERNAL_ERROR as INTERNAL_ERROR
@@ -491,13 +491,7 @@ class FileFollower:
         not read yet (found by content). False: nothing was unread (the copy ends at or
         before the read offset: what was written after the copy was read before the
         truncate), or no copy holds it (counted in `rotation_gaps`)."""
-        for path, est in sorted(self._rotated_siblings(), key=lambda c: -c[1].st_mtime_ns):
-            if (est.st_dev, est.st_ino) == self._identity or est.st_size == 0:
-                continue
-            try:
-                fd, fst = open_regular(path)
-            except OSError:
-                continue
+        for path, fd, fst in self._open_copies():
             try:
                 ours = self._is_copy(fd, fst.st_size)
             except OSError:
@@ -561,14 +555,7 @@ class FileFollower:
         if before is None:
             return None
         head = self._read_head()
-        for path, est in sorted(self._rotated_siblings(), key=lambda c: -c[1].st_mtime_ns):
-            identity = (est.st_dev, est.st_ino)
-            if identity in before or identity == self._identity or est.st_size == 0:
-                continue
-            try:
-                fd, fst = open_regular(path)
-            except OSError:
-                continue
+        for path, fd, fst in self._open_copies(skip=before):
             try:
                 first = os.pread(fd, HEAD_BYTES, 0)
             except OSError:
@@ -578,6 +565,20 @@ class FileFollower:
                 return fd, fst
             os.close(fd)  # the log still starts with its bytes: a copy, not truncated
         return None
+
+    def _open_copies(self, skip: AbstractSet[Tuple[int, int]] = frozenset()) -> Iterator[Tuple[str, int, os.stat_result]]:
+        """The rotated files beside the log that may be a copy of it, newest first, each
+        opened: (path, fd, fstat); the caller closes the fd. Not the file followed, not an
+        empty one, not one in `skip` (identities)."""
+        for path, est in sorted(self._rotated_siblings(), key=lambda c: -c[1].st_mtime_ns):
+            identity = (est.st_dev, est.st_ino)
+            if identity == self._identity or identity in skip or est.st_size == 0:
+                continue
+            try:
+                fd, fst = open_regular(path)
+            except OSError:
+                continue
+            yield path, fd, fst
 
     def _sibling_identities(self) -> List[Tuple[int, int]]:
         return [(est.st_dev, est.st_ino) for _, est in self._rotated_siblings()]
