@@ -13,9 +13,8 @@ from typing import Iterator, List
 
 import pytest
 
-from mps_exporter.logs import follower as follower_module
 from mps_exporter.logs.follower import FileFollower
-from tests.logs.test_rotation_interleavings import ROTATED, StepsInsideCalls, World
+from tests.logs.test_rotation_interleavings import ROTATED, World, interleave
 
 
 class CollapseWorld(World):
@@ -74,18 +73,7 @@ def follow(tmp_path, monkeypatch, seed: int, chance: float) -> Counter:
             if not lines and not f.more:
                 return
 
-    poll_all()
-    monkeypatch.setattr(follower_module, "os", StepsInsideCalls(world, chance))
-    try:
-        while world.steps < 1500:
-            for _ in range(rng.randint(0, 60)):
-                world.step()
-            poll_all()
-        world.settle()
-    finally:
-        monkeypatch.undo()
-        os.close(world.fd)
-    poll_all()
+    interleave(world, rng, chance, monkeypatch, poll_all)
     counts = Counter(seen)
     assert set(counts) == set(range(world.written)), f"seed {seed}: lines lost {sorted(set(range(world.written)) - set(counts))[:10]}"
     assert f.rotation_gaps == 0, f"seed {seed}"

@@ -13,7 +13,7 @@ import os
 import random
 import re
 from collections import Counter
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import pytest
 
@@ -108,7 +108,17 @@ def follow(tmp_path, monkeypatch, seed: int, chance: float, mtime_tick_ns: int) 
             if not lines and not f.more:
                 return
 
-    poll_all()  # the follower has the file open before anything happens
+    interleave(world, rng, chance, monkeypatch, poll_all)
+    counts = Counter(seen)
+    assert set(counts) == set(range(world.written)), f"seed {seed}: lines lost"
+    return counts
+
+
+def interleave(world: World, rng: random.Random, chance: float, monkeypatch: Any, poll_all: Callable[[], None]) -> None:
+    """The follower (read out by `poll_all`) opens the file first; then the world runs
+    1,500 steps, in bursts between the polls and inside the follower's own system calls,
+    and settles; a last poll reads what is left."""
+    poll_all()
     monkeypatch.setattr(follower_module, "os", StepsInsideCalls(world, chance))
     try:
         while world.steps < 1500:
@@ -120,9 +130,6 @@ def follow(tmp_path, monkeypatch, seed: int, chance: float, mtime_tick_ns: int) 
         monkeypatch.undo()
         os.close(world.fd)
     poll_all()
-    counts = Counter(seen)
-    assert set(counts) == set(range(world.written)), f"seed {seed}: lines lost"
-    return counts
 
 
 @pytest.mark.parametrize("seed", range(8))
