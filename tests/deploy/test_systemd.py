@@ -183,7 +183,13 @@ def test_logrotate_copies_and_truncates_the_mps_logs(tmp_path):
 @pytest.mark.parametrize("name", ["nvidia-mps.logrotate", "nvidia-mps-collapse.logrotate"])
 def test_shipped_logrotate_files_parse_with_the_real_logrotate(tmp_path, name):
     logrotate = require("logrotate")
-    result = subprocess.run([logrotate, "-d", "--state", str(tmp_path / "state"), os.path.join(SYSTEMD, name)],
+    # The file as shipped, in a copy of this process's mode: logrotate ignores a
+    # configuration writable by group or others, as `git archive` (umask 002) leaves it.
+    conf = tmp_path / name
+    with open(os.path.join(SYSTEMD, name), encoding="utf-8") as f:
+        conf.write_text(f.read())
+    conf.chmod(0o644)
+    result = subprocess.run([logrotate, "-d", "--state", str(tmp_path / "state"), str(conf)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "error:" not in result.stderr + result.stdout, result.stderr
     assert "/var/log/nvidia-mps/control.log" in result.stderr + result.stdout
