@@ -38,6 +38,15 @@ def until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
     return True
 
 
+def control_read_ended(collector: MpsCollector, taken_at: float) -> bool:
+    """The control read taken at `taken_at` has ended: its reading is the latest and its
+    future is done (a read sets `latest` just before it completes its future: a scrape in
+    between joins it instead of starting the next read)."""
+    run = collector._runs["control"]
+    return until(lambda: run.latest is not None and run.latest.taken_at == taken_at
+                 and run._inflight is not None and run._inflight.done())
+
+
 def gated_collector(tmp_path: Path, source: str, gpus: int = 1, clients_per_gpu: int = 2,
                     **collector_args: Any) -> Tuple[scenarios.Scenario, MpsCollector, Gate, Clock]:
     """A collector over the synthetic scenario whose `source` reads wait behind a gate the
@@ -224,12 +233,12 @@ def test_a_slow_control_read_is_not_waited_for_and_its_last_reading_is_served(co
     text_of(collector)
     assert gate.calls == 2  # the stalled read is joined, not sent again
     gate.open()
-    assert until(lambda: collector._runs["control"].latest.taken_at == 1001.0)  # ended for the next scrape
+    assert control_read_ended(collector, 1001.0)  # ended for the next scrape
     clock.now += 1.0
     fourth = text_of(collector)
     assert value(fourth, CONTROL_TIME) == 1001.0  # the stalled answer; the slow daemon was not waited for
     assert gate.calls == 3
-    assert until(lambda: collector._runs["control"].latest.taken_at == 1003.0)
+    assert control_read_ended(collector, 1003.0)
     clock.now += 1.0
     assert value(text_of(collector), CONTROL_TIME) == 1004.0  # answering fast again: this scrape's own
 
@@ -243,7 +252,7 @@ def test_a_control_reading_older_than_two_refresh_intervals_is_not_served_in_pla
         clock.now += 1.5  # scraped often (a 1 s interval, say): the last reading stands in
         assert value(text_of(collector), CONTROL_TIME) == 1000.0
         gate.open()
-        assert until(lambda: collector._runs["control"].latest.taken_at == 1001.5)
+        assert control_read_ended(collector, 1001.5)
         gate.close()
         clock.now += 15.0  # Prometheus' default interval: that reading is 15 s old
         threading.Timer(0.3, gate.open).start()  # the daemon answers well within the budget
@@ -264,13 +273,13 @@ def test_a_daemon_slower_than_the_wait_last_time_is_not_waited_for(tmp_path):
     delay[0] = 0.8  # slower than the wait: served the first reading, ends for the next scrape
     clock.now += 1.0
     assert value(text_of(collector), CONTROL_TIME) == 1000.0
-    assert until(lambda: collector._runs["control"].latest.taken_at == 1001.0)
+    assert control_read_ended(collector, 1001.0)
     delay[0] = 0.05  # well within the wait now, but the last answer took 0.8 s
     clock.now += 1.0
     started = time.monotonic()
     assert value(text_of(collector), CONTROL_TIME) == 1001.0  # not waited for: the last reading
     assert time.monotonic() - started < 0.5
-    assert until(lambda: collector._runs["control"].latest.taken_at == 1002.0)
+    assert control_read_ended(collector, 1002.0)
     clock.now += 1.0
     assert value(text_of(collector), CONTROL_TIME) == 1003.0  # fast again: waited for, this scrape's
 
@@ -313,7 +322,7 @@ def test_a_control_read_already_past_the_budget_is_not_waited_for_again(tmp_path
             assert lines(late, name) == lines(first, name)  # proc used the same PIDs: same series
         assert gate.calls == 2  # joined, not sent again
         gate.open()
-        assert until(lambda: collector._runs["control"].latest.taken_at == 1001.0)
+        assert control_read_ended(collector, 1001.0)
         clock.now += 1.0
         assert value(text_of(collector), CONTROL_OK) == 1  # answering again
     finally:
