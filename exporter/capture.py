@@ -106,22 +106,27 @@ class LogTap:
 
 
 def recording(name: str, reader: Reader[Any], results: Dict[str, Any]) -> Reader[Any]:
-    """`reader`, also keeping what each read returned (or raised) as its bundle entry."""
+    """`reader`, also keeping what each read returned (or raised) as its bundle entry,
+    its quick read's included (where it declined, `read` answers and is kept)."""
     source = SOURCES[name]
 
-    def read(ctx: ReadContext) -> Any:
-        try:
-            value = reader.read(ctx)
-        except PartialFailure as e:
-            results[name] = source.record(e.result)
-            raise
-        except Exception as e:
-            results[name] = source.record_failure(f"{type(e).__name__}: {e}")
-            raise
-        results[name] = source.record(value)
-        return value
+    def kept(read: Callable[[ReadContext], Any]) -> Callable[[ReadContext], Any]:
+        def recorded_read(ctx: ReadContext) -> Any:
+            try:
+                value = read(ctx)
+            except PartialFailure as e:
+                results[name] = source.record(e.result)
+                raise
+            except Exception as e:
+                results[name] = source.record_failure(f"{type(e).__name__}: {e}")
+                raise
+            if value is not None or read is reader.read:
+                results[name] = source.record(value)
+            return value
+        return recorded_read
 
-    return dataclasses.replace(reader, read=read)
+    quick = None if reader.quick is None else kept(reader.quick)
+    return dataclasses.replace(reader, read=kept(reader.read), quick=quick)
 
 
 class Recorder:

@@ -24,7 +24,12 @@ its own thread, and join the results (render.py) into fresh families.
   scrapes only, never on a timer) are waited for at most `control_wait` seconds
   (--collector.control-wait): a read not done by then goes on for the next scrape,
   and this one serves the last reading with its time. Every wait of the collection
-  (proc's for the PIDs included) sees the same choice.
+  (proc's for the PIDs included) sees the same choice. One not waited for at all (its
+  last answer took longer than the wait) is started once the collection has its
+  readings, not beside them.
+- A reader's `quick` read (proc of known processes, the logs' published state) runs in
+  the collecting thread itself; where it declines, the source's thread reads. Under a
+  client storm every hand-off to another thread cost a scrape milliseconds.
 """
 
 from __future__ import annotations
@@ -160,6 +165,16 @@ class _Collection(ReadContext):
         return None
 
 
+# A background round that took longer than this share of the refresh interval (NVML while
+# MPS admits a storm of clients: calls of 0.1-0.5 s, their CPU spent in the driver) is
+# followed by the next SLOW_ROUND_SPACING intervals after its start, not one: a third fewer
+# of the storm's most expensive rounds, and less load on the driver that admits the clients.
+# A reading served stays within 1.5 intervals + the next read (the bound: 2 intervals + the
+# slowest read); the half interval left keeps a refresher that wakes late under a full CPU
+# from sending a scrape to read NVML itself.
+SLOW_ROUND_SHARE = 0.25
+SLOW_ROUND_SPACING = 1.5
+
 # Seconds a source's read thread waits for the next read before it ends: scraped every
 # second (a storm dashboard) it stays; scraped every 15 s or paused, it comes and goes.
 READ_THREAD_IDLE_SECONDS = 10.0
@@ -220,6 +235,9 @@ class _SourceRun:
                         return
                 continue
             self._read(*job)
+            # Not kept while waiting for the next: a source read mostly in the scrape's own
+            # thread (quick) would keep an old collection, and all its readings, for seconds.
+            del job
 
     def stop(self) -> None:
         """End the read thread once its read in flight, if any, has ended."""
@@ -227,10 +245,21 @@ class _SourceRun:
             if self._worker is not None:
                 self._jobs.put(None)
 
-    def _read(self, future: Future[_Result], collection: _Collection) -> None:
+    def read_here(self, future: Future[_Result], collection: _Collection) -> bool:
+        """This claimed read done in the calling thread by the reader's quick read, where
+        it answers; False: it declined, and nothing was done."""
+        return self._read(future, collection, quick=True)
+
+    def _read(self, future: Future[_Result], collection: _Collection, quick: bool = False) -> bool:
         start = time.perf_counter()
         try:
-            result = _Result(self.reader.read(collection), True, 0.0, collection.now)
+            if quick:
+                reading = self.reader.quick(collection) if self.reader.quick is not None else None
+                if reading is None:
+                    return False
+            else:
+                reading = self.reader.read(collection)
+            result = _Result(reading, True, 0.0, collection.now)
         except PartialFailure as e:
             result = _Result(e.result, False, 0.0, collection.now, str(e))
         except Exception as e:  # a broken source must never break the scrape
@@ -242,6 +271,7 @@ class _SourceRun:
             self.last = result
         self.latest = result
         future.set_result(result)
+        return True
 
     def fresh(self, now: float, max_age: float, read_for: float) -> Optional["Future[_Result]"]:
         """The latest reading as a finished read, where it was taken at most `max_age`
@@ -327,7 +357,8 @@ class MpsCollector(Collector):
                 continue
             started = time.monotonic()
             self.refresh()
-            self._stopped.wait(max(0.0, started + self.refresh_interval - time.monotonic()))
+            spacing = SLOW_ROUND_SPACING if time.monotonic() - started > SLOW_ROUND_SHARE * self.refresh_interval else 1.0
+            self._stopped.wait(max(0.0, started + spacing * self.refresh_interval - time.monotonic()))
 
     def refresh(self) -> None:
         """One background round: read the background sources, each claimed as a
@@ -375,7 +406,8 @@ class MpsCollector(Collector):
         started = time.perf_counter()
         self._note_collection()
         collection = _Collection(self.clock(), None if budget is None else time.monotonic() + budget, self._devices)
-        starts = []
+        starts: List[Tuple[_SourceRun, Callable[[], None]]] = []  # the new reads, each with its start
+        unwaited: Set[str] = set()  # of those, the ones served their last reading at once
         for name, run in self._runs.items():  # all claimed first: a read may wait for another
             refreshed = self._refresher is not None and run in self._refreshed
             latest = run.fresh(collection.now, 2 * self.refresh_interval,
@@ -384,7 +416,8 @@ class MpsCollector(Collector):
                 collection.futures[name] = latest
                 continue
             collection.futures[name], start = run.claim(collection)
-            starts.append(start)
+            if start is not None:
+                starts.append((run, start))
             earlier = run.latest
             if earlier is not None:
                 collection.earlier[name] = earlier
@@ -400,9 +433,27 @@ class MpsCollector(Collector):
                     # storm of clients) is not waited for at all: it would only cost the wait.
                     wait = self.control_wait if earlier.duration_seconds <= self.control_wait else 0.0
                     collection.waits[name] = time.monotonic() + wait
-        for start in starts:
-            if start is not None:
+                    if wait == 0.0:
+                        unwaited.add(name)
+        # The reads in threads of their own first, so that the quick reads in this thread
+        # overlap them; a read not waited for starts once this collection has its readings
+        # (below): its answer is for the next scrape, and its start (a process, for control)
+        # would only compete with this one for the cores and the GIL.
+        for run, start in starts:
+            if run.reader.quick is None and run.name not in unwaited:
                 start()
+        for run, start in starts:
+            if run.reader.quick is not None and not run.read_here(collection.futures[run.name], collection):
+                start()
+        try:
+            return self._gather(collection, budget, started)
+        finally:
+            for run, start in starts:
+                if run.name in unwaited:
+                    start()
+
+    def _gather(self, collection: _Collection, budget: Optional[float], started: float) -> Snapshot:
+        """The collection's snapshot: each source's result, or its last reading where late."""
         snap = Snapshot(now=collection.now)
         for name, run in self._runs.items():
             result = collection.result(name, collection.deadline)

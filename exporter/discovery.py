@@ -94,6 +94,12 @@ class DaemonSet:
             self.rescan()
         return list(self._current)
 
+    def between_scans(self) -> Optional[List[DaemonConfig]]:
+        """`current()` where no scan is due now; None where it would scan."""
+        if self.roots and self._clock() >= self._next_scan:
+            return None
+        return list(self._current)
+
     def rescan(self) -> List[DaemonConfig]:
         """Scan the roots now (whatever the interval)."""
         with self._lock:

@@ -151,7 +151,7 @@ class Player:
                 raise PartialFailure("; ".join(failures), out)
             return out
 
-        return dataclasses.replace(reader, read=read)
+        return dataclasses.replace(reader, read=read, quick=None)  # every read adds the recorded errors
 
     def readers_with(self, unrecorded: Dict[str, Reader[Any]]) -> Dict[str, Reader[Any]]:
         """Every reader of a replay: the recorded sources from the bundle, the others (the

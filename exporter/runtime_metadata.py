@@ -154,6 +154,17 @@ class PodNameLookup:
         self._kubelet_asked: Optional[float] = None
         self._complained: Set[str] = set()
 
+    def known(self, container_id: str) -> Optional[PodNames]:
+        """`names` where it needs no lookup (found, or looked for in vain lately); None
+        where it would read the runtime's files or ask the kubelet."""
+        if not _CONTAINER_ID.fullmatch(container_id):
+            return NO_NAMES
+        found = self._found.get(container_id)
+        if found is not None:
+            return found
+        missed = self._missed.get(container_id)
+        return NO_NAMES if missed is not None and self.clock() - missed < MISS_RETRY_SECONDS else None
+
     def names(self, container_id: str) -> PodNames:
         if not _CONTAINER_ID.fullmatch(container_id):
             return NO_NAMES  # nothing that could name a path: the cgroup gives 64 hex digits

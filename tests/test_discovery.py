@@ -363,3 +363,42 @@ def test_capture_records_the_daemons_found_at_its_start(tmp_path):
     bundle = load(str(path))
     assert [d["name"] for d in bundle.header["daemons"]] == ["nvidia.com/gpu"]
     assert b"Starting control daemon" in b"".join(c.data for c in bundle.logs if c.daemon == "nvidia.com/gpu")
+
+
+def test_the_logs_quick_read_answers_between_scans_and_leaves_comings_and_goings_to_the_thread(tmp_path):
+    from mps_exporter.logs.pipeline import LogPipeline
+    from mps_exporter.sources.base import PartialFailure
+    from mps_exporter.sources.logs import DaemonPipelines, pipelines_reader
+
+    def answer(read):  # what a read returned, or kept while failing (catching up, a problem)
+        try:
+            return read(None)
+        except PartialFailure as e:
+            return e.result
+
+    plugins_dir = tmp_path / "plugins"
+    now = [0.0]
+    daemons = DaemonSet([], [DiscoveryRoot(DRA, str(plugins_dir))], interval=5.0, clock=lambda: now[0])
+    pipelines = DaemonPipelines(daemons, lambda d: LogPipeline(d.name, d.log_directory, timezone="UTC"))
+    reader = pipelines_reader(pipelines)
+    assert reader.quick is not None
+    claim = "00000001-0000-4000-8000-000000000001"
+    make_daemon_dir(dra_dir(plugins_dir, claim))
+    assert reader.quick(None) is None  # never synced (and a scan is due): the thread reads
+    assert list(answer(reader.read)) == [f"{claim}-a1b2c"]
+    for p in pipelines.pipelines.values():
+        p.read_once()
+    assert list(answer(reader.quick)) == [f"{claim}-a1b2c"]  # between scans: at once, in the scrape
+    make_daemon_dir(dra_dir(plugins_dir, "00000002-0000-4000-8000-000000000002"))
+    now[0] += 5.0
+    assert reader.quick(None) is None  # a scan is due: it may start or stop a pipeline
+    daemons.rescan()
+    assert reader.quick(None) is None  # the daemons watched changed: sync() has work
+    assert len(answer(reader.read)) == 2
+    for p in pipelines.pipelines.values():
+        p.read_once()
+    assert len(answer(reader.quick)) == 2
+    shutil.rmtree(dra_dir(plugins_dir, claim) / "log")
+    for p in pipelines.pipelines.values():
+        p.read_once()  # the missing directory is a problem of that pipeline
+    assert reader.quick(None) is None  # problems: read() sees to them

@@ -237,8 +237,8 @@ def test_a_slow_control_read_is_not_waited_for_and_its_last_reading_is_served(co
     clock.now += 1.0
     fourth = text_of(collector)
     assert value(fourth, CONTROL_TIME) == 1001.0  # the stalled answer; the slow daemon was not waited for
+    assert control_read_ended(collector, 1003.0)  # the read this scrape started, once it had its readings
     assert gate.calls == 3
-    assert control_read_ended(collector, 1003.0)
     clock.now += 1.0
     assert value(text_of(collector), CONTROL_TIME) == 1004.0  # answering fast again: this scrape's own
 
@@ -356,7 +356,7 @@ def test_the_control_wait_flag_reaches_the_collector():
     assert build_collector(cfg, {}).control_wait == 0.0
 
 
-def test_proc_reads_the_known_pids_while_the_control_read_runs_then_those_it_adds(tmp_path):
+def test_proc_checks_the_known_pids_while_the_control_read_runs_then_reads_those_it_adds(tmp_path):
     from tests.fakes.fake_control import FakeClient
     from tests.fakes.fake_procfs import FakeProcess, write_proc
 
@@ -365,17 +365,22 @@ def test_proc_reads_the_known_pids_while_the_control_read_runs_then_those_it_add
     gate = Gate(readers["control"])
     readers["control"] = Reader(gate.read)
     proc_client = readers["proc"].source
-    asked = []  # (PIDs asked, whether the control read was still held then)
-    real_read = proc_client.read
+    asked = []  # ("read" or "cached", PIDs asked, whether the control read was still held then)
+    real_read, real_cached = proc_client.read, proc_client.cached
 
     def spy(pids, keep=frozenset()):
-        asked.append((set(pids), not gate._open.is_set()))
+        asked.append(("read", set(pids), not gate._open.is_set()))
         return real_read(pids, keep)
 
-    proc_client.read = spy
+    def spy_cached(pids, keep=frozenset()):
+        asked.append(("cached", set(pids), not gate._open.is_set()))
+        return real_cached(pids, keep)
+
+    proc_client.read, proc_client.cached = spy, spy_cached
     collector = MpsCollector(readers, clock=Clock(), max_seconds=5.0, control_wait=0.0)  # waits for control
     text_of(collector)
-    known = asked[-1][0]
+    assert asked[-1][0] == "read"  # new processes: read in the source's thread
+    known = asked[-1][1]
     newcomer = 7777  # connected since: only the daemon's `ps` names it, NVML not yet
     write_proc(scen.proc_root, [FakeProcess(newcomer, uid=1500, comm="late.py")])
     scen.daemon.clients.append(FakeClient(newcomer, 4000, scen.nvml.gpus[0].uuid, 9))
@@ -383,8 +388,80 @@ def test_proc_reads_the_known_pids_while_the_control_read_runs_then_those_it_add
     asked.clear()
     threading.Timer(0.3, gate.open).start()
     text = text_of(collector)
-    assert asked[0] == (known, True)  # read before the daemon answered
-    assert asked[1] == ({newcomer}, False)  # then only the PID its answer added
+    assert asked[0] == ("cached", known, True)  # the known ones: a stat() each, before the daemon answered
+    assert asked[1] == ("cached", {newcomer}, False)  # its answer adds one
+    assert asked[2:] == [("read", known | {newcomer}, False)]  # so the source's thread reads
     info = next(l for l in text.splitlines() if l.startswith("mps_client_info{") and 'pid="7777"' in l)
     assert 'uid="1500"' in info  # its /proc facts, in this scrape
     assert all(pid in proc_client._known for pid in known | {newcomer})  # nobody forgotten
+
+
+def test_quick_reads_run_in_the_scrape_and_a_control_read_not_waited_for_starts_after_them(tmp_path):
+    import dataclasses
+
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    readers = scen.readers()
+    events = []  # (what, thread)
+    proc, control = readers["proc"], readers["control"]
+    assert proc.quick is not None and control.quick is None
+
+    def proc_quick(ctx):
+        answer = proc.quick(ctx)
+        events.append(("proc here" if answer is not None else "proc declined", threading.get_ident()))
+        return answer
+
+    delay = [0.0]
+
+    def control_read(ctx):
+        events.append(("control", threading.get_ident()))
+        time.sleep(delay[0])
+        return control.read(ctx)
+
+    readers["proc"] = dataclasses.replace(proc, quick=proc_quick)
+    readers["control"] = Reader(control_read)
+    clock = Clock()
+    collector = MpsCollector(readers, clock=clock, max_seconds=2.0, control_wait=0.05, refresh_interval=1.0)
+    me = threading.get_ident()
+    text_of(collector)
+    assert ("proc declined", me) in events  # new processes: read in proc's own thread
+    events.clear()
+    clock.now += 1.0
+    text_of(collector)
+    assert ("proc here", me) in events and all(who != me for what, who in events if what == "control")
+    delay[0] = 0.2  # the daemon slows down: this scrape serves the last answer ...
+    clock.now += 1.0
+    assert value(text_of(collector), CONTROL_TIME) == 1001.0
+    assert control_read_ended(collector, 1002.0)
+    events.clear()
+    clock.now += 1.0
+    text_of(collector)  # ... and the next does not wait for it at all: its read starts after the others
+    assert until(lambda: [what for what, _ in events] == ["proc here", "control"])
+
+
+def test_a_slow_background_round_is_followed_by_the_next_one_and_a_half_intervals_after_it(tmp_path):
+    from mps_exporter.collector import SLOW_ROUND_SHARE, SLOW_ROUND_SPACING
+
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
+    readers = scen.readers()
+    real, starts, delay = readers["nvml"], [], [0.0]
+    interval = 0.4
+
+    def nvml(ctx):
+        starts.append(time.monotonic())
+        time.sleep(delay[0])
+        return real.read(ctx)
+
+    readers["nvml"] = Reader(nvml)
+    collector = MpsCollector(readers, clock=Clock(), max_seconds=5.0, refresh_interval=interval, pause_after=1e9)
+    collector.start()
+    try:
+        assert until(lambda: len(starts) >= 4)
+        fast = [b - a for a, b in zip(starts[1:], starts[2:])]
+        delay[0] = 2 * SLOW_ROUND_SHARE * interval  # as NVML while MPS admits a storm of clients
+        count = len(starts)
+        assert until(lambda: len(starts) >= count + 4)
+        slow = [b - a for a, b in zip(starts[count:], starts[count + 1:])]
+    finally:
+        collector.close()
+    assert all(0.9 * interval < gap < 1.3 * interval for gap in fast), fast
+    assert all(0.95 * SLOW_ROUND_SPACING * interval < gap < 1.4 * SLOW_ROUND_SPACING * interval for gap in slow), slow

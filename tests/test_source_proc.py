@@ -4,7 +4,9 @@ start times, vanished processes."""
 import pytest
 
 from mps_exporter.sources import proc as procfs
+from mps_exporter.runtime_metadata import MISS_RETRY_SECONDS, NO_NAMES, PodNameLookup
 from tests.fakes.fake_procfs import BOOT_TIME, CLK_TCK, FakeProcess, write_proc
+from tests.fakes.fake_runtime import write_containerd_spec
 
 CID = "a" * 56 + "0123abcd"
 POD = "1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"
@@ -105,3 +107,40 @@ def test_known_process_is_not_reread_but_a_reused_pid_is(tmp_path):
     write_proc(root, [FakeProcess(10, uid=1500, start_ticks=99999)])
     again = src.read([10])[10]
     assert again.uid == 1500 and again.environ == {}
+
+
+def test_cached_answers_known_processes_with_a_stat_and_declines_anything_else(tmp_path):
+    root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0, environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}),
+                                          FakeProcess(11, uid=0)])
+    src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK)
+    assert src.cached([10]) is None  # never read: declined, nothing read
+    assert src._known == {}
+    read = src.read([10, 11])
+    for name in ("status", "environ", "cgroup", "comm"):
+        (root / "10" / name).write_text("garbage")  # in place (same directory): never read again
+    assert src.cached([10, 11]) == read
+    assert src.cached([10, 11, 13]) == read  # 13 is gone (or never was): skipped, as read() does
+    write_proc(root, [FakeProcess(12, uid=0)])
+    assert src.cached([10, 12]) is None  # 12 is new
+    assert set(src._known) == {10, 11}  # a declined answer forgets nobody
+    assert src.cached([10]) == {10: read[10]} and set(src._known) == {10}  # forgets as read() does
+    assert src.cached([10], keep={11}) == {10: read[10]}
+    write_proc(root, [FakeProcess(10, uid=1500, start_ticks=99999)])  # PID 10 reused
+    assert src.cached([10]) is None
+    assert src.read([10])[10].uid == 1500
+
+
+def test_cached_declines_a_process_whose_container_is_not_named_yet(tmp_path):
+    cgroup = f"0::/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n"
+    root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0, cgroup=cgroup)])
+    now = [0.0]
+    lookup = PodNameLookup(roots=(str(tmp_path / "runtime"),), clock=lambda: now[0])
+    src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK, pod_names=lookup)
+    assert src.read([10])[10].pod == ""  # looked for in vain: no runtime file
+    assert src.cached([10]) is not None  # a recent miss needs no lookup
+    now[0] += MISS_RETRY_SECONDS
+    assert src.cached([10]) is None  # the next lookup is due: the source's thread does it
+    write_containerd_spec(tmp_path / "runtime", CID, "ml-team", "trainer-0", "trainer")
+    assert src.read([10])[10].pod == "trainer-0"
+    assert src.cached([10])[10].pod == "trainer-0"
+    assert lookup.known("not-a-container-id") == NO_NAMES

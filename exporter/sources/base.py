@@ -70,6 +70,12 @@ class Reader(Generic[R]):
     """A built source. `read` runs once per collection, in its own thread."""
 
     read: Callable[[ReadContext], R]
+    # The same read where it can answer from what the source keeps, with no I/O that may
+    # block (a stat() of /proc or of a local log at most), run in the scrape's own thread;
+    # None where it cannot (a new process, a daemon come or gone), and `read` runs in the
+    # source's thread. Each hand-off to another thread cost a scrape milliseconds on
+    # cores that a client storm keeps busy (issue 29).
+    quick: Optional[Callable[[ReadContext], Optional[R]]] = None
     start: Callable[[], None] = _nothing  # serve: start background work (log followers)
     catch_up: Callable[[], None] = _nothing  # dump: take in what is there now, synchronously
     close: Callable[[], None] = _nothing

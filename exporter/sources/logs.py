@@ -62,6 +62,21 @@ class DaemonPipelines:
             self._synced = True
             return dict(self.pipelines)
 
+    def in_step(self) -> Optional[Dict[str, LogPipeline]]:
+        """The pipelines, where no discovery scan is due and they match the daemons watched
+        now (none to start or stop): what `sync()` would return without its work. None:
+        `sync()` has work to do, or is doing it."""
+        daemons = self.daemons.between_scans()
+        if daemons is None or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if not self._synced or {d.name: d.log_directory for d in daemons} != {
+                    name: p.log_directory for name, p in self.pipelines.items()}:
+                return None
+            return dict(self.pipelines)
+        finally:
+            self._lock.release()
+
     def _watch(self) -> None:
         while not self._stop.wait(self.daemons.interval):
             try:
@@ -103,7 +118,15 @@ def pipelines_reader(pipelines: DaemonPipelines) -> Reader[Dict[str, LogSnapshot
     """The reader over these pipelines (daemon name -> its pipeline)."""
 
     def read(ctx: ReadContext) -> Dict[str, LogSnapshot]:
-        current = pipelines.sync()
+        return read_from(pipelines.sync())
+
+    def quick(ctx: ReadContext) -> Optional[Dict[str, LogSnapshot]]:
+        current = pipelines.in_step()
+        if current is None or any(p.snapshot().problems for p in current.values()):
+            return None  # a daemon come or gone, or a file that cannot be read: read() sees to it
+        return read_from(current)
+
+    def read_from(current: Dict[str, LogPipeline]) -> Dict[str, LogSnapshot]:
         logs = {name: p.snapshot() for name, p in current.items()}
         if any(s.problems for s in logs.values()) and any(
                 d.layout != "static" and not os.path.isdir(d.log_directory) for d in pipelines.daemons.current()):
@@ -130,7 +153,7 @@ def pipelines_reader(pipelines: DaemonPipelines) -> Reader[Dict[str, LogSnapshot
     def ready() -> bool:
         return all(p.snapshot().caught_up for p in list(pipelines.pipelines.values()))
 
-    return Reader(read, start=pipelines.start, catch_up=pipelines.catch_up, close=pipelines.close, ready=ready,
+    return Reader(read, quick=quick, start=pipelines.start, catch_up=pipelines.catch_up, close=pipelines.close, ready=ready,
                   source=pipelines)
 
 

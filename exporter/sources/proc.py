@@ -28,7 +28,7 @@ from typing import AbstractSet, Callable, Dict, Iterable, Optional, Set, Tuple
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
 from ..config import DEFAULT_RUNTIME_ROOTS
-from ..runtime_metadata import PodNameLookup, kubelet_fetcher
+from ..runtime_metadata import PodNameLookup, PodNames, kubelet_fetcher
 from .base import Backends, Flag, ReadContext, Reader, Source, not_empty
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,10 @@ def _user_name(uid: int) -> str:
         return str(uid)  # no passwd entry (e.g. a container's user): the number is the name
 
 
+def _name(facts: ProcessFacts, names: PodNames) -> None:
+    facts.namespace, facts.pod, facts.container = names.namespace, names.pod, names.container
+
+
 @dataclass
 class ProcClient:
     root: str = "/proc"
@@ -156,12 +160,37 @@ class ProcClient:
             del self._known[pid]
         return facts
 
+    def cached(self, pids: Iterable[int], keep: AbstractSet[int] = frozenset()) -> Optional[Dict[int, ProcessFacts]]:
+        """`read(pids, keep)` where every PID is a known process whose names need no
+        lookup: one stat() each, nothing read. None where one is new, reused or not yet
+        named (nothing forgotten then)."""
+        facts = {}
+        for pid in set(pids):
+            try:
+                st = os.stat(os.path.join(self.root, str(pid)))
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited: read() skips it too
+            except OSError:
+                return None  # read() says what went wrong
+            known = self._known.get(pid)
+            if known is None or known[0] != (st.st_ino, st.st_ctime_ns):
+                return None
+            found = known[2]
+            if found.container_id and not found.pod:
+                names = self.pod_names.known(found.container_id)
+                if names is None:
+                    return None
+                _name(found, names)
+            facts[pid] = found
+        for pid in set(self._known) - set(facts) - keep:
+            del self._known[pid]
+        return facts
+
     def _named(self, facts: ProcessFacts) -> ProcessFacts:
         """The facts with the container's names: asked every read (a cache hit), since a
         name the kubelet did not know yet at the process's first read may come later."""
         if facts.container_id and not facts.pod:
-            names = self.pod_names.names(facts.container_id)
-            facts.namespace, facts.pod, facts.container = names.namespace, names.pod, names.container
+            _name(facts, self.pod_names.names(facts.container_id))
         return facts
 
     def read_pid(self, pid: int, ticks: Optional[int]) -> ProcessFacts:
@@ -251,7 +280,22 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
                 facts.update(source.read(pids - early, keep=early))
             return {pid: facts[pid] for pid in pids if pid in facts}
 
-        return Reader(read, source=source)
+        def quick(ctx: ReadContext) -> Optional[Dict[int, ProcessFacts]]:
+            # Known processes only (a client storm's scrapes before and after its arrival):
+            # a new one goes to the source's thread at once, to be read while control runs.
+            early = mps_pids(ctx.known(("nvml", "control")))
+            facts = source.cached(early)
+            if facts is None:
+                return None
+            pids = mps_pids(ctx.wait(("nvml", "control")))
+            if pids - early:
+                added = source.cached(pids - early, keep=early)
+                if added is None:
+                    return None
+                facts.update(added)
+            return {pid: facts[pid] for pid in pids if pid in facts}
+
+        return Reader(read, quick=quick, source=source)
 
     def store(self, snap: Snapshot, reading: Dict[int, ProcessFacts]) -> None:
         snap.processes = reading
