@@ -175,6 +175,12 @@ class _Collection(ReadContext):
 SLOW_ROUND_SHARE = 0.25
 SLOW_ROUND_SPACING = 1.5
 
+# Seconds after a control answer slower than --collector.control-wait during which scrapes
+# do not wait for the daemon (they serve its last answer, its read going on for the next).
+# In the storm's first seconds of run q1 (H200, 2026-11-27) answers took about the wait,
+# and the scrapes that waited spent the whole 10 ms of it for nothing.
+CONTROL_CALM_SECONDS = 10.0
+
 # Seconds a source's read thread waits for the next read before it ends: scraped every
 # second (a storm dashboard) it stays; scraped every 15 s or paused, it comes and goes.
 READ_THREAD_IDLE_SECONDS = 10.0
@@ -324,6 +330,7 @@ class MpsCollector(Collector):
         self._devices: Optional[List[int]] = None
         self._failing: Dict[str, str] = {}
         self._failing_lock = threading.Lock()
+        self._unwaited_until: Dict[str, float] = {}  # source -> time.monotonic() until which it is not waited for
         self._collect_once = SingleFlight(self._collect)
         self._refreshed = [run for run in self._runs.values() if run.source.background] if refresh_interval > 0 else []
         self._last_collection = time.monotonic()
@@ -431,7 +438,13 @@ class MpsCollector(Collector):
                 elif self._may_stand_in(earlier, collection.now):
                     # A daemon whose last answer took longer than the wait (MPS admitting a
                     # storm of clients) is not waited for at all: it would only cost the wait.
-                    wait = self.control_wait if earlier.duration_seconds <= self.control_wait else 0.0
+                    # Nor for CONTROL_CALM_SECONDS after such an answer: in a storm answers hover
+                    # about the wait (a read started after a scrape is fast, the next, beside
+                    # one, slow), and every other scrape waited the whole wait in vain.
+                    if earlier.duration_seconds > self.control_wait:
+                        self._unwaited_until[name] = time.monotonic() + CONTROL_CALM_SECONDS
+                    calm = time.monotonic() >= self._unwaited_until.get(name, 0.0)
+                    wait = self.control_wait if calm else 0.0
                     collection.waits[name] = time.monotonic() + wait
                     if wait == 0.0:
                         unwaited.add(name)

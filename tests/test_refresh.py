@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Tuple
 import pytest
 
 from mps_exporter.cli import parse_args
+from mps_exporter import collector as collector_module
 from mps_exporter.collector import MpsCollector
 from mps_exporter.config import DEFAULT_CONTROL_WAIT, Config
 from mps_exporter.sources.base import Reader
@@ -216,7 +217,8 @@ def control_gated(tmp_path: Path) -> Iterator[Tuple[MpsCollector, Gate, Clock]]:
     gate.open()
 
 
-def test_a_slow_control_read_is_not_waited_for_and_its_last_reading_is_served(control_gated):
+def test_a_slow_control_read_is_not_waited_for_and_its_last_reading_is_served(control_gated, monkeypatch):
+    monkeypatch.setattr(collector_module, "CONTROL_CALM_SECONDS", 0.3)
     collector, gate, clock = control_gated
     first = text_of(collector)
     assert value(first, CONTROL_TIME) == 1000.0
@@ -239,6 +241,7 @@ def test_a_slow_control_read_is_not_waited_for_and_its_last_reading_is_served(co
     assert value(fourth, CONTROL_TIME) == 1001.0  # the stalled answer; the slow daemon was not waited for
     assert control_read_ended(collector, 1003.0)  # the read this scrape started, once it had its readings
     assert gate.calls == 3
+    time.sleep(0.3)  # CONTROL_CALM_SECONDS after the slow answer
     clock.now += 1.0
     assert value(text_of(collector), CONTROL_TIME) == 1004.0  # answering fast again: this scrape's own
 
@@ -261,7 +264,8 @@ def test_a_control_reading_older_than_two_refresh_intervals_is_not_served_in_pla
         gate.open()
 
 
-def test_a_daemon_slower_than_the_wait_last_time_is_not_waited_for(tmp_path):
+def test_a_daemon_slower_than_the_wait_last_time_is_not_waited_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(collector_module, "CONTROL_CALM_SECONDS", 1.0)
     scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
     readers = scen.readers()
     real = readers["control"]
@@ -281,7 +285,12 @@ def test_a_daemon_slower_than_the_wait_last_time_is_not_waited_for(tmp_path):
     assert time.monotonic() - started < 0.5
     assert control_read_ended(collector, 1002.0)
     clock.now += 1.0
-    assert value(text_of(collector), CONTROL_TIME) == 1003.0  # fast again: waited for, this scrape's
+    # Fast again, but within CONTROL_CALM_SECONDS of the slow answer: still not waited for.
+    assert value(text_of(collector), CONTROL_TIME) == 1002.0
+    assert control_read_ended(collector, 1003.0)
+    time.sleep(1.0)
+    clock.now += 1.0
+    assert value(text_of(collector), CONTROL_TIME) == 1004.0  # calm since: waited for, this scrape's own
 
 
 def test_a_control_read_running_past_the_scrape_budget_is_late(tmp_path):

@@ -27,8 +27,8 @@ divided by its scrapes: everything it did at this cadence, background threads in
 Inside the exporter (`timed-serve`), DIR/calls.json also holds where that CPU went
 (`cpu_series`: thread CPU per part, NVML per function, sampled every second, and per OS thread
 ("thread:NAME (TID)", every 10 s)), each
-scrape's wall time split into waiting for the sources and the rest (`scrape_walls`), and
-the garbage collector's passes over 2 ms (`slow_gc`). `profile_storm.sh` runs it on the
+scrape's wall time split into waiting for the sources and the rest (`scrape_walls`), each
+source read's wall and where it ran (`reads`), and the garbage collector's passes over 2 ms (`slow_gc`). `profile_storm.sh` runs it on the
 lent machine, with py-spy unless PYSPY=0.
 """
 
@@ -125,7 +125,18 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
     import mps_exporter.web as web_module
     from mps_exporter.cli import main
 
-    collector_module._SourceRun._read = counted("read:", collector_module._SourceRun._read)
+    # Each source read's wall: (monotonic start, source, seconds, "here" for a quick read in
+    # the scrape's thread that answered, "declined" for one that handed over, else "thread").
+    reads: List[Tuple[float, str, float, str]] = []
+    source_read = collector_module._SourceRun._read
+
+    def timed_read(self: Any, future: Any, collection: Any, quick: bool = False) -> bool:
+        start = time.monotonic()
+        done: bool = source_read(self, future, collection, quick)
+        reads.append((start, self.name, time.monotonic() - start, ("here" if done else "declined") if quick else "thread"))
+        return done
+
+    collector_module._SourceRun._read = counted("read:", timed_read)
     collector_module.Exposition.encode = counted("encode", collector_module.Exposition.encode)
     # Each scrape's wall time split: waiting for the sources, and the rest of the encoding.
     scrape_walls: List[Tuple[float, float, float]] = []  # (start, collection seconds, encode seconds)
@@ -198,7 +209,7 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
     finally:
         stop.set()
         with open(calls_out, "w") as f:
-            json.dump({"clock": "monotonic", "calls": calls, "cpu_series": series, "scrape_walls": scrape_walls,
+            json.dump({"clock": "monotonic", "calls": calls, "cpu_series": series, "scrape_walls": scrape_walls, "reads": reads,
                        "slow_gc": collections}, f)
 
 
