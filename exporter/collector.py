@@ -165,16 +165,6 @@ class _Collection(ReadContext):
         return None
 
 
-# A background round that took longer than this share of the refresh interval (NVML while
-# MPS admits a storm of clients: calls of 0.1-0.5 s, their CPU spent in the driver) is
-# followed by the next SLOW_ROUND_SPACING intervals after its start, not one: a third fewer
-# of the storm's most expensive rounds, and less load on the driver that admits the clients.
-# A reading served stays within 1.5 intervals + the next read (the bound: 2 intervals + the
-# slowest read); the half interval left keeps a refresher that wakes late under a full CPU
-# from sending a scrape to read NVML itself.
-SLOW_ROUND_SHARE = 0.25
-SLOW_ROUND_SPACING = 1.5
-
 # Seconds after a control answer slower than --collector.control-wait during which scrapes
 # do not wait for the daemon (they serve its last answer, its read going on for the next).
 # In the storm's first seconds of run q1 (H200, 2026-11-27) answers took about the wait,
@@ -364,8 +354,7 @@ class MpsCollector(Collector):
                 continue
             started = time.monotonic()
             self.refresh()
-            spacing = SLOW_ROUND_SPACING if time.monotonic() - started > SLOW_ROUND_SHARE * self.refresh_interval else 1.0
-            self._stopped.wait(max(0.0, started + spacing * self.refresh_interval - time.monotonic()))
+            self._stopped.wait(max(0.0, started + self.refresh_interval - time.monotonic()))
 
     def refresh(self) -> None:
         """One background round: read the background sources, each claimed as a

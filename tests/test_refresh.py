@@ -445,32 +445,3 @@ def test_quick_reads_run_in_the_scrape_and_a_control_read_not_waited_for_starts_
     clock.now += 1.0
     text_of(collector)  # ... and the next does not wait for it at all: its read starts after the others
     assert until(lambda: [what for what, _ in events] == ["proc here", "control"])
-
-
-def test_a_slow_background_round_is_followed_by_the_next_one_and_a_half_intervals_after_it(tmp_path):
-    from mps_exporter.collector import SLOW_ROUND_SHARE, SLOW_ROUND_SPACING
-
-    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
-    readers = scen.readers()
-    real, starts, delay = readers["nvml"], [], [0.0]
-    interval = 0.4
-
-    def nvml(ctx):
-        starts.append(time.monotonic())
-        time.sleep(delay[0])
-        return real.read(ctx)
-
-    readers["nvml"] = Reader(nvml)
-    collector = MpsCollector(readers, clock=Clock(), max_seconds=5.0, refresh_interval=interval, pause_after=1e9)
-    collector.start()
-    try:
-        assert until(lambda: len(starts) >= 4)
-        fast = [b - a for a, b in zip(starts[1:], starts[2:])]
-        delay[0] = 2 * SLOW_ROUND_SHARE * interval  # as NVML while MPS admits a storm of clients
-        count = len(starts)
-        assert until(lambda: len(starts) >= count + 4)
-        slow = [b - a for a, b in zip(starts[count:], starts[count + 1:])]
-    finally:
-        collector.close()
-    assert all(0.9 * interval < gap < 1.3 * interval for gap in fast), fast
-    assert all(0.95 * SLOW_ROUND_SPACING * interval < gap < 1.4 * SLOW_ROUND_SPACING * interval for gap in slow), slow
