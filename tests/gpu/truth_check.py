@@ -356,15 +356,18 @@ class TruthCheck:
             raise RuntimeError("exporter did not answer: " + read(self.s.work / "exporter.log")[-2000:])
 
     def scrape(self) -> Exposition:
-        """A scrape whose NVML reading was taken after this call began. The exporter
-        reads NVML in the background (--collector.refresh-interval, 1 s) and serves a
-        reading up to two intervals old; the comparisons that follow are with oracles
-        read from now on, so the check waits (at most 5 s) for a reading that young."""
+        """A scrape whose NVML and control readings were taken after this call began. The
+        exporter reads NVML in the background (--collector.refresh-interval, 1 s) and,
+        scraped often, may serve the control daemon's answer to the scrape before (not
+        waited for while the daemon answers slowly); either is up to two intervals old.
+        The comparisons that follow are with oracles read from now on, so the check waits
+        (at most 5 s) for readings that young."""
         asked = time.time()
         while True:
             e = scrape(self.url)
-            taken = e.value("mps_exporter_collector_last_success_timestamp_seconds", collector="nvml")
-            if taken is None or taken >= asked or time.time() > asked + 5:
+            taken = [e.value("mps_exporter_collector_last_success_timestamp_seconds", collector=name)
+                     for name in ("nvml", "control")]
+            if all(t is None or t >= asked for t in taken) or time.time() > asked + 5:
                 return e
             time.sleep(0.05)
 
