@@ -86,9 +86,9 @@ def one_run(port: int, hogs: int, scrapes: int, period: float, control_latency: 
                 conn.request("GET", "/metrics")
                 conn.getresponse().read()
                 break
-            except OSError:
+            except OSError as e:
                 if time.monotonic() > deadline or exporter.poll() is not None:
-                    raise RuntimeError("the exporter did not answer")
+                    raise RuntimeError("the exporter did not answer") from e
                 time.sleep(0.1)
         time.sleep(2)  # the first background rounds and cached facts
         spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(hogs)]
