@@ -158,24 +158,19 @@ class PodNameLookup:
         """`names` where it needs no lookup (found, or looked for in vain lately); None
         where it would read the runtime's files or ask the kubelet."""
         if not _CONTAINER_ID.fullmatch(container_id):
-            return NO_NAMES
-        found = self._found.get(container_id)
-        if found is not None:
-            return found
-        missed = self._missed.get(container_id)
-        return NO_NAMES if missed is not None and self.clock() - missed < MISS_RETRY_SECONDS else None
-
-    def names(self, container_id: str) -> PodNames:
-        if not _CONTAINER_ID.fullmatch(container_id):
             return NO_NAMES  # nothing that could name a path: the cgroup gives 64 hex digits
         found = self._found.get(container_id)
         if found is not None:
             self._found.move_to_end(container_id)
             return found
-        now = self.clock()
         missed = self._missed.get(container_id)
-        if missed is not None and now - missed < MISS_RETRY_SECONDS:
-            return NO_NAMES
+        return NO_NAMES if missed is not None and self.clock() - missed < MISS_RETRY_SECONDS else None
+
+    def names(self, container_id: str) -> PodNames:
+        known = self.known(container_id)
+        if known is not None:
+            return known
+        now = self.clock()
         names = self._from_runtime(container_id) or self._from_kubelet(container_id, now)
         if names is None:
             self._remember(self._missed, container_id, now)

@@ -28,7 +28,7 @@ from typing import AbstractSet, Callable, Dict, Iterable, Optional, Set, Tuple
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
 from ..config import DEFAULT_RUNTIME_ROOTS
-from ..runtime_metadata import PodNameLookup, PodNames, kubelet_fetcher
+from ..runtime_metadata import PodNameLookup, kubelet_fetcher
 from .base import Backends, Flag, ReadContext, Reader, Source, not_empty
 
 log = logging.getLogger(__name__)
@@ -106,10 +106,6 @@ def _user_name(uid: int) -> str:
         return str(uid)  # no passwd entry (e.g. a container's user): the number is the name
 
 
-def _name(facts: ProcessFacts, names: PodNames) -> None:
-    facts.namespace, facts.pod, facts.container = names.namespace, names.pod, names.container
-
-
 @dataclass
 class ProcClient:
     root: str = "/proc"
@@ -143,6 +139,19 @@ class ProcClient:
 
     def read(self, pids: Iterable[int], keep: AbstractSet[int] = frozenset()) -> Dict[int, ProcessFacts]:
         """Facts of these PIDs; the known processes not among them or in `keep` are forgotten."""
+        facts = self._facts(pids, keep, read_new=True)
+        assert facts is not None  # reading new processes, it never declines
+        return facts
+
+    def cached(self, pids: Iterable[int], keep: AbstractSet[int] = frozenset()) -> Optional[Dict[int, ProcessFacts]]:
+        """`read(pids, keep)` where every PID is a known process whose names need no
+        lookup: one stat() each, nothing read. None where one is new, reused or not yet
+        named (nothing forgotten then)."""
+        return self._facts(pids, keep, read_new=False)
+
+    def _facts(self, pids: Iterable[int], keep: AbstractSet[int], read_new: bool) -> Optional[Dict[int, ProcessFacts]]:
+        """`read_new`: a new or reused process is read, and a container's names looked up
+        (the kubelet asked) where they are not known yet; else either makes this None."""
         facts = {}
         for pid in set(pids):
             try:
@@ -150,47 +159,29 @@ class ProcClient:
                 identity = (st.st_ino, st.st_ctime_ns)
                 known = self._known.get(pid)
                 if known is None or known[0] != identity:
+                    if not read_new:
+                        return None
                     ticks = parse_stat_start_ticks(self._read(pid, "stat"))
                     same = known[2] if known is not None and known[1] == ticks else None
                     known = self._known[pid] = (identity, ticks, same or self.read_pid(pid, ticks))
             except (FileNotFoundError, ProcessLookupError):
                 continue  # exited while we read it
-            facts[pid] = self._named(known[2])
-        for pid in set(self._known) - set(facts) - keep:
-            del self._known[pid]
-        return facts
-
-    def cached(self, pids: Iterable[int], keep: AbstractSet[int] = frozenset()) -> Optional[Dict[int, ProcessFacts]]:
-        """`read(pids, keep)` where every PID is a known process whose names need no
-        lookup: one stat() each, nothing read. None where one is new, reused or not yet
-        named (nothing forgotten then)."""
-        facts = {}
-        for pid in set(pids):
-            try:
-                st = os.stat(os.path.join(self.root, str(pid)))
-            except (FileNotFoundError, ProcessLookupError):
-                continue  # exited: read() skips it too
             except OSError:
+                if read_new:
+                    raise
                 return None  # read() says what went wrong
-            known = self._known.get(pid)
-            if known is None or known[0] != (st.st_ino, st.st_ctime_ns):
-                return None
             found = known[2]
+            # A container's names are asked every read (a cache hit), since a name the
+            # kubelet did not know yet at the process's first read may come later.
             if found.container_id and not found.pod:
-                names = self.pod_names.known(found.container_id)
+                lookup = self.pod_names.names if read_new else self.pod_names.known
+                names = lookup(found.container_id)
                 if names is None:
                     return None
-                _name(found, names)
+                found.namespace, found.pod, found.container = names.namespace, names.pod, names.container
             facts[pid] = found
         for pid in set(self._known) - set(facts) - keep:
             del self._known[pid]
-        return facts
-
-    def _named(self, facts: ProcessFacts) -> ProcessFacts:
-        """The facts with the container's names: asked every read (a cache hit), since a
-        name the kubelet did not know yet at the process's first read may come later."""
-        if facts.container_id and not facts.pod:
-            _name(facts, self.pod_names.names(facts.container_id))
         return facts
 
     def read_pid(self, pid: int, ticks: Optional[int]) -> ProcessFacts:
@@ -268,32 +259,32 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
                    if cfg.kubelet_url else None)
         source = ProcClient(root=cfg.procfs, pod_names=PodNameLookup(roots=cfg.runtime_roots, kubelet=kubelet))
 
-        def read(ctx: ReadContext) -> Dict[int, ProcessFacts]:
-            # The PIDs known at once (NVML's latest reading, the daemon's last answer) are
-            # read while this collection's control read may still run; then those its
-            # answer adds. Serialised, a storm scrape waited for the control wait and then
-            # for /proc (issue 29).
+        def gathered(ctx: ReadContext, facts_of: Callable[..., Optional[Dict[int, ProcessFacts]]]
+                     ) -> Optional[Dict[int, ProcessFacts]]:
+            # The PIDs known at once (NVML's latest reading, the daemon's last answer) first,
+            # while this collection's control read may still run; then those its answer adds.
+            # Serialised, a storm scrape waited for the control wait and then for /proc (issue 29).
             early = mps_pids(ctx.known(("nvml", "control")))
-            facts = source.read(early)
-            pids = mps_pids(ctx.wait(("nvml", "control")))
-            if pids - early:
-                facts.update(source.read(pids - early, keep=early))
-            return {pid: facts[pid] for pid in pids if pid in facts}
-
-        def quick(ctx: ReadContext) -> Optional[Dict[int, ProcessFacts]]:
-            # Known processes only (a client storm's scrapes before and after its arrival):
-            # a new one goes to the source's thread at once, to be read while control runs.
-            early = mps_pids(ctx.known(("nvml", "control")))
-            facts = source.cached(early)
+            facts = facts_of(early)
             if facts is None:
                 return None
             pids = mps_pids(ctx.wait(("nvml", "control")))
             if pids - early:
-                added = source.cached(pids - early, keep=early)
+                added = facts_of(pids - early, keep=early)
                 if added is None:
                     return None
                 facts.update(added)
             return {pid: facts[pid] for pid in pids if pid in facts}
+
+        def read(ctx: ReadContext) -> Dict[int, ProcessFacts]:
+            facts = gathered(ctx, source.read)
+            assert facts is not None  # read() never declines
+            return facts
+
+        def quick(ctx: ReadContext) -> Optional[Dict[int, ProcessFacts]]:
+            # Known processes only (a client storm's scrapes before and after its arrival):
+            # a new one goes to the source's thread at once, to be read while control runs.
+            return gathered(ctx, source.cached)
 
         return Reader(read, quick=quick, source=source)
 
