@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -436,6 +437,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.write(metrics_markdown())
         return 0
     setup_logging(cfg.log_level, cfg.log_format)
+    # A crash inside a native library (NVML, DCGM) leaves its Python stacks in the log,
+    # where systemd's journal and `kubectl logs --previous` keep them (issue 38).
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable()
+        except (AttributeError, ValueError, OSError):  # a stderr without a file (tests' capture)
+            log.debug("faulthandler not enabled: stderr has no file descriptor")
     if command == "dump":
         try:
             return dump(cfg)

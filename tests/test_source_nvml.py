@@ -2,6 +2,7 @@
 scenarios and failure injection. Expected values are derived from the capture
 JSON or from the scenario's inputs, never copied from the source's output."""
 
+import contextlib
 import copy
 import ctypes
 import inspect
@@ -9,7 +10,8 @@ import inspect
 import pynvml
 import pytest
 
-from mps_exporter.sources.nvml import COMPUTE_MODES, DirectLists, NvmlClient, NvmlUnavailable
+from mps_exporter.sources import nvml as nvml_source
+from mps_exporter.sources.nvml import COMPUTE_MODES, GPM_METRICS, DirectLists, NvmlClient, NvmlUnavailable
 from tests.fakes import fake_pynvml as fp
 from tests.fakes.fake_pynvml import MAX_CLIENT_SHARE, FakeNvml, load_capture
 
@@ -448,6 +450,53 @@ def test_gpus_are_read_side_by_side():
     nvml.latency_of = latency
     reading = NvmlClient(nvml).read()
     assert [g.index for g in reading.gpus] == [0, 1, 2] and all(g.up for g in reading.gpus)
+
+
+def test_gpm_calls_of_several_gpus_never_overlap():
+    """Driver 580 dies of SIGSEGV when two threads are inside GPM calls (issue 38). The
+    fake holds each GPM sample open until a second GPM call enters or 0.3 s pass, so
+    without the exporter's lock four GPUs overlap in every run."""
+    nvml = FakeNvml.synthetic(gpus=4, clients_per_gpu=1)
+    nvml.gpm_hold_s = 0.3
+    source = NvmlClient(nvml)
+    source.read()
+    nvml.advance(1.0)
+    reading = source.read()
+    assert nvml.gpm_overlaps == []
+    assert [sorted(g.activity) for g in reading.gpus] == [sorted(k for k, _ in GPM_METRICS)] * 4
+    assert nvml.calls["nvmlGpmMetricsGet"] == 4
+
+
+def test_the_fake_catches_gpm_calls_that_overlap(monkeypatch):
+    """The test above fails if the serialization is removed: without the lock, the
+    fake sees two GPM calls at once and the read raises as the process would die."""
+    monkeypatch.setattr(nvml_source, "GPM_LOCK", contextlib.nullcontext())
+    nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    nvml.gpm_hold_s = 5.0
+    with pytest.raises(fp.GpmCallsOverlap):
+        NvmlClient(nvml).read()
+    assert nvml.gpm_overlaps and all(a.startswith("nvmlGpm") and b.startswith("nvmlGpm") for a, b in nvml.gpm_overlaps)
+
+
+def test_a_gpu_in_a_gpm_call_holds_up_no_other_gpu_s_readings():
+    """GPM comes last in a GPU's read: GPU 0's GPM sample, held until GPU 1 has read its
+    process utilization (its last call before GPM), does not wait for ever."""
+    import threading
+
+    nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    gpu1_read = threading.Event()
+
+    def latency(fn: str, gpu: int) -> float:
+        if fn == "nvmlDeviceGetProcessUtilization" and gpu == 1:
+            gpu1_read.set()
+        if fn == "nvmlGpmSampleGet" and gpu == 0:
+            assert gpu1_read.wait(timeout=10), "GPU 1's readings waited for GPU 0's GPM call"
+        return 0.0
+
+    nvml.latency_of = latency
+    nvml.entry_points = False  # the public utilization call, which passes through _enter
+    reading = NvmlClient(nvml).read()
+    assert all(g.up for g in reading.gpus) and nvml.gpm_overlaps == []
 
 
 # ------------------------------------------- list calls straight into NVML

@@ -50,10 +50,25 @@ _VALUE_NOT_AVAILABLE_ULL = 2**64 - 1
 T = TypeVar("T")
 
 
+# NVML's GPM calls are not thread-safe on driver 580, whatever its documentation says: two
+# reader threads (one per GPU) inside nvmlGpmSampleGet and nvmlGpmMetricsGet at once
+# crashed the process with SIGSEGV in 4 of 8 starts on 2 x H100 (issue 38); one lock
+# around them, 0 crashes. Process-wide, since NVML's state is. Every GPM call of this
+# module goes through `gpm_call`; the GPU's other calls still run side by side.
+GPM_LOCK = threading.Lock()
+
+
+def gpm_call(fn: Callable[..., T], *args: Any) -> T:
+    """One NVML GPM call, never beside another."""
+    with GPM_LOCK:
+        return fn(*args)
+
+
 def concurrently(fn: Callable[[int], T], items: Iterable[int]) -> List[T]:
-    """fn over items, each in a thread of its own (the first in the caller's): NVML is
-    thread-safe and its calls release the GIL, so GPUs are read side by side and a
-    storm on one GPU does not add to the others' time. Results in the items' order."""
+    """fn over items, each in a thread of its own (the first in the caller's): NVML's
+    calls other than GPM's are thread-safe and release the GIL, so GPUs are read side by
+    side and a storm on one GPU does not add to the others' time. Results in the items'
+    order."""
     todo = list(items)
     results: Dict[int, T] = {}
     errors: List[BaseException] = []
@@ -342,7 +357,7 @@ class NvmlClient:
             gpu.process_utilization = self._process_utilization(nvml, handle, i)
         except nvml.NVMLError as e:
             log.debug("GPU %d: no process utilization: %s", i, e)
-        try:
+        try:  # last: the GPU's other readings never wait for another GPU's GPM call
             gpu.activity = self._gpm_activity(nvml, handle, i)
         except nvml.NVMLError as e:
             log.debug("GPU %d: no GPM activity: %s", i, e)
@@ -377,9 +392,9 @@ class NvmlClient:
         """Activity ratios between the previous scrape's GPM sample and a new one."""
         if not self._gpm_is_supported(nvml, handle, index):
             return {}
-        sample = nvml.nvmlGpmSampleAlloc()
+        sample = gpm_call(nvml.nvmlGpmSampleAlloc)
         try:
-            nvml.nvmlGpmSampleGet(handle, sample)
+            gpm_call(nvml.nvmlGpmSampleGet, handle, sample)
         except nvml.NVMLError:
             self._free_sample(nvml, sample)
             raise
@@ -398,7 +413,7 @@ class NvmlClient:
                 self._gpm_supported[index] = False
             else:
                 try:
-                    support = nvml.nvmlGpmQueryDeviceSupport(handle)
+                    support = gpm_call(nvml.nvmlGpmQueryDeviceSupport, handle)
                     self._gpm_supported[index] = bool(support.isSupportedDevice)
                 except nvml.NVMLError as e:
                     if e.value not in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND):
@@ -415,7 +430,7 @@ class NvmlClient:
         request.sample2 = sample2
         for slot, (_key, constant) in enumerate(GPM_METRICS):
             request.metrics[slot].metricId = getattr(nvml, constant)
-        nvml.nvmlGpmMetricsGet(request)
+        gpm_call(nvml.nvmlGpmMetricsGet, request)
         activity: Dict[str, float] = {}
         for slot, (key, _constant) in enumerate(GPM_METRICS):
             metric = request.metrics[slot]
@@ -426,7 +441,7 @@ class NvmlClient:
     @staticmethod
     def _free_sample(nvml: Any, sample: Any) -> None:
         try:
-            nvml.nvmlGpmSampleFree(sample)
+            gpm_call(nvml.nvmlGpmSampleFree, sample)
         except nvml.NVMLError as e:
             log.debug("nvmlGpmSampleFree failed: %s", e)
 

@@ -25,6 +25,11 @@ Scenario knobs (plain attributes, change them between reads):
                           and every PID in `sm_util_by_pid` gets a new utilization sample
     fake.calls            Counter of calls by function name
     fake.live_gpm_samples GPM samples allocated and not yet freed
+    fake.gpm_overlaps     (inside, entering) pairs of GPM calls that ran at the same time:
+                          the driver crashes there (issue 38), so the fake raises
+                          GpmCallsOverlap in the entering call and records the pair
+    fake.gpm_hold_s       each nvmlGpmSampleGet stays inside this long, or until a second
+                          GPM call enters: an overlap then shows in every run, not by luck
 
 Process utilization behaves like NVML's: samples newer than the `timeStamp`
 argument, NVML_ERROR_NOT_FOUND when there are none (the capture's idle answer).
@@ -34,13 +39,15 @@ the capture recorded no GPM figures, so captured GPUs start at 0 % activity.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import threading
 import time
 from collections import Counter
 from ctypes import Structure, c_uint, c_ulonglong
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, Iterable, List, Optional, Tuple
 
 from tests.support.data import CAPTURE  # noqa: E402
 
@@ -148,6 +155,10 @@ def _error_classes() -> Dict[str, type]:
         NVMLError._valClassMapping[code] = cls
         classes[class_name] = cls
     return classes
+
+
+class GpmCallsOverlap(AssertionError):
+    """Two NVML GPM calls ran at once: on driver 580 the process dies of SIGSEGV there."""
 
 
 class NVMLLibraryMismatchError(Exception):
@@ -352,6 +363,10 @@ class FakeNvml:
         self.entry_points = True
         self.entry_point_calls: Counter = Counter()  # C entry point -> calls
         self._init_count = 0
+        self.gpm_overlaps: List[Tuple[str, str]] = []
+        self.gpm_hold_s = 0.0
+        self._gpm_guard = threading.Condition()
+        self._gpm_inside: Optional[str] = None
 
     # ---------------------------------------------------------- scenarios
     @classmethod
@@ -611,24 +626,49 @@ class FakeNvml:
         return NVML_SUCCESS
 
     # --------------------------------------------------------- pynvml: GPM
+    @contextlib.contextmanager
+    def _gpm(self, fn: str, hold_s: float = 0.0) -> Iterator[None]:
+        """Inside one GPM call: a second one entering meanwhile is the driver's crash."""
+        with self._gpm_guard:
+            if self._gpm_inside is not None:
+                self.gpm_overlaps.append((self._gpm_inside, fn))
+                self._gpm_guard.notify_all()
+                raise GpmCallsOverlap(f"{fn} called while {self._gpm_inside} ran (SIGSEGV on driver 580)")
+            self._gpm_inside = fn
+        try:
+            if hold_s:
+                with self._gpm_guard:
+                    self._gpm_guard.wait_for(lambda: bool(self.gpm_overlaps), timeout=hold_s)
+            yield
+        finally:
+            with self._gpm_guard:
+                self._gpm_inside = None
+
     def nvmlGpmQueryDeviceSupport(self, device: FakeHandle) -> _Struct:
-        gpu = self._enter("nvmlGpmQueryDeviceSupport", device)
-        return _Struct(version=NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(gpu.gpm_supported))
+        with self._gpm("nvmlGpmQueryDeviceSupport"):
+            gpu = self._enter("nvmlGpmQueryDeviceSupport", device)
+            return _Struct(version=NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(gpu.gpm_supported))
 
     def nvmlGpmSampleAlloc(self) -> FakeGpmSample:
-        self._enter("nvmlGpmSampleAlloc")
-        sample = FakeGpmSample()
-        self.live_gpm_samples.append(sample)
-        return sample
+        with self._gpm("nvmlGpmSampleAlloc"):
+            self._enter("nvmlGpmSampleAlloc")
+            sample = FakeGpmSample()
+            self.live_gpm_samples.append(sample)
+            return sample
 
     def nvmlGpmSampleFree(self, gpmSample: FakeGpmSample) -> None:
-        self._enter("nvmlGpmSampleFree")
-        if gpmSample.freed or gpmSample not in self.live_gpm_samples:
-            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-        gpmSample.freed = True
-        self.live_gpm_samples.remove(gpmSample)
+        with self._gpm("nvmlGpmSampleFree"):
+            self._enter("nvmlGpmSampleFree")
+            if gpmSample.freed or gpmSample not in self.live_gpm_samples:
+                raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+            gpmSample.freed = True
+            self.live_gpm_samples.remove(gpmSample)
 
     def nvmlGpmSampleGet(self, device: FakeHandle, gpmSample: FakeGpmSample) -> FakeGpmSample:
+        with self._gpm("nvmlGpmSampleGet", self.gpm_hold_s):
+            return self._gpm_sample_get(device, gpmSample)
+
+    def _gpm_sample_get(self, device: FakeHandle, gpmSample: FakeGpmSample) -> FakeGpmSample:
         gpu = self._enter("nvmlGpmSampleGet", device)
         if gpmSample.freed:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
@@ -640,6 +680,10 @@ class FakeNvml:
         return gpmSample
 
     def nvmlGpmMetricsGet(self, metricsGet: c_nvmlGpmMetricsGet_t) -> c_nvmlGpmMetricsGet_t:
+        with self._gpm("nvmlGpmMetricsGet"):
+            return self._gpm_metrics_get(metricsGet)
+
+    def _gpm_metrics_get(self, metricsGet: c_nvmlGpmMetricsGet_t) -> c_nvmlGpmMetricsGet_t:
         self._enter("nvmlGpmMetricsGet")
         if metricsGet.version != NVML_GPM_METRICS_GET_VERSION:
             raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
