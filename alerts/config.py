@@ -82,8 +82,10 @@ CLIENT_REFUSAL_WINDOW = "10m"
 # takes their work with it (cudaErrorMpsRpcFailure in each client).
 SERVER_DEATH_WINDOW = "10m"
 
-# MPS admits at most 48 client processes per device (Volta and later). Warn
-# before new clients start failing to connect.
+# MPS admits at most 48 client processes per device (Volta and later, driver 580), fewer
+# where clients raise CUDA_DEVICE_MAX_CONNECTIONS: the exporter publishes the ceiling a
+# refusal showed (mps_server_client_limit) and the alert uses it. Warn before new clients
+# start failing to connect.
 MAX_CLIENTS_PER_DEVICE = 48
 CLIENT_LIMIT_WARNING_RATIO = 0.9
 CLIENT_LIMIT_FOR = "5m"

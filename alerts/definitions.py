@@ -8,7 +8,6 @@ from config.py only.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -73,7 +72,6 @@ def with_server_user(expr: str) -> str:
 
 
 # -------------------------------------------------------------------- alerts
-_client_limit = math.ceil(C.MAX_CLIENTS_PER_DEVICE * C.CLIENT_LIMIT_WARNING_RATIO)
 
 ALERTS: Tuple[Alert, ...] = (
     # contention ----------------------------------------------------------
@@ -96,11 +94,19 @@ ALERTS: Tuple[Alert, ...] = (
         f"{C.QUEUE_WAIT_WINDOW} (threshold {C.QUEUE_WAIT_P95_SECONDS}s)."),
     Alert(
         "ServerNearClientLimit", "contention",
-        with_server_user(f"{job('mps_server_clients')} >= {_client_limit}"), C.CLIENT_LIMIT_FOR, "warning",
-        f"An MPS server is close to the limit of {C.MAX_CLIENTS_PER_DEVICE} clients per device.",
+        # The ceiling MPS enforced where a refusal showed it (fewer than 48 when clients raise
+        # CUDA_DEVICE_MAX_CONNECTIONS: 15 at 8, issue 38), else the default.
+        with_server_user(
+            f"{job('mps_server_clients')}\n  >= on({T}, daemon) group_left()\n"
+            f"  ceil({C.CLIENT_LIMIT_WARNING_RATIO} * ({job('mps_server_client_limit')}\n"
+            f"    or on({T}, daemon) count by ({T}, daemon) ({job('mps_server_clients')}) * 0 "
+            f"+ {C.MAX_CLIENTS_PER_DEVICE}))"),
+        C.CLIENT_LIMIT_FOR, "warning",
+        "An MPS server is close to the most clients MPS admits per device.",
         f"MPS server {lbl('server_pid')} of user {lbl('user')} (daemon {lbl('daemon')}) on {NODE} has "
-        f"{VALUE} clients; MPS admits at most {C.MAX_CLIENTS_PER_DEVICE} per device and new clients "
-        f"beyond that fail to connect."),
+        f"{VALUE} clients, at least {C.CLIENT_LIMIT_WARNING_RATIO:.0%} of what MPS admits per device "
+        f"({C.MAX_CLIENTS_PER_DEVICE}, or fewer where a refusal showed it: mps_server_client_limit); "
+        f"new clients beyond that fail to connect."),
     Alert(
         "ClientsRefused", "contention",
         f"increase({job('mps_client_rejections_total')}[{C.CLIENT_REFUSAL_WINDOW}]) > 0", "0m", "warning",

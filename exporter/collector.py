@@ -99,10 +99,15 @@ class _Result:
     error: str = ""
 
 
+def gpu_identities(snap: Snapshot) -> List[Tuple[int, str]]:
+    """(index, UUID) of the GPUs NVML answered for; [(0, "")] before it has."""
+    return [(g.index, g.uuid) for g in snap.nvml.gpus] if snap.nvml and snap.nvml.gpus else [(0, "")]
+
+
 class _Collection(ReadContext):
     """One collection: its clock, deadline and the reads it waits for."""
 
-    def __init__(self, now: float, deadline: Optional[float], devices: Optional[List[int]]) -> None:
+    def __init__(self, now: float, deadline: Optional[float], devices: Optional[List[Tuple[int, str]]]) -> None:
         self.now = now
         self.deadline = deadline  # time.monotonic() value; None: wait for every source
         self.futures: Dict[str, Future[_Result]] = {}
@@ -119,9 +124,15 @@ class _Collection(ReadContext):
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def devices(self) -> List[int]:
+        return [index for index, _ in self._gpus()]
+
+    def uuids(self) -> Dict[int, str]:
+        return {index: uuid for index, uuid in self._gpus() if uuid}
+
+    def _gpus(self) -> List[Tuple[int, str]]:
         if self._devices is None:  # NVML has not answered yet: wait for it once
             snap = self.wait(("nvml",))
-            self._devices = [g.index for g in snap.nvml.gpus] if snap.nvml and snap.nvml.gpus else [0]
+            self._devices = gpu_identities(snap)
         return self._devices
 
     def wait(self, names: Sequence[str]) -> Snapshot:
@@ -317,7 +328,7 @@ class MpsCollector(Collector):
         self.pause_after = pause_after
         self.control_wait = control_wait
         self._runs = {name: _SourceRun(name, SOURCES[name], reader) for name, reader in readers.items()}
-        self._devices: Optional[List[int]] = None
+        self._devices: Optional[List[Tuple[int, str]]] = None
         self._failing: Dict[str, str] = {}
         self._failing_lock = threading.Lock()
         self._unwaited_until: Dict[str, float] = {}  # source -> time.monotonic() until which it is not waited for
@@ -480,7 +491,7 @@ class MpsCollector(Collector):
             with run._lock:
                 snap.read_durations[name] = run.durations.copy()
         if snap.nvml is not None and snap.nvml.gpus:
-            self._devices = [g.index for g in snap.nvml.gpus]
+            self._devices = gpu_identities(snap)
         return snap
 
     def _may_stand_in(self, earlier: _Result, now: float) -> bool:

@@ -178,6 +178,12 @@ def _environ(proc_dir: str, key: str) -> Optional[str]:
     return None
 
 
+def daemon_environ(proc_root: str, pid: int, key: str) -> Optional[str]:
+    """One variable of a process's environment as it was started; None where unset or
+    unreadable."""
+    return _environ(os.path.join(proc_root, str(pid)), key)
+
+
 def is_multiuser(argv: Sequence[str]) -> bool:
     """`-M`: one server for every user; clients of different users never queue for each other."""
     return "-M" in argv[1:]

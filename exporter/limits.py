@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from .logs.events import DeviceKey
 from .units import parse_size
 
 PINNED_MEMORY, ACTIVE_THREADS, PRIORITY = "pinned_memory", "active_threads", "priority"
@@ -62,17 +63,20 @@ class VisibleDevice:
 
 
 def visible_devices(value: Optional[str], gpus: Sequence[Tuple[int, str]]) -> List[VisibleDevice]:
-    """The devices a client with CUDA_VISIBLE_DEVICES=`value` sees, of the node's `gpus`
-    ((NVML index, UUID), in index order). Unset: all of them. CUDA stops at the first
-    entry it cannot resolve and drops repeats; an index counts the node's GPUs."""
+    """The devices a process with CUDA_VISIBLE_DEVICES=`value` sees, of the `gpus` it could
+    see ((NVML index, UUID), in their CUDA order: the node's GPUs by index, or a control
+    daemon's own devices). Unset: all of them. CUDA stops at the first entry it cannot
+    resolve and drops repeats; an index counts `gpus`: under a daemon started with
+    CUDA_VISIBLE_DEVICES=1, its clients' device 0 is the node's GPU 1 (issue 38)."""
     if value is None:
         return [VisibleDevice(i, u) for i, u in gpus]
     seen: List[VisibleDevice] = []
     for item in value.split(","):
         item = item.strip()
         device: Optional[VisibleDevice] = None
-        if item.isdigit():
-            device = next((VisibleDevice(i, u) for i, u in gpus if i == int(item)), None)
+        if item.isascii() and item.isdigit():
+            position = int(item)
+            device = VisibleDevice(*gpus[position]) if position < len(gpus) else None
         elif item.upper().startswith("GPU-"):
             matches = [VisibleDevice(i, u) for i, u in gpus if u.lower().startswith(item.lower())]
             device = matches[0] if len(matches) == 1 else None
@@ -83,6 +87,22 @@ def visible_devices(value: Optional[str], gpus: Sequence[Tuple[int, str]]) -> Li
         if device not in seen:
             seen.append(device)
     return seen
+
+
+def on_gpus(pinned: Mapping[DeviceKey, int], devices: Sequence[VisibleDevice]) -> Dict[int, int]:
+    """Pinned limits keyed as MPS keys them (the daemon's device ordinal, or a GPU UUID or
+    a prefix of one, as in server.log's `... for device GPU-<uuid> set to ...`) by the
+    node's GPU index; a key naming none of the daemon's devices binds nothing."""
+    limits: Dict[int, int] = {}
+    for key, size in pinned.items():
+        if isinstance(key, int):
+            device = devices[key] if 0 <= key < len(devices) else None
+        else:
+            matches = [d for d in devices if d.uuid.lower().startswith(key.lower())]
+            device = matches[0] if len(matches) == 1 else None
+        if device is not None and device.index is not None:
+            limits[device.index] = size
+    return limits
 
 
 @dataclass(frozen=True)
@@ -124,7 +144,8 @@ def pinned_from_env(value: str, visible: Sequence[VisibleDevice]) -> Tuple[Dict[
 
 
 def own_limits(env: Mapping[str, str], gpus: Sequence[Tuple[int, str]]) -> OwnLimits:
-    """The limits a client's environment (the kept variables, raw) puts in force."""
+    """The limits a client's environment (the kept variables, raw) puts in force; `gpus`:
+    the devices its daemon sees (`visible_devices` of the daemon's own setting)."""
     ignored: Dict[str, str] = {}
     visible = visible_devices(env.get("CUDA_VISIBLE_DEVICES"), gpus)
     pinned, why = pinned_from_env(env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""), visible)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .contract import MAX_PLAUSIBLE_QUEUE_WAIT, QUEUE_WAIT_BUCKETS
-from .logs.events import FILES
+from .logs.events import FILES, DeviceKey
 
 
 # ---------------------------------------------------------------- NVML / DCGM
@@ -79,7 +79,7 @@ class ServerFacts:
     pid: int
     status: Optional[str]  # ACTIVE, INITIALIZING, FAULT; None if the daemon did not say
     active_thread_percentage: Optional[float] = None
-    pinned_limits: Dict[int, int] = field(default_factory=dict)  # MPS device ordinal -> bytes
+    pinned_limits: Dict[int, int] = field(default_factory=dict)  # the node's GPU index -> bytes
 
 
 @dataclass
@@ -91,8 +91,11 @@ class DaemonReading:
     version: str = ""
     claim_uid: str = ""  # DRA: the resource claim the daemon serves
     multiuser: Optional[bool] = None  # started with -M (its command line in /proc); None: not known
+    # The daemon's own CUDA_VISIBLE_DEVICES (/proc/PID/environ): it and its clients count
+    # device ordinals in it. None: unset or not known (every GPU, in NVML's order).
+    visible_devices: Optional[str] = None
     default_active_thread_percentage: Optional[float] = None
-    default_pinned_limits: Dict[int, int] = field(default_factory=dict)
+    default_pinned_limits: Dict[int, int] = field(default_factory=dict)  # the node's GPU index -> bytes
     default_client_priority: Optional[int] = None  # None: not set or the daemon lacks the command
     servers: List[ServerFacts] = field(default_factory=list)
     clients: List[PsEntry] = field(default_factory=list)
@@ -137,8 +140,8 @@ MAX_LIMIT_CHANGES = 64  # per server
 THREADS = -1  # the "device" of an active thread percentage in a server's limit history
 
 # A client's limits as they were when it connected: (active thread percentage,
-# {device ordinal: pinned bytes}).
-ClientLimits = Tuple[Optional[float], Dict[int, int]]
+# {device as MPS names it: pinned bytes}).
+ClientLimits = Tuple[Optional[float], Dict[DeviceKey, int]]
 
 
 @dataclass
@@ -149,14 +152,14 @@ class LogServer:
     uid: Optional[int] = None  # `Starting new server S for user U`
     start_time: Optional[float] = None  # `NEW SERVER S: Ready`
     active_thread_percentage: Optional[float] = None  # logged at server start
-    pinned_limits: Dict[int, int] = field(default_factory=dict)  # device ordinal -> bytes
+    pinned_limits: Dict[DeviceKey, int] = field(default_factory=dict)  # device as MPS names it -> bytes
     running: bool = True  # False once server.log says `Exiting` (control.log has not yet said `exited`)
     start_failure: Optional[str] = None  # server.log's reason, where it gave one
     # internal: the daemon itself asked it to shut down (not a Cmd:)
     daemon_shutdown: bool = False
     # (time, device or THREADS, value) in time order: the files are read one after
     # the other, so a change can arrive after a later one of the other file.
-    limit_changes: List[Tuple[float, int, float]] = field(default_factory=list)
+    limit_changes: List[Tuple[float, DeviceKey, float]] = field(default_factory=list)
     priority: Optional[int] = None  # `Server Priority set to N`: its clients' unless they set their own
 
     @property
@@ -167,15 +170,16 @@ class LogServer:
         """Every field, the containers copied (the state machine goes on changing them)."""
         return replace(self, pinned_limits=dict(self.pinned_limits), limit_changes=list(self.limit_changes))
 
-    def change_limit(self, ts: float, device: int, value: float) -> None:
-        bisect.insort(self.limit_changes, (ts, device, value))
+    def change_limit(self, ts: float, device: DeviceKey, value: float) -> None:
+        # In time order, after changes of the same time: ordinals and UUIDs do not compare.
+        self.limit_changes.insert(bisect.bisect_right([c[0] for c in self.limit_changes], ts), (ts, device, value))
         if len(self.limit_changes) > MAX_LIMIT_CHANGES:
             del self.limit_changes[1]  # keep the first: the limits the server started with
         self.active_thread_percentage, self.pinned_limits = self._limits_until(float("inf"))
 
     def _limits_until(self, ts: float) -> ClientLimits:
         atp: Optional[float] = None
-        pinned: Dict[int, int] = {}
+        pinned: Dict[DeviceKey, int] = {}
         for when, device, value in self.limit_changes:
             if when > ts:
                 break

@@ -26,7 +26,7 @@ from .contract import (CLIENT_PID, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVE
 from .families import FamilyBuilder
 from prometheus_client.samples import Sample
 from . import limits as lim
-from .limits import Limits, client_limits, own_limits
+from .limits import Limits, VisibleDevice, client_limits, on_gpus, own_limits, visible_devices
 from .logs.render import render_log_metrics
 from .model import (
     LogServer,
@@ -412,6 +412,10 @@ class _GpuJoin:
         return cls(gpus, {gpu.index: sm_utilization(gpu) for gpu in gpus},
                    {gpu.index: {p.pid: p.used_bytes for p in gpu.compute_processes} for gpu in gpus}, mps_memory)
 
+    def daemon_devices(self, d: DaemonReading) -> List[VisibleDevice]:
+        """The devices the daemon and its clients count from: its own CUDA_VISIBLE_DEVICES."""
+        return visible_devices(d.visible_devices, [(g.index, g.uuid) for g in self.gpus])
+
     def gpu_for_device(self, device: str) -> Optional[GpuReading]:
         """`ps` prints a UUID prefix ("GPU-a20825ef-ef8f-4f37")."""
         return next((g for g in self.gpus if device and g.uuid.startswith(device)), None)
@@ -435,11 +439,14 @@ def render_servers(out: FamilyBuilder, d: DaemonReading, log_snap: Optional[LogS
                    processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> Dict[int, Limits]:
     """The server table; returns each server's limits for the client table."""
     log_servers: Mapping[int, LogServer] = log_snap.servers if log_snap else {}
-    # The daemon's list; when it did not answer, the logs' running servers.
+    # The daemon's list; when it did not answer, the logs' running servers that still run:
+    # a SIGKILLed daemon and server leave no exit line, and a server the logs alone know
+    # stayed in mps_server_info as long as the daemon's directory did (issue 38).
     servers = {s.pid: s for s in d.servers}
     if not d.up or d.error:
         for pid, running in log_servers.items():
-            if running.running and pid not in servers:
+            if running.running and pid not in servers and (
+                    pid in processes or any(pid in memory for memory in joined.compute_memory.values())):
                 servers[pid] = ServerFacts(pid=pid, status=None)
     clients_per_server: Dict[int, int] = {}
     for c in d.clients:
@@ -459,7 +466,7 @@ def render_servers(out: FamilyBuilder, d: DaemonReading, log_snap: Optional[LogS
         if atp is None and ls is not None:
             atp = ls.active_thread_percentage
         out.add("mps_server_active_thread_ratio", None if atp is None else atp / 100, **sp)
-        pinned = s.pinned_limits or (dict(ls.pinned_limits) if ls else {})
+        pinned = s.pinned_limits or (on_gpus(ls.pinned_limits, joined.daemon_devices(d)) if ls else {})
         limits[pid] = Limits(atp, pinned)
         for dev, limit in sorted(pinned.items()):
             out.add("mps_server_pinned_memory_limit_bytes", limit, **sp, gpu=str(dev))
@@ -494,11 +501,12 @@ def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, serve
     if row and not client_gpus:
         gpu = joined.gpu_for_device(row.device)
         client_gpus = [gpu] if gpu else []
-    own = own_limits(proc.environ, [(g.index, g.uuid) for g in joined.gpus])
+    devices = joined.daemon_devices(d)
+    own = own_limits(proc.environ, [(dev.index, dev.uuid) for dev in devices if dev.index is not None])
     server = None if row is None or row.server_pid is None else server_limits.get(row.server_pid, Limits())
     logged = log_snap.client_limits.get(pid) if log_snap is not None and server is not None else None
     in_force = client_limits(own.limits, server, Limits(d.default_active_thread_percentage, d.default_pinned_limits),
-                             at_connect=None if logged is None else Limits(*logged))
+                             at_connect=None if logged is None else Limits(logged[0], on_gpus(logged[1], devices)))
     priority, priority_source = _client_priority(own.priority, None if row is None else row.server_pid, log_snap, d)
     return _ClientJoin(memory, client_gpus, in_force.limits, {**in_force.sources, lim.PRIORITY: priority_source},
                        own.ignored, priority)
@@ -585,7 +593,8 @@ class ClientTableMemo:
                        joined: _GpuJoin) -> None:
         # What every client of the daemon reads: its name and defaults, the GPUs, whether logs are read.
         shared = (d.name, d.default_active_thread_percentage, tuple(sorted(d.default_pinned_limits.items())),
-                  d.default_client_priority, tuple((g.index, g.uuid) for g in joined.gpus), log_snap is None)
+                  d.default_client_priority, tuple((g.index, g.uuid) for g in joined.gpus), log_snap is None,
+                  d.visible_devices)
         before = self._clients.get(d.name, {})
         now: Dict[int, Tuple[Tuple[object, ...], ClientParts]] = {}
         families: Dict[str, List[Sample]] = {}  # in the order render_clients adds them

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from mps_exporter.config import DEVICE_PLUGIN, Config, DiscoveryRoot
 from mps_exporter.sources.base import Backends
 from mps_exporter.wiring import build_collector, build_readers
@@ -96,7 +98,10 @@ def test_an_entry_naming_a_device_the_client_cannot_see_binds_no_limit(tmp_path)
 
 
 # ---------------------------------------------------------------- one daemon per GPU, 48 clients each
-def server_log(server: int, uuid: str, admitted: list, refused: list) -> str:
+MAX_CLIENTS_REFUSAL = "Failed to accept new client. Maximum number of clients (48) reached."
+
+
+def server_log(server: int, uuid: str, admitted: list, refused: list, refusal: str = MAX_CLIENTS_REFUSAL) -> str:
     """server.log of one server as MPS 13000 writes it (line shapes copied from
     tests/data/captures/h100-edges/server.log): `admitted` clients connect, then each of
     `refused` is refused at the 48-client cap."""
@@ -114,7 +119,7 @@ def server_log(server: int, uuid: str, admitted: list, refused: list) -> str:
                 line(t, f"Creating worker thread for client {{PID: {pid}, Context ID: 0}}"),
                 line(t, device)]
         if pid in refused:
-            out += [line(t, "Failed to accept new client. Maximum number of clients (48) reached."),
+            out += [line(t, refusal),
                     line(t, f"Client process {pid} disconnected")]
     return "".join(out)
 
@@ -191,3 +196,155 @@ def test_one_daemon_per_gpu_under_the_device_plugin_48_clients_each_the_49th_ref
     assert value(text, "mps_client_rejections_total", daemon=resources[0], reason="client_limit") == 0
     assert value(text, "mps_server_client_limit", daemon=resources[1]) == 48
     assert series(text, "mps_server_client_limit", daemon=resources[0]) == []
+
+
+# ---------------------------------------------------------------- daemons that see some GPUs (issue 38)
+def per_gpu_daemons(tmp_path, visible: dict, daemons: dict, environs: dict, server_logs: dict = None,
+                    killed: bool = False):
+    """Two GPUs, one control daemon per GPU in the device plugin's layout, each started with
+    CUDA_VISIBLE_DEVICES=`visible[index]` (its process in /proc says so, as the daemon's own
+    environment does on a node), answering as `daemons[index]` (a FakeControlDaemon whose
+    server and clients are filled in here); clients' environments from `environs`;
+    `server_logs[index]`: that daemon's server.log (none: empty logs); `killed`: GPU 1's server
+    is gone from NVML and /proc. The exposition."""
+    nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=3)
+    servers = {0: 4000, 1: 4100}
+    gpu1 = nvml.gpus[1]
+    gpu1.compute_processes[0].pid = servers[1]
+    gpu1.sm_util_by_pid = {servers[1]: gpu1.sm_util_by_pid.pop(4000)}
+    root = tmp_path / "run-nvidia-mps"
+    fakes = FakeDaemons()
+    processes = [ProcProcess(pid, environ=env) for pid, env in environs.items()]
+    processes += [ProcProcess(s, comm="nvidia-cuda-mps") for s in servers.values() if not (killed and s == servers[1])]
+    if killed:
+        gpu1.compute_processes = [p for p in gpu1.compute_processes if p.pid != servers[1]]
+    for index, daemon in daemons.items():
+        gpu, server = nvml.gpus[index], servers[index]
+        directory = root / f"nvidia.com/mps-gpu{index}"
+        (directory / "pipe").mkdir(parents=True)
+        (directory / "pipe" / "control").touch()
+        (directory / "log").mkdir()
+        daemon.pid = 900 + index
+        (directory / "pipe" / "nvidia-cuda-mps-control.pid").write_text(f"{daemon.pid}\n")
+        clients = [p.pid for p in gpu.mps_processes]
+        if server_logs and index in server_logs:
+            (directory / "log" / "control.log").write_text(control_log(directory / "pipe", server, clients))
+            (directory / "log" / "server.log").write_text(server_logs[index])
+        daemon.servers[0].pid = server
+        daemon.clients = [FakeClient(pid, server, gpu.uuid, k) for k, pid in enumerate(clients)]
+        fakes.by_pipe[str(directory / "pipe")] = daemon
+        processes.append(ProcProcess(daemon.pid, comm="nvidia-cuda-mps", environ={
+            "CUDA_MPS_PIPE_DIRECTORY": str(directory / "pipe"), "CUDA_VISIBLE_DEVICES": visible[index]}))
+    proc = write_proc(tmp_path / "proc", processes)
+    for daemon in daemons.values():
+        (proc / str(daemon.pid) / "cmdline").write_bytes(b"nvidia-cuda-mps-control\0-d\0")
+        (proc / str(daemon.pid) / "root").symlink_to("/")
+    cfg = Config()
+    cfg.discover = [DiscoveryRoot(DEVICE_PLUGIN, str(root))]
+    cfg.daemons = []
+    cfg.procfs = str(proc)
+    cfg.runtime_roots = ()
+    cfg.collectors["dcgm"] = False
+    cfg.log_timezone = "UTC"
+    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=fakes))
+    readers["logs"].catch_up()
+    return nvml, exposition(build_collector(cfg, readers))
+
+
+def limits_by_gpu(text: str, name: str, **labels: str) -> dict:
+    return {line.split('gpu="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in series(text, name, **labels)}
+
+
+@pytest.mark.parametrize("by", ["index", "uuid"])
+def test_limits_of_a_daemon_started_on_gpu_1_land_on_gpu_1(tmp_path, by):
+    """NVIDIA's MPS guide, the device plugin's resources and Slurm's prolog start a daemon
+    with CUDA_VISIBLE_DEVICES; it and its clients count devices from its own list. The GPU 1
+    daemon's `set_default_device_pinned_mem_limit 0 3G` bound clients on GPU 1 (issue 38):
+    the default, the server's limit and what its clients inherit or set themselves (`0=2G`
+    with no CUDA_VISIBLE_DEVICES of their own, `0=1G` with CUDA_VISIBLE_DEVICES=0) are on
+    physical GPU 1, none on GPU 0."""
+    uuid1 = FakeNvml.synthetic(gpus=2, clients_per_gpu=0).gpus[1].uuid
+    visible = {0: "0", 1: "1" if by == "index" else uuid1}
+    daemons = {0: FakeControlDaemon(servers=[FakeServer(0)]),
+               1: FakeControlDaemon(servers=[FakeServer(0, pinned_limits={0: "3G"})], default_pinned_limits={0: "3G"})}
+    environs = {10004: {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G"},
+                10005: {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G"}}
+    _, text = per_gpu_daemons(tmp_path, visible, daemons, environs)
+    d1 = {"daemon": "nvidia.com/mps-gpu1"}
+    assert limits_by_gpu(text, "mps_default_pinned_memory_limit_bytes", **d1) == {"1": 3 * GIB}
+    assert limits_by_gpu(text, "mps_server_pinned_memory_limit_bytes", **d1, server_pid="4100") == {"1": 3 * GIB}
+    assert limits_by_gpu(text, "mps_client_pinned_memory_limit_bytes", **d1, pid="10003") == {"1": 3 * GIB}
+    assert limits_by_gpu(text, "mps_client_pinned_memory_limit_bytes", **d1, pid="10004") == {"1": 1 * GIB}
+    assert limits_by_gpu(text, "mps_client_pinned_memory_limit_bytes", **d1, pid="10005") == {"1": 2 * GIB}
+    assert series(text, "mps_client_limit_ignored", **d1) == []
+    # GPU 0's daemon has no limit anywhere.
+    assert limits_by_gpu(text, "mps_default_pinned_memory_limit_bytes", daemon="nvidia.com/mps-gpu0") == {}
+
+
+def test_a_client_of_the_gpu_1_daemon_naming_device_1_binds_nothing(tmp_path):
+    """Under a daemon that sees one GPU there is no device 1: CUDA drops the whole setting."""
+    daemons = {1: FakeControlDaemon(servers=[FakeServer(0)])}
+    _, text = per_gpu_daemons(tmp_path, {1: "1"}, daemons, {10005: {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "1=2G"}})
+    d1 = {"daemon": "nvidia.com/mps-gpu1", "pid": "10005"}
+    assert limits_by_gpu(text, "mps_client_pinned_memory_limit_bytes", **d1) == {}
+    assert len(series(text, "mps_client_limit_ignored", **d1, reason="invisible_device")) == 1
+
+
+def test_a_default_set_by_uuid_as_the_dra_driver_sets_it(tmp_path):
+    """`set_default_device_pinned_mem_limit GPU-<uuid> 2048M` (the DRA driver's template): MPS
+    answers it only asked by UUID, and its server logs `... for device GPU-<uuid> set to
+    0x80000000 bytes`. The default, the server's limit and the client's inherited limit
+    (from the server's limits at its connection) are 2 GiB on the GPU of that UUID."""
+    uuid1 = FakeNvml.synthetic(gpus=2, clients_per_gpu=0).gpus[1].uuid
+    daemons = {1: FakeControlDaemon(servers=[FakeServer(0, pinned_limits={uuid1: "2G"})],
+                                    default_pinned_limits={uuid1: "2048M"})}
+    log = server_log(4100, uuid1, [10003, 10004, 10005], []).splitlines(keepends=True)
+    log[3:3] = [f"[2026-11-25 10:00:02.000 Server  4100] activeThreadsPercentage set to 100.0\n",
+                f"[2026-11-25 10:00:02.000 Server  4100] Device pinned memory limit for device {uuid1} "
+                f"set to 0x80000000 bytes\n"]
+    _, text = per_gpu_daemons(tmp_path, {1: uuid1}, daemons, {}, server_logs={1: "".join(log)})
+    d1 = {"daemon": "nvidia.com/mps-gpu1"}
+    assert limits_by_gpu(text, "mps_default_pinned_memory_limit_bytes", **d1) == {"1": 2 * GIB}
+    assert limits_by_gpu(text, "mps_server_pinned_memory_limit_bytes", **d1) == {"1": 2 * GIB}
+    for pid in ("10003", "10004", "10005"):
+        assert limits_by_gpu(text, "mps_client_pinned_memory_limit_bytes", **d1, pid=pid) == {"1": 2 * GIB}
+        (source,) = series(text, "mps_client_limit_source", **d1, pid=pid)
+        assert 'pinned_memory="server_at_connect"' in source
+    assert value(text, "mps_log_unrecognized_lines_total", **d1, file="server") == 0
+
+
+def test_a_killed_daemon_takes_its_servers_and_clients_with_it(tmp_path):
+    """`kill -9` of a daemon and its server (what deleting a device-plugin daemon pod does):
+    control.log says nothing, the directory stays, the control program finds no daemon. The
+    server the logs still call running is gone from /proc and NVML, so from /metrics too."""
+    daemons = {1: FakeControlDaemon(servers=[FakeServer(0)], running=False)}
+    uuid1 = FakeNvml.synthetic(gpus=2, clients_per_gpu=0).gpus[1].uuid
+    nvml, text = per_gpu_daemons(tmp_path, {1: "1"}, daemons, {},
+                                 server_logs={1: server_log(4100, uuid1, [10003], [])}, killed=True)
+    d1 = {"daemon": "nvidia.com/mps-gpu1"}
+    assert value(text, "mps_control_daemon_up", **d1) == 0
+    assert series(text, "mps_server_info", **d1) == []
+
+
+def test_a_daemon_down_whose_server_still_runs_keeps_it(tmp_path):
+    """The control daemon gone but its server alive (NVML lists it on its GPU): still shown."""
+    daemons = {1: FakeControlDaemon(servers=[FakeServer(0)], running=False)}
+    uuid1 = FakeNvml.synthetic(gpus=2, clients_per_gpu=0).gpus[1].uuid
+    _, text = per_gpu_daemons(tmp_path, {1: "1"}, daemons, {}, server_logs={1: server_log(4100, uuid1, [10003], [])})
+    assert len(series(text, "mps_server_info", daemon="nvidia.com/mps-gpu1", server_pid="4100")) == 1
+
+
+def test_the_ceiling_mps_enforced_for_clients_with_raised_device_connections(tmp_path):
+    """Clients with CUDA_DEVICE_MAX_CONNECTIONS=8: MPS admitted 15 and refused the rest with
+    `Reached maximum number of device connections.` (2 x H100, issue 38), a line with no
+    number: the ceiling published is the count admitted when it refused."""
+    uuid1 = FakeNvml.synthetic(gpus=2, clients_per_gpu=0).gpus[1].uuid
+    admitted, refused = list(range(20000, 20015)), [20015, 20016]
+    log = server_log(4100, uuid1, admitted, refused,
+                     refusal="Failed to accept new client. Reached maximum number of device connections.")
+    _, text = per_gpu_daemons(tmp_path, {1: "1"}, {1: FakeControlDaemon(servers=[FakeServer(0)])}, {},
+                              server_logs={1: log})
+    d1 = {"daemon": "nvidia.com/mps-gpu1"}
+    assert value(text, "mps_server_client_limit", **d1) == 15
+    assert value(text, "mps_client_rejections_total", **d1, reason="client_limit") == 2
+    assert value(text, "mps_log_unrecognized_lines_total", **d1, file="server") == 0

@@ -73,6 +73,10 @@ def test_parsers_reject_garbage():
     # argument smuggling: a newline would make the daemon run a second command
     ("get_server_status", ("1589\nquit",)), ("get_server_status", ("1589 quit",)),
     ("get_client_list", ("-1",)), ("get_server_list", ("extra",)), ("get_device_pinned_mem_limit", (1589,)),
+    # a GPU UUID only where a device goes, and only a whole one
+    ("get_server_status", ("GPU-8f6d4e9c-1c2b-4b7a-9d3e-2f1a0b9c8d7e",)),
+    ("get_default_device_pinned_mem_limit", ("GPU-8f6d4e9c-1c2b-4b7a-9d3e-2f1a0b9c8d7e\nquit",)),
+    ("get_default_device_pinned_mem_limit", ("GPU-8f6d",)),
 ])
 def test_write_commands_cannot_be_sent(verb, args):
     daemon = FakeControlDaemon.busy_capture()
@@ -80,6 +84,14 @@ def test_write_commands_cannot_be_sent(verb, args):
     with pytest.raises(mc.CommandNotAllowed):
         client.run(verb, *args)
     assert daemon.received == []
+
+
+def test_a_device_may_be_named_by_its_gpu_uuid():
+    """NVIDIA's DRA driver sets limits by GPU UUID; MPS answers them only asked so (issue 38)."""
+    client = mc.ControlClient("/tmp/pipe", runner=FakeControlDaemon.busy_capture())
+    uuid = "GPU-8f6d4e9c-1c2b-4b7a-9d3e-2f1a0b9c8d7e"
+    assert client.command_line("get_default_device_pinned_mem_limit", uuid) == f"get_default_device_pinned_mem_limit {uuid}"
+    assert client.command_line("get_device_pinned_mem_limit", 1589, uuid) == f"get_device_pinned_mem_limit 1589 {uuid}"
 
 
 def test_every_command_a_scrape_sends_is_read_only_and_single_line():

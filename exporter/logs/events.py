@@ -136,12 +136,18 @@ class ServerActiveThreads(NamedTuple):
     percentage: float
 
 
+# How MPS names a device in a limit: the daemon's own ordinal (counted in its
+# CUDA_VISIBLE_DEVICES), or a GPU UUID or prefix of one (`set_..._limit GPU-<uuid> 2G`).
+DeviceKey = Union[int, str]
+
+
 class ServerPinnedLimit(NamedTuple):
-    """`Device pinned memory limit for device 0 set to 0x80000000 bytes`."""
+    """`Device pinned memory limit for device 0 set to 0x80000000 bytes` (or `for device
+    GPU-<uuid> set to ...` after a limit set by UUID, as NVIDIA's DRA driver sets them)."""
 
     ts: float
     pid: int
-    device: int
+    device: DeviceKey
     limit_bytes: int
 
 

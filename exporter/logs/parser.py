@@ -42,7 +42,7 @@ from datetime import datetime, timezone, tzinfo
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from .events import (
-    ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    ClientAccepted, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
     ClientPushed, ClientRejected, ClientTerminated, Command, CommandOutput, DaemonExited, DaemonStarted, DaemonVersion,
     FatalGpuError,
     Noise, ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
@@ -244,6 +244,11 @@ def _limit(text: str) -> int:
     return int(text, 16) if text.lower().startswith("0x") else int(text)
 
 
+def _device(text: str) -> DeviceKey:
+    """A device ordinal, or the GPU UUID it was named by."""
+    return int(text) if text.isdigit() else text
+
+
 _CLIENT_FATAL = r"Client \{PID: (-?\d{1,10}), Context(?: ID)?: \d+\} encountered a fatal GPU error"
 
 _SERVER_RULES: Dict[str, List[_Rule]] = {
@@ -274,8 +279,9 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
          lambda ts, pid, m: ServerActiveThreads(ts, pid, float(m.group(1)))),
     ),
     "Device": _rules(
-        (r"Device pinned memory limit for device (\d{1,10}) set to (0x[0-9a-fA-F]{1,16}|\d{1,20}) bytes$",
-         lambda ts, pid, m: ServerPinnedLimit(ts, pid, int(m.group(1)), _limit(m.group(2)))),
+        (r"Device pinned memory limit for device ([0-9]{1,10}|GPU-[0-9a-fA-F-]{1,40}) set to "
+         r"(0x[0-9a-fA-F]{1,16}|[0-9]{1,20}) bytes$",
+         lambda ts, pid, m: ServerPinnedLimit(ts, pid, _device(m.group(1)), _limit(m.group(2)))),
         (r"Device .* is associated$", "device_associated"),
     ),
     "Volta": _rules(
@@ -312,6 +318,10 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
         (r"Failed to start\b", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
         (r"Failed to accept new client\. Maximum number of clients \((\d{1,10})\) reached",
          lambda ts, pid, m: ClientRejected(ts, pid, "client_limit", int(m.group(1)))),
+        # Clients that raise CUDA_DEVICE_MAX_CONNECTIONS fill a device sooner: with 8, MPS
+        # admitted 15 and refused the rest so (2 x H100, issue 38). The same ceiling, no number.
+        (r"Failed to accept new client\. Reached maximum number of device connections",
+         lambda ts, pid, m: ClientRejected(ts, pid, "client_limit", None)),
         ("Failed to accept new client", lambda ts, pid, m: ClientRejected(ts, pid, "other", None)),
     ),
 }

@@ -49,11 +49,13 @@ QUEUE_METRICS = table(
     counter("mps_server_shutdown_deferrals_total", "'Server will not shutdown' answers while another user waits.",
             DAEMON),
     counter("mps_client_rejections_total", "Client connections a server refused (server.log); reason client_limit: "
-            "'Maximum number of clients (N) reached' (the client fails with cudaErrorDevicesUnavailable after about "
+            "'Maximum number of clients (N) reached' or 'Reached maximum number of device connections' (the client fails with cudaErrorDevicesUnavailable after about "
             "28 s); invalid_credentials: 'User did not send valid credentials' (driver 580: the connection of a "
             "client killed while queued, handed to its user's new server).", DAEMON, REJECTION_REASON),
-    gauge("mps_server_client_limit", "Clients per device the server accepts, as its last refusal said ('Maximum "
-          "number of clients (N) reached'); absent until a refusal.", DAEMON),
+    gauge("mps_server_client_limit", "Clients per device the server accepts, as MPS enforced it at its last "
+          "refusal: N of 'Maximum number of clients (N) reached', or the clients connected when it refused one with "
+          "'Reached maximum number of device connections' (clients that raise CUDA_DEVICE_MAX_CONNECTIONS); absent "
+          "until a refusal.", DAEMON),
 )
 LOG_METRICS = table(
     "From the MPS logs",

@@ -57,7 +57,7 @@ from ..model import (REASONS, SERVER_STARTING, THREADS, USER_SWITCH, ClientLimit
                      LogServer, LogSnapshot, PendingClient, queue_wait_histogram)
 from ..units import parse_size
 from .events import (
-    ClientAccepted, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    ClientAccepted, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
     ClientPushed, ClientRejected, ClientTerminated, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
     ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
     ServerPinnedLimit, ServerPriority, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
@@ -449,9 +449,11 @@ class LogState:
     def _client_rejected(self, ev: ClientRejected) -> None:
         s = self.s
         s.rejections[ev.reason] = s.rejections.get(ev.reason, 0) + 1
+        client = self._last_connected.get(ev.pid)
         if ev.limit is not None:
             s.client_limit = ev.limit
-        client = self._last_connected.get(ev.pid)
+        elif ev.reason == "client_limit":  # out of device connections: the ceiling is who got in
+            s.client_limit = len(self._attached.get(ev.pid, set()) - {client})
         self._note(LogEvent(ev.ts, "client_rejected", ev.pid, [] if client is None else [client],
                             detail=f"maximum number of clients ({ev.limit}) reached" if ev.limit is not None else ev.reason))
 
@@ -668,9 +670,16 @@ def _server_dict(srv: LogServer) -> Dict[str, Any]:
             "limit_changes": [list(c) for c in srv.limit_changes], "priority": srv.priority}
 
 
+def _device_key(value: Any) -> DeviceKey:
+    """A device as the state file keeps it: an ordinal, or a GPU UUID (a short string)."""
+    if isinstance(value, str) and value.startswith("GPU-") and len(value) <= 44:
+        return value
+    return int(value)
+
+
 def _server_from(x: Dict[str, Any]) -> LogServer:
     return LogServer(int(x["pid"]), x["uid"], x["start_time"], x["atp"],
-                     {int(dev): int(n) for dev, n in x["pinned"]}, bool(x["running"]),
+                     {_device_key(dev): int(n) for dev, n in x["pinned"]}, bool(x["running"]),
                      x["start_failure"], bool(x["daemon_shutdown"]),
-                     [(float(a), int(b), float(c)) for a, b, c in x.get("limit_changes", [])],
+                     [(float(a), _device_key(b), float(c)) for a, b, c in x.get("limit_changes", [])],
                      None if x.get("priority") is None else int(x["priority"]))

@@ -25,7 +25,7 @@ the registry: adding a source is one module here plus its tests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Generic, List, Optional, Sequence, Tuple, TypeVar, Union, cast
+from typing import Any, Callable, ClassVar, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 from ..codec import RecordedFailure, encode, recorded
 from ..config import Config
@@ -43,6 +43,10 @@ class ReadContext:
 
     def devices(self) -> List[int]:
         """The GPU indexes NVML knows ([0] before it has answered once)."""
+        raise NotImplementedError
+
+    def uuids(self) -> Dict[int, str]:
+        """The UUIDs of those GPUs by index ({} before NVML has answered once)."""
         raise NotImplementedError
 
     def wait(self, names: Sequence[str]) -> Snapshot:

@@ -20,11 +20,12 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, TypeVar, cast
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
-from ..discovery import DaemonSet, find_control_daemon, is_multiuser
+from ..discovery import DaemonSet, daemon_environ, find_control_daemon, is_multiuser
+from ..limits import VisibleDevice, visible_devices
 from ..model import DaemonReading, PsEntry, ServerFacts, Snapshot
 from ..units import parse_size
 from .base import (Backends, Flag, PartialFailure, ReadContext, Reader, Source, not_empty, not_negative, positive,
@@ -40,9 +41,9 @@ READ_ONLY_COMMANDS: Dict[str, int] = {
     "get_server_status": 1,  # <server pid>
     "get_client_list": 1,  # <server pid>
     "get_active_thread_percentage": 1,  # <server pid>
-    "get_device_pinned_mem_limit": 2,  # <server pid> <device>
+    "get_device_pinned_mem_limit": 2,  # <server pid> <device: ordinal or GPU UUID>
     "get_default_active_thread_percentage": 0,
-    "get_default_device_pinned_mem_limit": 1,  # <device>
+    "get_default_device_pinned_mem_limit": 1,  # <device: ordinal or GPU UUID>
     "get_default_client_priority": 0,
     "get_device_client_list": 0,
 }
@@ -50,6 +51,9 @@ READ_ONLY_COMMANDS: Dict[str, int] = {
 MAX_PARALLEL_DAEMONS = 16  # daemons read at once in one scrape
 
 _NUMBER = re.compile(r"^[0-9]{1,10}$")
+# A device named by its GPU UUID, as NVIDIA's DRA driver sets limits (issue 38): the only
+# argument besides a number that is ever sent.
+_GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
 NO_DAEMON = "Cannot find MPS control daemon process"
 
 
@@ -286,7 +290,8 @@ class ControlClient:
         if verb not in READ_ONLY_COMMANDS:
             raise CommandNotAllowed(f"{verb!r} is not a read-only MPS control command")
         text_args = [str(a) for a in args]
-        if len(text_args) != READ_ONLY_COMMANDS[verb] or not all(_NUMBER.match(a) for a in text_args):
+        if len(text_args) != READ_ONLY_COMMANDS[verb] or not all(
+                _NUMBER.match(a) or "pinned_mem_limit" in verb and _GPU_UUID.match(a) for a in text_args):
             raise CommandNotAllowed(f"{verb} takes {READ_ONLY_COMMANDS[verb]} numeric argument(s), got {text_args!r}")
         return " ".join([verb, *text_args])
 
@@ -339,6 +344,15 @@ class _Cached:
     read_at: float
 
 
+@dataclass(frozen=True)
+class DaemonProcess:
+    """What the daemon's process says of it: `-M`, and the CUDA_VISIBLE_DEVICES it was
+    started with (None: unset), through which it and its clients number their devices."""
+
+    multiuser: bool
+    visible_devices: Optional[str]
+
+
 PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe directory: the daemon's PID in its own namespace
 
 
@@ -378,17 +392,18 @@ class DaemonReader:
     _statuses: Dict[int, str] = field(default_factory=dict)  # server pid -> status, while _status_key holds
     _status_key: Tuple[object, ...] = ()
     sent: Dict[str, int] = field(default_factory=dict)  # verb -> commands sent to the daemon
-    # The daemon's -M, looked up again when its pid file changes (a restart), or after
-    # facts_refresh_seconds where it could not be told.
-    _multiuser: Optional[bool] = None
-    _multiuser_key: object = None
-    _multiuser_at: float = float("-inf")
+    # The daemon's process: its -M and its CUDA_VISIBLE_DEVICES, looked up again when its
+    # pid file changes (a restart), or after facts_refresh_seconds where it could not be told.
+    _process: Optional["DaemonProcess"] = None
+    _process_key: object = None
+    _process_at: float = float("-inf")
 
     def _run(self, verb: str, *args: object) -> str:
         self.sent[verb] = self.sent.get(verb, 0) + 1
         return self.client.run(verb, *args)
 
-    def multiuser(self) -> Optional[bool]:
+    def process(self) -> Optional["DaemonProcess"]:
+        """The daemon's process as /proc shows it; None where it cannot be told."""
         if self.proc_root is None:
             return None
         path = os.path.join(self.daemon.pipe_directory, PID_FILE)
@@ -399,12 +414,13 @@ class DaemonReader:
         except OSError:
             text, key = "", None
         now = self.clock()
-        if key != self._multiuser_key or self._multiuser is None and now - self._multiuser_at >= self.facts_refresh_seconds:
-            self._multiuser_key, self._multiuser_at = key, now
+        if key != self._process_key or self._process is None and now - self._process_at >= self.facts_refresh_seconds:
+            self._process_key, self._process_at = key, now
             found = find_control_daemon(self.daemon.pipe_directory, self.proc_root,
-                                        int(text) if text.isdigit() else None)
-            self._multiuser = is_multiuser(found[1]) if found else None
-        return self._multiuser
+                                        int(text) if text.isascii() and text.isdigit() else None)
+            self._process = None if found is None else DaemonProcess(
+                is_multiuser(found[1]), daemon_environ(self.proc_root, found[0], "CUDA_VISIBLE_DEVICES"))
+        return self._process
 
     def _cached(self, key: Tuple[object, ...], read: Callable[[], T]) -> T:
         hit = self._cache.get(key)
@@ -420,6 +436,37 @@ class DaemonReader:
 
     def _pinned_limit(self, verb: str, *args: object) -> Callable[[], Optional[int]]:
         return lambda: parse_pinned_limit(self._run(verb, *args))
+
+    def _pinned_by_uuid(self, verb: str, *args: object) -> Callable[[], Optional[int]]:
+        """A limit asked for by GPU UUID: a daemon that does not take a UUID there (drivers
+        before UUID keys) has none set that way, and that costs no reading."""
+        def read() -> Optional[int]:
+            try:
+                return parse_pinned_limit(self._run(verb, *args))
+            except (CommandNotAllowed, DaemonNotRunning, ServerNotFound):
+                raise
+            except ControlError as e:
+                log.debug("daemon %s: %s %s: %s", self.daemon.name, verb, args, e)
+                return None
+        return read
+
+    def _pinned_limits(self, key: Tuple[object, ...], verb: str, server: Tuple[int, ...],
+                       devices: Sequence[VisibleDevice]) -> Dict[int, int]:
+        """Pinned limits by the node's GPU index. MPS keys a limit by the daemon's own device
+        ordinal (counted in its CUDA_VISIBLE_DEVICES) or by GPU UUID, and answers each only
+        asked the way it was set: after `set_default_device_pinned_mem_limit GPU-<uuid> 2G`
+        (the DRA driver's form) `get_... 0` answered an empty line and `get_... GPU-<uuid>`
+        answered 2G (2 x H100, issue 38). So the ordinal first, the UUID where it has none."""
+        limits: Dict[int, int] = {}
+        for ordinal, device in enumerate(devices):
+            if device.index is None:  # a MIG instance: no series of its own
+                continue
+            limit = self._cached(key + (ordinal,), self._pinned_limit(verb, *server, ordinal))
+            if limit is None and _GPU_UUID.match(device.uuid):
+                limit = self._cached(key + (device.uuid,), self._pinned_by_uuid(verb, *server, device.uuid))
+            if limit is not None:
+                limits[device.index] = limit
+        return limits
 
     def _default_priority(self) -> Optional[int]:
         try:
@@ -454,9 +501,11 @@ class DaemonReader:
         self._listing = _Listing(key, clients, settled)
         return clients
 
-    def read(self, devices: Sequence[int], signals: Callable[[], ChangeSignals] = ChangeSignals) -> DaemonReading:
-        """`signals`: what the logs and NVML say now (asked before the first command, whose
-        own echo in control.log must not count as a line the logs have not read)."""
+    def read(self, devices: Sequence[int], signals: Callable[[], ChangeSignals] = ChangeSignals,
+             uuids: Optional[Mapping[int, str]] = None) -> DaemonReading:
+        """`devices`: the node's GPU indexes, `uuids` their UUIDs where known. `signals`: what
+        the logs and NVML say now (asked before the first command, whose own echo in
+        control.log must not count as a line the logs have not read)."""
         seen = signals()
         reading = DaemonReading(name=self.daemon.name, up=False, pipe_directory=self.daemon.pipe_directory,
                                 log_directory=self.daemon.log_directory, claim_uid=self.daemon.claim_uid)
@@ -472,7 +521,10 @@ class DaemonReader:
         if self._version is None:
             self._version = self.client.version()
         reading.version = self._version
-        reading.multiuser = self.multiuser()
+        process = self.process()
+        reading.multiuser = None if process is None else process.multiuser
+        reading.visible_devices = None if process is None else process.visible_devices
+        own = visible_devices(reading.visible_devices, [(i, (uuids or {}).get(i, "")) for i in devices])
         try:
             servers = tuple(sorted(server_pids))
             reading.clients = self._clients((servers, seen.log_changes, seen.nvml_clients),
@@ -485,14 +537,11 @@ class DaemonReader:
             reading.default_active_thread_percentage = self._cached(
                 ("default_atp",), self._percentage("get_default_active_thread_percentage"))
             reading.default_client_priority = self._cached(("default_priority",), self._default_priority)
-            for dev in devices:
-                limit = self._cached(("default_pinned", dev),
-                                     self._pinned_limit("get_default_device_pinned_mem_limit", dev))
-                if limit is not None:
-                    reading.default_pinned_limits[dev] = limit
+            reading.default_pinned_limits = self._pinned_limits(
+                ("default_pinned",), "get_default_device_pinned_mem_limit", (), own)
             self._forget_servers_except(set(server_pids))
             for pid in server_pids:
-                facts = self._read_server(pid, devices)
+                facts = self._read_server(pid, own)
                 if facts is not None:
                     reading.servers.append(facts)
         except DaemonNotRunning:  # quit between two commands
@@ -518,16 +567,11 @@ class DaemonReader:
             self._statuses[pid] = status
         return status
 
-    def _read_server(self, pid: int, devices: Sequence[int]) -> Optional[ServerFacts]:
+    def _read_server(self, pid: int, devices: Sequence[VisibleDevice]) -> Optional[ServerFacts]:
         try:
             status = self._status(pid)
             atp = self._cached(("server", pid, "atp"), self._percentage("get_active_thread_percentage", pid))
-            limits = {}
-            for dev in devices:
-                limit = self._cached(("server", pid, "pinned", dev),
-                                     self._pinned_limit("get_device_pinned_mem_limit", pid, dev))
-                if limit is not None:
-                    limits[dev] = limit
+            limits = self._pinned_limits(("server", pid, "pinned"), "get_device_pinned_mem_limit", (pid,), devices)
         except ServerNotFound:
             log.debug("server %d exited during the scrape", pid)
             self._statuses.pop(pid, None)
@@ -593,11 +637,11 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
             return seen
 
         def read(ctx: ReadContext) -> List[DaemonReading]:
-            devices = ctx.devices()
+            devices, uuids = ctx.devices(), ctx.uuids()
             chosen = watched()
             if len(chosen) == 1:
-                return _checked([chosen[0].read(devices, signals(ctx, chosen[0].daemon.name))])
-            return _checked(list(pool.map(lambda s: s.read(devices, signals(ctx, s.daemon.name)), chosen)))
+                return _checked([chosen[0].read(devices, signals(ctx, chosen[0].daemon.name), uuids)])
+            return _checked(list(pool.map(lambda s: s.read(devices, signals(ctx, s.daemon.name), uuids), chosen)))
 
         def close() -> None:
             pool.shutdown(wait=False)

@@ -15,7 +15,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from tests.support.data import CAPTURE  # noqa: E402,F401  (re-exported to the tests)
 
@@ -39,7 +39,9 @@ class FakeServer:
     pid: int
     status: str = "ACTIVE"
     active_thread_percentage: float = 100.0
-    pinned_limits: Dict[int, str] = field(default_factory=dict)  # device -> "2G"
+    # device as it was set (an ordinal, or "GPU-<uuid>") -> "2G": MPS answers a limit only
+    # when asked by the key it was set with (2 x H100, issue 38)
+    pinned_limits: Dict[Union[int, str], str] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,7 +60,7 @@ class FakeControlDaemon:
     clients: List[FakeClient] = field(default_factory=list)
     running: bool = True
     default_active_thread_percentage: float = 100.0
-    default_pinned_limits: Dict[int, str] = field(default_factory=dict)
+    default_pinned_limits: Dict[Union[int, str], str] = field(default_factory=dict)
     default_client_priority: Optional[int] = 0  # None: a daemon without get_default_client_priority
     version: str = "13000"
     hang_seconds: float = 0.0  # > timeout: simulates a hung daemon
@@ -109,7 +111,7 @@ class FakeControlDaemon:
 
     def answer(self, line: str) -> str:
         verb, *args = line.split()
-        nums = [int(a) for a in args]
+        nums: List[Any] = [int(a) if a.isdigit() else a for a in args]
         if verb == "get_server_list":
             out = "".join(f"{s.pid}\n" for s in self.servers)
             if self.vanish_after_list:
