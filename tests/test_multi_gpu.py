@@ -299,7 +299,7 @@ def test_a_default_set_by_uuid_as_the_dra_driver_sets_it(tmp_path):
     daemons = {1: FakeControlDaemon(servers=[FakeServer(0, pinned_limits={uuid1: "2G"})],
                                     default_pinned_limits={uuid1: "2048M"})}
     log = server_log(4100, uuid1, [10003, 10004, 10005], []).splitlines(keepends=True)
-    log[3:3] = [f"[2026-11-25 10:00:02.000 Server  4100] activeThreadsPercentage set to 100.0\n",
+    log[3:3] = ["[2026-11-25 10:00:02.000 Server  4100] activeThreadsPercentage set to 100.0\n",
                 f"[2026-11-25 10:00:02.000 Server  4100] Device pinned memory limit for device {uuid1} "
                 f"set to 0x80000000 bytes\n"]
     _, text = per_gpu_daemons(tmp_path, {1: uuid1}, daemons, {}, server_logs={1: "".join(log)})
