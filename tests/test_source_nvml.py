@@ -459,6 +459,7 @@ def test_gpm_calls_of_several_gpus_never_overlap():
     nvml = FakeNvml.synthetic(gpus=4, clients_per_gpu=1)
     nvml.gpm_hold_s = 0.3
     source = NvmlClient(nvml)
+    source.gpm.wait_seconds = 30.0  # each GPU's activity of this round, however slow the fake
     source.read()
     nvml.advance(1.0)
     reading = source.read()
@@ -467,14 +468,27 @@ def test_gpm_calls_of_several_gpus_never_overlap():
     assert nvml.calls["nvmlGpmMetricsGet"] == 4
 
 
+class InlineGpm:
+    """GPM work in each GPU's own read thread, as before issue 38."""
+
+    def activity(self, index, work):
+        return work()
+
+    def forget(self):
+        pass
+
+
 def test_the_fake_catches_gpm_calls_that_overlap(monkeypatch):
-    """The test above fails if the serialization is removed: without the lock, the
-    fake sees two GPM calls at once and the read raises as the process would die."""
+    """The test above fails if the serialization is removed: with GPM in each GPU's own
+    thread and no lock, the fake sees two GPM calls at once and the read raises as the
+    process would die."""
     monkeypatch.setattr(nvml_source, "GPM_LOCK", contextlib.nullcontext())
     nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
     nvml.gpm_hold_s = 5.0
+    source = NvmlClient(nvml)
+    source.gpm = InlineGpm()
     with pytest.raises(fp.GpmCallsOverlap):
-        NvmlClient(nvml).read()
+        source.read()
     assert nvml.gpm_overlaps and all(a.startswith("nvmlGpm") and b.startswith("nvmlGpm") for a, b in nvml.gpm_overlaps)
 
 
@@ -497,6 +511,44 @@ def test_a_gpu_in_a_gpm_call_holds_up_no_other_gpu_s_readings():
     nvml.entry_points = False  # the public utilization call, which passes through _enter
     reading = NvmlClient(nvml).read()
     assert all(g.up for g in reading.gpus) and nvml.gpm_overlaps == []
+
+
+def test_a_gpm_call_that_hangs_holds_up_no_reading_and_its_result_comes_next_round():
+    """GPU 0's nvmlGpmSampleGet blocks until the test releases it (a storm's 0.49 s, made
+    endless): the read still returns, every GPU up, with the last activity each had; once
+    released, the next read serves the activity the blocked work computed."""
+    import threading
+
+    nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    source = NvmlClient(nvml)
+    source.gpm.wait_seconds = 30.0
+    source.read()  # first samples
+    nvml.advance(1.0)
+    before = source.read()
+    assert all(g.activity for g in before.gpus)
+    inside, release = threading.Event(), threading.Event()
+
+    def latency(fn: str, gpu: int) -> float:
+        if fn == "nvmlGpmSampleGet" and gpu == 0:
+            inside.set()
+            release.wait(30)
+        return 0.0
+
+    nvml.latency_of = latency
+    source.gpm.wait_seconds = 0.0  # not a timing: "do not wait" (the event keeps the work in line)
+    for g in nvml.gpus:
+        g.gpm_percent = {k: v / 2 for k, v in g.gpm_percent.items()}
+    nvml.advance(1.0)
+    during = source.read()
+    assert inside.wait(30) and not release.is_set()
+    assert all(g.up for g in during.gpus)
+    assert during.gpus[0].activity == before.gpus[0].activity  # its last one, while its work hangs
+    release.set()
+    source.gpm.drain()
+    nvml.latency_of = None
+    after = source.read()  # takes the released round's results
+    assert after.gpus[0].activity["sm_active"] < before.gpus[0].activity["sm_active"]
+    assert nvml.gpm_overlaps == []
 
 
 # ------------------------------------------- list calls straight into NVML

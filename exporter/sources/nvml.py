@@ -23,6 +23,8 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
 
 from ..config import Config
@@ -54,8 +56,14 @@ T = TypeVar("T")
 # reader threads (one per GPU) inside nvmlGpmSampleGet and nvmlGpmMetricsGet at once
 # crashed the process with SIGSEGV in 4 of 8 starts on 2 x H100 (issue 38); one lock
 # around them, 0 crashes. Process-wide, since NVML's state is. Every GPM call of this
-# module goes through `gpm_call`; the GPU's other calls still run side by side.
+# module goes through `gpm_call` (in the GpmSampler's one thread, or at shutdown); the
+# GPU's other calls still run side by side.
 GPM_LOCK = threading.Lock()
+
+# How long a GPU's read waits for its GPM activity before it serves the last one: with GPM
+# calls in one line, a GPU whose nvmlGpmSampleGet takes 0.49 s (the H100 storm of issue 12)
+# would otherwise hold up every other GPU's reading by as much.
+GPM_WAIT_SECONDS = 0.05
 
 
 def gpm_call(fn: Callable[..., T], *args: Any) -> T:
@@ -90,6 +98,56 @@ def concurrently(fn: Callable[[int], T], items: Iterable[int]) -> List[T]:
     if errors:
         raise errors[0]
     return [results[i] for i in range(len(todo))]
+
+
+class GpmSampler:
+    """Every GPU's GPM work in one thread, in the order asked: never two GPM calls at once,
+    and no GPU waits for another's. A GPU's read asks for its activity and waits at most
+    `wait_seconds`; where the work is not done by then it gets the last activity it had
+    (one interval older) and the work's result is taken by its next read. So a slow GPU
+    delays the others' GPM figures, never their readings."""
+
+    def __init__(self, wait_seconds: float = GPM_WAIT_SECONDS) -> None:
+        self.wait_seconds = wait_seconds
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mps-read-gpm")
+        self._pending: Dict[int, "Future[Dict[str, float]]"] = {}  # GPU index -> its work in line
+        self._last: Dict[int, Dict[str, float]] = {}
+
+    def activity(self, index: int, work: Callable[[], Dict[str, float]]) -> Dict[str, float]:
+        """`work`'s result for this GPU, or its last one while the work is still in line.
+        An NVMLError of the work is raised here, once."""
+        future = self._pending.get(index)
+        if future is None:
+            future = self._pending[index] = self._worker.submit(work)
+        try:
+            activity = future.result(timeout=self.wait_seconds)
+        except FutureTimeout:
+            return self._last.get(index, {})
+        except BaseException:
+            self._last.pop(index, None)
+            raise
+        finally:
+            if future.done():
+                self._pending.pop(index, None)
+        self._last[index] = activity
+        return activity
+
+    def drain(self) -> None:
+        """Wait for the work in line (shutdown, re-initialisation, tests)."""
+        for future in list(self._pending.values()):
+            try:
+                future.result()
+            except BaseException:  # its read has gone: nobody to tell
+                pass
+
+    def forget(self) -> None:
+        self.drain()
+        self._pending.clear()
+        self._last.clear()
+
+    def close(self) -> None:
+        self.forget()
+        self._worker.shutdown(wait=True)
 
 
 class NvmlUnavailable(RuntimeError):
@@ -199,6 +257,7 @@ class NvmlClient:
         # index -> (time.monotonic() of the read, compute mode, MIG enabled): see MODES_SECONDS
         self._modes: Dict[int, Tuple[float, str, bool]] = {}
         self._direct: Optional[DirectLists] = None  # None: pynvml's public list functions
+        self.gpm = GpmSampler()  # the only caller of GPM while NVML is initialised
 
     # ------------------------------------------------------------ lifecycle
     def _module(self) -> Any:
@@ -224,6 +283,7 @@ class NvmlClient:
 
     def _forget_state(self, nvml: Any) -> None:
         """Drop per-GPU state: after a re-initialisation handles and samples are stale."""
+        self.gpm.forget()  # its work in line uses the samples freed here
         for sample in self._gpm_prev.values():
             self._free_sample(nvml, sample)
         self._gpm_prev.clear()
@@ -239,6 +299,8 @@ class NvmlClient:
             return
         nvml = self._module()
         self._forget_state(nvml)
+        self.gpm.close()
+        self.gpm = GpmSampler()  # a thread only once a read asks again
         self._initialised = False
         try:
             nvml.nvmlShutdown()
@@ -357,8 +419,8 @@ class NvmlClient:
             gpu.process_utilization = self._process_utilization(nvml, handle, i)
         except nvml.NVMLError as e:
             log.debug("GPU %d: no process utilization: %s", i, e)
-        try:  # last: the GPU's other readings never wait for another GPU's GPM call
-            gpu.activity = self._gpm_activity(nvml, handle, i)
+        try:  # last, and bounded: the GPU's other readings never wait for another GPU's GPM
+            gpu.activity = self.gpm.activity(i, lambda: self._gpm_activity(nvml, handle, i))
         except nvml.NVMLError as e:
             log.debug("GPU %d: no GPM activity: %s", i, e)
 
