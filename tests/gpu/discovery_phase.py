@@ -82,12 +82,17 @@ def dra_directory(plugins: Path, claim_uid: str, gpu_uuids: List[str]) -> Path:
     return plugins / "gpu.nvidia.com" / "mps" / f"{claim_uid}-{digest}"
 
 
+def exporter_args(state_file: Path, dp_root: Path, plugins: Path, port: int) -> List[str]:
+    """The interpreter's arguments of an exporter discovering both layouts' roots."""
+    return ["-m", "mps_exporter.cli", "serve", "--mps.discover", "device-plugin,dra",
+            "--mps.discover.device-plugin-root", str(dp_root), "--mps.discover.dra-root", str(plugins),
+            "--mps.discover-interval", str(INTERVAL), "--mps.state-file", str(state_file),
+            "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "info"]
+
+
 def start_exporter(tc: "TruthCheck", dp_root: Path, plugins: Path, port: int) -> subprocess.Popen:
     log = open(tc.s.work / "exporter-discovery.log", "w")
-    argv = [sys.executable, "-m", "mps_exporter.cli", "serve", "--mps.discover", "device-plugin,dra",
-            "--mps.discover.device-plugin-root", str(dp_root), "--mps.discover.dra-root", str(plugins),
-            "--mps.discover-interval", str(INTERVAL), "--mps.state-file", str(tc.s.work / "discovery-state.json"),
-            "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "info"]
+    argv = [sys.executable, *exporter_args(tc.s.work / "discovery-state.json", dp_root, plugins, port)]
     env = {k: v for k, v in tc.s.env.items() if not k.startswith("CUDA_MPS_")}
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/tmp")
 

@@ -15,9 +15,11 @@
   nvidia-smi (discovery_phase.compare_all); a default pinned limit set on the GPU 1
   daemon's device 0 and a client's own `0=2G` there, against MPS's refusal and the
   series' `gpu` label (physical 1: the daemon's CUDA_VISIBLE_DEVICES remaps devices).
-- `storm2`: 44 clients on each of two GPUs arriving at once, a quarter of them busy,
-  scraped once a second while they arrive: scrape p50/p99, the NVML reading's age, and
-  every client's memory equal to nvidia-smi within 1 MiB once settled.
+- `storm2`: 52 clients on each of two GPUs arriving at once (48 admitted per device), a
+  quarter of them busy, beside nvitop-exporter 1.7.2, both scraped once a second while they
+  arrive (storm.py's Scraper): our scrape p99 and CPU seconds per scrape at or below
+  nvitop-exporter's in the same run, and every admitted client's memory equal to
+  nvidia-smi within 1 MiB once settled.
 
 Every phase refuses to run on fewer than two GPUs, saying so in the report (a failed
 check, not a silent pass). Oracles: the clients' own allocations, get_client_list,
@@ -29,12 +31,13 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import oracles
 from oracles import MIB
 
 if TYPE_CHECKING:  # pragma: no cover
+    from scrape import Exposition
     from truth_check import Client, TruthCheck
 
 GiB = 2**30
@@ -64,6 +67,19 @@ def _guarded(phase: Callable[["TruthCheck"], None], name: str) -> Callable[["Tru
             return
         phase(tc)
     return run
+
+
+def client_limit(e: "Exposition", server_pid: Optional[int] = None, **labels: str) -> Optional[float]:
+    """mps_server_client_limit whatever its labels: the series of `server_pid` where the
+    series carry one; else the one value all the (matching) series agree on; else None."""
+    found = e.series("mps_server_client_limit", **labels)
+    if server_pid is not None:
+        mine = [x.value for x in found if x.labels.get("server_pid") == str(server_pid)]
+        if mine:
+            return mine[0]
+    values = {x.value for x in found}
+    return values.pop() if len(values) == 1 else None
+
 
 
 # ------------------------------------------------------------------ limits across remapped devices
@@ -150,7 +166,9 @@ def phase_percap(tc: "TruthCheck") -> None:
     r.check("percap: one refusal line in server.log", 1, len(refusals))
     r.check("percap: mps_client_rejections_total{client_limit} delta = refusal lines", len(refusals),
             (e.value("mps_client_rejections_total", reason="client_limit") or 0) - rej0)
-    r.check("percap: mps_server_client_limit = 48", PER_DEVICE, e.value("mps_server_client_limit"))
+    servers = s.servers()
+    r.check("percap: mps_server_client_limit (of the clients' server) = 48", PER_DEVICE,
+            client_limit(e, servers[0] if len(servers) == 1 else None))
     apps = s.smi_apps()
     per_gpu = {g.uuid: sum(1 for (u, pid) in apps if u == g.uuid and pid in {c.pid for c in clients})
                for g in s.smi_gpus()[:2]}
@@ -226,42 +244,123 @@ def phase_daemonpergpu(tc: "TruthCheck") -> None:
 
 
 # ------------------------------------------------------------------ storm over two GPUs
-def phase_storm2(tc: "TruthCheck", per_gpu: int = 44, seconds: float = 40.0) -> None:
+STORM_PER_GPU = 52  # 48 admitted per device, 4 refused (one server.log line each)
+NVITOP_PORT = 10139
+
+
+def start_nvitop(tc: "TruthCheck", port: int = NVITOP_PORT):
+    """nvitop-exporter 1.7.2 (wheels from .whl/, installed by device_env.sh) as storm.py runs it."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in tc.s.env.items() if not k.startswith("CUDA_MPS_")}
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from nvitop_exporter.cli import main; sys.exit(main())",
+         "--bind-address", "127.0.0.1", "--port", str(port), "--interval", "1.0"],
+        env=env, stdout=open(tc.s.work / "nvitop-exporter.log", "w"), stderr=subprocess.STDOUT, cwd="/tmp")
+
+
+def storm_verdict(ours: Dict[str, float], theirs: Dict[str, float]) -> Dict[str, bool]:
+    """Ours at or below nvitop-exporter's: scrape p99 and CPU seconds per scrape (storm.scrape_stats)."""
+    return {key: ours.get(key) is not None and theirs.get(key) is not None and ours[key] <= theirs[key]
+            for key in ("p99_seconds", "cpu_seconds_per_scrape")}
+
+
+def phase_storm2(tc: "TruthCheck", per_gpu: int = STORM_PER_GPU, idle_seconds: float = 6.0,
+                 max_storm_seconds: float = 150.0, settle_seconds: float = 10.0) -> None:
+    """52 clients on each GPU at once (96 admitted), a quarter busy, beside nvitop-exporter;
+    both scraped once a second by storm.py's Scraper (ours as Prometheus does)."""
+    import storm
     s, r = tc.s, tc.r
+    nvitop = start_nvitop(tc)
     clients: List["Client"] = []
-    for g in (0, 1):
-        for i in range(per_gpu):
-            busy = i % 4 == 0  # a quarter busy
-            clients.append(s.client(f"st{g}_{i}", 0.25, device=0, n=2048 if busy else 64, idle=not busy,
-                                    env={"CUDA_VISIBLE_DEVICES": str(g)}))
-    walls, ages = [], []
-    started = time.time()
-    while time.time() - started < seconds:
-        t0 = time.perf_counter()
-        e = tc.scrape()
-        walls.append(time.perf_counter() - t0)
-        taken = e.value("mps_exporter_collector_last_success_timestamp_seconds", collector="nvml")
-        ages.append(time.time() - taken if taken else float("inf"))
-        time.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
-    late = s.wait_ready(clients, 120)
-    walls.sort()
-    ages.sort()
-    r.facts["storm2: scrape p50 / p99 ms"] = [round(walls[len(walls) // 2] * 1000, 1),
-                                              round(walls[int(len(walls) * 0.99)] * 1000, 1)]
-    r.facts["storm2: NVML age p50 / max s"] = [round(ages[len(ages) // 2], 2), round(ages[-1], 2)]
-    r.check(f"storm2: {2 * per_gpu} clients over two GPUs all admitted", [], [c.tag for c in late])
-    time.sleep(SETTLE)
-    apps = s.smi_apps()
-    e = tc.scrape()
-    pids = {c.pid for c in clients}
-    exp = {f"{pid}@{u[:12]}": mib for (u, pid), mib in apps.items() if pid in pids}
-    act = {f"{x.labels['pid']}@{x.labels['uuid'][:12]}": x.value / MIB
-           for x in e.series("mps_client_memory_used_bytes") if int(x.labels["pid"]) in pids}
-    worst = max([abs(exp[k] - act.get(k, float("inf"))) for k in exp] or [0.0])
-    r.check_true("storm2: every client's memory = nvidia-smi within 1 MiB, settled", len(exp), len(act),
-                 set(exp) == set(act) and worst <= 1.0, note=f"largest difference {worst:.2f} MiB")
-    s.stop(clients)
-    s.shutdown_servers()
+    scrapers = []
+    try:
+        nvitop_up = False
+        deadline = time.time() + 60
+        while time.time() < deadline and nvitop.poll() is None and not nvitop_up:  # a failed import: at once
+            try:
+                storm.wait_http(f"http://127.0.0.1:{NVITOP_PORT}/metrics", 1)
+                nvitop_up = True
+            except RuntimeError:
+                pass
+        r.check_true("storm2: nvitop-exporter 1.7.2 answers beside mps-exporter", "answers",
+                     (tc.s.work / "nvitop-exporter.log").read_text(errors="replace")[-300:] if not nvitop_up else "yes",
+                     nvitop_up)
+        prometheus = {"Accept": storm.PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip",
+                      "X-Prometheus-Scrape-Timeout-Seconds": "1"}
+        ours = storm.Scraper("mps-exporter", tc.url, tc.exporter.pid, prometheus, ages=True)
+        scrapers.append(ours)
+        theirs = None
+        if nvitop_up:
+            theirs = storm.Scraper("nvitop-exporter", f"http://127.0.0.1:{NVITOP_PORT}/metrics", nvitop.pid,
+                                   {"Accept-Encoding": "gzip"})
+            scrapers.append(theirs)
+        for sc in scrapers:
+            sc.start()
+        time.sleep(idle_seconds)
+        storm.set_phase(scrapers, "storm")
+        started = time.time()
+        for g in (0, 1):
+            for i in range(per_gpu):
+                busy = i % 4 == 0  # a quarter busy
+                clients.append(s.client(f"st{g}_{i}", 0.25, device=0, n=2048 if busy else 64, idle=not busy,
+                                        env={"CUDA_VISIBLE_DEVICES": str(g)}))
+        late = s.wait_ready(clients, max_storm_seconds)
+        r.facts["storm2: seconds until every client was ready or had exited"] = round(time.time() - started, 1)
+        storm.set_phase(scrapers, "settled")
+        time.sleep(settle_seconds)
+        admitted = [c for c in clients if c.is_ready() and c.proc.poll() is None]
+        per = {g: sum(1 for c in admitted if c.tag.startswith(f"st{g}_")) for g in (0, 1)}
+        r.check(f"storm2: {PER_DEVICE} of {per_gpu} admitted on each GPU ({2 * per_gpu} at once)",
+                {0: PER_DEVICE, 1: PER_DEVICE}, per)
+        r.check("storm2: the others refused (exited, not ready)", [],
+                [c.tag for c in clients if not c.is_ready() and c.proc.poll() is None])
+        r.facts["storm2: a refused client's output"] = next((c.text().strip()[-300:] for c in late), "")
+        for sc in scrapers:
+            sc.stop_event.set()
+        for sc in scrapers:
+            sc.join(35)
+        # Settled: every admitted client's memory against nvidia-smi, oracles agreeing before and after.
+        pids = {c.pid for c in admitted}
+        for _ in range(4):
+            apps = s.smi_apps()
+            e = tc.scrape()
+            if apps == s.smi_apps():
+                break
+            time.sleep(1)
+        exp = {f"{pid}@{u[:12]}": mib for (u, pid), mib in apps.items() if pid in pids}
+        act = {f"{x.labels['pid']}@{x.labels['uuid'][:12]}": x.value / MIB
+               for x in e.series("mps_client_memory_used_bytes") if int(x.labels["pid"]) in pids}
+        worst = max([abs(exp[k] - act.get(k, float("inf"))) for k in exp] or [0.0])
+        r.check_true(f"storm2: every admitted client's memory = nvidia-smi within 1 MiB, settled ({len(pids)})",
+                     len(pids), len(act), len(exp) == len(pids) and set(exp) == set(act) and worst <= 1.0,
+                     note=f"largest difference {worst:.2f} MiB")
+        phases = ("storm", "settled")
+        s_ours = storm.scrape_stats(ours.results, phases)
+        r.facts["storm2: side by side"] = storm.side_by_side(scrapers)
+        r.facts["storm2: markdown"] = storm.side_by_side_markdown({"side_by_side": r.facts["storm2: side by side"]})
+        r.check("storm2: mps-exporter scrapes that failed", 0, s_ours.get("failed"))
+        if theirs is not None:
+            s_theirs = storm.scrape_stats(theirs.results, phases)
+            verdict = storm_verdict(s_ours, s_theirs)
+            r.check_true("storm2: our scrape p99 <= nvitop-exporter's, same run", s_theirs.get("p99_seconds"),
+                         s_ours.get("p99_seconds"), verdict["p99_seconds"])
+            r.check_true("storm2: our CPU seconds per scrape <= nvitop-exporter's, same run",
+                         s_theirs.get("cpu_seconds_per_scrape"), s_ours.get("cpu_seconds_per_scrape"),
+                         verdict["cpu_seconds_per_scrape"])
+        r.facts["storm2: scrape p50 / p99 ms (ours)"] = [
+            None if s_ours.get(k) is None else round(1000 * s_ours[k], 1) for k in ("p50_seconds", "p99_seconds")]
+    finally:
+        for sc in scrapers:
+            sc.stop_event.set()
+        if nvitop.poll() is None:
+            nvitop.terminate()
+            try:
+                nvitop.wait(10)
+            except Exception:
+                nvitop.kill()
+        s.stop(clients)
+        s.shutdown_servers()
 
 
 PHASES: Dict[str, Callable[["TruthCheck"], None]] = {

@@ -18,6 +18,8 @@ CUDA clients (workloads/); it quits MPS at the end whatever failed. Phases:
   quit      the daemon quits; the log counters against the whole logs
   discovery daemons in the device plugin's and DRA driver's layouts, found by a
             second exporter as they come and go (discovery_phase.py)
+  remapped, percap, daemonpergpu, storm2   two or more GPUs (multi_gpu_phase.py)
+  starts, cvdlimits, killdaemon, ceiling   nodes with several GPUs (node_phases.py)
 
 Each comparison goes into the report (name, expected, actual, passed); the
 JSON and a Markdown summary are written to --report-dir.
@@ -44,6 +46,7 @@ sys.path.insert(0, str(HERE))
 
 import limits_truth  # noqa: E402  (issue 24's phases)
 import multi_gpu_phase  # noqa: E402  (issue 30's phases: two or more GPUs)
+import node_phases  # noqa: E402  (issue 38's phases: nodes with several GPUs)
 import oracles  # noqa: E402
 from oracles import MIB, Samples  # noqa: E402
 from report import Report  # noqa: E402
@@ -130,10 +133,9 @@ class Session:
         return r.stdout + r.stderr + f"rc={r.returncode}"
 
     def daemon_running(self) -> bool:
-        for comm, args in processes():
-            if comm.startswith("nvidia-cuda-mps") and "-d" in args and "control" in args:
-                return True
-        return False
+        """This session's control daemon runs (its CUDA_MPS_PIPE_DIRECTORY is ours): other
+        daemons on the machine (churn.py's, a phase's) are not this one."""
+        return bool(node_phases.control_daemon_pids(self.pipe))
 
     def quit(self) -> str:
         """`quit`; a daemon that does not answer it (one hung in phase queuedeath's run 1) is
@@ -990,7 +992,7 @@ class TruthCheck:
                 if phase is not None:
                     phase()
                 else:
-                    {**limits_truth.PHASES, **multi_gpu_phase.PHASES}[name](self)
+                    {**limits_truth.PHASES, **multi_gpu_phase.PHASES, **node_phases.PHASES}[name](self)
             except Exception as e:  # one broken phase must not stop the rest (nor the quit)
                 traceback.print_exc()
                 self.r.check_true(f"{name}: phase completed", "no error", f"{type(e).__name__}: {e}", False)
