@@ -54,6 +54,7 @@ from .events import NOT_A_DIRECTORY as NOT_A_DIRECTORY
 from .events import NOT_REGULAR_FILE as NOT_REGULAR_FILE
 from .events import PERMISSION_DENIED as PERMISSION_DENIED
 from .events import READ_ERROR_REASONS as READ_ERROR_REASONS
+from ..units import ascii_digits
 
 log = logging.getLogger(__name__)
 
@@ -804,4 +805,4 @@ def _block_size(fd: int) -> int:
 def _rotation_number(path: str) -> int:
     """logrotate's N of `name.N` (higher: older); 0 for other names."""
     suffix = path.rsplit(".", 1)[-1]
-    return int(suffix) if suffix.isdigit() else 0
+    return int(suffix) if ascii_digits(suffix) else 0
