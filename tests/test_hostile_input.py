@@ -230,3 +230,23 @@ def test_hostile_clients_never_cost_the_scrape_or_other_clients(env, command, gr
                                               "mps_server_client_memory_used_bytes{",
                                               "mps_pod_client_memory_used_bytes{")))
         assert sums(text) == sums(base)
+
+
+def test_set_commands_with_foreign_digits_in_control_log_are_ignored(tmp_path):
+    # Anyone who reaches the control pipe writes these lines (MPS echoes each command).
+    from mps_exporter.logs.pipeline import LogPipeline
+
+    stamp = "[2026-11-21 04:19:24.390 Control   546]"
+    (tmp_path / "control.log").write_text("".join(f"{stamp} Cmd:{cmd}\n" for cmd in (
+        "set_active_thread_percentage ² 30", "set_active_thread_percentage 713 ٣٠",
+        "set_device_pinned_mem_limit 713 ² 2G", f"set_device_pinned_mem_limit 713 0 {HUGE[:20]}T")))
+    (tmp_path / "server.log").write_text("")
+    from mps_exporter.families import FamilyBuilder
+    from mps_exporter.logs.render import render_log_metrics
+
+    snap = LogPipeline("default", str(tmp_path), timezone="UTC").read_once()
+    out = FamilyBuilder()
+    render_log_metrics(out, "default", snap, 0.0)
+    internal = [s.value for fam in out.families() for s in fam.samples if s.name == "mps_log_read_errors_total"
+                and s.labels["reason"] == "internal_error" and s.labels["file"] == "control"]
+    assert snap.lines["control"] == 4 and internal == [0.0]  # read, and no line's handling raised
