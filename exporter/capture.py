@@ -70,7 +70,7 @@ class LogTap:
             if data:
                 out.append((False, data))
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)  # a symbolic link is not followed (open_regular refuses it)
         except OSError as e:  # not there (yet, or its directory was deleted): keep what we hold
             self.error = missing_file_error(self.path) if e.errno == errno.ENOENT else read_error(self.path, e)
             return out

@@ -90,6 +90,25 @@ class SingleFlight(Generic[T]):
         return call.result()
 
 
+def _wait_for(futures: Sequence["Future[Any]"], timeout: Optional[float]) -> object:
+    return wait_futures(futures, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Where the collector's time comes from: `monotonic`, the clock of its deadlines,
+    waits and read durations; `wait(futures, timeout)`, how it waits for reads (returns
+    when they are done or `timeout` seconds of that clock have passed). Tests give their
+    own, so that whether a read ended within a wait is theirs to say, not the machine's
+    load (tests/support/virtual_time.py)."""
+
+    monotonic: Callable[[], float] = time.monotonic
+    wait: Callable[[Sequence["Future[Any]"], Optional[float]], object] = _wait_for
+
+
+REAL_TIME = Timing()
+
+
 @dataclass
 class _Result:
     reading: Any  # None when the read failed without a result
@@ -107,12 +126,14 @@ def gpu_identities(snap: Snapshot) -> List[Tuple[int, str]]:
 class _Collection(ReadContext):
     """One collection: its clock, deadline and the reads it waits for."""
 
-    def __init__(self, now: float, deadline: Optional[float], devices: Optional[List[Tuple[int, str]]]) -> None:
+    def __init__(self, now: float, deadline: Optional[float], devices: Optional[List[Tuple[int, str]]],
+                 timing: Timing = REAL_TIME) -> None:
         self.now = now
-        self.deadline = deadline  # time.monotonic() value; None: wait for every source
+        self.timing = timing
+        self.deadline = deadline  # timing.monotonic() value; None: wait for every source
         self.futures: Dict[str, Future[_Result]] = {}
         self.earlier: Dict[str, _Result] = {}  # each source's last finished read when this one was claimed
-        # Source name -> time.monotonic() after which its read is not waited for and its
+        # Source name -> timing.monotonic() after which its read is not waited for and its
         # `earlier` reading is served instead: the `served_while_reading` sources with one.
         self.waits: Dict[str, float] = {}
         self.served_earlier: Dict[str, _Result] = {}  # those not waited for, once decided
@@ -121,7 +142,7 @@ class _Collection(ReadContext):
         self._devices = devices
 
     def remaining(self) -> Optional[float]:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        return None if self.deadline is None else max(0.0, self.deadline - self.timing.monotonic())
 
     def devices(self) -> List[int]:
         return [index for index, _ in self._gpus()]
@@ -139,7 +160,7 @@ class _Collection(ReadContext):
         # At most half the time left: the waiting read still needs time of its own, and
         # one late source must not make the sources that wait for it late as well.
         remaining = self.remaining()
-        until = None if remaining is None else time.monotonic() + remaining / 2
+        until = None if remaining is None else self.timing.monotonic() + remaining / 2
         snap = Snapshot(now=self.now)
         for name in names:
             result = self.result(name, until)
@@ -157,7 +178,7 @@ class _Collection(ReadContext):
         return snap
 
     def result(self, name: str, until: Optional[float]) -> Optional[_Result]:
-        """The source's result, waiting until `until` (time.monotonic(); None: no limit)
+        """The source's result, waiting until `until` (timing.monotonic(); None: no limit)
         or its own wait's end; None: late, or not read in this collection."""
         future = self.futures.get(name)
         if future is None:
@@ -165,13 +186,13 @@ class _Collection(ReadContext):
         wait = self.waits.get(name)
         if wait is not None:
             until = wait if until is None else min(until, wait)
-        wait_futures([future], timeout=None if until is None else max(0.0, until - time.monotonic()))
+        self.timing.wait([future], None if until is None else max(0.0, until - self.timing.monotonic()))
         if wait is None:
             return future.result() if future.done() else None
         with self._choice:  # decided once: proc's PIDs and the served reading agree
             if name not in self.served_earlier and future.done():
                 return future.result()
-            if name in self.served_earlier or time.monotonic() >= wait:
+            if name in self.served_earlier or self.timing.monotonic() >= wait:
                 return self.served_earlier.setdefault(name, self.earlier[name])
         return None
 
@@ -190,11 +211,11 @@ READ_THREAD_IDLE_SECONDS = 10.0
 class _SourceRun:
     """One source's reads: at most one outstanding; its last complete reading."""
 
-    def __init__(self, name: str, source: Source[Any], reader: Reader[Any]) -> None:
-        self.name, self.source, self.reader = name, source, reader
+    def __init__(self, name: str, source: Source[Any], reader: Reader[Any], timing: Timing = REAL_TIME) -> None:
+        self.name, self.source, self.reader, self.timing = name, source, reader, timing
         self._lock = threading.Lock()
         self._inflight: Optional[Future[_Result]] = None
-        self.inflight_since = 0.0  # time.monotonic() when the read in flight began
+        self.inflight_since = 0.0  # timing.monotonic() when the read in flight began
         self.last: Optional[_Result] = None  # the last successful read
         self.latest: Optional[_Result] = None  # the last finished read, failed or not
         self.durations = Histogram(READ_DURATION_BUCKETS)  # every read, late ones included
@@ -215,7 +236,7 @@ class _SourceRun:
                 return self._inflight, None
             future: Future[_Result] = Future()
             self._inflight = future
-            self.inflight_since = time.monotonic()
+            self.inflight_since = self.timing.monotonic()
         return future, lambda: self._submit(future, collection)
 
     def _submit(self, future: Future[_Result], collection: _Collection) -> None:
@@ -258,7 +279,7 @@ class _SourceRun:
         return self._read(future, collection, quick=True)
 
     def _read(self, future: Future[_Result], collection: _Collection, quick: bool = False) -> bool:
-        start = time.perf_counter()
+        start = self.timing.monotonic()
         try:
             if quick:
                 reading = self.reader.quick(collection) if self.reader.quick is not None else None
@@ -271,7 +292,7 @@ class _SourceRun:
             result = _Result(e.result, False, 0.0, collection.now, str(e))
         except Exception as e:  # a broken source must never break the scrape
             result = _Result(None, False, 0.0, collection.now, f"{type(e).__name__}: {e}")
-        result.duration_seconds = time.perf_counter() - start
+        result.duration_seconds = self.timing.monotonic() - start
         with self._lock:
             self.durations.observe(result.duration_seconds)
         if result.ok:
@@ -291,7 +312,7 @@ class _SourceRun:
         allowed = max_age
         inflight = self._inflight
         if inflight is not None and not inflight.done():
-            running = time.monotonic() - self.inflight_since
+            running = self.timing.monotonic() - self.inflight_since
             if running < read_for:
                 allowed += running
         if now - latest.taken_at > allowed:
@@ -318,8 +339,10 @@ class MpsCollector(Collector):
     def __init__(self, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
                  max_seconds: Optional[float] = None, timeout_offset: float = Config.scrape_timeout_offset,
                  serve_last: bool = True, granularity: str = "client", refresh_interval: float = 0.0,
-                 pause_after: float = DEFAULT_PAUSE_AFTER, control_wait: float = 0.0) -> None:
+                 pause_after: float = DEFAULT_PAUSE_AFTER, control_wait: float = 0.0,
+                 timing: Timing = REAL_TIME) -> None:
         self.clock = clock
+        self.timing = timing
         self.granularity = granularity  # --mps.client-granularity
         self.max_seconds = max_seconds
         self.timeout_offset = timeout_offset
@@ -327,14 +350,14 @@ class MpsCollector(Collector):
         self.refresh_interval = refresh_interval
         self.pause_after = pause_after
         self.control_wait = control_wait
-        self._runs = {name: _SourceRun(name, SOURCES[name], reader) for name, reader in readers.items()}
+        self._runs = {name: _SourceRun(name, SOURCES[name], reader, timing) for name, reader in readers.items()}
         self._devices: Optional[List[Tuple[int, str]]] = None
         self._failing: Dict[str, str] = {}
         self._failing_lock = threading.Lock()
-        self._unwaited_until: Dict[str, float] = {}  # source -> time.monotonic() until which it is not waited for
+        self._unwaited_until: Dict[str, float] = {}  # source -> timing.monotonic() until which it is not waited for
         self._collect_once = SingleFlight(self._collect)
         self._refreshed = [run for run in self._runs.values() if run.source.background] if refresh_interval > 0 else []
-        self._last_collection = time.monotonic()
+        self._last_collection = self.timing.monotonic()
         self._wake = threading.Event()  # a collection after a pause, or close()
         self._stopped = threading.Event()
         self._refresher: Optional[threading.Thread] = None
@@ -357,22 +380,22 @@ class MpsCollector(Collector):
 
     def _refresh_loop(self) -> None:
         while not self._stopped.is_set():
-            idle = time.monotonic() - self._last_collection
+            idle = self.timing.monotonic() - self._last_collection
             if idle > self.pause_after:  # nobody reads: nothing to read for
                 self._wake.clear()
-                if time.monotonic() - self._last_collection > self.pause_after:
+                if self.timing.monotonic() - self._last_collection > self.pause_after:
                     self._wake.wait()
                 continue
-            started = time.monotonic()
+            started = self.timing.monotonic()
             self.refresh()
-            self._stopped.wait(max(0.0, started + self.refresh_interval - time.monotonic()))
+            self._stopped.wait(max(0.0, started + self.refresh_interval - self.timing.monotonic()))
 
     def refresh(self) -> None:
         """One background round: read the background sources, each claimed as a
         collection claims it (at most one read in flight), waiting at most as long as
         a scrape would (max_seconds) for them."""
-        deadline = None if self.max_seconds is None else time.monotonic() + self.max_seconds
-        collection = _Collection(self.clock(), deadline, self._devices)
+        deadline = None if self.max_seconds is None else self.timing.monotonic() + self.max_seconds
+        collection = _Collection(self.clock(), deadline, self._devices, self.timing)
         starts = []
         for run in self._refreshed:
             collection.futures[run.name], start = run.claim(collection)
@@ -380,7 +403,7 @@ class MpsCollector(Collector):
         for start in starts:
             if start is not None:
                 start()
-        wait_futures(list(collection.futures.values()), timeout=collection.remaining())
+        self.timing.wait(list(collection.futures.values()), collection.remaining())
         self.refreshes += 1
 
     def describe(self) -> Iterable[Metric]:
@@ -410,9 +433,10 @@ class MpsCollector(Collector):
 
     def snapshot(self, budget: Optional[float] = None) -> Snapshot:
         """One collection; `budget`: seconds to wait for the sources (None: all of them)."""
-        started = time.perf_counter()
+        started = self.timing.monotonic()
         self._note_collection()
-        collection = _Collection(self.clock(), None if budget is None else time.monotonic() + budget, self._devices)
+        collection = _Collection(self.clock(), None if budget is None else self.timing.monotonic() + budget,
+                                 self._devices, self.timing)
         starts: List[Tuple[_SourceRun, Callable[[], None]]] = []  # the new reads, each with its start
         unwaited: Set[str] = set()  # of those, the ones served their last reading at once
         for name, run in self._runs.items():  # all claimed first: a read may wait for another
@@ -429,11 +453,11 @@ class MpsCollector(Collector):
             if earlier is not None:
                 collection.earlier[name] = earlier
             if self.control_wait > 0 and run.source.served_while_reading and earlier is not None:
-                if budget is not None and time.monotonic() - run.inflight_since >= budget:
+                if budget is not None and self.timing.monotonic() - run.inflight_since >= budget:
                     # The read this collection joined has run longer than it may wait: late
                     # now, not after another whole budget (a daemon that a storm keeps busy
                     # for seconds, or a hung one); failed, its last reading served.
-                    collection.waits[name] = time.monotonic()
+                    collection.waits[name] = self.timing.monotonic()
                     collection.overdue.add(name)
                 elif self._may_stand_in(earlier, collection.now):
                     # A daemon whose last answer took longer than the wait (MPS admitting a
@@ -442,10 +466,10 @@ class MpsCollector(Collector):
                     # about the wait (a read started after a scrape is fast, the next, beside
                     # one, slow), and every other scrape waited the whole wait in vain.
                     if earlier.duration_seconds > self.control_wait:
-                        self._unwaited_until[name] = time.monotonic() + CONTROL_CALM_SECONDS
-                    calm = time.monotonic() >= self._unwaited_until.get(name, 0.0)
+                        self._unwaited_until[name] = self.timing.monotonic() + CONTROL_CALM_SECONDS
+                    calm = self.timing.monotonic() >= self._unwaited_until.get(name, 0.0)
                     wait = self.control_wait if calm else 0.0
-                    collection.waits[name] = time.monotonic() + wait
+                    collection.waits[name] = self.timing.monotonic() + wait
                     if wait == 0.0:
                         unwaited.add(name)
         # The reads in threads of their own first, so that the quick reads in this thread
@@ -474,7 +498,7 @@ class MpsCollector(Collector):
                 error = f"no answer within {budget:g} s" if budget is not None else "no answer"
                 self._note_failure(name, error)
                 served = run.last if self.serve_last else None
-                waited = time.perf_counter() - started
+                waited = self.timing.monotonic() - started
                 snap.outcomes[name] = Outcome(False, waited, run.last.taken_at if run.last else None, error)
             else:
                 if result.ok:
@@ -502,7 +526,7 @@ class MpsCollector(Collector):
         return self.refresh_interval <= 0 or now - earlier.taken_at <= 2 * self.refresh_interval
 
     def _note_collection(self) -> None:
-        self._last_collection = time.monotonic()
+        self._last_collection = self.timing.monotonic()
         self._wake.set()  # after the time: a refresher about to pause sees it, or is woken
 
     # Logged as collections see them (not as reads end: a late read that ends well

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .logs.events import DeviceKey
-from .units import parse_size
+from .units import ascii_digits, parse_decimal, parse_size, parse_uint
 
 PINNED_MEMORY, ACTIVE_THREADS, PRIORITY = "pinned_memory", "active_threads", "priority"
 LIMITS = (PINNED_MEMORY, ACTIVE_THREADS, PRIORITY)
@@ -74,7 +74,7 @@ def visible_devices(value: Optional[str], gpus: Sequence[Tuple[int, str]]) -> Li
     for item in value.split(","):
         item = item.strip()
         device: Optional[VisibleDevice] = None
-        if item.isascii() and item.isdigit():
+        if ascii_digits(item):
             position = int(item)
             device = VisibleDevice(*gpus[position]) if position < len(gpus) else None
         elif item.upper().startswith("GPU-"):
@@ -129,7 +129,7 @@ def pinned_from_env(value: str, visible: Sequence[VisibleDevice]) -> Tuple[Dict[
         size = parse_size(size_text)
         if size is None:
             return {}, MALFORMED
-        if key.isdigit():
+        if ascii_digits(key):
             device = visible[int(key)] if int(key) < len(visible) else None
         elif key.upper().startswith(("GPU-", "MIG-")):
             matches = [d for d in visible if d.uuid.lower().startswith(key.lower())]
@@ -154,22 +154,22 @@ def own_limits(env: Mapping[str, str], gpus: Sequence[Tuple[int, str]]) -> OwnLi
     share: Optional[float] = None
     text = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     if text is not None and text.strip():
-        try:
-            share = float(text)
-        except ValueError:
+        share = parse_decimal(text)  # ASCII only: "٥٠" is no number to CUDA
+        if share is None:
             ignored[ACTIVE_THREADS] = NOT_A_NUMBER
-        else:
-            if not 0 < share <= 100:  # NaN included
-                ignored[ACTIVE_THREADS], share = OUT_OF_RANGE, None
+        elif not 0 < share <= 100:  # NaN and the infinities included
+            ignored[ACTIVE_THREADS], share = OUT_OF_RANGE, None
     priority: Optional[int] = None
     text = env.get("CUDA_MPS_CLIENT_PRIORITY")
     if text is not None and text.strip():
-        if not text.strip().isdigit():
+        digits = text.strip()
+        if not (digits.isascii() and digits.isdigit()):  # "²".isdigit(), but no digit to CUDA
             ignored[PRIORITY] = NOT_A_NUMBER
-        elif int(text) > 1:
-            ignored[PRIORITY] = OUT_OF_RANGE
         else:
-            priority = int(text)
+            # A long string of digits is a large number: out of range, never converted.
+            priority = parse_uint(digits, max_digits=3)
+            if priority is None or priority > 1:
+                ignored[PRIORITY], priority = OUT_OF_RANGE, None
     return OwnLimits(Limits(share, pinned), priority, ignored)
 
 

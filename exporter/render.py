@@ -16,7 +16,9 @@ Joins (see README "Where the numbers come from"):
 
 from __future__ import annotations
 
+import logging
 import platform
+import threading
 from dataclasses import dataclass
 from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -41,6 +43,8 @@ from .model import (
     ServerFacts,
     Snapshot,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Outcome", "Snapshot", "readings_key", "render", "render_readings", "sharing_mode", "sm_utilization"]
 
@@ -527,13 +531,41 @@ def _client_priority(own: Optional[int], server_pid: Optional[int], log_snap: Op
     return None, lim.NONE
 
 
+# A client's series come from what its process supplied (its environment, its command):
+# one that cannot be rendered costs that client's series, never the scrape. Each kind of
+# failure is logged once as a warning, then at debug level (a client lives for many scrapes).
+MAX_FAILURES_WARNED = 64
+_failures_warned: Set[Tuple[str, str]] = set()
+_failures_lock = threading.Lock()
+
+
+def client_left_out(d: DaemonReading, pid: int, e: Exception) -> None:
+    """Log that client `pid` of daemon `d` is left out of the exposition, because of `e`."""
+    kind = (type(e).__name__, str(e)[:200])
+    with _failures_lock:
+        first = kind not in _failures_warned and len(_failures_warned) < MAX_FAILURES_WARNED
+        if first:
+            _failures_warned.add(kind)
+    log.log(logging.WARNING if first else logging.DEBUG,
+            "daemon %s: client %d left out of the metrics (its series could not be rendered: %s: %s)%s",
+            d.name, pid, kind[0], kind[1], "; further such failures are logged at debug level" if first else "")
+
+
 def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
                    log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
-    """Rows of the daemon's `ps`, plus the NVML MPS clients in `unlisted`."""
+    """Rows of the daemon's `ps`, plus the NVML MPS clients in `unlisted`. A client whose
+    series cannot be rendered is left out whole (none of its series), and logged."""
     ps_rows = {c.pid: c for c in d.clients}
     for pid in sorted(set(ps_rows) | set(unlisted)):
-        render_client(out, d, pid, ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid), server_limits, joined,
-                      log_snap)
+        part = FamilyBuilder()
+        try:
+            render_client(part, d, pid, ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid), server_limits,
+                          joined, log_snap)
+        except Exception as e:  # one client's data, never the scrape
+            client_left_out(d, pid, e)
+            continue
+        for name, samples in part.parts():
+            out.extend(name, samples)
 
 
 def render_client(out: FamilyBuilder, d: DaemonReading, pid: int, row: Optional[PsEntry], proc: ProcessFacts,
@@ -605,8 +637,12 @@ class ClientTableMemo:
             kept = before.get(pid)
             if kept is None or kept[0] != inputs:
                 part = FamilyBuilder()
-                render_client(part, d, pid, row, proc, server_limits, joined, log_snap)
-                kept = (inputs, part.parts())
+                try:
+                    render_client(part, d, pid, row, proc, server_limits, joined, log_snap)
+                    kept = (inputs, part.parts())
+                except Exception as e:  # left out, and not tried again while its inputs stay
+                    client_left_out(d, pid, e)
+                    kept = (inputs, [])
             now[pid] = kept
             for name, samples in kept[1]:
                 families.setdefault(name, []).extend(samples)
@@ -635,11 +671,15 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
     for pid in sorted(set(ps_rows) | set(unlisted)):
         row = ps_rows.get(pid)
         proc = processes.get(pid) or ProcessFacts(pid)
+        try:
+            c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
+        except Exception as e:  # one client's data, never the scrape: left out of every sum
+            client_left_out(d, pid, e)
+            continue
         key = ("" if row is None or row.server_pid is None else str(row.server_pid), proc.pod_uid if by_pod else "")
         counts[key] = counts.get(key, 0) + 1
         if by_pod and proc.pod_uid and proc.pod:
             pod_names[proc.pod_uid] = {"namespace": proc.namespace, "pod": proc.pod}
-        c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
         for what, reason in c.ignored.items():
             ignored[(key[0], what, reason)] = ignored.get((key[0], what, reason), 0) + 1
         for gpu in c.gpus:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, TextIO
 from prometheus_client import write_to_textfile
 from prometheus_client.exposition import generate_latest
 
-from .collector import MpsCollector, build_registry
+from .collector import REAL_TIME, MpsCollector, Timing, build_registry
 from .config import Config
 from .discovery import DaemonSet
 from .sources.base import Backends, Reader
@@ -45,13 +45,14 @@ def with_daemon_set(cfg: Config, backends: Backends) -> Backends:
 
 
 def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
-                    bounded: bool = True) -> MpsCollector:
+                    bounded: bool = True, timing: Timing = REAL_TIME) -> MpsCollector:
     """`bounded`: scrapes wait for the sources at most as long as the scrape settings say
-    (serve); else every source is waited for (dump, capture)."""
+    (serve); else every source is waited for (dump, capture). `timing`: the collector's
+    monotonic clock and wait (tests)."""
     max_seconds = cfg.scrape_max_seconds or None if bounded else None
     return MpsCollector(readers, clock=clock, max_seconds=max_seconds, timeout_offset=cfg.scrape_timeout_offset,
                         granularity=cfg.client_granularity, refresh_interval=cfg.refresh_interval,
-                        pause_after=cfg.pause_after, control_wait=cfg.control_wait)
+                        pause_after=cfg.pause_after, control_wait=cfg.control_wait, timing=timing)
 
 
 def stop_on_signals(stop: threading.Event) -> None:

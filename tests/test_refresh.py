@@ -24,6 +24,7 @@ from mps_exporter.sources.base import Reader
 from mps_exporter.sources.registry import SOURCES
 from mps_exporter.wiring import build_collector
 from tests.support import scenarios
+from tests.support.virtual_time import REAL_LIMIT, VirtualTime
 from tests.test_deadline import Clock, Gate, gated, lines, text_of, value  # noqa: F401 (gated: a fixture)
 
 MPS_LIST = "nvmlDeviceGetMPSComputeRunningProcesses"
@@ -264,33 +265,56 @@ def test_a_control_reading_older_than_two_refresh_intervals_is_not_served_in_pla
         gate.open()
 
 
+class TimedControl:
+    """A collector on the test's VirtualTime whose control read takes `delay` seconds of
+    it. A read longer than `wait` holds its answer until `release()`, which the test calls
+    once the scrape that gave up on it has answered: what the scrape waited for is decided
+    by the collector's clock alone, never by how loaded the machine is."""
+
+    def __init__(self, tmp_path: Path, wait: float, gpus: int = 1, clients_per_gpu: int = 2) -> None:
+        self.scen = scenarios.synthetic(tmp_path, gpus=gpus, clients_per_gpu=clients_per_gpu)
+        self.scen.cfg.control_wait = wait
+        self.time, self.wait, self.delay = VirtualTime(), wait, 0.0
+        self._released = threading.Event()
+        readers = self.scen.readers()
+        real = readers["control"]
+
+        def read(ctx: Any) -> Any:
+            delay = self.delay
+            self.time.advance(delay)
+            if delay > self.wait:
+                assert self._released.wait(REAL_LIMIT), "release() never came"
+            return real.read(ctx)
+
+        readers["control"] = Reader(read)
+        self.clock = Clock()
+        self.collector = build_collector(self.scen.cfg, readers, clock=self.clock, timing=self.time.timing())
+
+    def release(self) -> None:
+        self._released.set()
+
+    def scrape(self) -> str:
+        self.clock.now += 1.0
+        self._released.clear()
+        return text_of(self.collector)
+
+
 def test_a_daemon_slower_than_the_wait_last_time_is_not_waited_for(tmp_path, monkeypatch):
     monkeypatch.setattr(collector_module, "CONTROL_CALM_SECONDS", 1.0)
-    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
-    readers = scen.readers()
-    real = readers["control"]
-    delay = [0.0]
-    readers["control"] = Reader(lambda ctx: (time.sleep(delay[0]), real.read(ctx))[1])
-    clock = Clock()
-    collector = MpsCollector(readers, clock=clock, max_seconds=5.0, control_wait=0.5)
-    text_of(collector)
-    delay[0] = 0.8  # slower than the wait: served the first reading, ends for the next scrape
-    clock.now += 1.0
-    assert value(text_of(collector), CONTROL_TIME) == 1000.0
-    assert control_read_ended(collector, 1001.0)
-    delay[0] = 0.05  # well within the wait now, but the last answer took 0.8 s
-    clock.now += 1.0
-    started = time.monotonic()
-    assert value(text_of(collector), CONTROL_TIME) == 1001.0  # not waited for: the last reading
-    assert time.monotonic() - started < 0.5
-    assert control_read_ended(collector, 1002.0)
-    clock.now += 1.0
+    t = TimedControl(tmp_path, wait=0.5)
+    assert value(t.scrape(), CONTROL_TIME) == 1001.0
+    t.delay = 0.8  # slower than the wait: served the first reading, ends for the next scrape
+    assert value(t.scrape(), CONTROL_TIME) == 1001.0
+    t.release()
+    assert control_read_ended(t.collector, 1002.0)
+    t.delay = 0.05  # well within the wait now, but the last answer took 0.8 s: not waited for
+    assert value(t.scrape(), CONTROL_TIME) == 1002.0  # the last reading (waited for: its own, 1003)
+    assert control_read_ended(t.collector, 1003.0)
     # Fast again, but within CONTROL_CALM_SECONDS of the slow answer: still not waited for.
-    assert value(text_of(collector), CONTROL_TIME) == 1002.0
-    assert control_read_ended(collector, 1003.0)
-    time.sleep(1.0)
-    clock.now += 1.0
-    assert value(text_of(collector), CONTROL_TIME) == 1004.0  # calm since: waited for, this scrape's own
+    assert value(t.scrape(), CONTROL_TIME) == 1003.0
+    assert control_read_ended(t.collector, 1004.0)
+    t.time.advance(1.0)  # calm since
+    assert value(t.scrape(), CONTROL_TIME) == 1005.0  # waited for, this scrape's own
 
 
 def test_a_control_read_running_past_the_scrape_budget_is_late(tmp_path):
@@ -349,13 +373,26 @@ def test_control_wait_0_waits_for_the_daemon_as_before(tmp_path):
 
 
 def test_at_steady_state_every_scrape_serves_its_own_control_reading(tmp_path):
-    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=4)
-    scen.cfg.control_wait = Config.control_wait  # the default wait (scenarios turn it off)
-    collector = build_collector(scen.cfg, scen.readers(), clock=Clock())
-    assert collector.control_wait == DEFAULT_CONTROL_WAIT
+    # The default wait (scenarios turn it off), on the test's clock: a daemon that answers
+    # within it, however long the read takes on a loaded machine (issue 42 point 8).
+    t = TimedControl(tmp_path, wait=Config.control_wait, gpus=2, clients_per_gpu=4)
+    assert t.collector.control_wait == DEFAULT_CONTROL_WAIT
+    t.delay = DEFAULT_CONTROL_WAIT / 2
     for _ in range(5):
-        collector.clock.now += 1.0  # type: ignore[attr-defined]
-        assert value(text_of(collector), CONTROL_TIME) == collector.clock.now  # type: ignore[attr-defined]
+        assert value(t.scrape(), CONTROL_TIME) == t.clock.now
+    assert t.time.timeouts == 0  # no wait ended before its read
+
+
+def test_with_the_default_wait_a_daemon_slower_than_it_is_not_waited_for(tmp_path):
+    # The other side of the steady state: an answer later than the default wait, on the
+    # collector's clock, is not this scrape's.
+    t = TimedControl(tmp_path, wait=Config.control_wait)
+    assert value(t.scrape(), CONTROL_TIME) == 1001.0
+    t.delay = 2 * DEFAULT_CONTROL_WAIT
+    text = t.scrape()
+    assert value(text, CONTROL_TIME) == 1001.0 and value(text, CONTROL_OK) == 1
+    t.release()
+    assert control_read_ended(t.collector, 1002.0)
 
 
 def test_the_control_wait_flag_reaches_the_collector():

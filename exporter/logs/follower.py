@@ -26,7 +26,11 @@ complete lines; a partial last line waits for its newline. It survives:
 - anything but a regular file under the name (a FIFO, a directory, a device): it is
   never opened (a FIFO would block `open()`, `/dev/zero` never ends). Files are opened
   with O_NONBLOCK and checked again with fstat (the name may change in between), and
-  one poll reads a bounded amount, so `poll()` never blocks.
+  one poll reads a bounded amount, so `poll()` never blocks;
+- a symbolic link under the name (or a rotated name): never followed (`lstat`,
+  O_NOFOLLOW). The exporter reads as root, and the log directory may be writable by
+  others: `control.log -> /etc/shadow` would publish that file's line count and size.
+  It is a `not_regular_file` read error whose message says it is a symbolic link.
 
 Why a file cannot be read is `error` (a `ReadError`: a reason from READ_ERROR_REASONS
 and a message naming the path); `errors` counts each time it began, by reason.
@@ -54,6 +58,7 @@ from .events import NOT_A_DIRECTORY as NOT_A_DIRECTORY
 from .events import NOT_REGULAR_FILE as NOT_REGULAR_FILE
 from .events import PERMISSION_DENIED as PERMISSION_DENIED
 from .events import READ_ERROR_REASONS as READ_ERROR_REASONS
+from ..units import ascii_digits
 
 log = logging.getLogger(__name__)
 
@@ -82,23 +87,36 @@ class _Draining:
 
     def __init__(self, fd: int, offset: int, partial: bytes, until: float) -> None:
         self.fd, self.offset, self.partial, self.until = fd, offset, partial, until
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
-
+_OPEN_FLAGS = (os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+               | getattr(os, "O_NOCTTY", 0))
 
 
 class NotRegularFile(OSError):
-    """The path names a FIFO, directory, socket or device: not opened."""
+    """The path names a FIFO, directory, socket, device or symbolic link: not opened."""
+
+
+def _symlink(path: str) -> NotRegularFile:
+    return NotRegularFile(f"{path} is a symbolic link: not followed (log files are read as root)")
 
 
 def open_regular(path: str) -> Tuple[int, os.stat_result]:
-    """(fd, fstat) of `path` opened read-only, only if it is a regular file.
+    """(fd, fstat) of `path` opened read-only, only if it is a regular file itself, not
+    a symbolic link to one.
 
     Looks before opening (open() blocks on a FIFO and has effects on some devices),
-    opens with O_NONBLOCK, and checks again with fstat (the name may change in
-    between). Raises NotRegularFile, or the OSError of stat/open."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
+    opens with O_NONBLOCK and O_NOFOLLOW, and checks again with fstat (the name may
+    change in between). Raises NotRegularFile, or the OSError of lstat/open."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise _symlink(path)
+    if not stat.S_ISREG(mode):
         raise NotRegularFile(f"{path} is not a regular file")
-    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # became a symbolic link since the lstat
+            raise _symlink(path) from None
+        raise
     try:
         fst = os.fstat(fd)
         if not stat.S_ISREG(fst.st_mode):
@@ -226,19 +244,26 @@ class FileFollower:
             return None
         for path in [self.path] + [p for p, _ in self._rotated_siblings()]:
             try:
-                with open(path, "rb") as f:
-                    if saved["head"] and f.read(len(saved["head"])) == saved["head"]:
-                        return (f"{path} starts as the file saved at offset {saved['offset']} did, but is shorter "
-                                "or holds other bytes before that offset")
+                fd, _ = open_regular(path)
             except OSError:
                 continue
+            try:
+                if saved["head"] and os.pread(fd, len(saved["head"]), 0) == saved["head"]:
+                    return (f"{path} starts as the file saved at offset {saved['offset']} did, but is shorter "
+                            "or holds other bytes before that offset")
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
         return None
 
     def unread_bytes(self) -> int:
         """Bytes of the file under the name not read yet (0 where there is none): the backlog."""
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
         except OSError:
+            return 0
+        if not stat.S_ISREG(st.st_mode):  # a symbolic link's target is not ours to measure
             return 0
         if self._fd is not None and (st.st_dev, st.st_ino) == self._identity:
             return max(0, st.st_size - self._offset)
@@ -264,7 +289,7 @@ class FileFollower:
         truncated = 0
         self.more, self._problem = False, None
         try:
-            st: Optional[os.stat_result] = os.stat(self.path)
+            st: Optional[os.stat_result] = os.lstat(self.path)  # a symbolic link: another file
         except OSError as e:  # the file is missing (normal before MPS starts), or worse
             st = None
             self._problem = missing_file_error(self.path) if e.errno == errno.ENOENT else read_error(self.path, e)
@@ -307,7 +332,7 @@ class FileFollower:
                     break
                 truncated += self._read(lines, max_bytes)
                 try:  # several rotations between two polls: go on to the next file at once
-                    st = os.stat(self.path)
+                    st = os.lstat(self.path)
                 except OSError:
                     break
         if self._fd is not None and not self._offset and not self._head and self._siblings_while_empty is None:
@@ -352,7 +377,7 @@ class FileFollower:
 
         def same_inode(path: str) -> bool:
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
             except OSError:
                 return False
             return (st.st_dev, st.st_ino) == (saved["dev"], saved["ino"])
@@ -804,4 +829,4 @@ def _block_size(fd: int) -> int:
 def _rotation_number(path: str) -> int:
     """logrotate's N of `name.N` (higher: older); 0 for other names."""
     suffix = path.rsplit(".", 1)[-1]
-    return int(suffix) if suffix.isdigit() else 0
+    return int(suffix) if ascii_digits(suffix) else 0

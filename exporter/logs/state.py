@@ -55,7 +55,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Set, Tu
 from ..contract import OTHER, QUEUE_WAIT_BUCKETS, command_verb, exit_status
 from ..model import (REASONS, SERVER_STARTING, THREADS, USER_SWITCH, ClientLimits, LogEvent,
                      LogServer, LogSnapshot, PendingClient, queue_wait_histogram)
-from ..units import parse_size
+from ..units import ascii_digits, parse_decimal, parse_size
 from .events import (
     ClientAccepted, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
     ClientPushed, ClientRejected, ClientTerminated, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
@@ -347,19 +347,17 @@ class LogState:
     def _set_server_limit(self, ev: Command) -> None:
         """`set_device_pinned_mem_limit S D 3G` / `set_active_thread_percentage S 30`: from now on."""
         args = ev.args.split()
-        if not args or not args[0].isdigit() or any(len(a) > 24 for a in args):  # bounded numbers only
+        # Bounded ASCII numbers only: anyone who can reach the control pipe writes these lines.
+        if not args or not ascii_digits(args[0]) or any(len(a) > 24 for a in args):
             return
         srv = self._facts(int(args[0]))
         if srv is None:
             return
         if ev.verb == "set_active_thread_percentage" and len(args) == 2:
-            try:
-                share = float(args[1])
-            except ValueError:
-                return
-            if 0 <= share <= 100:
+            share = parse_decimal(args[1])
+            if share is not None and 0 <= share <= 100:
                 srv.change_limit(ev.ts, THREADS, share)
-        elif ev.verb == "set_device_pinned_mem_limit" and len(args) == 3 and args[1].isdigit():
+        elif ev.verb == "set_device_pinned_mem_limit" and len(args) == 3 and ascii_digits(args[1]):
             size = parse_size(args[2])
             if size is not None:
                 srv.change_limit(ev.ts, int(args[1]), size)

@@ -11,6 +11,7 @@ The exporter never changes MPS: `ControlClient` sends only the verbs in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -112,25 +113,48 @@ PS_HEADER = ("PID", "ID", "SERVER", "DEVICE", "NAMESPACE", "COMMAND")
 PS_NO_SERVER = "Server not found"
 
 
+MAX_COMMAND_CHARS = 4096  # of one client's command, continuation lines included (labels keep 128)
+
+
+def _ps_row(line: str) -> Optional[PsEntry]:
+    """One `ps` row, or None where the line is not one."""
+    cols = line.split(None, 5)
+    if len(cols) < 5 or not all(_NUMBER.match(c) for c in (cols[0], cols[1], cols[2])):
+        return None
+    return PsEntry(pid=int(cols[0]), client_id=int(cols[1]), server_pid=int(cols[2]), device=cols[3],
+                   namespace=cols[4], command=cols[5] if len(cols) > 5 else "")
+
+
 def parse_ps(text: str) -> List[PsEntry]:
     """`ps`: a header, then PID ID SERVER DEVICE NAMESPACE COMMAND per client.
 
     With no server running, driver 580 answers the bare line "Server not found"
-    (seen live on an H200, tests/gpu/reports): no clients, not an error."""
+    (seen live on an H200, tests/gpu/reports): no clients, not an error.
+
+    COMMAND is the client's to choose, newlines included: a line that is not a row
+    continues the command of the row above it (joined with its newline). One before any
+    row is dropped. Only "\n" ends a row (not the other separators of str.splitlines).
+    A continuation that reads as a whole row cannot be told from one."""
     lines = _lines(check_reply(text))
     if not lines or lines == [PS_NO_SERVER]:
         return []
     if tuple(lines[0].split()) != PS_HEADER:
         raise ControlError(f"unexpected ps header: {lines[0][:80]!r}")
-    if len(lines) - 1 > MAX_LISTED:
-        raise ControlError(f"{len(lines) - 1} clients in one ps answer (more than {MAX_LISTED}): not believed")
-    entries = []
-    for line in lines[1:]:
-        cols = line.split(None, 5)
-        if len(cols) < 5 or not all(_NUMBER.match(c) for c in (cols[0], cols[1], cols[2])):
-            raise ControlError(f"unexpected ps row: {line[:80]!r}")
-        entries.append(PsEntry(pid=int(cols[0]), client_id=int(cols[1]), server_pid=int(cols[2]),
-                               device=cols[3], namespace=cols[4], command=cols[5] if len(cols) > 5 else ""))
+    entries: List[PsEntry] = []
+    rows = [line for line in (line.strip() for line in text.split("\n")) if line]
+    for line in rows[1:]:  # after the header
+        entry = _ps_row(line)
+        if entry is not None:
+            if len(entries) == MAX_LISTED:
+                raise ControlError(f"more than {MAX_LISTED} clients in one ps answer: not believed")
+            entries.append(entry)
+        elif entries:
+            last = entries[-1]
+            command = f"{last.command}\n{line}" if len(last.command) + 1 + len(line) <= MAX_COMMAND_CHARS \
+                else last.command
+            entries[-1] = dataclasses.replace(last, command=command)
+        else:
+            log.debug("ps: a line before the first row, dropped: %r", line[:80])
     return entries
 
 
@@ -306,7 +330,7 @@ class ControlClient:
             rc, out = self.runner([self.binary], line + "\n", self._env(), self.timeout)
         except FileNotFoundError as e:
             raise ControlError(f"{self.binary} not found: {e.strerror}") from e
-        if NO_DAEMON in out:
+        if _lines(out)[:1] == [NO_DAEMON]:  # its whole answer: a client's command may say the same
             raise DaemonNotRunning(NO_DAEMON)
         if rc != 0:
             raise ControlError(f"{line}: exit code {rc}: {out.strip()[:120]!r}")

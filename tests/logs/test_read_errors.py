@@ -377,3 +377,96 @@ def test_serve_with_a_bad_control_log_reads_server_log_and_ends_on_sigterm(work_
     assert took < 5, f"SIGTERM took {took:.1f} s"
     assert proc.returncode == 0, out
     assert out.count("level=warn") == 1 and str(logs / "control.log") in out, out
+
+
+# ------------------------------------------------------------ symbolic links (issue 42 point 7)
+SECRET = "root:$6$not-for-the-metrics:19000:0:99999:7:::\n" * 5
+
+
+def test_a_symbolic_link_under_the_name_is_refused_not_followed(tmp_path):
+    secret = tmp_path / "shadow"
+    secret.write_text(SECRET)
+    path = tmp_path / "control.log"
+    os.symlink(secret, path)
+    f = FileFollower(str(path))
+    for _ in range(3):
+        assert f.poll() == ([], 0)
+    assert f.error is not None and f.error.reason == NOT_REGULAR_FILE
+    assert f.error.message == f"{path} is a symbolic link: not followed (log files are read as root)"
+    assert f.errors == {NOT_REGULAR_FILE: 1} and f._fd is None
+    assert f.unread_bytes() == 0  # not even the target's size as a backlog
+    path.unlink()
+    path.write_text(LINE + "\n")  # a regular file again: read, the error gone
+    assert f.poll()[0] == [LINE] and f.error is None
+
+
+def test_a_log_replaced_by_a_symbolic_link_is_read_to_its_end_and_no_further(tmp_path):
+    secret = tmp_path / "shadow"
+    secret.write_text(SECRET)
+    path = tmp_path / "control.log"
+    path.write_text("a\n")
+    f = FileFollower(str(path))
+    assert f.poll()[0] == ["a"]
+    with open(path, "a") as fh:
+        fh.write("b\n")
+    os.rename(path, tmp_path / "control.log.1")
+    os.symlink(secret, path)
+    assert f.poll()[0] == ["b"]  # the old file to its end, then nothing of the target
+    assert f.poll()[0] == [] and f.error is not None and "symbolic link" in f.error.message
+
+
+def test_a_symbolic_link_among_the_rotated_files_is_not_read(tmp_path):
+    secret = tmp_path / "shadow"
+    secret.write_text(SECRET)
+    path = tmp_path / "control.log"
+    path.write_text("a\n")
+    f = FileFollower(str(path))
+    assert f.poll()[0] == ["a"]
+    os.rename(path, tmp_path / "control.log.2")
+    os.symlink(secret, tmp_path / "control.log.1")  # "a rotated file written after it"
+    path.write_text("c\n")
+    lines = []
+    for _ in range(3):
+        lines += f.poll()[0]
+    assert lines == ["c"]
+
+
+def test_a_name_that_becomes_a_symbolic_link_after_the_look_is_not_opened(tmp_path, monkeypatch):
+    # lstat saw a regular file; by the open() it is a link: O_NOFOLLOW refuses it (ELOOP).
+    from mps_exporter.logs import follower
+
+    secret = tmp_path / "shadow"
+    secret.write_text(SECRET)
+    path = tmp_path / "control.log"
+    regular = os.lstat(secret)
+    os.symlink(secret, path)
+    real_lstat = os.lstat
+    monkeypatch.setattr(follower.os, "lstat", lambda p: regular if str(p) == str(path) else real_lstat(p))
+    with pytest.raises(follower.NotRegularFile, match="symbolic link"):
+        follower.open_regular(str(path))
+
+
+def test_a_symbolic_link_control_log_is_a_read_error_and_publishes_no_line_count(tmp_path):
+    secret = tmp_path / "shadow"
+    secret.write_text(SECRET)
+    os.symlink(secret, tmp_path / "control.log")
+    (tmp_path / "server.log").write_text(SERVER_LINE + "\n")
+    pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
+    snap = pipe.read_once()
+    assert snap.lines == {"control": 0, "server": 1}
+    assert snap.problems == (f"{tmp_path / 'control.log'} is a symbolic link: not followed "
+                             "(log files are read as root)",)
+    assert read_errors(pipe)[("control", NOT_REGULAR_FILE)] == 1
+    assert logs_success(pipe) == 0
+    assert pipe.unread_bytes() == 0
+
+
+def test_capture_taps_do_not_follow_a_symbolic_link_either(tmp_path):
+    from mps_exporter.capture import LogTap
+
+    secret = tmp_path / "shadow"
+    secret.write_text(SECRET)
+    os.symlink(secret, tmp_path / "control.log")
+    tap = LogTap(str(tmp_path / "control.log"))
+    assert tap.poll() == []
+    assert tap.error is not None and tap.error.reason == NOT_REGULAR_FILE and "symbolic link" in tap.error.message

@@ -85,7 +85,7 @@ class StepsInsideCalls:
 
     def __getattr__(self, name: str) -> Any:
         real = getattr(os, name)
-        if name not in ("stat", "open", "fstat", "pread", "scandir"):
+        if name not in ("stat", "lstat", "open", "fstat", "pread", "scandir"):
             return real
 
         def moved_first(*args: Any, **kwargs: Any) -> Any:
