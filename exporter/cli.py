@@ -444,6 +444,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             faulthandler.enable()
         except (AttributeError, ValueError, OSError):  # a stderr without a file (tests' capture)
             log.debug("faulthandler not enabled: stderr has no file descriptor")
+    for warning in cfg.web_config.warnings if cfg.web_config else ():  # read before logging was set up
+        log.warning("%s", warning)
     if command == "dump":
         try:
             return dump(cfg)
