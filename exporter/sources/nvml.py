@@ -19,6 +19,7 @@ drops that field.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
 import threading
@@ -458,6 +459,13 @@ class NvmlSourceSpec(Source[NvmlReading]):
 
     def store(self, snap: Snapshot, reading: NvmlReading) -> None:
         snap.nvml = reading
+
+    def shift(self, reading: NvmlReading, seconds: float) -> NvmlReading:
+        micros = round(seconds * 1e6)  # NVML's sample times
+        return dataclasses.replace(reading, gpus=[
+            dataclasses.replace(g, process_utilization=[dataclasses.replace(u, timestamp_us=u.timestamp_us + micros)
+                                                        for u in g.process_utilization])
+            for g in reading.gpus])
 
 
 SOURCE = NvmlSourceSpec()

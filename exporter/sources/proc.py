@@ -22,6 +22,7 @@ import logging
 import os
 import pwd
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from typing import AbstractSet, Callable, Dict, Iterable, Optional, Set, Tuple
 
@@ -290,6 +291,11 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
 
     def store(self, snap: Snapshot, reading: Dict[int, ProcessFacts]) -> None:
         snap.processes = reading
+
+    def shift(self, reading: Dict[int, ProcessFacts], seconds: float) -> Dict[int, ProcessFacts]:
+        return {pid: facts if facts.start_time_seconds is None
+                else dataclasses.replace(facts, start_time_seconds=facts.start_time_seconds + seconds)
+                for pid, facts in reading.items()}
 
 
 SOURCE = ProcSourceSpec()
