@@ -134,6 +134,9 @@ def test_dump_counts_refusals_and_a_server_killed_under_its_client():
     (["--web.telemetry-path", "metrics"], "must start with '/'"),
     (["--config.file", "/nonexistent.yml"], "cannot read config file"),
     (["--log.level", "loud"], "invalid choice"),
+    # issue 43: the proc collector reported success reading nothing
+    (["--path.procfs", "/nonexistent/proc"], "--path.procfs '/nonexistent/proc': no such directory"),
+    (["dump", "--path.procfs", "/dev/null"], "--path.procfs '/dev/null': not a directory"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(args, message):
     res = subprocess.run(EXE + args, capture_output=True, text=True, timeout=30)
