@@ -31,7 +31,7 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
     stop = stop or threading.Event()
     stop_on_signals(stop)
     try:
-        serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, cfg.web_config,
+        serve_http(build_registry(collector, process=not cfg.disable_exporter_metrics), cfg.listen_address, cfg.telemetry_path, cfg.web_config,
                    max_requests=cfg.max_requests, ready=ready, stop=stop, listener=cfg.listen_socket,
                    readiness=lambda: all(reader.ready() for reader in readers.values()), notice=notice)
     finally:
