@@ -61,6 +61,9 @@ def test_serves_without_gpu_and_keeps_serving(tmp_path):
     assert proc.returncode == 0, out
     # failures are logged once, in logfmt, not on every scrape
     assert out.count("collector nvml failed") == 1, out
+    # and where NVML is missing, the warning points at the demo
+    (nvml_failed,) = [line for line in out.splitlines() if "collector nvml failed" in line]
+    assert "level=warn" in nvml_failed and "mps-exporter replay" in nvml_failed, nvml_failed
 
 
 def test_dump_of_a_captured_log_directory_passes_promtool():

@@ -93,6 +93,10 @@ def concurrently(fn: Callable[[int], T], items: Iterable[int]) -> List[T]:
     return [results[i] for i in range(len(todo))]
 
 
+# Said where NVML is missing altogether (a laptop, a CI runner): where the demo is.
+DEMO_HINT = "for a demo without a GPU: mps-exporter replay"
+
+
 class NvmlUnavailable(RuntimeError):
     """NVML cannot be used at all in this scrape (no library, no driver, no GPU)."""
 
@@ -207,7 +211,7 @@ class NvmlClient:
             try:
                 import pynvml  # the nvidia-ml-py package
             except ImportError as e:
-                raise NvmlUnavailable(f"cannot import pynvml (install nvidia-ml-py): {e}") from e
+                raise NvmlUnavailable(f"cannot import pynvml (install nvidia-ml-py; {DEMO_HINT}): {e}") from e
             self._nvml = pynvml
         return self._nvml
 
@@ -217,7 +221,7 @@ class NvmlClient:
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as e:
-            raise NvmlUnavailable(f"NVML cannot initialise: {e} (no NVIDIA driver or no GPU?)") from e
+            raise NvmlUnavailable(f"NVML cannot initialise: {e} (no NVIDIA driver or no GPU? {DEMO_HINT})") from e
         self._forget_state(nvml)
         direct = DirectLists(nvml)  # buffers sized anew after a re-initialisation
         self._direct = direct if direct.usable else None
