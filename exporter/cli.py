@@ -184,6 +184,9 @@ def _add_web(p: argparse.ArgumentParser) -> None:
                    help="exporter-toolkit web config: TLS and basic auth")
     p.add_argument("--web.max-requests", dest="max_requests", type=int, default=DEFAULTS.max_requests,
                    help="scrapes of the metrics path served at once; more get 503 (0: no limit; default %(default)s)")
+    p.add_argument("--web.disable-exporter-metrics", dest="disable_exporter_metrics", action="store_true",
+                   help="leave the exporter's own process_* metrics (CPU, memory, open files) out of the metrics "
+                        "path; the collectors' own series stay")
     p.add_argument("--scrape.max-duration", dest="scrape_max_seconds", type=float, default=DEFAULTS.scrape_max_seconds,
                    help="seconds a scrape waits for the sources; a source later than that fails its collector "
                         "and its last reading is served, marked (0: no limit; default %(default)s)")
@@ -390,6 +393,7 @@ def _web_flags(cfg: Config, ns: argparse.Namespace, check_address: bool) -> None
     if cfg.scrape_max_seconds < 0 or cfg.scrape_timeout_offset < 0:
         raise ConfigError("--scrape.max-duration and --scrape.timeout-offset must not be negative")
     cfg.web_config_file, cfg.max_requests = ns.web_config_file, ns.max_requests
+    cfg.disable_exporter_metrics = ns.disable_exporter_metrics
     if not cfg.telemetry_path.startswith("/"):
         raise ConfigError(f"--web.telemetry-path must start with '/': {cfg.telemetry_path!r}")
     if cfg.max_requests < 0:
@@ -444,6 +448,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             faulthandler.enable()
         except (AttributeError, ValueError, OSError):  # a stderr without a file (tests' capture)
             log.debug("faulthandler not enabled: stderr has no file descriptor")
+    for warning in cfg.web_config.warnings if cfg.web_config else ():  # read before logging was set up
+        log.warning("%s", warning)
     if command == "dump":
         try:
             return dump(cfg)

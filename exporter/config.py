@@ -133,6 +133,8 @@ class Config:
     web_config_file: Optional[str] = None
     web_config: Optional["WebConfig"] = None  # the file, read and checked once by parse_args
     max_requests: int = 40  # --web.max-requests (node_exporter's default): scrapes at once; 0 = no cap
+    # --web.disable-exporter-metrics (exporter-toolkit's): no process_* series of the exporter itself
+    disable_exporter_metrics: bool = False
     scrape_max_seconds: float = 5.0  # a scrape's wait for its sources; 0 = no limit
     # Of Prometheus' scrape timeout, kept for rendering, encoding and the network (as
     # blackbox_exporter's --timeout-offset).

@@ -15,9 +15,10 @@ from .wiring import build_collector, build_readers, stop_on_signals
 
 
 def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[threading.Event] = None,
-          readers: Optional[Dict[str, Reader[Any]]] = None, clock: Callable[[], float] = time.time) -> int:
+          readers: Optional[Dict[str, Reader[Any]]] = None, clock: Callable[[], float] = time.time,
+          notice: str = "") -> int:
     """Serve until SIGTERM/SIGINT or `stop`. `readers` replaces the live ones and `clock`
-    the collector's time (replay, tests)."""
+    the collector's time (replay, tests); `notice` is said on the landing page."""
     readers = build_readers(cfg) if readers is None else readers
     for reader in readers.values():
         reader.start()
@@ -30,9 +31,9 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
     stop = stop or threading.Event()
     stop_on_signals(stop)
     try:
-        serve_http(build_registry(collector), cfg.listen_address, cfg.telemetry_path, cfg.web_config,
+        serve_http(build_registry(collector, process=not cfg.disable_exporter_metrics), cfg.listen_address, cfg.telemetry_path, cfg.web_config,
                    max_requests=cfg.max_requests, ready=ready, stop=stop, listener=cfg.listen_socket,
-                   readiness=lambda: all(reader.ready() for reader in readers.values()))
+                   readiness=lambda: all(reader.ready() for reader in readers.values()), notice=notice)
     finally:
         collector.close()
         for reader in readers.values():

@@ -213,8 +213,9 @@ def _always_ready() -> bool:
 
 class _App:
     def __init__(self, registry: Collector, telemetry_path: str, config: WebConfig, max_requests: int,
-                 ready: Callable[[], bool] = _always_ready) -> None:
+                 ready: Callable[[], bool] = _always_ready, notice: str = "") -> None:
         self.registry = registry
+        self.notice = notice  # said on the landing page (replay: what is played)
         self.ready = ready
         self.telemetry_path = telemetry_path
         self.web_config = WebConfigWatch(config)
@@ -817,7 +818,7 @@ class _Exchange:
         if url.path == app.telemetry_path:
             self._metrics(parse_qs(url.query))
         elif url.path == "/":
-            self._reply(HTTPStatus.OK, _landing_page(app.telemetry_path), {"Content-Type": "text/html; charset=utf-8"})
+            self._reply(HTTPStatus.OK, _landing_page(app.telemetry_path, app.notice), {"Content-Type": "text/html; charset=utf-8"})
         elif url.path == HEALTH_PATH:
             self._reply(HTTPStatus.OK, b"OK")
         elif url.path == READY_PATH:
@@ -888,11 +889,13 @@ def send_all(sock: socket.socket, data: bytes) -> None:
     sock.sendall(data)
 
 
-def _landing_page(telemetry_path: str) -> bytes:
+def _landing_page(telemetry_path: str, notice: str = "") -> bytes:
+    """`notice`: plain text said first, in bold (what a replay plays)."""
     path = html.escape(telemetry_path, quote=True)
+    said = f"<p><strong>{html.escape(notice)}</strong></p>\n" if notice else ""
     return (
         "<!DOCTYPE html>\n<html>\n<head><meta charset=\"utf-8\"><title>MPS Exporter</title></head>\n"
-        "<body>\n<h1>MPS Exporter</h1>\n"
+        f"<body>\n<h1>MPS Exporter</h1>\n{said}"
         "<p>Prometheus exporter for NVIDIA MPS (CUDA Multi-Process Service).</p>\n"
         f"<ul>\n<li><a href=\"{path}\">Metrics</a></li>\n<li><a href=\"{HEALTH_PATH}\">Health</a></li>\n"
         f"<li><a href=\"{runbook.PATH}\">Alert runbook</a></li>\n</ul>\n"
@@ -903,24 +906,24 @@ def _landing_page(telemetry_path: str) -> bytes:
 def make_server(registry: Collector, listen_address: str, telemetry_path: str = "/metrics",
                 web_config: Optional[WebConfig] = None, max_requests: int = Config.max_requests,
                 max_connections: Optional[int] = None, listener: Optional[socket.socket] = None,
-                readiness: Callable[[], bool] = _always_ready) -> ExporterServer:
+                readiness: Callable[[], bool] = _always_ready, notice: str = "") -> ExporterServer:
     """Bind (port 0 picks a free port) without serving yet; tests and serve() use it.
     max_connections: None takes what the file limit allows (connection_cap); listener: a
     listening socket to serve instead of binding (systemd socket activation);
-    `readiness`: what /-/ready answers (False: 503)."""
+    `readiness`: what /-/ready answers (False: 503); `notice`: said on the landing page."""
     return ExporterServer(listen_address, _App(registry, telemetry_path, web_config or WebConfig(), max_requests,
-                                               readiness), max_connections, listener)
+                                               readiness, notice), max_connections, listener)
 
 
 def serve(registry: Collector, listen_address: str, telemetry_path: str, web_config: Optional[WebConfig], *,
           max_requests: int = Config.max_requests, ready: Optional[threading.Event] = None,
           stop: Optional[threading.Event] = None, listener: Optional[socket.socket] = None,
-          readiness: Callable[[], bool] = _always_ready) -> None:
+          readiness: Callable[[], bool] = _always_ready, notice: str = "") -> None:
     """Serve until `stop` is set (or forever). Blocking. Raises OSError when the
     address cannot be bound (nothing is logged as listening then)."""
     raise_open_file_limit()
     server = make_server(registry, listen_address, telemetry_path, web_config, max_requests, listener=listener,
-                         readiness=readiness)
+                         readiness=readiness, notice=notice)
     log.info("listening on %s, metrics at %s (TLS %s, basic auth %s, at most %d connections)",
              server.bound_addresses(), telemetry_path, "on" if server.tls else "off",
              "on" if server.app.auth else "off", server.max_connections)

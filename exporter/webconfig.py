@@ -10,7 +10,10 @@ Those cases are rejected at start-up with one clear line, never silently ignored
 - `client_auth_type` RequestClientCert and RequireAnyClientCert (accepting a
   client certificate without verifying it): the ssl module always verifies;
 - `curve_preferences` with several curves: the ssl module sets one curve, so
-  the first (most preferred) one is used;
+  the first (most preferred) one that this Python's OpenSSL can set is used. A
+  curve it cannot set (Debian 12's Python 3.11.2 refuses X25519 where other 3.11
+  builds take it) is skipped with one warning line (`WebConfig.warnings`); a list
+  with no curve it can set is a config error;
 - `http_server_config.http2` is accepted, but only HTTP/1.1 is served; its
   cipher check (an HTTP/2-required suite when TLS 1.2 is allowed) is kept so a
   file behaves as it would under node_exporter.
@@ -148,7 +151,10 @@ class TLSSettings:
         if self.prefer_server_ciphers:
             ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
         if self.curve:
-            ctx.set_ecdh_curve(self.curve)
+            try:
+                ctx.set_ecdh_curve(self.curve)
+            except (ssl.SSLError, ValueError) as e:  # checked when the file is read; kept as one line anyway
+                raise TLSMaterialError(f"cannot set curve {self.curve}: {_ssl_reason(e)}") from e
         cert_pem = self.cert_pem if self.cert_pem else _read_text(self.cert_file, "cert_file")
         key_pem = self.key_pem if self.key_pem else _read_text(self.key_file, "key_file")
         _check_pem_kinds(cert_pem, key_pem)
@@ -252,6 +258,9 @@ class WebConfig:
     # Built once from `tls` while the file is read (that is its validation too).
     tls_context: Optional[TLSContextSource] = field(default=None, compare=False, repr=False)
     path: Optional[str] = field(default=None, compare=False)  # the file it came from, watched for changes
+    # What was read but not applied as written (a curve this Python cannot set): one
+    # log line each, said by whoever loads the file once logging is set up.
+    warnings: Tuple[str, ...] = field(default=(), compare=False)
 
 
 def _file_stamp(path: str) -> Tuple[int, ...]:
@@ -308,6 +317,8 @@ class WebConfigWatch:
             return
         self.config = fresh
         self.reloads += 1
+        for warning in fresh.warnings:
+            log.warning("%s", warning)
         log.info("reloaded web config file %s (%d users, TLS %s)", path, len(fresh.users),
                  "on" if fresh.tls else "off")
 
@@ -327,7 +338,8 @@ def load_web_config(path: str) -> WebConfig:
     except ConfigError as e:
         raise ConfigError(f"web config file {path}: {e}") from e
     return WebConfig(tls=config.tls, headers=config.headers, users=config.users, rate_limit=config.rate_limit,
-                     tls_context=config.tls_context, path=path)
+                     tls_context=config.tls_context, path=path,
+                     warnings=tuple(f"web config file {path}: {w}" for w in config.warnings))
 
 
 def parse_web_config(doc: object, base_dir: str) -> WebConfig:
@@ -344,7 +356,8 @@ def parse_web_config(doc: object, base_dir: str) -> WebConfig:
         if not isinstance(http2, bool):
             raise ConfigError("http_server_config.http2 must be true or false")
         headers = _parse_headers(http.get("headers"))
-    tls = _parse_tls(top["tls_server_config"], base_dir, http2) if top.get("tls_server_config") else None
+    warnings: List[str] = []
+    tls = _parse_tls(top["tls_server_config"], base_dir, http2, warnings) if top.get("tls_server_config") else None
     users = _parse_users(top.get("basic_auth_users"))
     rate_limit = _parse_rate_limit(top["rate_limit"]) if top.get("rate_limit") is not None else None
     context = None
@@ -353,7 +366,8 @@ def parse_web_config(doc: object, base_dir: str) -> WebConfig:
             context = TLSContextSource(tls)
         except TLSMaterialError as e:
             raise ConfigError(f"tls_server_config: {e}") from e
-    return WebConfig(tls=tls, headers=headers, users=users, rate_limit=rate_limit, tls_context=context)
+    return WebConfig(tls=tls, headers=headers, users=users, rate_limit=rate_limit, tls_context=context,
+                     warnings=tuple(warnings))
 
 
 def _mapping(value: object, where: str, allowed: Iterable[str]) -> Dict[str, Any]:
@@ -381,7 +395,7 @@ def _string_list(section: Mapping[str, object], key: str, where: str) -> List[st
     return value
 
 
-def _parse_tls(value: object, base_dir: str, http2: bool) -> TLSSettings:
+def _parse_tls(value: object, base_dir: str, http2: bool, warnings: List[str]) -> TLSSettings:
     where = "tls_server_config"
     section = _mapping(value, where, _TLS_KEYS)
 
@@ -434,7 +448,7 @@ def _parse_tls(value: object, base_dir: str, http2: bool) -> TLSSettings:
         max_version=_tls_version(section, "max_version", ssl.TLSVersion.TLSv1_3),
         ciphers=_openssl_ciphers(cipher_names),
         prefer_server_ciphers=prefer,
-        curve=_curve(_string_list(section, "curve_preferences", where)),
+        curve=_curve(_string_list(section, "curve_preferences", where), warnings),
     )
     if settings.min_version > settings.max_version:
         raise ConfigError(f"{where}: min_version is above max_version")
@@ -454,11 +468,35 @@ def _tls_version(section: Mapping[str, object], key: str, default: ssl.TLSVersio
     return _TLS_VERSIONS[name]
 
 
-def _curve(names: List[str]) -> Optional[str]:
+def _curve(names: List[str], warnings: List[str]) -> Optional[str]:
+    """The OpenSSL name of the first listed curve this Python can set. Curves before
+    it that it cannot set are skipped with one warning; none settable: ConfigError."""
     for name in names:
         if name not in _CURVES:
             raise ConfigError(f"tls_server_config: unknown curve {name!r} (one of {', '.join(_CURVES)})")
-    return _CURVES[names[0]] if names else None
+    if not names:
+        return None
+    usable = [name for name in names if _curve_settable(_CURVES[name])]
+    if not usable:
+        settable = [name for name in _CURVES if _curve_settable(_CURVES[name])]
+        raise ConfigError(f"tls_server_config: curve_preferences: this Python ({ssl.OPENSSL_VERSION}) cannot set "
+                          f"{', '.join(names)}; list one it can set: {', '.join(settable) or 'none'}")
+    skipped = names[:names.index(usable[0])]
+    if skipped:
+        warnings.append(f"curve_preferences: this Python ({ssl.OPENSSL_VERSION}) cannot set {', '.join(skipped)}; "
+                        f"using {usable[0]}")
+    return _CURVES[usable[0]]
+
+
+def _curve_settable(openssl_name: str) -> bool:
+    """Whether the ssl module here sets this curve: builds differ (Debian 12's
+    Python 3.11.2 refuses X25519 with `[EC: UNKNOWN_GROUP]`)."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        probe.set_ecdh_curve(openssl_name)
+    except (ssl.SSLError, ValueError):
+        return False
+    return True
 
 
 def _openssl_ciphers(names: List[str]) -> Optional[str]:

@@ -9,6 +9,7 @@ that run the real commands, which are bounded by a deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import http.client
 import json
@@ -125,13 +126,13 @@ def record_session(tmp: Path) -> Tuple[Path, List[str], dict]:
     return path, live, full
 
 
-def play(bundle_path: Path, log_root: Path, speed: float = 1.0, loop: bool = False):
+def play(bundle_path: Path, log_root: Path, speed: float = 1.0, loop: bool = False, present=None):
     """A Player with a manual clock, and the real collector and log pipelines over it."""
     bundle = load(str(bundle_path))
     mono = ManualClock()
-    player = Player(bundle, str(log_root), speed=speed, loop=loop, monotonic=mono)
+    player = Player(bundle, str(log_root), speed=speed, loop=loop, monotonic=mono, present=present)
     cfg = replay_config(Config(), bundle, player.log_dirs)
-    readers = player.readers_with(build_readers(cfg, recorded=False))
+    readers = player.readers_with(build_readers(cfg, player.backends(), recorded=False))
     collector = build_collector(cfg, readers, clock=player.clock)
 
     def at(monotonic: float) -> str:
@@ -258,6 +259,115 @@ def test_loop_starts_over_and_logs_are_rotated(tmp_path):
     assert (log_dir / "control.log.1").read_bytes() == LINES_A + LINES_B
     assert (log_dir / "control.log").read_bytes() == LINES_A
     assert control_lines(at(76.0)) == 3 + 3 + 3  # lap 3, past t=15
+
+
+# ---------------------------------------------------------------- the present clock
+TEN_DAYS = 10 * 86400.0
+TIMES = ("mps_exporter_collector_last_success_timestamp_seconds", "mps_server_start_time_seconds",
+         "mps_client_start_time_seconds", "mps_log_last_line_timestamp_seconds")
+
+
+def samples(text: str) -> dict:
+    """name{labels} -> value, the collectors' timings left out."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "duration_seconds" not in line:
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def test_replay_on_the_present_clock_moves_every_recorded_time(tmp_path):
+    """Issue 43: replay served the recording's own clock, so the readings looked days stale."""
+    path, _, _ = record_session(tmp_path)
+    bundle, _, plain = play(path, tmp_path / "plain")
+    present = START + TEN_DAYS + 0.5  # the recording started at START (t=0)
+    _, player, moved = play(path, tmp_path / "moved", present=present)
+    shifted_names = set()
+    for s in bundle.scrapes:
+        want, got = samples(plain(s.t + 1.0)), samples(moved(s.t + 1.0))
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            name = key.split("{")[0]
+            if name in TIMES and value:
+                shifted_names.add(name)
+                assert got[key] == pytest.approx(value + TEN_DAYS + 0.5, abs=1e-3), key
+            else:  # ages, counts and queue waits: as recorded (the log lines were rewritten whole)
+                assert got[key] == value, key
+    assert shifted_names == set(TIMES)
+    assert player.clock() == pytest.approx(present + bundle.scrapes[-1].t + 1.0, abs=1e-3)
+
+
+def test_replayed_process_start_times_move_and_the_bundle_keeps_its_own(tmp_path):
+    path, _, _ = record_session(tmp_path)
+    bundle = load(str(path))
+    player = Player(bundle, str(tmp_path / "r"), monotonic=lambda: 5.0, present=START + TEN_DAYS)
+    player.clock()
+    recorded = {pid: f.start_time_seconds for pid, f in SOURCES["proc"].replay(bundle.scrapes[1].results["proc"]).items()}
+    assert any(recorded.values())
+    for _ in range(2):  # played again: moved once, never twice
+        moved = {pid: f.start_time_seconds for pid, f in player.result("proc").items()}
+        assert moved == {pid: t + TEN_DAYS if t is not None else None for pid, t in recorded.items()}
+
+
+def test_a_new_lap_moves_the_times_on_by_the_bundle_duration(tmp_path):
+    present = START + 0.25 + TEN_DAYS  # t=0 was recorded at START + 0.25: times move by ten days
+    _, player, at = play(small_bundle(tmp_path / "b.jsonl.gz"), tmp_path / "r", loop=True, present=present)
+    at(5.0)
+    assert player.clock() == pytest.approx(present + 5.0)
+    text = at(35.0)  # lap 2, 5 s in: time goes on
+    assert player.clock() == pytest.approx(present + 30.0 + 5.0)
+    log_dir = tmp_path / "r" / "0"
+    first_lap = (log_dir / "control.log.1").read_bytes()
+    second_lap = (log_dir / "control.log").read_bytes()
+    assert first_lap == (LINES_A + LINES_B).replace(b"2026-11-21 04:19:2", b"2026-12-01 04:19:2")
+    assert second_lap == LINES_A.replace(b"2026-11-21 04:19:21", b"2026-12-01 04:19:51")
+    assert samples(text)['mps_log_last_line_timestamp_seconds{daemon="default",file="control"}'] == \
+        pytest.approx(1795235961.161 + TEN_DAYS + 30.0)  # 2026-11-21 04:19:21.161 UTC, moved
+
+
+def test_a_line_a_chunk_cuts_is_moved_whole(tmp_path):
+    """Chunks end mid-line (the capture reads as the daemon writes): the cut line's time is
+    rewritten once the rest has come, never left as recorded."""
+    path = small_bundle(tmp_path / "b.jsonl.gz")
+    bundle = load(str(path))
+    cut = LINES_A.index(b":19:") + 2  # inside the first line's time
+    head, tail = bundle.logs[0], bundle.logs[1]
+    bundle.logs[:2] = [dataclasses.replace(head, data=LINES_A[:cut]),
+                       dataclasses.replace(head, t=5.0, data=LINES_A[cut:]), tail]
+    mono = ManualClock()
+    player = Player(bundle, str(tmp_path / "r"), monotonic=mono, present=START + 0.25 + TEN_DAYS)
+    control = tmp_path / "r" / "0" / "control.log"
+    player.feed()
+    assert control.read_bytes() == b""  # not yet: the line's time is not whole
+    mono.now = 31.0
+    player.feed()
+    assert control.read_bytes() == (LINES_A + LINES_B).replace(b"2026-11-21", b"2026-12-01")
+
+
+def test_replay_landing_page_names_the_session_and_says_it_is_a_replay(tmp_path):
+    path = small_bundle(tmp_path / "recorded-h100.jsonl.gz")
+    port = free_port()
+    cfg = parse_args(["replay", str(path), "--web.listen-address", f"127.0.0.1:{port}"])[1]
+    stop, ready = threading.Event(), threading.Event()
+    present = START + 0.25 + TEN_DAYS
+    server = threading.Thread(target=replay, args=(cfg, stop, ready), kwargs={"wall_clock": lambda: present},
+                              daemon=True)
+    server.start()
+    try:
+        assert ready.wait(20)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/")
+        landing = conn.getresponse().read().decode()
+        conn.close()
+        text = scrape(port)
+    finally:
+        stop.set()
+        server.join(20)
+    assert "Replay, not a live node" in landing and "recorded-h100.jsonl.gz" in landing
+    assert "2026-11-21 04:21 UTC" in landing  # when it was recorded
+    last = samples(text)['mps_exporter_collector_last_success_timestamp_seconds{collector="nvml"}']
+    assert present <= last < present + 60  # the present, not START: this scrape came within a minute
 
 
 # ---------------------------------------------------------------- bad bundles

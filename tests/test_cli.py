@@ -61,6 +61,9 @@ def test_serves_without_gpu_and_keeps_serving(tmp_path):
     assert proc.returncode == 0, out
     # failures are logged once, in logfmt, not on every scrape
     assert out.count("collector nvml failed") == 1, out
+    # and where NVML is missing, the warning points at the demo
+    (nvml_failed,) = [line for line in out.splitlines() if "collector nvml failed" in line]
+    assert "level=warn" in nvml_failed and "mps-exporter replay" in nvml_failed, nvml_failed
 
 
 def test_dump_of_a_captured_log_directory_passes_promtool():
@@ -134,6 +137,9 @@ def test_dump_counts_refusals_and_a_server_killed_under_its_client():
     (["--web.telemetry-path", "metrics"], "must start with '/'"),
     (["--config.file", "/nonexistent.yml"], "cannot read config file"),
     (["--log.level", "loud"], "invalid choice"),
+    # issue 43: the proc collector reported success reading nothing
+    (["--path.procfs", "/nonexistent/proc"], "--path.procfs '/nonexistent/proc': no such directory"),
+    (["dump", "--path.procfs", "/dev/null"], "--path.procfs '/dev/null': not a directory"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(args, message):
     res = subprocess.run(EXE + args, capture_output=True, text=True, timeout=30)
@@ -200,6 +206,7 @@ BAD_VALUES = {
     "--web.systemd-socket": ["=x"],
     "--web.config.file": ["/nonexistent/web.yml", "{bad_web}"],
     "--web.max-requests": ["abc", "-1"],
+    "--web.disable-exporter-metrics": ["=x"],
     "--scrape.max-duration": ["abc", "-1"],
     "--scrape.timeout-offset": ["abc", "-0.5"],
     "--collector.refresh-interval": ["abc", "-1", "nan"],
@@ -331,3 +338,26 @@ def test_dump_textfile_that_fails_while_written_is_one_line_and_exit_2(tmp_path,
     err = capsys.readouterr().err
     assert f"mps-exporter: error: --textfile '{tmp_path / 'mps.prom'}': No space left on device\n" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag,process_metrics", [([], True), (["--web.disable-exporter-metrics"], False)])
+def test_disable_exporter_metrics_drops_the_process_metrics(flag, process_metrics):
+    """exporter-toolkit's flag: /metrics without the exporter's own process_* series; the
+    collectors' own (mps_exporter_*) stay, alerts are built on them."""
+    from mps_exporter.cli import parse_args
+    from mps_exporter.service import serve
+
+    port = free_port()
+    cfg = parse_args(["serve", "--web.listen-address", f"127.0.0.1:{port}", *flag])[1]
+    stop, ready = threading.Event(), threading.Event()
+    server = threading.Thread(target=serve, args=(cfg, stop, ready), kwargs={"readers": {}}, daemon=True)
+    server.start()
+    try:
+        assert ready.wait(20)
+        body = get(f"http://127.0.0.1:{port}/metrics")[1]
+    finally:
+        stop.set()
+        server.join(20)
+    assert ("\nprocess_cpu_seconds_total " in body) == process_metrics
+    assert ("\nprocess_" in body or body.startswith("process_")) == process_metrics
+    assert "mps_exporter_build_info{" in body

@@ -280,3 +280,30 @@ def test_every_documented_pip_install_runs_in_a_virtual_environment():
             venv = [i for i, line in enumerate(lines) if "python3 -m venv .venv && . .venv/bin/activate" in line]
             assert venv and venv[0] < installs[0] or doc.name == "README.md" and lines == [
                 "pip install . && mps-exporter replay"], (doc.name, lines)
+
+
+def test_the_first_screen_shows_the_demo_and_the_tests_then_the_live_command():
+    """Issue 43: what a visitor without a GPU can run comes first, on the first screen."""
+    lines = README.splitlines()
+
+    def line_of(command: str) -> int:
+        return next(i for i, line in enumerate(lines) if line.startswith(f"    {command}"))
+
+    demo = line_of("pip install . && mps-exporter replay")
+    tests = line_of('python3 -m pip install -e ".[test]" && python3 -m pytest -q')
+    live = line_of("pip install . && mps-exporter --mps.pipe-directory")
+    assert demo < tests < live
+    assert tests < 60, "the demo and the test commands must be on the first screen"
+
+
+def test_every_apt_line_updates_first_and_the_readme_says_how_to_run_it_as_root():
+    # A fresh VM or container has no package lists: `apt-get install` alone answers
+    # "Unable to locate package"; a root shell in a container has no sudo.
+    blocks = [[line[4:] for line in block.splitlines()] for block in re.findall(r"(?:^    \S.*\n)+", README, re.M)]
+    installing = [lines for lines in blocks if any(line.startswith("sudo apt-get install ") for line in lines)]
+    assert len(installing) >= 3
+    for lines in installing:
+        first = next(i for i, line in enumerate(lines) if line.startswith("sudo apt-get install "))
+        assert first > 0 and lines[first - 1] == "sudo apt-get update", lines
+    quick_start = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "as root" in quick_start and "leave `sudo` out" in quick_start

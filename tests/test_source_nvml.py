@@ -263,8 +263,10 @@ def test_no_driver_raises_clearly_and_init_is_retried(code, message):
     fake = FakeNvml.no_driver(code)
     source = NvmlClient(fake)
     for _ in range(2):
-        with pytest.raises(NvmlUnavailable, match=f"NVML cannot initialise: {message}"):
+        with pytest.raises(NvmlUnavailable, match=f"NVML cannot initialise: {message}") as err:
             source.read()
+        # issue 43: a user trying it on a laptop learns where the demo is
+        assert "for a demo without a GPU: mps-exporter replay" in str(err.value)
     assert fake.calls["nvmlInit"] == 2
     # The driver comes back (module loaded, GPU attached): the next scrape works.
     del fake.errors["nvmlInit"]

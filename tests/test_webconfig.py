@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import textwrap
 from pathlib import Path
 
@@ -105,6 +106,28 @@ def config_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(TOOLKIT_ACCEPTS))
 def test_same_decision_as_exporter_toolkit(config_dir, name):
+    _same_decision(config_dir, name)
+
+
+@pytest.fixture
+def refuse_x25519(monkeypatch):
+    """This Python's ssl module as Debian 12's 3.11.2 has it: set_ecdh_curve refuses X25519."""
+    real = ssl.SSLContext.set_ecdh_curve
+
+    def set_ecdh_curve(self, name):
+        if name == "X25519":
+            raise ssl.SSLError(1, "[EC: UNKNOWN_GROUP] unknown group (_ssl.c:4029)")
+        return real(self, name)
+
+    monkeypatch.setattr(ssl.SSLContext, "set_ecdh_curve", set_ecdh_curve)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in TOOLKIT_ACCEPTS if "Curves" in n))
+def test_same_decision_where_python_refuses_x25519(config_dir, refuse_x25519, name):
+    _same_decision(config_dir, name)
+
+
+def _same_decision(config_dir, name):
     path = str(config_dir / name)
     if name in DIVERGENCES:
         with pytest.raises(ConfigError, match=f"{DIVERGENCES[name]} .* is not supported"):
@@ -164,3 +187,57 @@ def test_curve_preference_is_applied(config_dir):
             else:
                 with pytest.raises(ssl.SSLError):
                     request(server, "/-/healthy", context=ctx)
+
+
+def test_a_curve_python_cannot_set_is_skipped_with_one_warning(config_dir, refuse_x25519):
+    """allCurves lists X25519 first: where it cannot be set the next one applies, said once."""
+    path = config_dir / "web_config_noAuth_allCurves.good.yml"
+    cfg = load_web_config(str(path))
+    assert cfg.tls.curve == "prime256v1"
+    assert len(cfg.warnings) == 1
+    assert "cannot set X25519; using CurveP256" in cfg.warnings[0] and str(path) in cfg.warnings[0]
+    assert "\n" not in cfg.warnings[0]
+
+
+def test_every_curve_settable_is_no_warning(config_dir):
+    cfg = load_web_config(str(config_dir / "web_config_noAuth_someCurves.good.yml"))
+    assert cfg.tls.curve == "secp384r1" and cfg.warnings == ()
+
+
+def test_no_settable_curve_is_one_line(config_dir, refuse_x25519, tmp_path):
+    path = tmp_path / "x25519.yml"
+    path.write_text((config_dir / "web_config_noAuth_allCurves.good.yml").read_text()
+                    .replace("server.crt", str(config_dir / "server.crt"))
+                    .replace("server.key", str(config_dir / "server.key"))
+                    .replace("    - CurveP256\n    - CurveP384\n    - CurveP521\n", ""))
+    with pytest.raises(ConfigError) as err:
+        load_web_config(str(path))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "cannot set X25519; list one it can set: CurveP256, CurveP384, CurveP521" in message
+
+
+def test_the_cli_logs_the_skipped_curve_once_and_serves(config_dir, refuse_x25519, monkeypatch, capsys):
+    import mps_exporter.service as service
+    from mps_exporter import cli
+
+    served = []
+    monkeypatch.setattr(service, "serve", lambda cfg: served.append(cfg) or 0)
+    code = cli.main(["--web.config.file", str(config_dir / "web_config_noAuth_allCurves.good.yml"),
+                     "--web.listen-address", "127.0.0.1:0"])
+    assert code == 0 and len(served) == 1
+    err = capsys.readouterr().err
+    assert err.count("cannot set X25519") == 1 and "level=warn" in err and "Traceback" not in err, err
+
+
+def test_the_cli_refuses_a_list_of_unsettable_curves_in_one_line(config_dir, refuse_x25519, tmp_path, capsys):
+    from mps_exporter import cli
+
+    path = tmp_path / "x25519.yml"
+    path.write_text(f"tls_server_config:\n  cert_file: {config_dir / 'server.crt'}\n"
+                    f"  key_file: {config_dir / 'server.key'}\n  curve_preferences: [X25519]\n")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--web.config.file", str(path), "--web.listen-address", "127.0.0.1:0"])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mps-exporter: error: web config file") and "X25519" in lines[0]

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .echoes import apply_control
 from .events import FILES
@@ -58,18 +58,20 @@ class LogPipeline:
     def __init__(self, daemon: str, log_directory: str, timezone: str = "local",
                  state_store: Optional[StateStore] = None,
                  max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, proc_root: Optional[str] = None,
-                 log_start: str = LOG_START_BEGINNING) -> None:
+                 log_start: str = LOG_START_BEGINNING, clock: Callable[[], float] = time.time) -> None:
         """proc_root: the /proc to ask whether queued clients still exist (None: never ask).
         log_start: with no state of this daemon to resume, read the files from their
         beginning (their history counted), or from their end (LOG_START_END: counters
-        from 0, the clients already connected unknown to the logs)."""
+        from 0, the clients already connected unknown to the logs). clock: the time a
+        line's own is checked against (replay: its present clock)."""
         self.daemon = daemon
         self.log_directory = log_directory
         self._tz = resolve_timezone(timezone)  # ValueError for an unknown zone: a config error
         self._store = state_store
         self._followers: Dict[str, FileFollower] = {
             f: FileFollower(os.path.join(log_directory, f + ".log"), max_line_bytes) for f in FILES}
-        self._state = LogState()
+        self._clock = clock
+        self._state = LogState(clock)
         self._liveness = ProcLiveness(proc_root) if proc_root else None
         self._next_liveness = 0.0  # time.monotonic() of the next look at /proc
         self._log_start = log_start
@@ -276,7 +278,7 @@ class LogPipeline:
         if entry is None:
             return
         try:  # the file is input like any other: whatever is in it, never fatal
-            state = LogState.from_dict(entry["state"])
+            state = LogState.from_dict(entry["state"], self._clock)
             positions = {f: entry["files"][f] for f in FILES if isinstance(entry["files"].get(f), dict)}
             for file, pos in positions.items():
                 self._followers[file].resume(pos)

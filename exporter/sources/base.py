@@ -24,6 +24,7 @@ the registry: adding a source is one module here plus its tests.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
@@ -98,6 +99,8 @@ class Backends:
     # The daemons to watch (discovery.DaemonSet), shared by the sources that read per
     # daemon; None: built from the configuration (wiring.build_readers).
     daemon_set: Any = None
+    # The wall clock; replay's present clock, for the log state's check of line times.
+    clock: Callable[[], float] = time.time
 
 
 class PartialFailure(Exception):
@@ -202,6 +205,12 @@ class Source(Generic[R]):
         """The reading again, or the recorded error raised again."""
         result: R = replay_value(loaded)
         return result
+
+    def shift(self, reading: R, seconds: float) -> R:
+        """The replayed reading with every unix time it holds moved by `seconds` (replay
+        on the present clock), as a copy: the bundle's reading is played again. A
+        reading that holds no time (the default) stays as it is."""
+        return reading
 
 
 def record_value(reading: Any) -> Any:

@@ -203,7 +203,7 @@ class LogsSourceSpec(Source[Dict[str, LogSnapshot]]):
 
         def make(d: DaemonConfig) -> LogPipeline:
             return LogPipeline(d.name, d.log_directory, timezone=cfg.log_timezone, state_store=store,
-                               proc_root=liveness, log_start=cfg.log_start)
+                               proc_root=liveness, log_start=cfg.log_start, clock=backends.clock)
 
         return pipelines_reader(DaemonPipelines(daemons, make, store))
 

@@ -19,6 +19,7 @@ drops that field.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
 import threading
@@ -98,6 +99,10 @@ def concurrently(fn: Callable[[int], T], items: Iterable[int]) -> List[T]:
     if errors:
         raise errors[0]
     return [results[i] for i in range(len(todo))]
+
+
+# Said where NVML is missing altogether (a laptop, a CI runner): where the demo is.
+DEMO_HINT = "for a demo without a GPU: mps-exporter replay"
 
 
 class GpmSampler:
@@ -265,7 +270,7 @@ class NvmlClient:
             try:
                 import pynvml  # the nvidia-ml-py package
             except ImportError as e:
-                raise NvmlUnavailable(f"cannot import pynvml (install nvidia-ml-py): {e}") from e
+                raise NvmlUnavailable(f"cannot import pynvml (install nvidia-ml-py; {DEMO_HINT}): {e}") from e
             self._nvml = pynvml
         return self._nvml
 
@@ -275,7 +280,7 @@ class NvmlClient:
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as e:
-            raise NvmlUnavailable(f"NVML cannot initialise: {e} (no NVIDIA driver or no GPU?)") from e
+            raise NvmlUnavailable(f"NVML cannot initialise: {e} (no NVIDIA driver or no GPU? {DEMO_HINT})") from e
         self._forget_state(nvml)
         direct = DirectLists(nvml)  # buffers sized anew after a re-initialisation
         self._direct = direct if direct.usable else None
@@ -520,6 +525,13 @@ class NvmlSourceSpec(Source[NvmlReading]):
 
     def store(self, snap: Snapshot, reading: NvmlReading) -> None:
         snap.nvml = reading
+
+    def shift(self, reading: NvmlReading, seconds: float) -> NvmlReading:
+        micros = round(seconds * 1e6)  # NVML's sample times
+        return dataclasses.replace(reading, gpus=[
+            dataclasses.replace(g, process_utilization=[dataclasses.replace(u, timestamp_us=u.timestamp_us + micros)
+                                                        for u in g.process_utilization])
+            for g in reading.gpus])
 
 
 SOURCE = NvmlSourceSpec()

@@ -22,6 +22,7 @@ import logging
 import os
 import pwd
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from typing import AbstractSet, Callable, Dict, Iterable, Optional, Set, Tuple
 
@@ -218,6 +219,16 @@ def http_url(value: str) -> str:
     return value
 
 
+def directory(value: str) -> str:
+    """An existing directory: a procfs path that is not one would be read as a /proc
+    without processes, the collector reporting success (issue 43)."""
+    if not value:
+        raise ValueError("must not be empty")
+    if not os.path.isdir(value):
+        raise ValueError(f"{value!r}: {'not a directory' if os.path.exists(value) else 'no such directory'}")
+    return value
+
+
 def file_or_empty(value: str) -> str:
     if value and not os.path.isfile(value):
         raise ValueError(f"{value!r}: no such file")
@@ -238,7 +249,7 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
     reading_type = Dict[int, ProcessFacts]
     flags = (
         Flag("--path.procfs", "procfs", "procfs mount point, /host/proc in a container (default %(default)s)",
-             refuses=("",), check=not_empty),
+             refuses=("", "/nonexistent/proc", "/dev/null"), check=directory),
         Flag("--path.runtime-root", "runtime_roots", "directory where the container runtime keeps each container's "
              "OCI bundle (<dir>/<container id>/), whose annotations name a client's namespace, pod and container "
              f"(repeatable; default: {' and '.join(DEFAULT_RUNTIME_ROOTS)}, containerd's and CRI-O's)",
@@ -290,6 +301,11 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
 
     def store(self, snap: Snapshot, reading: Dict[int, ProcessFacts]) -> None:
         snap.processes = reading
+
+    def shift(self, reading: Dict[int, ProcessFacts], seconds: float) -> Dict[int, ProcessFacts]:
+        return {pid: facts if facts.start_time_seconds is None
+                else dataclasses.replace(facts, start_time_seconds=facts.start_time_seconds + seconds)
+                for pid, facts in reading.items()}
 
 
 SOURCE = ProcSourceSpec()
