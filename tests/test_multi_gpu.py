@@ -118,6 +118,8 @@ def server_log(server: int, uuid: str, admitted: list, refused: list, refusal: s
                 line(t, f"Client {{PID: {pid}, Context ID: 0}} connected"),
                 line(t, f"Creating worker thread for client {{PID: {pid}, Context ID: 0}}"),
                 line(t, device)]
+        if pid not in refused:
+            out.append(line(t, f"Status of client {{PID: {pid}, Context ID: 0}} is ACTIVE"))
         if pid in refused:
             out += [line(t, refusal),
                     line(t, f"Client process {pid} disconnected")]

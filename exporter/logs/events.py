@@ -162,6 +162,15 @@ class ClientContextConnected(NamedTuple):
     client_pid: int
 
 
+class ClientContextActive(NamedTuple):
+    """`Status of client {PID: P, Context ID: C} is ACTIVE`: MPS gave the context a device.
+    A client refused at the device connection limit has a context connected, never ACTIVE."""
+
+    ts: float
+    pid: int
+    client_pid: int
+
+
 class ClientProcessConnected(NamedTuple):
     """A client process connected, PID not logged (11.x/12.x `Volta MPS: Device ... is associated`)."""
 
@@ -272,7 +281,7 @@ class Unrecognized(NamedTuple):
 Event = Union[
     DaemonStarted, DaemonVersion, DaemonExited, ClientPushed, ClientAccepted, ServerStarting,
     ServerReady, ServerExited, ShutdownAttempt, ShutdownDeferred, UiOpened, UiClosed, Command,
-    CommandOutput, ServerActiveThreads, ServerPinnedLimit, ClientContextConnected,
+    CommandOutput, ServerActiveThreads, ServerPinnedLimit, ClientContextConnected, ClientContextActive,
     ClientProcessConnected, ClientProcessDisconnected, FatalGpuError, ReportHeading, ReportItem,
     ClientRejected, ServerExiting, ServerStartFailed, ServerPriority, ClientTerminated, Noise,
 ]

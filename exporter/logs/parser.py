@@ -42,7 +42,7 @@ from datetime import datetime, timezone, tzinfo
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from .events import (
-    ClientAccepted, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    ClientAccepted, ClientContextActive, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
     ClientPushed, ClientRejected, ClientTerminated, Command, CommandOutput, DaemonExited, DaemonStarted, DaemonVersion,
     FatalGpuError,
     Noise, ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
@@ -302,7 +302,11 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     ),
     "Created": _rules((r"Created anonymous shared memory region", "server_startup"),),
     "Destroy": _rules((r"Destroy server context", "server_context"),),
-    "Status": _rules((r"Status of client .* is \w+$", "client_status"),),
+    "Status": _rules(
+        (r"Status of client \{PID: (-?\d{1,10}), Context(?: ID)?: \d+\} is ACTIVE$",
+         lambda ts, pid, m: ClientContextActive(ts, pid, int(m.group(1)))),
+        (r"Status of client .* is \w+$", "client_status"),
+    ),
     "CUDA": _rules((r"CUDA MPS Server for Linux/Unix", "server_version"),),
     "Display": _rules((r"Display Driver version", "server_version"),),
     "Connecting": _rules((r"Connecting to control daemon", "server_startup"),),

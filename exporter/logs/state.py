@@ -57,7 +57,7 @@ from ..model import (REASONS, SERVER_STARTING, THREADS, USER_SWITCH, ClientLimit
                      LogServer, LogSnapshot, PendingClient, queue_wait_histogram)
 from ..units import ascii_digits, parse_decimal, parse_size
 from .events import (
-    ClientAccepted, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    ClientAccepted, ClientContextActive, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
     ClientPushed, ClientRejected, ClientTerminated, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
     ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
     ServerPinnedLimit, ServerPriority, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
@@ -112,6 +112,8 @@ class LogState:
         self._recent: Deque[LogEvent] = deque(maxlen=MAX_RECENT_EVENTS)
         # exits with clients: server.log's clients per server, and exits not yet decided
         self._attached: Dict[int, Set[int]] = {}
+        # server -> client processes with a context MPS made ACTIVE (the device connection ceiling)
+        self._active: Dict[int, Set[int]] = {}
         self._pending_exits: List[Tuple[float, int]] = []  # heap of (time of `Server S exited`, S)
         self._unnamed = 0  # keys for 11.x clients, whose lines name no PID
         # server pid -> the client whose context connected last: MPS logs a refusal right
@@ -126,7 +128,7 @@ class LogState:
             ShutdownAttempt: self._shutdown_attempt, ShutdownDeferred: self._shutdown_deferred,
             Command: self._command, UiOpened: self._end_command, UiClosed: self._end_command,
             ServerActiveThreads: self._active_threads, ServerPinnedLimit: self._pinned_limit,
-            ClientContextConnected: self._context_connected,
+            ClientContextConnected: self._context_connected, ClientContextActive: self._context_active,
             ClientProcessConnected: self._process_connected,
             ClientProcessDisconnected: self._process_disconnected,
             FatalGpuError: self._fatal_error, ReportHeading: self._report_heading,
@@ -208,6 +210,7 @@ class LogState:
 
     def _decide_exit(self, exited_at: float, server: int) -> None:
         clients = self._attached.pop(server, None)
+        self._active.pop(server, None)
         if clients:
             self.s.exits_with_clients += 1
             self._note(LogEvent(exited_at, "exit_with_clients", server, sorted(c for c in clients if c >= 0)[:64]))
@@ -428,6 +431,15 @@ class LogState:
         if len(self._clients) > MAX_CLIENTS:
             self._clients.popitem(last=False)
 
+    def _context_active(self, ev: ClientContextActive) -> None:
+        active = self._active.get(ev.pid)
+        if active is None:
+            active = self._active[ev.pid] = set()
+            if len(self._active) > MAX_SERVERS:
+                self._active.pop(next(iter(self._active)))
+        if len(active) < MAX_ATTACHED:
+            active.add(ev.client_pid)
+
     def _process_connected(self, ev: ClientProcessConnected) -> None:
         self.s.client_connections += 1
         self._unnamed -= 1
@@ -437,6 +449,7 @@ class LogState:
         attached = self._attached.get(ev.pid)
         if ev.client_pid is not None:
             self._clients.pop(ev.client_pid, None)
+            self._active.get(ev.pid, set()).discard(ev.client_pid)
             if attached is None or ev.client_pid not in attached:
                 return  # not connected (any more): a refused client logs `disconnected` twice
             attached.discard(ev.client_pid)
@@ -451,7 +464,7 @@ class LogState:
         if ev.limit is not None:
             s.client_limit = ev.limit
         elif ev.reason == "client_limit":  # out of device connections: the ceiling is who got in
-            s.client_limit = len(self._attached.get(ev.pid, set()) - {client})
+            s.client_limit = len(self._active.get(ev.pid, ()))
         self._note(LogEvent(ev.ts, "client_rejected", ev.pid, [] if client is None else [client],
                             detail=f"maximum number of clients ({ev.limit}) reached" if ev.limit is not None else ev.reason))
 
@@ -577,6 +590,7 @@ class LogState:
             "recent": [[e.time, e.kind, e.server_pid, e.clients, e.detail] for e in self._recent],
             "client_limit": s.client_limit,
             "attached": [[server, sorted(clients)] for server, clients in self._attached.items()],
+            "active": [[server, sorted(clients)] for server, clients in self._active.items()],
             "pending_exits": [[ts, server] for ts, server in self._pending_exits],
             "unnamed": self._unnamed,
         }
@@ -625,6 +639,7 @@ class LogState:
         limit = d.get("client_limit")
         s.client_limit = None if limit is None else int(limit)
         st._attached = {int(a): {int(c) for c in b} for a, b in d.get("attached", [])}
+        st._active = {int(a): {int(c) for c in b} for a, b in d.get("active", [])}
         st._pending_exits = sorted((float(a), int(b)) for a, b in d.get("pending_exits", []))
         st._unnamed = int(d.get("unnamed", 0))
         st._check_counters()

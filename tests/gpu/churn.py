@@ -35,6 +35,8 @@ from typing import Any, Dict, List, Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import node_phases  # noqa: E402  (the environment of a client of a per-GPU daemon)
+
 STDERR_LINES = 40
 
 
@@ -211,7 +213,7 @@ class Churn:
                     d = self.daemons[g]
                     c = s.client(f"ch{g}_{n}", plan["mem_gib"], device=0, idle=not plan["busy"],
                                  n=2048 if plan["busy"] else 64,
-                                 env={"CUDA_MPS_PIPE_DIRECTORY": str(d.pipe), "CUDA_MPS_LOG_DIRECTORY": str(d.log)})
+                                 env=node_phases.daemon_env(d))
                     live[c.tag] = {"client": c, "gpu": g, "hold": plan["hold_seconds"], "ready_at": None,
                                    "started": now, "stopped": None}
                     n += 1
@@ -254,7 +256,6 @@ class Churn:
                 self.exporter.wait(10)
             except subprocess.TimeoutExpired:
                 self.exporter.kill()
-        import node_phases
         for d in self.daemons:
             info = self.result["daemons"].setdefault(d.name, {})
             try:

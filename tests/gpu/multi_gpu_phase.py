@@ -213,7 +213,8 @@ def phase_daemonpergpu(tc: "TruthCheck") -> None:
             # No CUDA_VISIBLE_DEVICES in the client: the daemon's remaps the devices (its GPU is
             # the client's device 0), and a client keeping `1` would fail (NVIDIA's MPS docs,
             # "Appendix: Environment Variables").
-            env = {"CUDA_MPS_PIPE_DIRECTORY": str(d.pipe), "CUDA_MPS_LOG_DIRECTORY": str(d.log)}
+            env = {"CUDA_MPS_PIPE_DIRECTORY": str(d.pipe), "CUDA_MPS_LOG_DIRECTORY": str(d.log),
+                   "CUDA_VISIBLE_DEVICES": "0"}  # counts from the daemon's list (node_phases.daemon_env)
             own = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G"}  # the third client's own limit
             clients += [s.client(f"dpg{g}_{i}", 0.5 + i * 0.25, device=0, idle=True, grow=[3.5],
                                  env={**env, **(own if i == 2 else {})}) for i in range(3)]

@@ -42,6 +42,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
+import oracles
 from multi_gpu_phase import SETTLE, _guarded, client_limit
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -157,9 +158,12 @@ def start_daemons(tc: "TruthCheck", label: str, daemons: List["Daemon"]) -> None
 
 
 def daemon_env(d: "Daemon", **more: str) -> Dict[str, str]:
-    """A client's environment for daemon d: its pipe and log, no CUDA_VISIBLE_DEVICES (the
-    daemon's remaps the devices: its GPU is the client's device 0)."""
-    return {"CUDA_MPS_PIPE_DIRECTORY": str(d.pipe), "CUDA_MPS_LOG_DIRECTORY": str(d.log), **more}
+    """A client's environment for daemon d: its pipe and log, and CUDA_VISIBLE_DEVICES=0,
+    which counts from the daemon's own list (its GPU). Without it PyTorch 2.11 counts the
+    node's GPUs through NVML, CUDA under the daemon sees one, and the client dies at its
+    first CUDA call (`device=1, num_gpus=1`, run x2-issue38-call1)."""
+    return {"CUDA_MPS_PIPE_DIRECTORY": str(d.pipe), "CUDA_MPS_LOG_DIRECTORY": str(d.log),
+            "CUDA_VISIBLE_DEVICES": "0", **more}
 
 
 def exporter_for(tc: "TruthCheck", root: Path, port: int, name: str, extra: List[str] = ()) -> subprocess.Popen:
@@ -500,8 +504,16 @@ def phase_ceiling(tc: "TruthCheck") -> None:
                      len(admitted), 0 < len(admitted) < CEILING_CLIENTS)
         r.check_true("ceiling: server.log says 'Reached maximum number of device connections'", "a line",
                      refusals[:2], any("maximum number of device connections" in x for x in refusals))
-        r.check("ceiling: mps_server_client_limit (of the clients' server) = clients admitted", len(admitted),
-                client_limit(e, mine[0] if mine else None))
+        # MPS's own count: the clients it had made ACTIVE when it refused (run x2-issue38-call1:
+        # 16 at every refusal; the 16th then failed its first allocation with CUDA OOM, 15 ran).
+        text = log.read_text(errors="replace")[since:] if log.exists() else ""
+        at_refusals = oracles.active_at_refusals(oracles.parse_log(text))
+        r.facts["ceiling: clients ACTIVE in server.log at each refusal"] = at_refusals
+        r.facts["ceiling: admitted clients that failed afterwards"] = [
+            c.tag for c in clients if not c.is_ready() and "out of memory" in c.text()]
+        if at_refusals:  # no refusal: no ceiling shown (the checks above fail)
+            r.check("ceiling: mps_server_client_limit (of the clients' server) = clients MPS had admitted when "
+                    "it refused (server.log)", at_refusals[-1], client_limit(e, mine[0] if mine else None))
     finally:
         s.stop(clients)
         s.shutdown_servers()

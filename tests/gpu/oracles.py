@@ -177,12 +177,36 @@ def server_exit_statuses(control_log: List[LogLine]) -> Dict[str, int]:
     return counts
 
 
-_REFUSAL = re.compile(r"^Failed to accept new client\. Maximum number of clients \((\d+)\) reached")
+_REFUSAL = re.compile(r"^Failed to accept new client\. (?:Maximum number of clients \((\d+)\) reached"
+                      r"|Reached maximum number of device connections)")
 
 
 def client_refusals(server_log: List[LogLine]) -> List[int]:
-    """The limit number of each "Failed to accept new client ... (N) reached" line."""
-    return [int(m.group(1)) for line in server_log for m in [_REFUSAL.match(line.text)] if m]
+    """The limit number of each "Failed to accept new client ... (N) reached" line; 0 for
+    each "... Reached maximum number of device connections." (clients that raised
+    CUDA_DEVICE_MAX_CONNECTIONS; the line names no number)."""
+    return [int(m.group(1) or 0) for line in server_log for m in [_REFUSAL.match(line.text)] if m]
+
+
+_ACTIVE = re.compile(r"^Status of client \{PID: (\d+), Context ID: \d+\} is ACTIVE")
+_GONE = re.compile(r"^Client process (\d+) disconnected")
+
+
+def active_at_refusals(server_log: List[LogLine]) -> List[int]:
+    """At each refusal line, the client processes of that server with a context MPS made
+    ACTIVE and not disconnected since: what MPS had admitted when it refused."""
+    active: Dict[int, set] = {}
+    out = []
+    for line in server_log:
+        m = _ACTIVE.match(line.text)
+        if m:
+            active.setdefault(line.pid, set()).add(int(m.group(1)))
+        m = _GONE.match(line.text)
+        if m:
+            active.get(line.pid, set()).discard(int(m.group(1)))
+        if _REFUSAL.match(line.text):
+            out.append(len(active.get(line.pid, ())))
+    return out
 
 
 def exits_with_clients(control_log: List[LogLine], server_log: List[LogLine]) -> List[int]:

@@ -116,9 +116,11 @@ def _ceiling_run(tmp_path, admitted: int, limit_text: str) -> Report:
     log.write_text("[2026-11-28 09:00:00.000 Other 3] Failed to accept new client. Maximum number of clients (48) "
                    "reached.\n")  # an earlier phase's: before the offset
 
-    def wait_ready(cs, timeout):  # MPS refuses the clients past `admitted` meanwhile
+    def wait_ready(cs, timeout):  # MPS admits `admitted` (ACTIVE) and refuses the clients past them
         with open(log, "a") as f:
-            f.write("[2026-11-28 10:00:02.000 Other 7] Failed to accept new client. Reached maximum number of "
+            f.writelines(f"[2026-11-28 10:00:01.000 Server 7] Status of client {{PID: {c.pid}, Context ID: 1}} "
+                         "is ACTIVE\n" for c in cs if c.is_ready())
+            f.write("[2026-11-28 10:00:02.000 Server 7] Failed to accept new client. Reached maximum number of "
                     "device connections.\n" * (len(cs) - admitted))
         return [c for c in cs if not c.is_ready()]
 

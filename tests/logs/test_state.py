@@ -534,3 +534,20 @@ def test_a_state_file_with_the_state_nothing_read_still_loads():
     resumed = LogState.from_dict(json.loads(json.dumps(d))).snapshot()
     assert resumed.server_starts == 1 and set(resumed.servers) == {20}
     assert "version" not in LogState.from_dict(d).to_dict()["daemon"]
+
+
+def test_the_ceiling_mps_showed_when_clients_raised_their_device_connections():
+    """2 x H200 (tests/data/captures/h200x2-ceiling, issue 38): 20 clients with
+    CUDA_DEVICE_MAX_CONNECTIONS=8 at once. MPS made 16 of them ACTIVE and refused 4 with
+    `Reached maximum number of device connections.` (no number), each after its context
+    connected: the ceiling is 16 at every refusal, not the 17-20 processes connected."""
+    from tests.support.data import CEILING
+
+    files = {f: (CEILING / f"{f}.log").read_text().splitlines() for f in ("control", "server")}
+    snap = replay(files, until="2026-11-28 04:08:21.300").snapshot()  # after the second refusal
+    assert snap.client_limit == 16 and snap.rejections["client_limit"] == 2
+    snap = replay(files).snapshot()
+    assert snap.client_limit == 16 and snap.rejections == {"client_limit": 4}
+    assert snap.unrecognized == {"control": 0, "server": 0}
+    again = LogState.from_dict(json.loads(json.dumps(replay(files, until="2026-11-28 04:08:21.250").to_dict())))
+    assert again.to_dict()["active"] == replay(files, until="2026-11-28 04:08:21.250").to_dict()["active"]

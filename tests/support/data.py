@@ -22,3 +22,5 @@ QUEUE_DEATH = DATA / "captures" / "h100-queuedeath"
 # Issue 24 on an H100 (tests/gpu/reports/h100-limits24.md): client limit forms, thread values,
 # a process outside MPS, `set_default_client_priority 1` and `terminate_client`; whole logs.
 LIMITS24 = DATA / "captures" / "h100-limits24"
+# 2 x H200 (issue 38): 20 clients with CUDA_DEVICE_MAX_CONNECTIONS=8, 16 ACTIVE, 4 refused.
+CEILING = DATA / "captures" / "h200x2-ceiling"
