@@ -276,8 +276,11 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
         log_snap = snap.logs.get(daemon.name)
         render_daemon(out, daemon)
         servers = render_servers(out, daemon, log_snap, snap.processes, joined)
-        # NVML's MPS clients that no daemon listed belong to the only daemon there is.
-        unlisted = [pid for pid in joined.mps_memory if pid not in listed] if len(snap.daemons) == 1 else []
+        # NVML's MPS clients that no daemon listed belong to the only daemon there is, while it
+        # runs: a SIGKILLed daemon's clients stay in NVML's list, each a client of nothing
+        # (2 x H200, issue 38).
+        unlisted = ([pid for pid in joined.mps_memory if pid not in listed]
+                    if len(snap.daemons) == 1 and daemon.up else [])
         if granularity == "client" and memo is not None:
             memo.render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
         elif granularity == "client":

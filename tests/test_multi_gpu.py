@@ -326,6 +326,8 @@ def test_a_killed_daemon_takes_its_servers_and_clients_with_it(tmp_path):
     d1 = {"daemon": "nvidia.com/mps-gpu1"}
     assert value(text, "mps_control_daemon_up", **d1) == 0
     assert series(text, "mps_server_info", **d1) == []
+    # Its clients outlive it and NVML still lists them (run x2-issue38-killdaemon): no daemon's.
+    assert nvml.gpus[1].mps_processes and series(text, "mps_client_info") == []
 
 
 def test_a_daemon_down_whose_server_still_runs_keeps_it(tmp_path):
