@@ -50,6 +50,11 @@ def decode(tp: Any, value: Any) -> Any:
         return decode(next(a for a in args if a is not type(None)), value)
     if origin is list:
         return [decode(args[0], v) for v in expect(value, list, "list")]
+    if origin is tuple:
+        items = expect(value, list, "list")
+        if len(items) != len(args):
+            raise ValueError(f"expected {len(args)} items, got {len(items)}")
+        return tuple(decode(a, v) for a, v in zip(args, items))
     if origin is dict:
         return {decode(args[0], k): decode(args[1], v) for k, v in expect(value, dict, "object").items()}
     if tp is int:

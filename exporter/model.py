@@ -91,6 +91,9 @@ class DaemonReading:
     version: str = ""
     claim_uid: str = ""  # DRA: the resource claim the daemon serves
     multiuser: Optional[bool] = None  # started with -M (its command line in /proc); None: not known
+    # (st_dev, st_ino) of its pipe directory: a client whose CUDA_MPS_PIPE_DIRECTORY is the
+    # same directory (seen through its own root) is its client. None: not there.
+    pipe_identity: Optional[Tuple[int, int]] = None
     # The daemon's own CUDA_VISIBLE_DEVICES (/proc/PID/environ): it and its clients count
     # device ordinals in it. None: unset or not known (every GPU, in NVML's order).
     visible_devices: Optional[str] = None
@@ -126,6 +129,9 @@ class ProcessFacts:
     # Only procfs.KEPT_ENV_VARS are ever kept from /proc/PID/environ, as written: how CUDA
     # reads them depends on the GPUs (limits.own_limits).
     environ: Dict[str, str] = field(default_factory=dict)
+    # (st_dev, st_ino) of the pipe directory it connects to (its CUDA_MPS_PIPE_DIRECTORY, MPS's
+    # /tmp/nvidia-mps where unset) through /proc/PID/root; None where that cannot be told.
+    mps_pipe: Optional[Tuple[int, int]] = None
 
 
 # ---------------------------------------------------------------- the MPS logs

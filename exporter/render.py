@@ -272,15 +272,12 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
         render_gpu(out, gpu, snap.nvml.driver_version if snap.nvml else "", snap.dcgm, server_pids, clients,
                    snap.processes)
     joined = _GpuJoin.of(gpus)
+    unclaimed = [pid for pid in joined.mps_memory if pid not in listed]
     for daemon in snap.daemons:
         log_snap = snap.logs.get(daemon.name)
         render_daemon(out, daemon)
         servers = render_servers(out, daemon, log_snap, snap.processes, joined)
-        # NVML's MPS clients that no daemon listed belong to the only daemon there is, while it
-        # runs: a SIGKILLed daemon's clients stay in NVML's list, each a client of nothing
-        # (2 x H200, issue 38).
-        unlisted = ([pid for pid in joined.mps_memory if pid not in listed]
-                    if len(snap.daemons) == 1 and daemon.up else [])
+        unlisted = [pid for pid in unclaimed if _claims(daemon, snap.processes.get(pid), len(snap.daemons) == 1)]
         if granularity == "client" and memo is not None:
             memo.render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
         elif granularity == "client":
@@ -429,6 +426,21 @@ class _GpuJoin:
 
 
 # ---------------------------------------------------------------- daemons
+def _claims(d: DaemonReading, proc: Optional[ProcessFacts], only: bool) -> bool:
+    """Whether an NVML MPS client that no daemon's `ps` listed (it connected after the `ps`,
+    or the `ps` failed) is `d`'s: its pipe directory is d's, or, where that cannot be told,
+    d is the only daemon watched. Never a daemon that is not running: a SIGKILLed daemon's
+    clients stay in NVML's list, each a client of nothing (2 x H200, issue 38); nor where
+    another daemon runs beside the one watched (its clients showed as this one's in that
+    run). A daemon that did not answer (hung, an error) may still have its clients."""
+    if not d.up and d.error is None:
+        return False
+    pipe = proc.mps_pipe if proc is not None else None
+    if pipe is not None and d.pipe_identity is not None:
+        return pipe == d.pipe_identity
+    return only
+
+
 def render_daemon(out: FamilyBuilder, d: DaemonReading) -> None:
     out.add("mps_control_daemon_up", int(d.up), daemon=d.name)
     multiuser = "" if d.multiuser is None else str(d.multiuser).lower()

@@ -142,13 +142,32 @@ def test_log_start_times_win_over_proc(monkeypatch):
     assert value(r, "mps_server_active_thread_ratio", server_pid="1589") == 1.0
 
 
-def test_daemon_down_keeps_gpu_and_client_memory():
+def test_daemon_down_keeps_gpu_memory_and_claims_no_client():
     down = busy_daemon(up=False, servers=[], clients=[], version="", default_active_thread_percentage=None)
     r = samples(snapshot(daemons=[down]))
     assert value(r, "mps_control_daemon_up", daemon="default") == 0
     assert absent(r, "mps_server_info")
-    # NVML still sees the MPS clients: their memory is published under the only daemon.
-    assert value(r, "mps_client_memory_used_bytes", pid="1649", gpu="0") == 1769996288
+    assert value(r, "mps_gpu_memory_used_bytes", gpu="0") > 0
+    # NVML still lists the MPS clients, but a daemon that is down has none: a SIGKILLed
+    # daemon's clients outlive it, each a client of nothing (issue 38).
+    assert absent(r, "mps_client_info") and absent(r, "mps_client_memory_used_bytes")
+
+
+def test_an_unlisted_nvml_client_goes_to_the_daemon_whose_pipe_it_uses():
+    """A client `ps` did not list (it connected after it): the daemon whose pipe directory
+    its CUDA_MPS_PIPE_DIRECTORY names claims it; another daemon's client on the same GPU,
+    with the exporter watching one daemon only, is nobody's here (issue 38's churn run)."""
+    mine, other = (1, 2), (1, 3)
+    daemon = busy_daemon(clients=[c for c in busy_daemon().clients if c.pid != 1649], pipe_identity=mine)
+    procs = {1649: ProcessFacts(1649, mps_pipe=mine)}
+    r = samples(snapshot(daemons=[daemon], processes=procs))
+    assert value(r, "mps_client_info", pid="1649", server_pid="") == 1
+    procs = {1649: ProcessFacts(1649, mps_pipe=other)}
+    r = samples(snapshot(daemons=[daemon], processes=procs))
+    assert absent(r, "mps_client_info", pid="1649")
+    assert value(r, "mps_client_info", pid="1648") == 1  # the listed ones are the daemon's whatever
+    procs = {1649: ProcessFacts(1649)}  # its pipe cannot be told: the only daemon's, as before
+    r = samples(snapshot(daemons=[daemon], processes=procs))
     assert value(r, "mps_client_info", pid="1649", server_pid="") == 1
 
 

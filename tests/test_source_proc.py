@@ -31,12 +31,29 @@ def test_parse_cgroup(text, expected):
     assert procfs.parse_cgroup(text) == expected
 
 
-def test_parse_environ_keeps_only_the_limit_variables():
+def test_parse_environ_keeps_only_the_mps_variables():
     block = (b"PATH=/bin\0CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25\0AWS_SECRET=x\0CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G,1=512M\0"
              b"CUDA_MPS_PIPE_DIRECTORY=/p\0CUDA_VISIBLE_DEVICES=GPU-4b5da867\0\xff\xfe=\x00")
     env = procfs.parse_environ(block)
     assert env == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1G,1=512M",
-                   "CUDA_VISIBLE_DEVICES": "GPU-4b5da867"}
+                   "CUDA_VISIBLE_DEVICES": "GPU-4b5da867", "CUDA_MPS_PIPE_DIRECTORY": "/p"}
+
+
+def test_a_client_s_pipe_directory_is_looked_at_through_its_own_root(tmp_path):
+    """A container's /tmp/nvidia-mps is the host's daemon directory mounted there: compared
+    by device and inode through /proc/PID/root (issue 38: whose unlisted client it is)."""
+    pipe = tmp_path / "host" / "run" / "mps-gpu1" / "pipe"
+    pipe.mkdir(parents=True)
+    rootfs = tmp_path / "container"
+    (rootfs / "tmp").mkdir(parents=True)
+    (rootfs / "tmp" / "nvidia-mps").symlink_to(pipe)  # the pod's mount of the host directory
+    root = write_proc(tmp_path / "proc", [FakeProcess(10), FakeProcess(11, environ={"CUDA_MPS_PIPE_DIRECTORY": "/p"})])
+    for pid in (10, 11):
+        (root / str(pid) / "root").symlink_to(rootfs)
+    facts = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK).read([10, 11])
+    st = pipe.stat()
+    assert facts[10].mps_pipe == (st.st_dev, st.st_ino)  # unset: MPS's /tmp/nvidia-mps
+    assert facts[11].mps_pipe is None  # /p is no directory in its root
     assert procfs.parse_environ(b"CUDA_VISIBLE_DEVICES=" + b"0," * 5000) == {
         "CUDA_VISIBLE_DEVICES": "0," * (procfs.MAX_ENV_VALUE // 2)}
 

@@ -368,6 +368,14 @@ class _Cached:
     read_at: float
 
 
+def directory_identity(path: str) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
 @dataclass(frozen=True)
 class DaemonProcess:
     """What the daemon's process says of it: `-M`, and the CUDA_VISIBLE_DEVICES it was
@@ -532,7 +540,8 @@ class DaemonReader:
         control.log must not count as a line the logs have not read)."""
         seen = signals()
         reading = DaemonReading(name=self.daemon.name, up=False, pipe_directory=self.daemon.pipe_directory,
-                                log_directory=self.daemon.log_directory, claim_uid=self.daemon.claim_uid)
+                                log_directory=self.daemon.log_directory, claim_uid=self.daemon.claim_uid,
+                                pipe_identity=directory_identity(self.daemon.pipe_directory))
         try:
             server_pids = parse_pid_list(self._run("get_server_list"))
         except DaemonNotRunning:

@@ -35,7 +35,8 @@ from .base import Backends, Flag, ReadContext, Reader, Source, not_empty
 log = logging.getLogger(__name__)
 
 KEPT_ENV_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_CLIENT_PRIORITY",
-                 "CUDA_VISIBLE_DEVICES")
+                 "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY")
+DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # MPS's, where CUDA_MPS_PIPE_DIRECTORY is unset
 MAX_ENV_VALUE = 1024  # longer values are cut: nothing CUDA accepts is that long
 
 # ------------------------------------------------------------------ parsers
@@ -209,8 +210,20 @@ class ProcClient:
                             "client-set MPS limits will be missing")
                 self._environ_denied_logged = True
             env = {}
+        else:
+            facts.mps_pipe = self.pipe_identity(pid, env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY)
         facts.environ = env
         return facts
+
+    def pipe_identity(self, pid: int, pipe: str) -> Optional[Tuple[int, int]]:
+        """The directory a process's `pipe` path names inside its own root (a container's
+        /tmp/nvidia-mps is the host's daemon directory mounted there); None where it is not
+        there or cannot be looked at."""
+        try:
+            st = os.stat(os.path.join(self.root, str(pid), "root") + "/" + pipe.lstrip("/"))
+        except (OSError, ValueError):  # ValueError: a NUL in the path
+            return None
+        return st.st_dev, st.st_ino
 
 
 def http_url(value: str) -> str:
