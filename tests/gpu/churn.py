@@ -95,6 +95,11 @@ class Stop(Exception):
     pass
 
 
+def gpu_count() -> int:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
 class Churn:
     def __init__(self, args: argparse.Namespace) -> None:
         from discovery_phase import Daemon
@@ -104,9 +109,10 @@ class Churn:
         shutil.rmtree(self.root, ignore_errors=True)
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
-        self.session = Session(self.work, 2)  # clients only: its own pipe is never used
+        self.gpus = args.gpus or gpu_count()
+        self.session = Session(self.work, self.gpus)  # clients only: its own pipe is never used
         self.daemons = []
-        for g in (0, 1):
+        for g in range(self.gpus):
             d = Daemon(f"nvidia.com/mps-gpu{g}", self.root / "nvidia.com" / f"mps-gpu{g}")
             d.env["CUDA_VISIBLE_DEVICES"] = str(g)
             self.daemons.append(d)
@@ -119,9 +125,9 @@ class Churn:
         self.stop = threading.Event()
         self.scrapes: List[Dict[str, Any]] = []
         self.result: Dict[str, Any] = {"state": "starting", "seconds_asked": args.seconds, "exporter_deaths": [],
-                                       "clients_started": 0, "clients_per_gpu": {"0": 0, "1": 0},
+                                       "clients_started": 0, "clients_per_gpu": {str(g): 0 for g in range(self.gpus)},
                                        "client_exits": {}, "client_failures": [], "never_ready": 0,
-                                       "max_live": {"0": 0, "1": 0}, "daemons": {}}
+                                       "max_live": {str(g): 0 for g in range(self.gpus)}, "daemons": {}}
 
     # ------------------------------------------------------------ exporter
     def start_exporter(self) -> None:
@@ -203,8 +209,8 @@ class Churn:
                     self.result["never_ready"] += 1
                     c.proc.kill()
                     info["stopped"] = now
-            per_gpu = {g: sum(1 for i in live.values() if i["gpu"] == g) for g in (0, 1)}
-            for g in (0, 1):
+            per_gpu = {g: sum(1 for i in live.values() if i["gpu"] == g) for g in range(self.gpus)}
+            for g in range(self.gpus):
                 self.result["max_live"][str(g)] = max(self.result["max_live"][str(g)], per_gpu[g])
             if now >= next_start:
                 g = pick_gpu(rng, per_gpu, args.max_live)
@@ -278,6 +284,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--root", default="/tmp/mpsd/churn", help="the device-plugin root of the two daemons")
     ap.add_argument("--work", default="/tmp/churn-work", help="clients' files, exporter logs, the daemons' logs")
     ap.add_argument("--max-live", type=int, default=20, help="clients per GPU at most")
+    ap.add_argument("--gpus", type=int, default=0, help="GPUs, a daemon each (0: every GPU nvidia-smi lists)")
     ap.add_argument("--seed", type=int, default=38)
     args = ap.parse_args(argv)
     churn = Churn(args)

@@ -40,7 +40,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import oracles
 from multi_gpu_phase import SETTLE, _guarded, client_limit
@@ -242,7 +242,9 @@ def phase_starts(tc: "TruthCheck") -> None:
     from truth_check import free_port
     s, r = tc.s, tc.r
     root = ROOT / "st"
-    daemons = per_gpu_daemons(root, ["0", "1"])
+    # A daemon per GPU, as the device plugin starts them: by index and, every other GPU, by UUID.
+    uuids = [g.uuid for g in s.smi_gpus()]
+    daemons = per_gpu_daemons(root, [str(g) if g % 2 == 0 else uuids[g] for g in range(s.gpus)])
     clients: List["Client"] = []
     (s.work / "starts").mkdir(parents=True, exist_ok=True)
     try:
@@ -251,7 +253,7 @@ def phase_starts(tc: "TruthCheck") -> None:
             clients += [s.client(f"sts{g}_busy", 0.5, device=0, n=4096, env=daemon_env(d)),
                         s.client(f"sts{g}_idle", 0.25, device=0, n=64, idle=True, env=daemon_env(d))]
         late = s.wait_ready(clients, 90)
-        r.check("starts: the 4 clients ready (2 per daemon)", [], [c.tag for c in late])
+        r.check(f"starts: the {len(clients)} clients ready (2 per daemon)", [], [c.tag for c in late])
         r.facts["starts: servers per daemon"] = {d.name: d.servers() for d in daemons}
         ports: List[int] = []
         while len(ports) < STARTS:
@@ -301,26 +303,28 @@ def _grown(tc: "TruthCheck", c: "Client") -> List[str]:
     return [tc.s.grow(c, i) for i in range(len(c.grow))]
 
 
-def cvd_run(tc: "TruthCheck", mode: str) -> None:
-    """One pair of per-GPU daemons, CUDA_VISIBLE_DEVICES by `mode` ('index' or 'uuid')."""
+def cvd_run(tc: "TruthCheck", mode: str, target: int = 1) -> None:
+    """Per-GPU daemons on every GPU, CUDA_VISIBLE_DEVICES by `mode` ('index' or 'uuid'); the
+    limits are set on the daemon of GPU `target` (its device 0), GPU 0's has none."""
     import discovery_phase as dp
     from truth_check import free_port
     s, r = tc.s, tc.r
-    uuids = [g.uuid for g in s.smi_gpus()[:2]]
-    visible = ["0", "1"] if mode == "index" else uuids
+    uuids = [g.uuid for g in s.smi_gpus()[:s.gpus]]
+    visible = [str(g) for g in range(s.gpus)] if mode == "index" else uuids
     root = ROOT / ("cvi" if mode == "index" else "cvu")
     daemons = per_gpu_daemons(root, visible)
-    d0, d1 = daemons
-    label = f"cvdlimits[{mode}]"
+    d0, d1 = daemons[0], daemons[target]
+    gpu = str(target)
+    label = f"cvdlimits[{mode}, GPU {target}]" if s.gpus > 2 else f"cvdlimits[{mode}]"
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     exporter, clients = None, []
-    uuid1 = uuids[1]
+    uuid1 = uuids[target]
     try:
         start_daemons(tc, label, daemons)
-        exporter = exporter_for(tc, root, port, f"exporter-cvd-{mode}", ["--mps.facts-refresh", "5"])
-        e = dp.wait_scrape(url, lambda e: len(e.label_set("mps_control_daemon_up", "daemon")) == 2, 30)
-        r.check_true(f"{label}: both daemons found", sorted(d.name for d in daemons),
+        exporter = exporter_for(tc, root, port, f"exporter-cvd-{mode}-{target}", ["--mps.facts-refresh", "5"])
+        e = dp.wait_scrape(url, lambda e: len(e.label_set("mps_control_daemon_up", "daemon")) == len(daemons), 30)
+        r.check_true(f"{label}: every daemon found", sorted(d.name for d in daemons),
                      sorted(e.label_set("mps_control_daemon_up", "daemon")) if e else None, e is not None)
         # (a) the daemon's default set by index.
         r.facts[f"{label}: reply set_default_device_pinned_mem_limit 0 3G"] = d1.ctl(
@@ -333,7 +337,7 @@ def cvd_run(tc: "TruthCheck", mode: str) -> None:
         late = s.wait_ready(clients, 90)
         r.check(f"{label}: clients ready", [], [c.tag for c in late])
         servers = d1.servers()
-        r.facts[f"{label}: GPU 1 daemon's servers"] = servers
+        r.facts[f"{label}: GPU {gpu} daemon's servers"] = servers
         r.facts[f"{label}: (a) answers after the set by index"] = _queries(d1, uuid1, servers[0] if servers else None)
         grown = {c.tag: _grown(tc, c) for c in (a, b)}
         r.facts[f"{label}: (a)(b) grow answers"] = grown
@@ -341,10 +345,10 @@ def cvd_run(tc: "TruthCheck", mode: str) -> None:
                 ["OK", "FAIL"], [x.split()[0] if x else x for x in grown[a.tag]])
         r.check(f"{label}: (b) MPS held a client's own 0=2G on its device 0 (1 GiB OK, 2.5 refused)",
                 ["OK", "FAIL"], [x.split()[0] if x else x for x in grown[b.tag]])
-        want = {"mps_default_pinned_memory_limit_bytes": {"1": 3 * GiB},
-                "mps_server_pinned_memory_limit_bytes": {"1": 3 * GiB},
-                f"mps_client_pinned_memory_limit_bytes:{a.pid}": {"1": 3 * GiB},
-                f"mps_client_pinned_memory_limit_bytes:{b.pid}": {"1": 2 * GiB}}
+        want = {"mps_default_pinned_memory_limit_bytes": {gpu: 3 * GiB},
+                "mps_server_pinned_memory_limit_bytes": {gpu: 3 * GiB},
+                f"mps_client_pinned_memory_limit_bytes:{a.pid}": {gpu: 3 * GiB},
+                f"mps_client_pinned_memory_limit_bytes:{b.pid}": {gpu: 2 * GiB}}
         time.sleep(SETTLE)
         e = dp.wait_scrape(url, lambda e: _limits_seen(e, d1.name, want), 15) or dp.wait_scrape(url, lambda e: True, 10)
         if e is not None:
@@ -353,16 +357,16 @@ def cvd_run(tc: "TruthCheck", mode: str) -> None:
                                                         for m in LIMIT_METRICS}
         else:
             r.check_true(f"{label}: (a)(b) the exporter answered", "a scrape", None, False)
-        # (c) the DRA driver's form on a fresh daemon for GPU 1.
+        # (c) the DRA driver's form on a fresh daemon for GPU {gpu}.
         s.stop([a, b])
-        r.facts[f"{label}: (c) quit the GPU 1 daemon"] = d1.quit()
+        r.facts[f"{label}: (c) quit the GPU {gpu} daemon"] = d1.quit()
         _wait(lambda: not control_daemon_pids(d1.pipe), 20)
         if control_daemon_pids(d1.pipe):
-            r.facts[f"{label}: (c) GPU 1 daemon killed after quit"] = d1.kill_daemon()
+            r.facts[f"{label}: (c) GPU {gpu} daemon killed after quit"] = d1.kill_daemon()
             _wait(lambda: not control_daemon_pids(d1.pipe), 10)
         (d1.pipe / "control").unlink(missing_ok=True)
-        r.facts[f"{label}: (c) start the GPU 1 daemon again"] = d1.start()
-        r.check_true(f"{label}: (c) GPU 1 daemon started again", "its control socket", d1.start_reply,
+        r.facts[f"{label}: (c) start the GPU {gpu} daemon again"] = d1.start()
+        r.check_true(f"{label}: (c) GPU {gpu} daemon started again", "its control socket", d1.start_reply,
                      (d1.pipe / "control").exists() and bool(control_daemon_pids(d1.pipe)))
         time.sleep(0.5)
         r.facts[f"{label}: (c) reply set_default_device_pinned_mem_limit {uuid1} 2048M"] = d1.ctl(
@@ -377,9 +381,9 @@ def cvd_run(tc: "TruthCheck", mode: str) -> None:
         r.facts[f"{label}: (c) grow answers"] = grown_c
         r.check(f"{label}: (c) MPS held a client to the default set by UUID, 2048M (1 GiB OK, 2.5 refused)",
                 ["OK", "FAIL"], [x.split()[0] if x else x for x in grown_c])
-        want = {"mps_default_pinned_memory_limit_bytes": {"1": 2 * GiB},
-                "mps_server_pinned_memory_limit_bytes": {"1": 2 * GiB},
-                f"mps_client_pinned_memory_limit_bytes:{c.pid}": {"1": 2 * GiB}}
+        want = {"mps_default_pinned_memory_limit_bytes": {gpu: 2 * GiB},
+                "mps_server_pinned_memory_limit_bytes": {gpu: 2 * GiB},
+                f"mps_client_pinned_memory_limit_bytes:{c.pid}": {gpu: 2 * GiB}}
         time.sleep(SETTLE)
         e = dp.wait_scrape(url, lambda e: _limits_seen(e, d1.name, want), 15) or dp.wait_scrape(url, lambda e: True, 10)
         if e is not None:
@@ -405,14 +409,23 @@ def _check_limits(tc: "TruthCheck", label: str, daemon: str, e: "Exposition", wa
                 [(m, x.labels) for m in LIMIT_METRICS for x in e.series(m, gpu="0")])
 
 
+def cvd_targets(gpus: int) -> List[Tuple[str, int]]:
+    """(mode, GPU) of each cvdlimits run: GPU 1 by index and by UUID on two GPUs; on more,
+    GPU 2 by index and the last GPU by UUID (issue 45: GPUs 2 and 3 of four)."""
+    if gpus <= 2:
+        return [("index", 1), ("uuid", 1)]
+    return [("index", 2), ("uuid", gpus - 1)]
+
+
 def phase_cvdlimits(tc: "TruthCheck") -> None:
-    for mode in ("index", "uuid"):
+    for mode, target in cvd_targets(tc.s.gpus):
         try:
-            cvd_run(tc, mode)
-        except Exception as e:  # the UUID pair runs even if the index pair broke
+            cvd_run(tc, mode, target)
+        except Exception as e:  # the next run goes on even if this one broke
             import traceback
             traceback.print_exc()
-            tc.r.check_true(f"cvdlimits[{mode}]: run completed", "no error", f"{type(e).__name__}: {e}", False)
+            tc.r.check_true(f"cvdlimits[{mode}, GPU {target}]: run completed", "no error",
+                            f"{type(e).__name__}: {e}", False)
 
 
 # ====================================================================== killdaemon

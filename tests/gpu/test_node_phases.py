@@ -52,6 +52,23 @@ def test_run_x2_names_only_phases_the_truth_check_knows():
     assert subprocess.run(["bash", "-n", str(HERE / "run_x2.sh")]).returncode == 0
 
 
+def test_run_x4_names_only_phases_the_truth_check_knows():
+    import truth_check
+    text = (HERE / "run_x4.sh").read_text()
+    lists = re.findall(r"--phases \$\{PHASES:-([a-z0-9,]+)\}", text)
+    assert lists == ["starts,cvdlimits,storm2,quit"]
+    known = {*node_phases.PHASES, *multi_gpu_phase.PHASES,
+             *(n[len("phase_"):] for n in dir(truth_check.TruthCheck) if n.startswith("phase_"))}
+    assert set(lists[0].split(",")) <= known
+    assert subprocess.run(["bash", "-n", str(HERE / "run_x4.sh")]).returncode == 0
+
+
+def test_cvdlimits_runs_on_gpu_1_of_two_and_on_gpus_2_and_3_of_four():
+    assert node_phases.cvd_targets(2) == [("index", 1), ("uuid", 1)]
+    assert node_phases.cvd_targets(4) == [("index", 2), ("uuid", 3)]
+    assert node_phases.cvd_targets(8) == [("index", 2), ("uuid", 7)]
+
+
 # ------------------------------------------------------------------ starts
 def test_a_death_is_an_exit_before_the_stop_with_its_signal_and_stderr():
     runs = [{"start": 0, "rc": None, "stop_rc": 0, "ok": 48, "failed": 2, "first_ok": 0.9},
