@@ -27,6 +27,7 @@ and `<pid>:<path>` where only the daemon's root has it (a container's own /tmp).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -182,18 +183,31 @@ class DaemonSet:
             return None
         return list(self._current)
 
-    def _processes(self, known: Sequence[DaemonConfig]) -> List[DaemonConfig]:
-        """The daemon processes that no flag, file or layout names already (by the pipe
-        directory's device and inode; the earlier name wins)."""
+    def _processes(self, static: List[DaemonConfig],
+                   found: Sequence[DaemonConfig]) -> Tuple[List[DaemonConfig], List[DaemonConfig]]:
+        """(`static`, the daemon processes that no flag, file or layout names already: by the
+        pipe directory's device and inode, the earlier name wins). A static daemon whose pipe
+        directory the exporter cannot see (a container without that mount) but a daemon
+        process has at that path on the host is that daemon, reached through its root."""
+        processes = scan_processes(self.proc_root)
+        by_name = {d.name: d for d in processes}
+        adopted = []
+        for i, d in enumerate(static):
+            p = by_name.get(os.path.normpath(d.pipe_directory)) if identity(d.pipe_directory) is None else None
+            if p is not None and p.name not in adopted:
+                log_dir = d.log_directory if os.path.isdir(d.log_directory) else p.log_directory
+                static[i] = dataclasses.replace(d, pipe_directory=p.pipe_directory, log_directory=log_dir)
+                adopted.append(p.name)
+        known = static + list(found)
         names = {d.name for d in known}
         seen = {identity(d.pipe_directory) for d in known} - {None}
-        room = max(0, MAX_DISCOVERED - (len(known) - len(self.static)))
-        new = [d for d in scan_processes(self.proc_root)
-               if d.name not in names and identity(d.pipe_directory) not in seen]
+        room = max(0, MAX_DISCOVERED - len(found))
+        new = [d for d in processes if d.name not in names and d.name not in adopted
+               and identity(d.pipe_directory) not in seen]
         if len(new) > room:
             log.warning("discovery: more than %d daemons; ignoring %d found by process", MAX_DISCOVERED,
                         len(new) - room)
-        return new[:room]
+        return static, new[:room]
 
     def rescan(self) -> List[DaemonConfig]:
         """Scan the roots now (whatever the interval)."""
@@ -203,9 +217,11 @@ class DaemonSet:
             static_pipes = {os.path.realpath(d.pipe_directory) for d in self.static}
             found = [d for d in scan(self.roots) if d.name not in static_names
                      and os.path.realpath(d.pipe_directory) not in static_pipes]
+            static = list(self.static)
             if self.processes:
-                found += self._processes(self.static + found)
-            now = tuple(self.static + found)
+                static, processes = self._processes(static, found)
+                found += processes
+            now = tuple(static + found)
             if [d.name for d in now] != [d.name for d in self._current]:
                 before = {d.name for d in self._current}
                 added = [d.name for d in now if d.name not in before]

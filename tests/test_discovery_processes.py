@@ -233,6 +233,20 @@ def test_without_process_discovery_only_the_named_daemons(tmp_path):
     assert names.count("default") == 1 and "/tmp/nvidia-mps" not in names  # GKE's daemon is the default one
 
 
+@pytest.mark.skipif(os.path.exists("/tmp/nvidia-mps"), reason="this machine has a /tmp/nvidia-mps of its own")
+def test_the_default_daemon_the_exporter_cannot_see_is_reached_through_the_daemons_root(tmp_path):
+    """`mps-exporter` with no flags in a container without the host's /tmp/nvidia-mps: the
+    host's daemon there is the `default` daemon, not a second one beside a `default` that is
+    down."""
+    h = fake_host(tmp_path, tmp_path / "srv-mps")
+    static = DaemonConfig("default", "/tmp/nvidia-mps", str(tmp_path / "no-log-here"))
+    daemons = {d.name: d for d in DaemonSet([static], processes=True, proc_root=str(h.proc)).current()}
+    assert "/tmp/nvidia-mps" not in daemons
+    assert (daemons["default"].pipe_directory, daemons["default"].log_directory) == (
+        h.through("gke", "/tmp/nvidia-mps"), h.through("gke", "/var/log/nvidia-mps"))
+    assert len(daemons) == 6  # 404:/tmp/nvidia-mps, the DRA pod's own, is another daemon
+
+
 def test_flags_default_on_and_off(monkeypatch):
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     cfg = cli.parse_args(["serve"])[1]
