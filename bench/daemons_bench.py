@@ -8,9 +8,11 @@ its log directory holds a short control.log. NVML and /proc are left out: this m
 what the daemons add. Each row prints the machine's load average beside it (other work on
 the machine skews the times).
 
-    python3 bench/daemons_bench.py [--daemons 1 4 16] [--scrapes 50]
+    python3 bench/daemons_bench.py [--daemons 1 4 16] [--scrapes 50] [--procs 2000]
 
-Prints a Markdown table; numbers, not a pass/fail.
+Prints a Markdown table; numbers, not a pass/fail. `--procs N` instead times one scan of
+discovery by process (`--mps.discover-processes`) over a fake /proc of N processes, two of
+them control daemons and two MPS servers, and over this machine's /proc.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from prometheus_client.exposition import generate_latest  # noqa: E402
 
 from mps_exporter.collector import build_registry  # noqa: E402
 from mps_exporter.config import DRA, Config, DiscoveryRoot  # noqa: E402
+from mps_exporter.discovery import scan_processes  # noqa: E402
 from mps_exporter.sources import control as mps_control  # noqa: E402
 from mps_exporter.sources.base import Backends  # noqa: E402
 from mps_exporter.wiring import build_collector, build_readers  # noqa: E402
@@ -86,11 +89,52 @@ def scrape_times(daemons: int, scrapes: int, parallel: int) -> List[float]:
                 reader.close()
 
 
+def fake_proc(root: Path, processes: int) -> Path:
+    """A /proc of `processes` processes: 2 control daemons, 2 servers, the rest python3."""
+    proc = root / "proc"
+    for pid in range(1, processes + 1):
+        d = proc / str(pid)
+        d.mkdir(parents=True)
+        kind = pid % (processes // 4 or 1) == 0 and pid // (processes // 4 or 1)  # 1..4: MPS processes
+        comm, argv = ("nvidia-cuda-mps", [b"nvidia-cuda-mps-control", b"-d"]) if kind in (1, 2) else \
+            ("nvidia-cuda-mps", [b"nvidia-cuda-mps-server"]) if kind in (3, 4) else ("python3", [b"python3", b"x.py"])
+        (d / "comm").write_text(comm + "\n")
+        (d / "cmdline").write_bytes(b"\0".join(argv) + b"\0")
+        (d / "environ").write_bytes(b"PATH=/usr/bin\0HOME=/root\0" +
+                                    (f"CUDA_MPS_PIPE_DIRECTORY={root}/pipe-{pid}\0".encode() if kind else b""))
+        (d / "root").symlink_to("/")
+        (root / f"pipe-{pid}").mkdir()
+    return proc
+
+
+def scan_times(processes: int, scans: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="procs-bench-") as tmp:
+        proc = fake_proc(Path(tmp), processes)
+        for label, where in ((f"fake, {processes} processes", str(proc)),
+                             (f"this machine, {sum(p.isdigit() for p in os.listdir('/proc'))} processes", "/proc")):
+            found = len(scan_processes(where))
+            wall, cpu = [], []
+            for _ in range(scans):
+                w, c = time.perf_counter(), time.process_time()
+                scan_processes(where)
+                wall.append(time.perf_counter() - w)
+                cpu.append(time.process_time() - c)
+            print(f"| {label} | {found} | {statistics.median(wall) * 1000:.2f} | {max(wall) * 1000:.2f} | "
+                  f"{statistics.median(cpu) * 1000:.2f} | {os.getloadavg()[0]:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--daemons", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--scrapes", type=int, default=50)
+    ap.add_argument("--procs", type=int, default=0, help="time discovery by process over this many processes")
     args = ap.parse_args()
+    if args.procs:
+        print(f"{args.scrapes} scans each; {os.cpu_count()} CPUs\n")
+        print("| /proc | daemons found | median ms | max ms | CPU ms (median) | load avg (1 min) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        scan_times(args.procs, args.scrapes)
+        return
     print(f"{args.scrapes} scrapes each; control command {COMMAND_SECONDS * 1000:.1f} ms; "
           f"{os.cpu_count()} CPUs\n")
     print("| daemons | read | median ms | p95 ms | max ms | load avg (1 min) |")

@@ -64,11 +64,15 @@ dashboard = build(
                    w=8),
         timeseries("Control commands", "Commands the control daemon received per second, by verb (the exporter's "
                    "own included), and the exporter's own: MPS echoes each into control.log, which it never "
-                   "rotates; at a steady state the exporter sends get_server_list alone.", "cps",
+                   "rotates; at a steady state the exporter sends get_server_list alone. Unknown to the daemon: "
+                   "commands an older driver does not know (each costs its field, not the daemon).", "cps",
                    [target(f"sum by (instance, daemon, command) (rate({m('mps_control_commands_total')}"
                            f"[$__rate_interval]))", "{{instance}} {{daemon}} {{command}}"),
                     target(f"sum by (instance, daemon, command) (rate({m('mps_exporter_control_commands_total')}"
-                           f"[$__rate_interval]))", "exporter {{instance}} {{daemon}} {{command}}")], w=8),
+                           f"[$__rate_interval]))", "exporter {{instance}} {{daemon}} {{command}}"),
+                    target(f"sum by (instance, daemon, command) "
+                           f"(rate({m('mps_exporter_control_commands_unknown_total')}[$__rate_interval]))",
+                           "unknown to the daemon {{instance}} {{daemon}} {{command}}")], w=8),
         table("Exporter versions", "Version of each exporter and the Python it runs on.",
               [row_query(m("mps_exporter_build_info"))],
               units={"Value": "none"}, rename={}, hide=["Value"], h=6),

@@ -295,7 +295,8 @@ def capture(cfg: Config, stop: Optional[threading.Event] = None, readers: Option
     started = time.time()
     path = bundle_path(cfg.capture.out, started)
     # A bundle records a fixed list of daemons: those discovery finds now join the static ones.
-    cfg = dataclasses.replace(cfg, daemons=DaemonSet(cfg.daemons, cfg.discover).rescan(), discover=[])
+    found = DaemonSet(cfg.daemons, cfg.discover, processes=cfg.discover_processes, proc_root=cfg.procfs).rescan()
+    cfg = dataclasses.replace(cfg, daemons=found, discover=[], discover_processes=False)
     readers = build_readers(cfg, recorded=True) if readers is None else readers
     stop = stop or threading.Event()
     stop_on_signals(stop)  # Ctrl-C ends the capture early and still writes the bundle

@@ -138,6 +138,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mps.discover-glob", dest="discover_globs", action="append", default=[], metavar="PATTERN",
                    help="glob of daemon directories, each holding pipe/control and log/ (repeatable); the "
                         "daemon is named by the path below the pattern's fixed part")
+    p.add_argument("--mps.discover-processes", dest="discover_processes", action="store_true",
+                   default=DEFAULTS.discover_processes,
+                   help="also watch every nvidia-cuda-mps-control process on the host, wherever it was started "
+                        "(its pipe and log directories from its environment, through /proc/PID/root; needs the "
+                        f"host's PID namespace) (default: {'on' if DEFAULTS.discover_processes else 'off'})")
+    p.add_argument("--no-mps.discover-processes", dest="discover_processes", action="store_false",
+                   help="watch only the daemons named or found under roots")
     p.add_argument("--mps.discover-interval", dest="discovery_interval", type=float,
                    default=DEFAULTS.discovery_interval,
                    help="seconds between scans for daemons that came or went (default %(default)s)")
@@ -328,6 +335,7 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
         cfg.status = _status_options(ns)
     cfg.discover = _discover_flags(ns)
     cfg.discovery_interval = ns.discovery_interval
+    cfg.discover_processes = ns.discover_processes
     if not cfg.discovery_interval > 0:
         raise ConfigError("--mps.discover-interval must be positive")
     if ns.config_file:

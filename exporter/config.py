@@ -56,7 +56,7 @@ class DaemonConfig:
     name: str
     pipe_directory: str
     log_directory: str
-    layout: str = "static"  # how it was found: static (flags, config file), a LAYOUTS name or GLOB
+    layout: str = "static"  # how it was found: static (flags, config file), a LAYOUTS name, GLOB or PROCESS
     claim_uid: str = ""  # DRA: the resource claim whose daemon this is
 
 
@@ -75,6 +75,7 @@ DEFAULT_DISCOVERY_INTERVAL = 5.0
 DEVICE_PLUGIN = "device-plugin"
 DRA = "dra"
 GLOB = "glob"  # a pattern given as such: no layout-specific labels
+PROCESS = "process"  # a control daemon process in /proc, found wherever it was started
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ class Config:
     daemons: List[DaemonConfig] = field(default_factory=list)  # the static list
     discover: List[DiscoveryRoot] = field(default_factory=list)  # --mps.discover, --mps.discover-glob
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL  # seconds between scans of the roots
+    # --mps.discover-processes: also watch every nvidia-cuda-mps-control process in procfs
+    discover_processes: bool = True
     control_binary: str = "nvidia-cuda-mps-control"
     command_timeout: float = 2.0
     # Server facts (thread percentage, pinned limits) and daemon defaults change

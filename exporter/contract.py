@@ -112,9 +112,10 @@ UUID = Label("uuid", DEVICE, "NVML", "one per GPU")
 # Daemons found under discovery roots (anyone who can make a directory there names one).
 MAX_DISCOVERED = 512
 DAEMON = Label("daemon", INPUT, "`--config.file` daemon names (default `default`); discovered daemons: the directory "
-               "below the root (device plugin: the resource name; DRA: `<claim UID>-<hash>`)",
-               f"the configured daemons plus at most {MAX_DISCOVERED} discovered, gone when their directory goes; "
-               f"{CUT}")
+               "below the root (device plugin: the resource name; DRA: `<claim UID>-<hash>`); found by process "
+               "only: its pipe directory where the host has it at that path, else `<pid>:<pipe directory>`",
+               f"the configured daemons plus at most {MAX_DISCOVERED} discovered, gone when their directory or "
+               f"process goes; {CUT}")
 SERVER_PID = Label("server_pid", INPUT, "control daemon `get_server_list` / `ps`, else the logs' running servers",
                    "running servers (the logs remember at most 1024)")
 CLIENT_PID = Label("pid", INPUT, "control daemon `ps`, NVML's MPS client list",

@@ -14,10 +14,20 @@ directory is the sibling `log`. Its name is the path below the pattern's fixed p
 (`nvidia.com/gpu`, `<claim UID>-<hash>`). `DaemonSet.current()` re-scans at most every
 `interval` seconds; what it returns replaces the last list (sources keep their per-daemon
 state by name and drop a name that left).
+
+Beside the layouts (`--mps.discover-processes`, on by default), every
+`nvidia-cuda-mps-control -d|-f` process in /proc is a daemon wherever it was started
+(systemd on Amazon ECS, Slurm prologs, GKE, a pod): its pipe and log directories are its
+CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY (MPS's defaults where unset), paths in
+its own root, reached through /proc/PID/root. One found by layout or named in the flags
+too (the same pipe directory by device and inode) keeps that name; else it is named by
+its pipe directory where the host (PID 1's root) sees that directory at the same path,
+and `<pid>:<path>` where only the daemon's root has it (a container's own /tmp).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -26,7 +36,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .config import DRA, GLOB, LAYOUTS, DaemonConfig, DiscoveryRoot
+from .config import (DEFAULT_LOG_DIRECTORY, DEFAULT_PIPE_DIRECTORY, DRA, GLOB, LAYOUTS, PROCESS, DaemonConfig,
+                     DiscoveryRoot)
 from .contract import MAX_DISCOVERED
 
 log = logging.getLogger(__name__)
@@ -75,14 +86,86 @@ def scan(roots: Sequence[DiscoveryRoot], exists: Callable[[str], bool] = os.path
     return [found[n] for n in sorted(found)]
 
 
+# A process's comm is its program's name cut to 15 characters: the control daemon's and its
+# servers' (nvidia-cuda-mps-server) alike. Only these have their cmdline read.
+CONTROL_COMM = b"nvidia-cuda-mps"
+
+
+def _comm(proc_dir: str) -> bytes:
+    """A process's comm; b"" where it is gone. os.open, not open(): this runs for every process."""
+    try:
+        fd = os.open(proc_dir + "/comm", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, 64).rstrip(b"\n")
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def identity(path: str) -> Optional[Tuple[int, int]]:
+    """(st_dev, st_ino) of what `path` names now; None where it is not there."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _inside(root: str, path: str) -> str:
+    """`path` of a process's own file system, through its /proc/PID/root."""
+    return root + "/" + path.lstrip("/")
+
+
+def scan_processes(proc_root: str, limit: int = MAX_DISCOVERED) -> List[DaemonConfig]:
+    """Every control daemon process in `proc_root` now, one per pipe directory, sorted by
+    name (layout PROCESS). Lists `proc_root` once; reads the `comm` of each process and the
+    cmdline and environ of the few named nvidia-cuda-mps."""
+    try:
+        pids = sorted(int(p) for p in os.listdir(proc_root) if p.isdigit())
+    except OSError:
+        return []
+    host = os.path.join(proc_root, "1", "root")  # the host's root where we share its PID namespace
+    found: Dict[Tuple[int, int], DaemonConfig] = {}
+    for pid in pids:
+        proc_dir = f"{proc_root}/{pid}"
+        if _comm(proc_dir) != CONTROL_COMM:
+            continue
+        argv = _control_argv(proc_dir)
+        if argv is None:
+            continue
+        env = _environ_all(proc_dir, ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"))
+        pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY
+        log_dir = env.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIRECTORY
+        root = os.path.join(proc_dir, "root")
+        ident = identity(_inside(root, pipe))
+        if ident is None or ident in found:  # gone, not ours to see, or its -d parent and child
+            continue
+        if len(found) >= limit:
+            log.warning("discovery: more than %d control daemon processes; ignoring pid %d", limit, pid)
+            break
+        ours = identity(pipe) == ident  # the same directory at the same path here: use that
+        name = pipe if ours or identity(_inside(host, pipe)) == ident else f"{pid}:{pipe}"
+        log_here = ours and identity(log_dir) == identity(_inside(root, log_dir))
+        found[ident] = DaemonConfig(name, pipe if ours else _inside(root, pipe),
+                                    log_dir if log_here else _inside(root, log_dir), layout=PROCESS)
+    return sorted(found.values(), key=lambda d: d.name)
+
+
 class DaemonSet:
     """The daemons to watch now: `static` (flags, config file) and, every `interval`
-    seconds at most, those found under `roots`. Thread-safe; `current()` is cheap between scans."""
+    seconds at most, those found under `roots` and (`processes`) the control daemon
+    processes in `proc_root`. Thread-safe; `current()` is cheap between scans."""
 
     def __init__(self, static: Sequence[DaemonConfig], roots: Sequence[DiscoveryRoot] = (),
-                 interval: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 processes: bool = False, proc_root: str = "/proc") -> None:
         self.static = list(static)
         self.roots = list(roots)
+        self.processes = processes
+        self.proc_root = proc_root
         self.interval = interval
         self._clock = clock
         self._lock = threading.Lock()
@@ -90,15 +173,41 @@ class DaemonSet:
         self._current: Tuple[DaemonConfig, ...] = tuple(self.static)
 
     def current(self) -> List[DaemonConfig]:
-        if self.roots and self._clock() >= self._next_scan:
+        if (self.roots or self.processes) and self._clock() >= self._next_scan:
             self.rescan()
         return list(self._current)
 
     def between_scans(self) -> Optional[List[DaemonConfig]]:
         """`current()` where no scan is due now; None where it would scan."""
-        if self.roots and self._clock() >= self._next_scan:
+        if (self.roots or self.processes) and self._clock() >= self._next_scan:
             return None
         return list(self._current)
+
+    def _processes(self, static: List[DaemonConfig],
+                   found: Sequence[DaemonConfig]) -> Tuple[List[DaemonConfig], List[DaemonConfig]]:
+        """(`static`, the daemon processes that no flag, file or layout names already: by the
+        pipe directory's device and inode, the earlier name wins). A static daemon whose pipe
+        directory the exporter cannot see (a container without that mount) but a daemon
+        process has at that path on the host is that daemon, reached through its root."""
+        processes = scan_processes(self.proc_root)
+        by_name = {d.name: d for d in processes}
+        adopted = []
+        for i, d in enumerate(static):
+            p = by_name.get(os.path.normpath(d.pipe_directory)) if identity(d.pipe_directory) is None else None
+            if p is not None and p.name not in adopted:
+                log_dir = d.log_directory if os.path.isdir(d.log_directory) else p.log_directory
+                static[i] = dataclasses.replace(d, pipe_directory=p.pipe_directory, log_directory=log_dir)
+                adopted.append(p.name)
+        known = static + list(found)
+        names = {d.name for d in known}
+        seen = {identity(d.pipe_directory) for d in known} - {None}
+        room = max(0, MAX_DISCOVERED - len(found))
+        new = [d for d in processes if d.name not in names and d.name not in adopted
+               and identity(d.pipe_directory) not in seen]
+        if len(new) > room:
+            log.warning("discovery: more than %d daemons; ignoring %d found by process", MAX_DISCOVERED,
+                        len(new) - room)
+        return static, new[:room]
 
     def rescan(self) -> List[DaemonConfig]:
         """Scan the roots now (whatever the interval)."""
@@ -108,7 +217,11 @@ class DaemonSet:
             static_pipes = {os.path.realpath(d.pipe_directory) for d in self.static}
             found = [d for d in scan(self.roots) if d.name not in static_names
                      and os.path.realpath(d.pipe_directory) not in static_pipes]
-            now = tuple(self.static + found)
+            static = list(self.static)
+            if self.processes:
+                static, processes = self._processes(static, found)
+                found += processes
+            now = tuple(static + found)
             if [d.name for d in now] != [d.name for d in self._current]:
                 before = {d.name for d in self._current}
                 added = [d.name for d in now if d.name not in before]
@@ -176,6 +289,23 @@ def _environ(proc_dir: str, key: str) -> Optional[str]:
         if item.startswith(prefix):
             return item[len(prefix):].decode("utf-8", "replace")
     return None
+
+
+def _environ_all(proc_dir: str, keys: Sequence[str]) -> Dict[str, str]:
+    """Those of `keys` the process was started with (one read of its environ)."""
+    try:
+        with open(os.path.join(proc_dir, "environ"), "rb") as f:
+            raw = f.read(1 << 20)
+    except OSError:
+        return {}
+    wanted = {k.encode() + b"=": k for k in keys}
+    out: Dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, eq, _ = item.partition(b"=")
+        name = wanted.get(key + eq)
+        if name is not None and name not in out:
+            out[name] = item[len(key) + 1:].decode("utf-8", "replace")
+    return out
 
 
 def daemon_environ(proc_root: str, pid: int, key: str) -> Optional[str]:

@@ -110,6 +110,9 @@ class DaemonReading:
     # left out of comparisons, so that the readings compare equal while the daemon's
     # answers stay the same (render.readings_key).
     commands_sent: Dict[str, int] = field(default_factory=dict, compare=False)
+    # verb -> optional commands the daemon did not know (`Unknown command`): those answers,
+    # and each one the exporter did not send since because of them. Left out of comparisons.
+    commands_unknown: Dict[str, int] = field(default_factory=dict, compare=False)
 
 
 # ------------------------------------------------------------------- /proc

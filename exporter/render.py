@@ -212,6 +212,8 @@ SERVER_SUM_METRICS = table(
           "whose own limit CUDA does not apply, by limit and reason (as mps_client_limit_ignored); absent where none.",
           DAEMON, SERVER_PID, LIMIT, IGNORED_REASON),
 )
+COMMAND = Label("command", FIXED, "the exporter's read-only verbs (sources/control.py READ_ONLY_COMMANDS)",
+                "one per read-only verb")
 SELF_METRICS = table(
     "The exporter itself",
     gauge("mps_exporter_build_info", "Build facts (value 1).",
@@ -229,9 +231,12 @@ SELF_METRICS = table(
               "finished after their scrape's deadline included.", COLLECTOR),
     counter("mps_exporter_control_commands_total", "Commands the exporter sent to the control daemon, by verb. MPS "
             "echoes each into control.log, which it never rotates (about 5 lines; ps one more per client): at a "
-            "steady state the exporter sends get_server_list alone (docs/logs.md).", DAEMON,
-            Label("command", FIXED, "the exporter's read-only verbs (sources/control.py READ_ONLY_COMMANDS)",
-                  "one per read-only verb")),
+            "steady state the exporter sends get_server_list alone (docs/logs.md).", DAEMON, COMMAND),
+    counter("mps_exporter_control_commands_unknown_total", "Commands of the exporter that the control daemon does "
+            "not know, by verb: its `Unknown command` answers (drivers before client priorities or pinned memory "
+            "limits), and each command the exporter did not send since because of one (asked again when the "
+            "daemon restarts). Each costs its field (a limit, a percentage, a priority, a status), never the "
+            "daemon's servers and clients.", DAEMON, COMMAND),
 )
 
 
@@ -315,6 +320,8 @@ def render_self(out: FamilyBuilder, snap: Snapshot) -> None:
     for d in snap.daemons:
         for verb, sent in sorted(d.commands_sent.items()):
             out.add("mps_exporter_control_commands_total", sent, daemon=d.name, command=verb)
+        for verb, unknown in sorted(d.commands_unknown.items()):
+            out.add("mps_exporter_control_commands_unknown_total", unknown, daemon=d.name, command=verb)
 
 
 # ---------------------------------------------------------------- GPUs

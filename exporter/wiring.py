@@ -41,7 +41,9 @@ def with_daemon_set(cfg: Config, backends: Backends) -> Backends:
     """`backends` with the watched daemons: the static list, and discovery's when configured."""
     if backends.daemon_set is not None:
         return backends
-    return dataclasses.replace(backends, daemon_set=DaemonSet(cfg.daemons, cfg.discover, cfg.discovery_interval))
+    return dataclasses.replace(backends, daemon_set=DaemonSet(cfg.daemons, cfg.discover, cfg.discovery_interval,
+                                                              processes=cfg.discover_processes,
+                                                              proc_root=cfg.procfs))
 
 
 def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,

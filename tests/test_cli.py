@@ -207,6 +207,8 @@ BAD_VALUES = {
     "--web.config.file": ["/nonexistent/web.yml", "{bad_web}"],
     "--web.max-requests": ["abc", "-1"],
     "--web.disable-exporter-metrics": ["=x"],
+    "--mps.discover-processes": ["=x"],
+    "--no-mps.discover-processes": ["=x"],
     "--scrape.max-duration": ["abc", "-1"],
     "--scrape.timeout-offset": ["abc", "-0.5"],
     "--collector.refresh-interval": ["abc", "-1", "nan"],

@@ -49,6 +49,11 @@ READ_ONLY_COMMANDS: Dict[str, int] = {
     "get_device_client_list": 0,
 }
 
+# What the exporter can do without: a daemon that answers `Unknown command` to one of these
+# (drivers before pinned memory limits, before client priorities) costs the fields it
+# answers, never the daemon's servers and clients. get_server_list and ps are not optional.
+OPTIONAL_COMMANDS: FrozenSet[str] = frozenset(READ_ONLY_COMMANDS) - {"get_server_list", "ps"}
+
 MAX_PARALLEL_DAEMONS = 16  # daemons read at once in one scrape
 
 _NUMBER = re.compile(r"^[0-9]{1,10}$")
@@ -70,6 +75,13 @@ class DaemonNotRunning(ControlError):
     pass
 
 
+class UnknownCommand(ControlError):
+    """The daemon does not know the verb (`Unknown command "<verb>"`): an older driver."""
+
+
+UNKNOWN_COMMAND = "Unknown command"
+
+
 class ServerNotFound(ControlError):
     """The server named in the command is gone (it exited between two commands)."""
 
@@ -86,8 +98,8 @@ def check_reply(text: str) -> str:
         raise DaemonNotRunning(NO_DAEMON)
     if lines and re.match(r"^Server \d+ not found$", lines[0]):
         raise ServerNotFound(lines[0])
-    if lines and lines[0].startswith("Unknown command"):
-        raise ControlError(lines[0])
+    if lines and lines[0].startswith(UNKNOWN_COMMAND):
+        raise UnknownCommand(lines[0])
     return text
 
 
@@ -330,8 +342,11 @@ class ControlClient:
             rc, out = self.runner([self.binary], line + "\n", self._env(), self.timeout)
         except FileNotFoundError as e:
             raise ControlError(f"{self.binary} not found: {e.strerror}") from e
-        if _lines(out)[:1] == [NO_DAEMON]:  # its whole answer: a client's command may say the same
+        first = _lines(out)[:1]
+        if first == [NO_DAEMON]:  # its whole answer: a client's command may say the same
             raise DaemonNotRunning(NO_DAEMON)
+        if first and first[0].startswith(UNKNOWN_COMMAND):  # whatever its exit code
+            raise UnknownCommand(f"{line}: {first[0][:120]}")
         if rc != 0:
             raise ControlError(f"{line}: exit code {rc}: {out.strip()[:120]!r}")
         return out
@@ -424,6 +439,13 @@ class DaemonReader:
     _statuses: Dict[int, str] = field(default_factory=dict)  # server pid -> status, while _status_key holds
     _status_key: Tuple[object, ...] = ()
     sent: Dict[str, int] = field(default_factory=dict)  # verb -> commands sent to the daemon
+    # verb -> commands of OPTIONAL_COMMANDS the daemon did not know: its `Unknown command`
+    # answers, and each one not sent since because of them
+    unknown: Dict[str, int] = field(default_factory=dict)
+    # The verbs it answered `Unknown command` to, learned once and not asked again until
+    # the daemon restarts (its pid file changes) or stops.
+    _unknown_verbs: Set[str] = field(default_factory=set)
+    _pid_file_key: object = None
     # The daemon's process: its -M and its CUDA_VISIBLE_DEVICES, looked up again when its
     # pid file changes (a restart), or after facts_refresh_seconds where it could not be told.
     _process: Optional["DaemonProcess"] = None
@@ -434,17 +456,43 @@ class DaemonReader:
         self.sent[verb] = self.sent.get(verb, 0) + 1
         return self.client.run(verb, *args)
 
-    def process(self) -> Optional["DaemonProcess"]:
-        """The daemon's process as /proc shows it; None where it cannot be told."""
-        if self.proc_root is None:
+    def _optional(self, parse: Callable[[str], T], verb: str, *args: object) -> Optional[T]:
+        """An answer the reading can do without: None where the daemon does not know the
+        verb (asked once; counted in `unknown` then and each time it is not asked since)."""
+        if verb in self._unknown_verbs:
+            self.unknown[verb] = self.unknown.get(verb, 0) + 1
             return None
+        try:
+            return parse(self._run(verb, *args))
+        except UnknownCommand as e:
+            log.info("daemon %s does not know %s (%s): not asked again until it restarts", self.daemon.name,
+                     verb, e)
+            self._unknown_verbs.add(verb)
+            self.unknown[verb] = self.unknown.get(verb, 0) + 1
+            return None
+
+    def _pid_file(self) -> Tuple[str, object]:
+        """The daemon's pid file: its text, and what changes when the daemon restarts."""
         path = os.path.join(self.daemon.pipe_directory, PID_FILE)
         try:
             with open(path, encoding="ascii", errors="replace") as f:
                 text = f.read(32).strip()
-                key: object = (text, os.fstat(f.fileno()).st_mtime_ns)
+                return text, (text, os.fstat(f.fileno()).st_mtime_ns)
         except OSError:
-            text, key = "", None
+            return "", None
+
+    def _note_restart(self, key: object) -> None:
+        """A daemon restarted (its pid file changed) may be another driver's: what it did not
+        know is asked again."""
+        if key != self._pid_file_key:
+            self._pid_file_key = key
+            self._unknown_verbs.clear()
+
+    def process(self, pid_file: Optional[Tuple[str, object]] = None) -> Optional["DaemonProcess"]:
+        """The daemon's process as /proc shows it; None where it cannot be told."""
+        if self.proc_root is None:
+            return None
+        text, key = pid_file if pid_file is not None else self._pid_file()
         now = self.clock()
         if key != self._process_key or self._process is None and now - self._process_at >= self.facts_refresh_seconds:
             self._process_key, self._process_at = key, now
@@ -463,18 +511,18 @@ class DaemonReader:
             hit = self._cache[key] = _Cached(read(), now)
         return cast(T, hit.value)  # what this key's read returned
 
-    def _percentage(self, verb: str, *args: object) -> Callable[[], float]:
-        return lambda: parse_percentage(self._run(verb, *args))
+    def _percentage(self, verb: str, *args: object) -> Callable[[], Optional[float]]:
+        return lambda: self._optional(parse_percentage, verb, *args)
 
     def _pinned_limit(self, verb: str, *args: object) -> Callable[[], Optional[int]]:
-        return lambda: parse_pinned_limit(self._run(verb, *args))
+        return lambda: self._optional(parse_pinned_limit, verb, *args)
 
     def _pinned_by_uuid(self, verb: str, *args: object) -> Callable[[], Optional[int]]:
         """A limit asked for by GPU UUID: a daemon that does not take a UUID there (drivers
         before UUID keys) has none set that way, and that costs no reading."""
         def read() -> Optional[int]:
             try:
-                return parse_pinned_limit(self._run(verb, *args))
+                return self._optional(parse_pinned_limit, verb, *args)
             except (CommandNotAllowed, DaemonNotRunning, ServerNotFound):
                 raise
             except ControlError as e:
@@ -501,12 +549,7 @@ class DaemonReader:
         return limits
 
     def _default_priority(self) -> Optional[int]:
-        try:
-            return parse_priority(self._run("get_default_client_priority"))
-        except ControlError as e:
-            if "Unknown command" in str(e):  # an older daemon: no default priority to read
-                return None
-            raise
+        return self._optional(parse_priority, "get_default_client_priority")
 
     def _forget_servers_except(self, live: Set[int]) -> None:
         for key in [k for k in self._cache if k[0] == "server" and k[1] not in live]:
@@ -522,6 +565,7 @@ class DaemonReader:
     def _forget(self) -> None:
         self._cache.clear()
         self._listing, self._statuses = None, {}
+        self._unknown_verbs.clear()  # the next daemon here may be another driver's
 
     def _clients(self, key: Tuple[object, ...], watched: bool) -> List[PsEntry]:
         """`ps`, or its last answer while nothing says it changed."""
@@ -551,10 +595,12 @@ class DaemonReader:
             reading.error = str(e)
             return self._counted(reading)
         reading.up = True
+        pid_file = self._pid_file()
+        self._note_restart(pid_file[1])
         if self._version is None:
             self._version = self.client.version()
         reading.version = self._version
-        process = self.process()
+        process = self.process(pid_file)
         reading.multiuser = None if process is None else process.multiuser
         reading.visible_devices = None if process is None else process.visible_devices
         own = visible_devices(reading.visible_devices, [(i, (uuids or {}).get(i, "")) for i in devices])
@@ -590,14 +636,17 @@ class DaemonReader:
 
     def _counted(self, reading: DaemonReading) -> DaemonReading:
         reading.commands_sent = dict(self.sent)
+        reading.commands_unknown = dict(self.unknown)
         return reading
 
-    def _status(self, pid: int) -> str:
-        """A server's status, asked again only while it is not ACTIVE or after a change."""
+    def _status(self, pid: int) -> Optional[str]:
+        """A server's status, asked again only while it is not ACTIVE or after a change;
+        None from a daemon that does not know get_server_status."""
         status = self._statuses.get(pid)
         if status is None or status != "ACTIVE":
-            status = parse_server_status(self._run("get_server_status", pid))
-            self._statuses[pid] = status
+            status = self._optional(parse_server_status, "get_server_status", pid)
+            if status is not None:
+                self._statuses[pid] = status
         return status
 
     def _read_server(self, pid: int, devices: Sequence[VisibleDevice]) -> Optional[ServerFacts]:

@@ -15,7 +15,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 from tests.support.data import CAPTURE  # noqa: E402,F401  (re-exported to the tests)
 
@@ -62,6 +62,9 @@ class FakeControlDaemon:
     default_active_thread_percentage: float = 100.0
     default_pinned_limits: Dict[Union[int, str], str] = field(default_factory=dict)
     default_client_priority: Optional[int] = 0  # None: a daemon without get_default_client_priority
+    # Verbs this daemon's driver does not know: each answered `Unknown command "<verb>"`, as
+    # driver 580 answers `help` (tests/data/captures/h200-driver580-a/control).
+    unknown_commands: FrozenSet[str] = frozenset()
     version: str = "13000"
     hang_seconds: float = 0.0  # > timeout: simulates a hung daemon
     latency_seconds: float = 0.0  # the capture measured ~1.9 ms per command
@@ -111,6 +114,8 @@ class FakeControlDaemon:
 
     def answer(self, line: str) -> str:
         verb, *args = line.split()
+        if verb in self.unknown_commands:
+            return f'Unknown command "{verb}"\n'
         nums: List[Any] = [int(a) if a.isdigit() else a for a in args]
         if verb == "get_server_list":
             out = "".join(f"{s.pid}\n" for s in self.servers)
