@@ -22,6 +22,7 @@ from .recordings import (  # noqa: F401 (RECORDINGS, Recording: generate.py's an
     RECORDINGS,
     Recording,
 )
+from .recordings import check as check_recordings
 
 SEVERITIES = ("critical", "warning", "info")
 
@@ -252,6 +253,7 @@ GROUPS = ("contention", "oom", "exporter")
 
 def check() -> None:
     """Catch definition mistakes before anything is written."""
+    check_recordings()
     names = [a.alertname for a in ALERTS]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
