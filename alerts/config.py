@@ -152,6 +152,15 @@ MEMORY_FILL_FOR = "10m"
 COLLECTOR_FAILING_FOR = "5m"
 TARGET_DOWN_FOR = "5m"
 
+# Series that are simply absent make every rule on them quiet, and read as healthy
+# (issue 43): a target that answers without the exporter's own series (another program
+# on the port, a metric_relabel_configs that drops them), or a control collector that
+# watches no MPS control daemon at all (--mps.discover finding none: a wrong root or an
+# unmounted directory), so that MpsControlDaemonDown can never fire. Longer than
+# TARGET_DOWN_FOR: a daemon that the device plugin restarts is found again within
+# seconds (--mps.discover-interval), a node that starts its daemon late within minutes.
+NO_DATA_FOR = "10m"
+
 # A reading is stale when a scrape serves it older than this many of its collector's
 # refresh intervals (mps_exporter_collector_refresh_interval_seconds; 0 for a source read
 # in every scrape) plus the slack: the slowest read a scrape waits for

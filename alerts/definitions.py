@@ -22,6 +22,7 @@ from .recordings import (  # noqa: F401 (RECORDINGS, Recording: generate.py's an
     RECORDINGS,
     Recording,
 )
+from .recordings import check as check_recordings
 
 SEVERITIES = ("critical", "warning", "info")
 
@@ -245,6 +246,23 @@ ALERTS: Tuple[Alert, ...] = (
         "Prometheus cannot scrape an mps-exporter.",
         f"Prometheus has not scraped the mps-exporter on {NODE} for {C.TARGET_DOWN_FOR}: "
         f"no MPS alert fires for this machine."),
+    # Absent data (issue 43): a rule on a series that is not there never fires.
+    Alert(
+        "ExporterMetricsMissing", "exporter",
+        f"{job('up')} == 1\nunless on({T}) {job('mps_exporter_collector_success')}", C.NO_DATA_FOR, "warning",
+        "A scraped mps-exporter target has none of the exporter's own series.",
+        f"Prometheus scrapes {NODE} (job {lbl('job')}) successfully but has found no "
+        f"mps_exporter_collector_success series there for {C.NO_DATA_FOR}: the target is not an mps-exporter, "
+        f"or relabeling drops its series. Every MPS alert of this machine is silent."),
+    Alert(
+        "ExporterNoControlDaemon", "exporter",
+        f"group by ({T}) ({job('mps_exporter_collector_success', collector='control')})\n"
+        f"unless on({T}) {job('mps_control_daemon_up')}", C.NO_DATA_FOR, "warning",
+        "An mps-exporter watches no MPS control daemon.",
+        f"The control collector of the mps-exporter on {NODE} runs, but there has been no "
+        f"mps_control_daemon_up series for {C.NO_DATA_FOR}: it watches no MPS control daemon (discovery "
+        f"finds none, or none is configured), so MpsControlDaemonDown and the queue, fault and client alerts "
+        f"cannot fire for this machine."),
 )
 
 GROUPS = ("contention", "oom", "exporter")
@@ -252,6 +270,7 @@ GROUPS = ("contention", "oom", "exporter")
 
 def check() -> None:
     """Catch definition mistakes before anything is written."""
+    check_recordings()
     names = [a.alertname for a in ALERTS]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:

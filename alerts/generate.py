@@ -260,8 +260,11 @@ def readme() -> str:
     lines += ["", "## Recording rules", "",
               "In `recordings.py`. Group `mps-exporter.rules` runs at Prometheus' evaluation interval,",
               f"`mps-exporter.heavy` (joins over every client, quantiles, the hourly max) every "
-              f"{C.HEAVY_RULES_INTERVAL}, `mps-exporter.fleet` (what the fleet dashboard reads) every "
-              f"{C.FLEET_RULES_INTERVAL}.", "",
+              f"{C.HEAVY_RULES_INTERVAL}, `mps-exporter.fleet` and `mps-exporter.fleet-totals` (what the fleet "
+              f"dashboard reads: per node and model, then the totals summed from them) every "
+              f"{C.FLEET_RULES_INTERVAL}. No record reads another of its own group (vmalert and Mimir do not "
+              "promise that a rule sees what another rule of its group wrote in the same round): one that "
+              "reads another goes into a later group.", "",
               "| record | group | what |", "| --- | --- | --- |"]
     lines += [f"| `{r.record}` | {r.group} | {cell(r.why)} |" for r in RECORDINGS]
     return "\n".join(lines) + "\n"

@@ -5,26 +5,35 @@
   the hourly max that keeps alerts from reading a day of raw samples, and the
   sums per Kubernetes pod (the exporter puts `namespace`, `pod`, `container` on
   its client series: no rule reads kube-state-metrics);
-- `fleet` (config.FLEET_RULES_INTERVAL): per node, per GPU model and fleet
-  totals, the only series the fleet dashboard reads.
+- `fleet` (config.FLEET_RULES_INTERVAL): per node and per GPU model;
+- `fleet-totals` (the same interval): the fleet totals summed from `fleet`'s per-node
+  records. With `fleet`, the only series the fleet dashboard reads.
 
 New names follow `level:metric:operations` (Prometheus' recording rule
-convention): the labels kept, the metric, what was done to it. Rules in a group
-run in order, so a rule may read one defined above it in the same group.
+convention): the labels kept, the metric, what was done to it. No record reads
+another record of its own group: Prometheus runs a group's rules in order, but
+vmalert and Mimir do not promise that a rule sees the value another rule of the
+same group wrote in the same round ("don't rely on chaining of recording rules").
+A record that reads another goes into a later group; `check()` refuses one that
+does not.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Set, Tuple
 
 from . import config as C
 from .expressions import TARGET as T
 from .expressions import CLIENT_INFO_LABELS, client_memory_ratio, gpu_memory_ratio, job
 from .expressions import queue_wait_quantile
 
-RULES, HEAVY, FLEET = "rules", "heavy", "fleet"
-RECORDING_GROUPS = {RULES: None, HEAVY: C.HEAVY_RULES_INTERVAL, FLEET: C.FLEET_RULES_INTERVAL}
+RULES, HEAVY, FLEET, FLEET_TOTALS = "rules", "heavy", "fleet", "fleet-totals"
+# In the order of the rule file (promtool evaluates them in this order, one after the other).
+RECORDING_GROUPS = {RULES: None, HEAVY: C.HEAVY_RULES_INTERVAL, FLEET: C.FLEET_RULES_INTERVAL,
+                    FLEET_TOTALS: C.FLEET_RULES_INTERVAL}
+FLEET_GROUPS = (FLEET, FLEET_TOTALS)  # what the fleet dashboard reads
 
 
 @dataclass(frozen=True)
@@ -131,23 +140,23 @@ RECORDINGS: Tuple[Recording, ...] = (
               f"sum by (name, mode) (\n  {job('mps_gpu_sharing_mode')}\n"
               f"  * on({T}, gpu) group_left(name) {job('mps_gpu_info')}\n)",
               "GPUs of each model by sharing mode, over the fleet", FLEET),
-    Recording(FLEET_MODES, f"sum by (mode) ({NODE_MODES})", "GPUs by sharing mode, over the fleet", FLEET),
+    Recording(FLEET_MODES, f"sum by (mode) ({NODE_MODES})", "GPUs by sharing mode, over the fleet", FLEET_TOTALS),
     Recording(NODE_QUEUED, f"sum by ({T}) ({job('mps_queued_clients')})", "clients queued on each node", FLEET),
-    Recording(FLEET_QUEUED_NODES, _fleet_count(f"{NODE_QUEUED} > 0"), "nodes with queued clients", FLEET),
+    Recording(FLEET_QUEUED_NODES, _fleet_count(f"{NODE_QUEUED} > 0"), "nodes with queued clients", FLEET_TOTALS),
     Recording(NODE_FAULTS, f"count by ({T}) ({job('mps_server_status', status='FAULT')} == 1)",
               "MPS servers in FAULT on each node (absent where none)", FLEET),
-    Recording(FLEET_FAULTS, f"sum({NODE_FAULTS}) or vector(0)", "MPS servers in FAULT over the fleet", FLEET),
+    Recording(FLEET_FAULTS, f"sum({NODE_FAULTS}) or vector(0)", "MPS servers in FAULT over the fleet", FLEET_TOTALS),
     Recording(NODE_FATAL, f"sum by ({T}) (rate({job('mps_fatal_gpu_errors_total')}[5m]))",
               "fatal GPU errors per second on each node", FLEET),
-    Recording(FLEET_FATAL, f"sum({NODE_FATAL}) or vector(0)", "fatal GPU errors per second over the fleet", FLEET),
+    Recording(FLEET_FATAL, f"sum({NODE_FATAL}) or vector(0)", "fatal GPU errors per second over the fleet", FLEET_TOTALS),
     Recording(NODE_REFUSALS, f"sum by ({T}) (rate({job('mps_client_rejections_total')}[5m]))",
               "client connections MPS servers refused per second on each node", FLEET),
     Recording(FLEET_REFUSALS, f"sum({NODE_REFUSALS}) or vector(0)",
-              "client connections refused per second over the fleet", FLEET),
+              "client connections refused per second over the fleet", FLEET_TOTALS),
     Recording(NODE_DEATHS, f"sum by ({T}) (rate({job('mps_server_exits_with_clients_total')}[5m]))",
               "MPS servers per second that exited under connected clients, on each node", FLEET),
     Recording(FLEET_DEATHS, f"sum({NODE_DEATHS}) or vector(0)",
-              "MPS servers per second that exited under connected clients, over the fleet", FLEET),
+              "MPS servers per second that exited under connected clients, over the fleet", FLEET_TOTALS),
     Recording(NODE_HEADROOM, f"min by ({T}) (1 - {GPU_MEMORY_USAGE})",
               "share of memory free on each node's fullest GPU", FLEET),
     Recording(FLEET_LOW_HEADROOM, _fleet_count(f"{GPU_MEMORY_USAGE} > {1 - C.LOW_MEMORY_HEADROOM_RATIO:g}"),
@@ -162,7 +171,25 @@ RECORDINGS: Tuple[Recording, ...] = (
               "device memory, per GPU model, over the fleet", FLEET),
     Recording(NODE_CLIENTS, f"sum by ({T}) ({job('mps_server_clients')})",
               "MPS clients connected on each node", FLEET),
-    Recording(FLEET_CLIENTS, f"sum({NODE_CLIENTS}) or vector(0)", "MPS clients connected over the fleet", FLEET),
+    Recording(FLEET_CLIENTS, f"sum({NODE_CLIENTS}) or vector(0)", "MPS clients connected over the fleet", FLEET_TOTALS),
     Recording(EXPORTERS, f"count by (job) ({job('up')})", "mps-exporter targets", FLEET),
     Recording(EXPORTERS_UP, f"sum by (job) ({job('up')})", "mps-exporter targets scraped successfully", FLEET),
 )
+
+
+def reads(expr: str) -> Set[str]:
+    """The records of RECORDINGS an expression reads."""
+    names = set(re.findall(r"(?<![\w:])([a-zA-Z_][\w]*:[\w:]*)", expr))
+    return names & {r.record for r in RECORDINGS}
+
+
+def check() -> None:
+    """Every record in a known group, and none reads a record of its own group."""
+    group_of = {r.record: r.group for r in RECORDINGS}
+    for r in RECORDINGS:
+        if r.group not in RECORDING_GROUPS:
+            raise ValueError(f"{r.record}: group {r.group!r} not in {tuple(RECORDING_GROUPS)}")
+        same = sorted(n for n in reads(r.expr) if group_of[n] == r.group)
+        if same:
+            raise ValueError(f"{r.record} reads {same} of its own group {r.group!r}: move it to a later group")
+

@@ -1,5 +1,5 @@
 """The fleet: every node at once, from recorded aggregates only (alerts/recordings.py,
-group mps-exporter.fleet), so it answers as fast at 10,000 nodes as at 10."""
+groups mps-exporter.fleet and mps-exporter.fleet-totals), so it answers as fast at 10,000 nodes as at 10."""
 
 from alerts import config as C
 from alerts import recordings as R

@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from .errors import ConfigError
+from .errors import ConfigError, yaml_error_line
 
 if TYPE_CHECKING:
     from .webconfig import WebConfig
@@ -203,7 +203,7 @@ def load_daemons_file(path: str) -> Tuple[List[DaemonConfig], List[DiscoveryRoot
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"config file {path} is not valid YAML: {yaml_error_line(e)}") from e
     if not isinstance(doc, dict) or set(doc) - {"daemons", "discover"}:
         raise ConfigError(f"config file {path}: expected a mapping with 'daemons' and/or 'discover'")
     entries, roots = doc.get("daemons") or [], _discover_entries(path, doc.get("discover") or [])

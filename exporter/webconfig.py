@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, yaml_error_line
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ def load_web_config(path: str) -> WebConfig:
     except OSError as e:
         raise ConfigError(f"cannot read web config file {path}: {e.strerror}") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"web config file {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"web config file {path} is not valid YAML: {yaml_error_line(e)}") from e
     try:
         config = parse_web_config(doc, os.path.dirname(os.path.abspath(path)))
     except ConfigError as e:

@@ -162,6 +162,24 @@ def test_bad_config_file(tmp_path, content, message):
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and message in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("content,where", [
+    # issue 43: PyYAML's first line ("while parsing a flow sequence") said neither what nor where
+    ("daemons:\n  - name: a\n    pipe_directory: [/p\n", "line 4, column 1: expected ',' or ']', but got '<stream end>' "
+                                                          "(while parsing a flow sequence at line 3, column 21)"),
+    ("daemons:\n  - name: a\n\tpipe_directory: /p\n", "line 3, column 1: found character '\\t' that cannot start "
+                                                      "any token (while scanning for the next token)"),
+    ("daemons:\n  - {name: a, pipe_directory: /p}\n   bad: 1\n", "line 3, column 4: expected <block end>, but found "
+                                                                   "'<block mapping start>'"),
+])
+def test_a_yaml_error_names_its_line_and_column(tmp_path, content, where):
+    f = tmp_path / "mps.yml"
+    f.write_text(content)
+    res = subprocess.run(EXE + ["dump", "--config.file", str(f)], capture_output=True, text=True, timeout=30)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert f"config file {f} is not valid YAML: {where}" in lines[0], lines[0]
+
+
 def test_config_file_names_the_daemons(tmp_path):
     f = tmp_path / "mps.yml"
     f.write_text(f"daemons:\n  - {{name: train, pipe_directory: {tmp_path}/p1, log_directory: {tmp_path}/l1}}\n"

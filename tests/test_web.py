@@ -257,6 +257,8 @@ def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError) as err:
         webconfig.load_web_config(bad)
     assert "is not valid YAML" in str(err.value) and "\n" not in str(err.value)
+    # issue 43: where in the file, as PyYAML knows it
+    assert "is not valid YAML: line 2, column 1: expected ',' or ']'" in str(err.value), str(err.value)
 
 
 def test_cli_rejects_bad_web_config_with_exit_2(tmp_path, capsys):

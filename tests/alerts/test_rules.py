@@ -187,11 +187,50 @@ def test_no_rule_reads_more_than_an_hour_of_a_raw_series():
 def test_heavy_and_fleet_rules_have_their_own_groups():
     groups = {g["name"]: g for g in generate.rule_groups()}
     assert groups["mps-exporter.heavy"]["interval"] == "1m" == groups["mps-exporter.fleet"]["interval"]
+    assert groups["mps-exporter.fleet-totals"]["interval"] == "1m"
     assert "interval" not in groups["mps-exporter.rules"]
     heavy = {r["record"] for r in groups["mps-exporter.heavy"]["rules"]}
     assert {definitions.CLIENT_MEMORY_USAGE, definitions.QUEUE_WAIT_P95, definitions.DAEMON_UP_MAX} <= heavy
     fast = generate.rule_groups(interval_override="1s")
     assert {g.get("interval") for g in fast} == {None, "1s"}
+
+
+SHIPPED_RULE_FILES = ("alerts/prometheus/mps-exporter.rules.yml", "alerts/kubernetes/prometheusrule.yaml",
+                      "deploy/helm/mps-exporter/files/rules/mps-exporter.rules.yml",
+                      "deploy/kubernetes/prometheusrule.yaml")
+
+
+def _shipped_groups(rel: str):
+    doc = yaml.safe_load((ROOT / rel).read_text())
+    return (doc.get("spec") or doc)["groups"]
+
+
+@pytest.mark.parametrize("rel", SHIPPED_RULE_FILES)
+def test_no_record_reads_a_record_of_its_own_group(rel):
+    """Issue 43: vmalert and Mimir do not promise that a recording rule sees what another
+    rule of its group wrote in the same round; no shipped record relies on it. Read from
+    the shipped files, not from definitions.py: what users load is what counts."""
+    groups = _shipped_groups(rel)
+    every_record = {r["record"] for g in groups for r in g["rules"] if "record" in r}
+    assert len(every_record) == len(definitions.RECORDINGS)
+    chained = 0
+    for group in groups:
+        own = {r["record"] for r in group["rules"] if "record" in r}
+        for rule in group["rules"]:
+            if "record" not in rule:
+                continue
+            read = set(re.findall(r"(?<![\w:])([a-zA-Z_]\w*:[\w:]*)", rule["expr"])) & every_record
+            assert not read & own, f"{group['name']}: {rule['record']} reads {sorted(read & own)} of its own group"
+            chained += bool(read)
+    assert chained >= 7  # the fleet totals still read the per-node records, from the group before
+
+
+def test_a_record_that_reads_its_own_group_is_refused(monkeypatch):
+    from alerts import recordings as R
+    chained = R.Recording("fleet:x:sum", f"sum({R.NODE_CLIENTS})", "test", R.FLEET)
+    monkeypatch.setattr(R, "RECORDINGS", R.RECORDINGS + (chained,))
+    with pytest.raises(ValueError, match="of its own group 'fleet'"):
+        R.check()
 
 
 def test_new_recording_names_follow_the_convention():

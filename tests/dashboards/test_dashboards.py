@@ -15,7 +15,7 @@ import yaml
 from dashboards import common, generate
 from dashboards.queries import concrete, queries
 from alerts import config as C
-from alerts.recordings import RECORDINGS
+from alerts.recordings import FLEET_GROUPS, RECORDINGS
 from mps_exporter.catalog import METRICS
 from mps_exporter.contract import HISTOGRAM
 from tests.support.tools import require
@@ -231,7 +231,7 @@ def test_fleet_and_kubernetes_dashboards_read_recorded_series_only():
         names = _recorded_names(q.expr)
         assert all(n in RECORDED for n in names) and (names or q.dashboard == "kubernetes"), q
         if q.dashboard == "fleet":
-            assert {RECORDED[n].group for n in names} == {"fleet"}, q
+            assert {RECORDED[n].group for n in names} <= set(FLEET_GROUPS), q
         else:  # every pod-level record is selected by the namespace and pod variables
             for n in names:
                 if n.startswith("namespace_pod") or n == "mps:client_pinned_memory_usage:ratio":
@@ -246,7 +246,7 @@ def test_per_node_dashboards_select_recorded_series_by_node():
                 for name in _recorded_names(q.expr)]
     assert any(name == "mps:client_pinned_memory_usage:ratio" for _, name in recorded)
     for q, name in recorded:
-        assert name in RECORDED and RECORDED[name].group != "fleet", q
+        assert name in RECORDED and RECORDED[name].group not in FLEET_GROUPS, q
         selector = re.search(re.escape(name) + r"\{([^}]*)\}", q.expr)
         assert selector and 'job=~"$job"' in selector.group(1) and 'instance=~"$node"' in selector.group(1), q
 

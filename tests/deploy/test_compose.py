@@ -74,11 +74,29 @@ def test_compose_file_matches_the_compose_schema():
         validator = jsonschema.Draft201909Validator(json.load(f))
     with open(os.path.join(COMPOSE_DIR, "compose.yaml"), encoding="utf-8") as f:
         document = yaml.safe_load(_interpolate(f.read()))
-    document.pop("name")  # newer than that schema
+    # Issue 43: docker-compose 1.29.2 (Debian 12's) refused the top-level `name:`.
+    assert "name" not in document and "version" not in document
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
     assert errors == []
     document["services"]["grafana"]["profile"] = ["demo"]  # a misspelt key is caught
     assert any("profile" in e.message for e in validator.iter_errors(document))
+
+
+def test_debian_docker_compose_loads_the_file(tmp_path):
+    """Issue 43: Debian 12's own docker-compose (1.29.2) rejected the file's top-level
+    `name:`. Its `config` parses and validates the file with no Docker daemon, both
+    profiles' services included; the project name comes from .env, which it reads too."""
+    program = require("docker-compose")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "MPS_", "GRAFANA_"))}
+    for profile in ("demo", "gpu"):
+        out = subprocess.run([program, "--project-directory", COMPOSE_DIR, "-f", os.path.join(COMPOSE_DIR, "compose.yaml"),
+                              "--profile", profile, "config", "--services"],
+                             capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert set(out.stdout.split()) == set(SERVICES), out.stdout
+    with open(os.path.join(COMPOSE_DIR, ".env"), encoding="utf-8") as f:
+        settings = dict(line.strip().split("=", 1) for line in f if line.strip() and not line.startswith("#"))
+    assert settings == {"COMPOSE_PROJECT_NAME": "mps-exporter"}
 
 
 def test_compose_references_only_existing_files():
@@ -195,7 +213,11 @@ def test_grafana_provisioning_matches_what_it_loads():
     (provider,) = providers["providers"]
     dashboards = _needs(os.path.join(ROOT, "dashboards", "json"))
     assert provider["options"]["path"] == _mount_target("grafana", dashboards)
-    assert _mount_target("grafana", _needs(os.path.join(ROOT, "alerts", "grafana"))) == "/etc/grafana/provisioning/alerting"
+    # Issue 43: the stack evaluates each alert once, in Prometheus (routed to Alertmanager);
+    # Grafana-managed copies would evaluate all of them again and notify no one.
+    grafana_mounts = [(host, target) for name, host, target in _bind_mounts() if name == "grafana"]
+    assert all("alerting" not in target and os.path.join("alerts", "grafana") not in host
+               for host, target in grafana_mounts), grafana_mounts
     assert glob.glob(os.path.join(dashboards, "*.json")), "dashboards/json holds no dashboard"
     # Every Grafana alert query names the provisioned data source.
     used = set()

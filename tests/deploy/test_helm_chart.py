@@ -93,7 +93,10 @@ def test_default_daemonset_least_privilege(default_objects):
     assert ctx["privileged"] is False
     assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE", "DAC_READ_SEARCH"]}
     assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert container.get("resources") in (None, {})  # left to the user
+    # Issue 43: requests and a memory limit by default, and dcgm-exporter's priority class.
+    assert container["resources"] == {"requests": {"cpu": "50m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}}
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert "--web.disable-exporter-metrics" not in container["args"]
     # The MPS directories are read-only; only the state and /tmp volumes are writable.
     mps_volumes = {v["name"] for v in pod["volumes"] if "hostPath" in v and v["name"] != "state"}
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
@@ -217,6 +220,24 @@ def test_exporter_accepts_the_rendered_flags_and_config(values_file, tmp_path):
     assert cfg.state_file == "/var/lib/mps-exporter/state.json"
     daemons = load_yaml_text(config_file.read_text())["daemons"]
     assert [d.name for d in cfg.daemons] == [d["name"] for d in daemons]
+
+
+@pytest.mark.parametrize("values, resources, priority", [
+    ({"resources": None, "priorityClassName": ""}, None, None),
+    ({"resources": {"limits": None}}, {"requests": {"cpu": "50m", "memory": "96Mi"}}, "system-node-critical"),
+    ({"resources": {"requests": {"memory": "128Mi"}, "limits": {"memory": "512Mi", "cpu": 1}}},
+     {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi", "cpu": 1}}, "system-node-critical"),
+    ({"priorityClassName": "gpu-monitoring"}, {"requests": {"cpu": "50m", "memory": "96Mi"},
+                                               "limits": {"memory": "256Mi"}}, "gpu-monitoring"),
+])
+def test_resources_and_priority_class_are_overridable(values, resources, priority):
+    objects = render(values)
+    assert _container(objects).get("resources") == resources
+    assert _pod(objects).get("priorityClassName") == priority
+
+
+def test_disable_exporter_metrics_value_passes_the_flag():
+    assert "--web.disable-exporter-metrics" in _container(render({"disableExporterMetrics": True}))["args"]
 
 
 def test_multi_daemon_variant_mounts_each_outside_directory():
@@ -360,6 +381,9 @@ def test_dashboards_become_sidecar_configmaps():
     ({"colectors": {}}, "colectors"),
     ({"podNames": {"runtimeRoots": ["run/containerd"]}}, "runtimeRoots"),
     ({"podNames": {"kubelet": {"port": 0}}}, "port"),
+    ({"resources": {"limits": {"memory": "256 MB"}}}, "memory"),
+    ({"resources": {"request": {"cpu": "50m"}}}, "request"),
+    ({"disableExporterMetrics": "yes"}, "disableExporterMetrics"),
 ])
 def test_schema_rejects_bad_values(values, message):
     with pytest.raises(helm.HelmValuesError, match=message):

@@ -25,6 +25,7 @@ PACKAGES = {
     "vmagent": "victoria-metrics",
     "vmalert": "victoria-metrics",
     "tmux": "tmux",
+    "docker-compose": "docker-compose",
 }
 
 
