@@ -462,6 +462,7 @@ def test_gpm_calls_of_several_gpus_never_overlap():
     nvml.gpm_hold_s = 0.3
     source = NvmlClient(nvml)
     source.gpm.wait_seconds = 30.0  # each GPU's activity of this round, however slow the fake
+    source.gpus.wait_seconds = 30.0
     source.read()
     nvml.advance(1.0)
     reading = source.read()
@@ -551,6 +552,40 @@ def test_a_gpm_call_that_hangs_holds_up_no_reading_and_its_result_comes_next_rou
     after = source.read()  # takes the released round's results
     assert after.gpus[0].activity["sm_active"] < before.gpus[0].activity["sm_active"]
     assert nvml.gpm_overlaps == []
+
+
+def test_a_gpu_whose_read_hangs_stands_in_with_its_last_reading():
+    """GPU 1's memory call blocks until the test releases it (a storm's slow calls, made
+    endless): the read of every GPU still returns, GPU 1 as last read; no second read of
+    GPU 1 starts beside the one in flight; once released, the next read serves what the
+    blocked read found."""
+    import threading
+
+    nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    source = NvmlClient(nvml)
+    before = source.read()
+    inside, release = threading.Event(), threading.Event()
+
+    def latency(fn: str, gpu: int) -> float:
+        if fn == "nvmlDeviceGetMemoryInfo" and gpu == 1:
+            inside.set()
+            release.wait(30)
+        return 0.0
+
+    nvml.latency_of = latency
+    source.gpus.wait_seconds = 0.0  # "do not wait": the event keeps GPU 1's read in flight
+    nvml.gpus[0].temperature = nvml.gpus[1].temperature = 71
+    during = source.read()
+    assert inside.wait(30) and not release.is_set()
+    assert during.gpus[1] is before.gpus[1]  # the stand-in
+    again = source.read()  # GPU 1's read is still in flight: not asked a second time
+    assert again.gpus[1] is before.gpus[1] and nvml.calls["nvmlDeviceGetMemoryInfo"] <= 2 + 2 + 1
+    release.set()
+    source.gpus.drain()
+    nvml.latency_of = None
+    source.gpus.wait_seconds = 30.0
+    after = source.read()
+    assert [g.temperature_celsius for g in after.gpus] == [71.0, 71.0]
 
 
 # ------------------------------------------- list calls straight into NVML

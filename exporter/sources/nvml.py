@@ -26,7 +26,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
+from concurrent.futures import wait as wait_futures
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from ..config import Config
 from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot
@@ -73,32 +74,69 @@ def gpm_call(fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
 
 
-def concurrently(fn: Callable[[int], T], items: Iterable[int]) -> List[T]:
-    """fn over items, each in a thread of its own (the first in the caller's): NVML's
-    calls other than GPM's are thread-safe and release the GIL, so GPUs are read side by
-    side and a storm on one GPU does not add to the others' time. Results in the items'
-    order."""
-    todo = list(items)
-    results: Dict[int, T] = {}
-    errors: List[BaseException] = []
+# How long one read of every GPU waits for a GPU before it serves that GPU's last reading.
+# While MPS admits a storm of clients single NVML calls took up to 0.49 s (the H100 storm of
+# issue 12) and a GPU's whole read seconds: read as one, the NVML reading was 4.3 s old at
+# worst and a scrape waited out its 0.5 s budget for it (4 x H200, issue 45).
+GPU_WAIT_SECONDS = 0.25
 
-    def run(position: int, item: int) -> None:
-        try:
-            results[position] = fn(item)
-        except BaseException as e:  # raised again in the caller
-            errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i, item), name=f"mps-read-nvml-{item}", daemon=True)
-               for i, item in enumerate(todo) if i > 0]
-    for t in threads:
-        t.start()
-    if todo:
-        run(0, todo[0])
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [results[i] for i in range(len(todo))]
+class PerGpuReads:
+    """Each GPU read in a thread of its own, side by side: NVML's calls other than GPM's
+    are thread-safe and release the GIL. A read of every GPU waits for each at most
+    `wait_seconds`; a GPU whose read is still running then stands in with its last
+    reading, and that read's result goes to a later read of every GPU (one read per GPU
+    at a time, never a second beside it). A GPU with no reading yet is waited for. So a
+    slow GPU holds up neither the others' readings nor the source's."""
+
+    def __init__(self, wait_seconds: float = GPU_WAIT_SECONDS) -> None:
+        self.wait_seconds = wait_seconds
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._workers = 0
+        self._pending: Dict[int, "Future[GpuReading]"] = {}  # GPU index -> its read in flight
+        self._last: Dict[int, GpuReading] = {}
+
+    def read(self, indexes: Sequence[int], read_one: Callable[[int], GpuReading]) -> List[GpuReading]:
+        """One reading per index, in their order. An exception of `read_one` is raised here."""
+        pool = self._executor(len(indexes))
+        futures = {i: self._pending.get(i) or self._pending.setdefault(i, pool.submit(read_one, i)) for i in indexes}
+        wait_futures(list(futures.values()), timeout=self.wait_seconds)
+        out = []
+        for i in indexes:
+            future = futures[i]
+            if future.done() or i not in self._last:
+                del self._pending[i]
+                self._last[i] = future.result()  # waits where there is no stand-in
+            out.append(self._last[i])
+        return out
+
+    def _executor(self, workers: int) -> ThreadPoolExecutor:
+        if self._pool is None or workers > self._workers:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)  # its reads in flight finish and are kept
+            self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="mps-read-nvml")
+            self._workers = workers
+        return self._pool
+
+    def drain(self) -> None:
+        """Wait for the reads in flight; their results go to the next read."""
+        for future in list(self._pending.values()):
+            try:
+                future.result()
+            except BaseException:  # raised to the next read
+                pass
+
+    def forget(self) -> None:
+        """Wait for the reads in flight and drop every kept reading (re-initialisation)."""
+        self.drain()
+        self._pending.clear()
+        self._last.clear()
+
+    def close(self) -> None:
+        self.forget()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 # Said where NVML is missing altogether (a laptop, a CI runner): where the demo is.
@@ -263,6 +301,7 @@ class NvmlClient:
         self._modes: Dict[int, Tuple[float, str, bool]] = {}
         self._direct: Optional[DirectLists] = None  # None: pynvml's public list functions
         self.gpm = GpmSampler()  # the only caller of GPM while NVML is initialised
+        self.gpus = PerGpuReads()
 
     # ------------------------------------------------------------ lifecycle
     def _module(self) -> Any:
@@ -288,6 +327,7 @@ class NvmlClient:
 
     def _forget_state(self, nvml: Any) -> None:
         """Drop per-GPU state: after a re-initialisation handles and samples are stale."""
+        self.gpus.forget()  # reads in flight use the handles and state dropped here
         self.gpm.forget()  # its work in line uses the samples freed here
         for sample in self._gpm_prev.values():
             self._free_sample(nvml, sample)
@@ -306,6 +346,8 @@ class NvmlClient:
         self._forget_state(nvml)
         self.gpm.close()
         self.gpm = GpmSampler()  # a thread only once a read asks again
+        self.gpus.close()
+        self.gpus = PerGpuReads()
         self._initialised = False
         try:
             nvml.nvmlShutdown()
@@ -324,7 +366,7 @@ class NvmlClient:
             # The driver went away under us (unloaded, GPU lost): start over next time.
             self._initialised = False
             raise NvmlUnavailable(f"NVML stopped answering: {e}") from e
-        gpus = concurrently(lambda index: self._read_gpu(nvml, index), range(count))
+        gpus = self.gpus.read(range(count), lambda index: self._read_gpu(nvml, index))
         return NvmlReading(driver_version=driver, gpus=gpus)
 
     def _read_gpu(self, nvml: Any, index: int) -> GpuReading:
