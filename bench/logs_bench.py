@@ -14,6 +14,14 @@ measures in a fresh process for each size:
 
     python3 bench/logs_bench.py                # 250k, 500k, 1M, 2M lines
     python3 bench/logs_bench.py --sizes 1000000
+
+`--pids 100,100000` (issue 42): the per-line cost of the state as the number of PIDs
+and users it has seen grows. A synthetic multi-tenant churn (`churn_lines`: each round
+a new server for the next user, four clients pushed, connected, made ACTIVE and admitted
+(one in ten dies queued), disconnected, and the server exits; one server in ten logs
+none of its end, as after a SIGKILL with lost lines) of `--pid-lines` lines, its PIDs and uids drawn from a pool of each size,
+parsed in memory and applied to a fresh LogState in a fresh process per size; prints the
+lines/s of each and the ratio to the first (the reference, from the same run).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 CAPTURE = REPO / "tests" / "data" / "captures" / "h200-driver580-a"
@@ -56,6 +64,93 @@ def build(capture: Path, directory: Path, total_lines: int) -> int:
                 out.write("\n".join(_shift(line, delta) for line in lines) + "\n")
                 written += len(lines)
     return written
+
+
+def churn_lines(total: int, pids: int) -> List[Tuple[str, str]]:
+    """(file, line) of a multi-tenant node's churn, PIDs and uids from a pool of `pids`."""
+    out: List[Tuple[str, str]] = []
+    ms = 0
+    n = 0  # PIDs drawn so far
+
+    def stamp() -> str:
+        nonlocal ms
+        ms += 1
+        return f"[2026-11-21 {ms // 3_600_000 % 24:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+
+    def draw() -> int:
+        nonlocal n
+        n += 1
+        return 1000 + (n - 1) % pids
+
+    rounds = 0
+    while len(out) < total:
+        rounds += 1
+        server, user = draw(), 1000 + rounds % pids
+        clients = [draw() for _ in range(4)]
+        for c in clients:
+            out.append(("control", f"{stamp()} Control   546] NEW CLIENT {c} from user {user}: Server is not ready, "
+                                   "push client to pending list"))
+        out.append(("control", f"{stamp()} Control   {server}] Starting new server {server} for user {user}"))
+        out.append(("control", f"{stamp()} Control   546] NEW SERVER {server}: Ready"))
+        admitted = [c for i, c in enumerate(clients) if (rounds * 4 + i) % 10]  # one in ten dies queued
+        for c in admitted:
+            out.append(("server", f"{stamp()} Server   {server}] Client {{PID: {c}, Context ID: 0}} connected"))
+            out.append(("server", f"{stamp()} Server   {server}] Status of client {{PID: {c}, Context ID: 0}} is ACTIVE"))
+            out.append(("control", f"{stamp()} Control   546] NEW CLIENT {c} from user {user}: Server already exists"))
+        if rounds % 10 == 0:
+            continue  # one server in ten logs no end (killed with its daemon's log cut, lines lost)
+        for c in admitted:
+            out.append(("server", f"{stamp()} Server   {server}] Client process {c} disconnected"))
+        out.append(("control", f"{stamp()} Control   546] Server {server} exited with status 0"))
+    return out[:total]
+
+
+def pids_child(total: int, pids: int) -> Dict[str, float]:
+    """Run in a fresh process: parse + state over the churn with a pool of `pids`."""
+    from mps_exporter.logs.parser import parse_line
+    from mps_exporter.logs.state import LogState
+
+    lines = churn_lines(total, pids)
+    parsed = [(parse_line(line, f), f) for f, line in lines]
+    distinct = len({int(w) for _, line in lines for w in line.replace("}", " ").split() if w.isdigit()})
+    state = LogState()
+    start = time.perf_counter()
+    for result, f in parsed:
+        state.apply(result, f)
+        if f == "server":
+            state.settle()  # as the reader does after each round that read server.log
+    elapsed = time.perf_counter() - start
+    snap = state.snapshot()
+    return {"pids": pids, "lines": len(parsed), "distinct_numbers": distinct, "seconds": elapsed,
+            "lps": len(parsed) / elapsed, "unrecognized": sum(snap.unrecognized.values()),
+            "clients": len(state._clients), "pending": len(state._pending)}
+
+
+def run_pids(pools: List[int], total: int, repeat: int) -> None:
+    """Each pool `repeat` times, the pools taking turns; the best run of each is kept (on a
+    shared machine the same run varies by a fifth between tries)."""
+    best: Dict[int, Dict[str, float]] = {}
+    for _ in range(repeat):
+        for pids in pools:
+            out = subprocess.run([sys.executable, __file__, "--pids-child", f"{total},{pids}"], check=True,
+                                 capture_output=True, text=True)
+            row = json.loads(out.stdout)
+            row["runs"] = [*best.get(pids, {}).get("runs", []), row["lps"]]  # type: ignore[list-item]
+            if pids not in best or row["lps"] > best[pids]["lps"]:
+                best[pids] = row
+            else:
+                best[pids]["runs"] = row["runs"]
+    rows = [best[p] for p in pools]
+    ref = rows[0]["lps"]
+    print(f"{'PID pool':>9} {'distinct PIDs+uids':>18} {'lines':>9} {'state s':>8} {'lines/s':>9} {'ratio':>6} "
+          f"{'clients kept':>12} {'pending':>7} {'unrecognized':>12}  every run's lines/s")
+    for r in rows:
+        print(f"{r['pids']:>9,} {r['distinct_numbers']:>18,} {r['lines']:>9,} {r['seconds']:>8.2f} {r['lps']:>9,.0f} "
+              f"{r['lps'] / ref:>6.2f} {r['clients']:>12,} {r['pending']:>7,} {r['unrecognized']:>12}  "
+              + ", ".join(f"{x:,.0f}" for x in r["runs"]))  # type: ignore[attr-defined]
+    print(f"python {sys.version.split()[0]}, one thread, fresh process per row: LogState.apply (and settle() after "
+          f"server.log lines) over lines parsed beforehand; best of {repeat} runs per row, the rows taking turns; "
+          "ratio: lines/s against the first row's")
 
 
 def child(directory: str) -> Dict[str, float]:
@@ -93,10 +188,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="250000,500000,1000000,2000000", help="comma-separated line counts")
     ap.add_argument("--capture", default=str(CAPTURE), help="the capture directory (default: %(default)s)")
+    ap.add_argument("--pids", help="comma-separated PID pool sizes: the state's per-line cost against the "
+                    "number of PIDs and users seen (e.g. 100,100000; the first is the reference)")
+    ap.add_argument("--pid-lines", type=int, default=450_000, help="lines per --pids run (default: %(default)s)")
+    ap.add_argument("--repeat", type=int, default=3, help="--pids runs per pool, the best kept (default: %(default)s)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--pids-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child)))
+        return
+    if args.pids_child:
+        total, pids = (int(x) for x in args.pids_child.split(","))
+        print(json.dumps(pids_child(total, pids)))
+        return
+    if args.pids:
+        run_pids([int(p) for p in args.pids.split(",")], args.pid_lines, args.repeat)
         return
     capture = Path(args.capture)
     if not (capture / "control.log").is_file():

@@ -10,7 +10,10 @@ turns it into the names Kubernetes users know, without the Kubernetes API:
    CRI-O writes `io.kubernetes.pod.namespace`, `io.kubernetes.pod.name`,
    `io.kubernetes.container.name` into
    `/run/containers/storage/overlay-containers/<id>/userdata/config.json`. No
-   network, no credentials: a read-only mount of those directories.
+   network, no credentials: a read-only mount of those directories. A spec is read
+   only in the format of the runtime whose root it lies in (a root is one runtime's:
+   its layout says which): CRI-O copies a pod's own annotations into its specs, so a
+   tenant's `io.kubernetes.cri.*` annotation there names nothing.
 2. the kubelet's `/pods` (its PodList as JSON, each container status with
    `containerID: "<runtime>://<id>"`), where those files are not visible. It needs
    the service account's token and the `nodes/pods` permission (kubelets with
@@ -37,7 +40,7 @@ import ssl
 import time
 import urllib.request
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Sequence, Set, Tuple, TypeVar
 
 from .config import DEFAULT_RUNTIME_ROOTS, SERVICE_ACCOUNT
@@ -51,6 +54,14 @@ class PodNames:
     namespace: str = ""
     pod: str = ""
     container: str = ""
+    # The pod the runtime (or the kubelet) puts the container in: what the cgroup's pod
+    # uid must equal for these names to be a process's (`confirms`). Not compared: the
+    # names are the value.
+    pod_uid: str = field(default="", compare=False)
+
+    def confirms(self, pod_uid: str) -> bool:
+        """Whether these names may go to a process whose cgroup says `pod_uid`."""
+        return bool(self.pod_uid) and self.pod_uid == pod_uid
 
 
 NO_NAMES = PodNames()
@@ -60,8 +71,26 @@ CONTAINERD_KEYS = ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri.san
                    "io.kubernetes.cri.container-name")
 CRIO_KEYS = ("io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.container.name")
 
-# The spec's path inside `<root>/<id>/` (roots: config.DEFAULT_RUNTIME_ROOTS).
-SPEC_FILES = ("config.json", "userdata/config.json")  # containerd, CRI-O
+
+@dataclass(frozen=True)
+class Runtime:
+    """One runtime's layout and annotation format."""
+
+    name: str
+    spec: str  # the spec's path inside `<root>/<id>/`
+    keys: Tuple[str, str, str]  # namespace, pod, container
+    pod_uid_key: str
+    id_key: str = ""  # where the spec records its own container id ("": nowhere)
+
+
+CONTAINERD = Runtime("containerd", "config.json", CONTAINERD_KEYS, "io.kubernetes.cri.sandbox-uid")
+CRIO = Runtime("cri-o", "userdata/config.json", CRIO_KEYS, "io.kubernetes.pod.uid", "io.kubernetes.cri-o.ContainerID")
+RUNTIMES = (CONTAINERD, CRIO)
+# The default roots' runtimes (config.DEFAULT_RUNTIME_ROOTS); another root is the runtime
+# whose layout is found there first.
+DEFAULT_ROOT_RUNTIMES = dict(zip(DEFAULT_RUNTIME_ROOTS, RUNTIMES))
+
+SPEC_FILES = tuple(r.spec for r in RUNTIMES)  # containerd, CRI-O
 
 MAX_ENTRIES = 4096  # container ids remembered: 8 GPUs x 48 clients is 384 at most at once
 MISS_RETRY_SECONDS = 30.0
@@ -74,21 +103,33 @@ _CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
 
 
 # ------------------------------------------------------------------ parsers
-def parse_oci_spec(text: str) -> PodNames:
-    """The names in an OCI runtime spec's annotations (containerd's or CRI-O's keys);
-    NO_NAMES where it has none (a pod's sandbox, a container outside Kubernetes).
-    ValueError where the text is not a JSON object."""
+def parse_oci_spec(text: str, runtime: Optional[Runtime] = None, container_id: str = "") -> PodNames:
+    """The names in an OCI runtime spec's annotations, in `runtime`'s format only (None:
+    the one runtime whose keys it holds; a spec holding both names nothing); NO_NAMES
+    where it has none (a pod's sandbox, a container outside Kubernetes), or where the
+    spec records another container id than `container_id`. ValueError where the text
+    is not a JSON object."""
     spec = json.loads(text)
     if not isinstance(spec, dict):
         raise ValueError("an OCI spec is a JSON object")
     annotations = spec.get("annotations")
     if not isinstance(annotations, dict):
         return NO_NAMES
-    for keys in (CONTAINERD_KEYS, CRIO_KEYS):
-        namespace, pod, container = (annotations.get(k) for k in keys)
-        if isinstance(namespace, str) and isinstance(pod, str) and namespace and pod:
-            return PodNames(namespace, pod, container if isinstance(container, str) else "")
-    return NO_NAMES
+    if runtime is None:
+        found = [names for names in (_annotated(annotations, r, container_id) for r in RUNTIMES) if names != NO_NAMES]
+        return found[0] if len(found) == 1 else NO_NAMES
+    return _annotated(annotations, runtime, container_id)
+
+
+def _annotated(annotations: Dict[str, object], runtime: Runtime, container_id: str) -> PodNames:
+    namespace, pod, container = (annotations.get(k) for k in runtime.keys)
+    if not (isinstance(namespace, str) and isinstance(pod, str) and namespace and pod):
+        return NO_NAMES
+    if container_id and runtime.id_key and annotations.get(runtime.id_key) not in (None, container_id):
+        return NO_NAMES  # not this container's spec
+    uid = annotations.get(runtime.pod_uid_key)
+    return PodNames(namespace, pod, container if isinstance(container, str) else "",
+                    uid if isinstance(uid, str) else "")
 
 
 def parse_kubelet_pods(text: str) -> Dict[str, PodNames]:
@@ -103,12 +144,12 @@ def parse_kubelet_pods(text: str) -> Dict[str, PodNames]:
         status = pod.get("status") if isinstance(pod, dict) else None
         if not isinstance(meta, dict) or not isinstance(status, dict):
             continue
-        namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+        namespace, name, uid = str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("uid", ""))
         for kind in ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"):
             for c in status.get(kind) or ():
                 if isinstance(c, dict) and isinstance(c.get("containerID"), str):
                     bare = c["containerID"].rpartition("://")[2]
-                    names[bare] = PodNames(namespace, name, str(c.get("name", "")))
+                    names[bare] = PodNames(namespace, name, str(c.get("name", "")), uid)
     return names
 
 
@@ -153,6 +194,8 @@ class PodNameLookup:
         self._kubelet_pods: Dict[str, PodNames] = {}
         self._kubelet_asked: Optional[float] = None
         self._complained: Set[str] = set()
+        self._root_runtimes: Dict[str, Runtime] = {r: DEFAULT_ROOT_RUNTIMES[r] for r in self.roots
+                                                   if r in DEFAULT_ROOT_RUNTIMES}
 
     def known(self, container_id: str) -> Optional[PodNames]:
         """`names` where it needs no lookup (found, or looked for in vain lately); None
@@ -187,15 +230,21 @@ class PodNameLookup:
 
     def _from_runtime(self, container_id: str) -> Optional[PodNames]:
         for root in self.roots:
-            for spec in SPEC_FILES:
-                path = os.path.join(root, container_id, spec)
+            known = self._root_runtimes.get(root)
+            for runtime in (known,) if known is not None else RUNTIMES:
+                path = os.path.join(root, container_id, runtime.spec)
                 try:
                     with open(path, encoding="utf-8", errors="replace") as f:
                         text = f.read(MAX_SPEC_BYTES)
-                    names = parse_oci_spec(text)
                 except FileNotFoundError:
                     continue
-                except (OSError, ValueError) as e:
+                except OSError as e:
+                    self._complain(f"spec:{root}", "cannot read container names from %s: %s", path, e)
+                    continue
+                self._root_runtimes[root] = runtime  # a root is one runtime's: the other layout is never read
+                try:
+                    names = parse_oci_spec(text, runtime, container_id)
+                except ValueError as e:
                     self._complain(f"spec:{root}", "cannot read container names from %s: %s", path, e)
                     continue
                 return names if names != NO_NAMES else None

@@ -22,6 +22,11 @@ POD = "1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"
     # Docker, v2 systemd and v1 cgroupfs
     (f"0::/system.slice/docker-{CID}.scope\n", (CID, "")),
     (f"4:devices:/docker/{CID}\n", (CID, "")),
+    # seen from the exporter's own cgroup namespace (cgroup v2's default for a pod)
+    (f"0::/../../kubepods-besteffort-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n", (CID, POD)),
+    # a node in a container (kind): the node's own container cgroup above the pod's
+    (f"0::/system.slice/docker-{'b' * 64}.scope/kubelet.slice/kubelet-kubepods.slice/"
+     f"kubelet-kubepods-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n", (CID, POD)),
     # a process on the host
     ("0::/user.slice/user-1000.slice/session-3.scope\n", ("", "")),
     ("", ("", "")),
@@ -157,7 +162,168 @@ def test_cached_declines_a_process_whose_container_is_not_named_yet(tmp_path):
     assert src.cached([10]) is not None  # a recent miss needs no lookup
     now[0] += MISS_RETRY_SECONDS
     assert src.cached([10]) is None  # the next lookup is due: the source's thread does it
-    write_containerd_spec(tmp_path / "runtime", CID, "ml-team", "trainer-0", "trainer")
+    write_containerd_spec(tmp_path / "runtime", CID, "ml-team", "trainer-0", "trainer", POD)
     assert src.read([10])[10].pod == "trainer-0"
     assert src.cached([10])[10].pod == "trainer-0"
     assert lookup.known("not-a-container-id") == NO_NAMES
+
+
+# ------------------------------------------------ attribution a tenant cannot forge (issue 42)
+# The victim: containerd's fixture container (ml-team/trainer-7d9c6b5f4-x2k8p/trainer) in its pod.
+# The forger: a privileged pod of another tenant on the same node, with its own container.
+VICTIM_POD = "1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"
+FORGER_POD = "0a0b0c0d-1e1f-4a2b-8c3d-4e5f60718293"
+FORGER_ID = "f0" * 32
+VICTIM_NAMES = ("ml-team", "trainer-7d9c6b5f4-x2k8p", "trainer")
+FORGER_NAMES = ("tenant-b", "miner-0", "miner")
+
+
+def _slice(pod: str) -> str:
+    return f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{pod.replace('-', '_')}.slice"
+
+
+def _attributed(tmp_path, cgroup: str, forger_runtime: str = "containerd", forged=None):
+    """(container_id, pod_uid, namespace, pod, container) the /proc source gives PID 20, whose
+    cgroup is `cgroup`, and the victim's PID 10 beside it, on a node whose containerd root
+    holds the victim's spec and whose `forger_runtime` root holds the forger's (with the
+    `forged` annotations added: a pod's own, which CRI-O copies into the spec)."""
+    import shutil
+    from tests.fakes.fake_runtime import CONTAINERD_ID, CONTAINERD_ROOT, write_crio_spec
+    containerd, crio = tmp_path / "containerd", tmp_path / "crio"
+    shutil.copytree(CONTAINERD_ROOT, containerd)
+    if forger_runtime == "containerd":
+        write_containerd_spec(containerd, FORGER_ID, *FORGER_NAMES, FORGER_POD)
+    else:
+        write_crio_spec(crio, FORGER_ID, dict(zip(
+            ("io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.container.name",
+             "io.kubernetes.pod.uid"), (*FORGER_NAMES, FORGER_POD))) | (forged or {}))
+    victim = f"0::{_slice(VICTIM_POD)}/cri-containerd-{CONTAINERD_ID}.scope\n"
+    root = write_proc(tmp_path / "proc", [FakeProcess(10, cgroup=victim), FakeProcess(20, cgroup=cgroup)])
+    lookup = PodNameLookup(roots=(str(containerd), str(crio)))
+    facts = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK, pod_names=lookup).read([10, 20])
+    assert (facts[10].container_id, facts[10].pod_uid, facts[10].namespace, facts[10].pod, facts[10].container) == (
+        CONTAINERD_ID, VICTIM_POD, *VICTIM_NAMES)  # the victim keeps its own
+    f = facts[20]
+    return f.container_id, f.pod_uid, f.namespace, f.pod, f.container
+
+
+OWN = (FORGER_ID, FORGER_POD, *FORGER_NAMES)
+
+
+@pytest.mark.parametrize("below", [
+    "{victim}",  # a bare 64-hex sub-cgroup (the cgroupfs driver's shape)
+    "cri-containerd-{victim}.scope",  # the systemd driver's shape
+    "x/y/cri-containerd-{victim}.scope",  # deeper
+    f"kubepods-pod{VICTIM_POD.replace('-', '_')}.slice/cri-containerd-{{victim}}.scope",  # with the victim's pod too
+])
+def test_a_sub_cgroup_named_after_another_container_claims_nothing(tmp_path, below):
+    """A privileged pod with a writable cgroupfs makes a cgroup below its own container's,
+    named after the victim's container, and moves its process there: the id is taken right
+    below the pod's segment, where the runtime writes it, so the forger keeps its own."""
+    from tests.fakes.fake_runtime import CONTAINERD_ID
+    cgroup = f"0::{_slice(FORGER_POD)}/cri-containerd-{FORGER_ID}.scope/" + below.format(victim=CONTAINERD_ID) + "\n"
+    assert _attributed(tmp_path, cgroup) == OWN
+
+
+def test_a_sub_cgroup_under_a_crio_container_claims_nothing(tmp_path):
+    from tests.fakes.fake_runtime import CONTAINERD_ID
+    cgroup = f"0::{_slice(FORGER_POD)}/crio-{FORGER_ID}.scope/crio-{CONTAINERD_ID}.scope\n"
+    assert _attributed(tmp_path, cgroup, forger_runtime="cri-o") == OWN
+
+
+def test_a_sub_cgroup_under_the_cgroupfs_driver_claims_nothing(tmp_path):
+    from tests.fakes.fake_runtime import CONTAINERD_ID
+    cgroup = "".join(f"{n}:{c}:/kubepods/burstable/pod{FORGER_POD}/{FORGER_ID}/{CONTAINERD_ID}\n"
+                     for n, c in ((12, "memory"), (11, "cpu,cpuacct"), (3, "devices")))
+    assert _attributed(tmp_path, cgroup) == OWN
+
+
+def test_a_cgroup_in_its_own_pod_named_after_another_container_claims_nothing(tmp_path):
+    """A sibling of its own container's cgroup, named after the victim's: the runtime puts
+    that container in another pod than the cgroup's, so the forger gets no container."""
+    from tests.fakes.fake_runtime import CONTAINERD_ID
+    for cgroup in (f"0::{_slice(FORGER_POD)}/cri-containerd-{CONTAINERD_ID}.scope\n",
+                   f"4:memory:/kubepods/burstable/pod{FORGER_POD}/{CONTAINERD_ID}\n"):
+        assert _attributed(tmp_path / str(len(cgroup)), cgroup) == ("", FORGER_POD, "", "", "")
+
+
+def test_v1_hierarchies_that_name_different_containers_name_none():
+    from tests.fakes.fake_runtime import CONTAINERD_ID
+    text = (f"12:memory:/kubepods/burstable/pod{FORGER_POD}/{FORGER_ID}\n"
+            f"11:devices:/kubepods/burstable/pod{VICTIM_POD}/{CONTAINERD_ID}\n")
+    assert procfs.parse_cgroup(text) == ("", "")
+
+
+def test_containerd_annotation_keys_in_a_crio_spec_name_nothing(tmp_path):
+    """CRI-O copies a pod's own annotations into its containers' specs: a tenant who
+    annotates its pod with containerd's keys and the victim's names keeps its own names."""
+    cgroup = f"0::{_slice(FORGER_POD)}/crio-{FORGER_ID}.scope\n"
+    forged = dict(zip(("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri.sandbox-name",
+                       "io.kubernetes.cri.container-name", "io.kubernetes.cri.sandbox-uid"),
+                      (*VICTIM_NAMES, VICTIM_POD)))
+    assert _attributed(tmp_path, cgroup, forger_runtime="cri-o", forged=forged) == OWN
+
+
+def test_a_crio_spec_with_only_containerd_keys_names_nothing(tmp_path):
+    """The tenant's keys alone (CRI-O's own removed) are never read from a CRI-O root."""
+    import json
+    from tests.fakes.fake_runtime import write_crio_spec
+    path = write_crio_spec(tmp_path / "crio", FORGER_ID, {
+        "io.kubernetes.cri.sandbox-namespace": VICTIM_NAMES[0], "io.kubernetes.cri.sandbox-name": VICTIM_NAMES[1],
+        "io.kubernetes.cri.container-name": VICTIM_NAMES[2], "io.kubernetes.cri.sandbox-uid": VICTIM_POD})
+    spec = json.loads(path.read_text())
+    for key in ("io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.container.name"):
+        del spec["annotations"][key]
+    path.write_text(json.dumps(spec))
+    assert PodNameLookup(roots=(str(tmp_path / "crio"),)).names(FORGER_ID) == NO_NAMES
+
+
+def test_crio_keys_in_a_containerd_spec_name_nothing(tmp_path):
+    """The other way round: containerd passes allowed pod annotations into its specs."""
+    import json
+    path = write_containerd_spec(tmp_path / "containerd", FORGER_ID, *FORGER_NAMES, FORGER_POD)
+    spec = json.loads(path.read_text())
+    spec["annotations"].update({"io.kubernetes.pod.namespace": VICTIM_NAMES[0],
+                                "io.kubernetes.pod.name": VICTIM_NAMES[1],
+                                "io.kubernetes.container.name": VICTIM_NAMES[2], "io.kubernetes.pod.uid": VICTIM_POD})
+    path.write_text(json.dumps(spec))
+    names = PodNameLookup(roots=(str(tmp_path / "containerd"),)).names(FORGER_ID)
+    assert (names.namespace, names.pod, names.container, names.pod_uid) == (*FORGER_NAMES, FORGER_POD)
+    for key in ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri.sandbox-name"):
+        del spec["annotations"][key]
+    path.write_text(json.dumps(spec))
+    assert PodNameLookup(roots=(str(tmp_path / "containerd"),)).names(FORGER_ID) == NO_NAMES
+
+
+def test_a_root_is_read_in_one_runtime_s_layout_only(tmp_path):
+    """A root where containerd's layout was found is containerd's: a CRI-O-layout spec
+    there is not read (nor the other way round)."""
+    from tests.fakes.fake_runtime import write_crio_spec
+    root = tmp_path / "containerd"
+    write_containerd_spec(root, FORGER_ID, *FORGER_NAMES, FORGER_POD)
+    other = "e1" * 32
+    write_crio_spec(root, other, {"io.kubernetes.pod.uid": VICTIM_POD})
+    lookup = PodNameLookup(roots=(str(root),))
+    assert lookup.names(FORGER_ID).pod == FORGER_NAMES[1]
+    assert lookup.names(other) == NO_NAMES
+
+
+def test_a_crio_spec_recording_another_container_id_names_nothing(tmp_path):
+    from tests.fakes.fake_runtime import write_crio_spec
+    path = write_crio_spec(tmp_path / "crio", FORGER_ID, {"io.kubernetes.cri-o.ContainerID": "ab" * 32})
+    assert path.exists()
+    assert PodNameLookup(roots=(str(tmp_path / "crio"),)).names(FORGER_ID) == NO_NAMES
+
+
+def test_the_kubelet_s_pod_must_be_the_cgroup_s_too(tmp_path):
+    """Names from the kubelet are confirmed the same way: its pod uid for the container."""
+    from tests.fakes.fake_runtime import CONTAINERD_ID, RUNTIME_DATA
+    pods = (RUNTIME_DATA / "kubelet-pods.json").read_text()
+    root = write_proc(tmp_path / "proc", [
+        FakeProcess(10, cgroup=f"0::{_slice(VICTIM_POD)}/cri-containerd-{CONTAINERD_ID}.scope\n"),
+        FakeProcess(20, cgroup=f"0::{_slice(FORGER_POD)}/cri-containerd-{CONTAINERD_ID}.scope\n")])
+    lookup = PodNameLookup(roots=(), kubelet=lambda: pods)
+    facts = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK, pod_names=lookup).read([10, 20])
+    assert (facts[10].container_id, facts[10].namespace, facts[10].pod) == (CONTAINERD_ID, *VICTIM_NAMES[:2])
+    assert (facts[20].container_id, facts[20].pod_uid, facts[20].namespace, facts[20].pod) == (
+        "", FORGER_POD, "", "")

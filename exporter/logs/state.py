@@ -50,7 +50,7 @@ import heapq
 import math
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protocol, Set, Tuple
 
 from ..contract import OTHER, QUEUE_WAIT_BUCKETS, command_verb, exit_status
 from ..model import (REASONS, SERVER_STARTING, THREADS, USER_SWITCH, ClientLimits, LogEvent,
@@ -91,6 +91,106 @@ class Liveness(Protocol):
     def gone(self, pid: int) -> bool: ...
 
 
+class PendingQueue:
+    """The daemon's pending list: clients in push order, indexed so that no line scans it
+    (issue 42: 100,000 PIDs and users read 6.5 times slower while every accepted client
+    searched the list). Entries are keyed by their push number."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self.clear()
+
+    def clear(self) -> None:
+        self._all: Dict[int, PendingClient] = {}  # push number -> client, in push order
+        self._by_pid: Dict[int, Dict[int, None]] = {}  # pid -> its entries, oldest first
+        self._waiting: Dict[int, Dict[int, None]] = {}  # uid -> entries not handed to a server yet
+        self._served: Dict[int, Dict[int, None]] = {}  # uid -> entries handed to a server of theirs
+        self._starting: Dict[int, Dict[int, None]] = {}  # uid -> waiting entries queued as server_starting
+        self.waiting = 0
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __iter__(self) -> Iterator[PendingClient]:
+        return iter(self._all.values())
+
+    def items(self) -> List[Tuple[int, PendingClient]]:
+        return list(self._all.items())
+
+    def push(self, p: PendingClient) -> None:
+        """At the end; the oldest entry leaves beyond MAX_PENDING."""
+        if len(self._all) >= MAX_PENDING:
+            self.remove(next(iter(self._all)))
+        key = self._next
+        self._next += 1
+        self._all[key] = p
+        _index(self._by_pid, p.pid, key)
+        if p.served_at is None:
+            self.waiting += 1
+            _index(self._waiting, p.uid, key)
+            if p.reason == SERVER_STARTING:
+                _index(self._starting, p.uid, key)
+        else:
+            _index(self._served, p.uid, key)
+
+    def remove(self, key: int) -> PendingClient:
+        p = self._all.pop(key)
+        _unindex(self._by_pid, p.pid, key)
+        if p.served_at is None:
+            self.waiting -= 1
+            _unindex(self._waiting, p.uid, key)
+            _unindex(self._starting, p.uid, key)
+        else:
+            _unindex(self._served, p.uid, key)
+        return p
+
+    def first_of(self, pid: int) -> Optional[int]:
+        """The oldest entry of `pid`."""
+        keys = self._by_pid.get(pid)
+        return next(iter(keys)) if keys else None
+
+    def serve(self, uid: Optional[int], ts: float) -> None:
+        """A server of `uid` (None: of a user not known) is ready: it is handed the waiting
+        clients of that user (None: every waiting client)."""
+        for u in list(self._waiting) if uid is None else [uid]:
+            keys = self._waiting.pop(u, None)
+            if not keys:
+                continue
+            self._starting.pop(u, None)
+            for key in keys:
+                self._all[key].served_at = ts
+                _index(self._served, u, key)
+            self.waiting -= len(keys)
+
+    def served_of(self, uid: Optional[int]) -> List[int]:
+        """The entries of `uid` handed to a server, in push order."""
+        return sorted(self._served.get(uid, ())) if uid is not None else []
+
+    def switch_starting(self, but: Optional[int]) -> int:
+        """Waiting `server_starting` entries of any user but `but` become `user_switch`: how many."""
+        n = 0
+        for u in [u for u in self._starting if u != but]:
+            for key in self._starting.pop(u):
+                self._all[key].reason = USER_SWITCH
+                n += 1
+        return n
+
+
+def _index(index: Dict[int, Dict[int, None]], at: int, key: int) -> None:
+    keys = index.get(at)
+    if keys is None:
+        keys = index[at] = {}
+    keys[key] = None
+
+
+def _unindex(index: Dict[int, Dict[int, None]], at: int, key: int) -> None:
+    keys = index.get(at)
+    if keys is not None:
+        keys.pop(key, None)
+        if not keys:
+            del index[at]
+
+
 class LogState:
     """The state machine. Not thread-safe: one writer; readers take snapshot()."""
 
@@ -100,9 +200,11 @@ class LogState:
         self.implausible_times = 0  # lines whose time was not believed
         self.s = LogSnapshot()  # counters and the published parts live here
         self._servers: Dict[int, LogServer] = {}
-        self._pending: List[PendingClient] = []
+        self._pending = PendingQueue()
         self._pusher_pid: Optional[int] = None  # the PID that logged the last push
         self._clients: "OrderedDict[int, Tuple[int, float]]" = OrderedDict()  # pid -> (server, since)
+        self._clients_of: Dict[int, Dict[int, None]] = {}  # server -> its pids in _clients
+        self._server_uids: Dict[int, int] = {}  # uid -> how many of _servers run as it
         self._exited: Deque[int] = deque()
         self._exited_set: Set[int] = set()
         self._orphans: "OrderedDict[int, LogServer]" = OrderedDict()
@@ -234,17 +336,16 @@ class LogState:
         self._in_command = False
 
     def _client_pushed(self, ev: ClientPushed) -> None:
-        other_user = any(srv.uid is not None and srv.uid != ev.uid for srv in self._servers.values())
+        uids = self._server_uids
+        other_user = len(uids) > 1 or (len(uids) == 1 and ev.uid not in uids)
         reason = USER_SWITCH if other_user else SERVER_STARTING
         self.s.pushes[reason] += 1
-        if len(self._pending) >= MAX_PENDING:
-            self._pending.pop(0)
-        self._pending.append(PendingClient(ev.client_pid, ev.uid, reason, ev.ts))
+        self._pending.push(PendingClient(ev.client_pid, ev.uid, reason, ev.ts))
         self._pusher_pid = ev.pid  # the daemon, where no `Starting control daemon` line was read
 
     def waiting(self) -> bool:
         """Whether a queued client waits (then /proc is asked about it every few seconds)."""
-        return any(p.served_at is None for p in self._pending)
+        return self._pending.waiting > 0
 
     def forget_gone(self, liveness: Liveness, now: float) -> int:
         """Drop the waiting clients whose process is gone (liveness.py says why and when
@@ -253,20 +354,18 @@ class LogState:
         daemon = self.s.daemon_pid if self.s.daemon_pid is not None else self._pusher_pid
         if not waiting or daemon is None or not liveness.sees_daemon(daemon):
             return 0
-        gone = [p for p in waiting if liveness.gone(p.pid)]
-        for p in gone:
-            self._pending.remove(p)
+        gone = [(key, p) for key, p in self._pending.items() if p.served_at is None and liveness.gone(p.pid)]
+        for key, p in gone:
+            self._pending.remove(key)
             self.s.queued_gone += 1
             self._note(LogEvent(now, "left_queue", None, [p.pid],
                                 f"uid {p.uid}, {p.reason}, queued {now - p.pushed_at:.0f} s: its process is gone"))
         return len(gone)
 
     def _client_accepted(self, ev: ClientAccepted) -> None:
-        for i, p in enumerate(self._pending):
-            if p.pid == ev.client_pid:
-                del self._pending[i]
-                self._observe(p, ev.ts)
-                return
+        key = self._pending.first_of(ev.client_pid)
+        if key is not None:
+            self._observe(self._pending.remove(key), ev.ts)
 
     def _observe(self, p: PendingClient, admitted_at: float) -> None:
         self.s.queue_wait[p.reason].observe(admitted_at - p.pushed_at)
@@ -278,11 +377,9 @@ class LogState:
         if self._in_command:
             return
         # The daemon shuts a server down on its own only for a waiting client of another user.
-        for p in self._pending:
-            if p.reason == SERVER_STARTING and p.served_at is None and (srv is None or srv.uid != p.uid):
-                self.s.pushes[SERVER_STARTING] -= 1
-                self.s.pushes[USER_SWITCH] += 1
-                p.reason = USER_SWITCH
+        switched = self._pending.switch_starting(None if srv is None else srv.uid)
+        self.s.pushes[SERVER_STARTING] -= switched
+        self.s.pushes[USER_SWITCH] += switched
 
     def _shutdown_deferred(self, ev: ShutdownDeferred) -> None:
         self.s.shutdown_deferrals += 1
@@ -290,7 +387,9 @@ class LogState:
     def _server_starting(self, ev: ServerStarting) -> None:
         srv = self._server(ev.server_pid, create=True)
         if srv is not None:
+            self._count_uid(srv.uid, -1)
             srv.uid = ev.uid
+            self._count_uid(srv.uid, 1)
 
     def _server_ready(self, ev: ServerReady) -> None:
         self.s.server_starts += 1
@@ -298,9 +397,7 @@ class LogState:
         if srv is None:
             return
         srv.start_time = ev.ts
-        for p in self._pending:
-            if p.served_at is None and (srv.uid is None or p.uid == srv.uid):
-                p.served_at = ev.ts
+        self._pending.serve(srv.uid, ev.ts)
 
     def _server_exited(self, ev: ServerExited) -> None:
         s = self.s
@@ -319,18 +416,16 @@ class LogState:
                 self._note(LogEvent(ev.ts, "handoff", ev.server_pid,
                                     detail="" if srv.uid is None else f"uid {srv.uid}"))
             # Clients it was handed but that never logged `Server already exists`.
-            for p in [p for p in self._pending if p.served_at is not None and p.uid == srv.uid]:
-                self._pending.remove(p)
+            for key in self._pending.served_of(srv.uid):
+                p = self._pending.remove(key)
                 self._observe(p, p.served_at)  # type: ignore[arg-type]
         self._drop_server(ev.server_pid)
 
     def _drop_server(self, pid: int) -> None:
-        self._servers.pop(pid, None)
+        self._forget_server(pid)
         self._orphans.pop(pid, None)
         self._open_reports.pop(pid, None)
-        for client, (server, _) in list(self._clients.items()):
-            if server == pid:
-                del self._clients[client]
+        self._drop_clients_of(pid)
         if pid not in self._exited_set:
             self._exited.append(pid)
             self._exited_set.add(pid)
@@ -377,10 +472,45 @@ class LogState:
         if pid in self._exited_set:  # PID reuse: a new server under an old PID
             self._exited_set.discard(pid)
         if len(self._servers) >= MAX_SERVERS:
-            self._servers.pop(next(iter(self._servers)))
+            self._forget_server(next(iter(self._servers)))
         srv = self._orphans.pop(pid, None) or LogServer(pid)
         self._servers[pid] = srv
+        self._count_uid(srv.uid, 1)
         return srv
+
+    def _forget_server(self, pid: int) -> None:
+        srv = self._servers.pop(pid, None)
+        if srv is not None:
+            self._count_uid(srv.uid, -1)
+
+    def _count_uid(self, uid: Optional[int], n: int) -> None:
+        """_server_uids follows the uids of _servers: a push asks whether another user's runs."""
+        if uid is None:
+            return
+        left = self._server_uids.get(uid, 0) + n
+        if left > 0:
+            self._server_uids[uid] = left
+        else:
+            self._server_uids.pop(uid, None)
+
+    def _set_client(self, pid: int, server: int, since: float) -> None:
+        old = self._clients.get(pid)
+        if old is not None and old[0] != server:
+            _unindex(self._clients_of, old[0], pid)
+        self._clients[pid] = (server, since)
+        self._clients.move_to_end(pid)
+        _index(self._clients_of, server, pid)
+        if len(self._clients) > MAX_CLIENTS:
+            self._pop_client(next(iter(self._clients)))
+
+    def _pop_client(self, pid: int) -> None:
+        old = self._clients.pop(pid, None)
+        if old is not None:
+            _unindex(self._clients_of, old[0], pid)
+
+    def _drop_clients_of(self, server: int) -> None:
+        for pid in self._clients_of.pop(server, ()):
+            del self._clients[pid]
 
     def _facts(self, pid: int) -> Optional[LogServer]:
         """Where server.log facts about server `pid` go: its record, or, while control.log
@@ -426,10 +556,7 @@ class LogState:
             return  # another context of a process already counted
         self.s.client_connections += 1
         self._attach(ev.pid, ev.client_pid)
-        self._clients[ev.client_pid] = (ev.pid, ev.ts)
-        self._clients.move_to_end(ev.client_pid)
-        if len(self._clients) > MAX_CLIENTS:
-            self._clients.popitem(last=False)
+        self._set_client(ev.client_pid, ev.pid, ev.ts)
 
     def _context_active(self, ev: ClientContextActive) -> None:
         active = self._active.get(ev.pid)
@@ -448,7 +575,7 @@ class LogState:
     def _process_disconnected(self, ev: ClientProcessDisconnected) -> None:
         attached = self._attached.get(ev.pid)
         if ev.client_pid is not None:
-            self._clients.pop(ev.client_pid, None)
+            self._pop_client(ev.client_pid)
             self._active.get(ev.pid, set()).discard(ev.client_pid)
             if attached is None or ev.client_pid not in attached:
                 return  # not connected (any more): a refused client logs `disconnected` twice
@@ -503,9 +630,7 @@ class LogState:
         if srv is not None:
             srv.running = False  # control.log's `exited` line removes it
         self._orphans.pop(ev.pid, None)
-        for client, (server, _) in list(self._clients.items()):
-            if server == ev.pid:
-                del self._clients[client]
+        self._drop_clients_of(ev.pid)
 
     def _start_failed(self, ev: ServerStartFailed) -> None:
         srv = self._facts(ev.pid)
@@ -625,10 +750,14 @@ class LogState:
         st._last_ts = {str(f): float(t) for f, t in (daemon.get("last_line_times") or {}).items()
                        if f in FILES and float(t) <= believed}
         st._servers = {int(x["pid"]): _server_from(x) for x in d["servers"]}
+        for srv in st._servers.values():
+            st._count_uid(srv.uid, 1)
         st._orphans = OrderedDict((int(x["pid"]), _server_from(x)) for x in d["orphans"])
-        st._pending = [PendingClient(int(a), int(b), str(c), float(e), None if f is None else float(f))
-                       for a, b, c, e, f in d["pending"] if c in REASONS]
-        st._clients = OrderedDict((int(a), (int(b), float(c))) for a, b, c in d["clients"])
+        for a, b, c, e, f in d["pending"]:
+            if c in REASONS:
+                st._pending.push(PendingClient(int(a), int(b), str(c), float(e), None if f is None else float(f)))
+        for a, b, c in d["clients"]:
+            st._set_client(int(a), int(b), float(c))
         st._exited = deque(int(x) for x in d["exited"])
         st._exited_set = set(st._exited)
         st._in_command = bool(d["in_command"])

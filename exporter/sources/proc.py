@@ -29,7 +29,7 @@ from typing import AbstractSet, Callable, Dict, Iterable, Optional, Set, Tuple
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
 from ..config import DEFAULT_RUNTIME_ROOTS
-from ..runtime_metadata import PodNameLookup, kubelet_fetcher
+from ..runtime_metadata import NO_NAMES, PodNameLookup, PodNames, kubelet_fetcher
 from .base import Backends, Flag, ReadContext, Reader, Source, not_empty
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,31 @@ DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # MPS's, where CUDA_MPS_PIPE_DIRECTO
 MAX_ENV_VALUE = 1024  # longer values are cut: nothing CUDA accepts is that long
 
 # ------------------------------------------------------------------ parsers
-_POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
-_CONTAINER = re.compile(r"(?:^|[/-])([0-9a-f]{64})(?:\.scope)?$")
+_UUID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
+# The kubelet's pod cgroup: `pod<uid>` (cgroupfs driver), `kubepods[-<qos>]-pod<uid>.slice` (systemd).
+_POD_SEGMENT = re.compile(rf"(?:[a-z][a-z-]*-)?pod({_UUID})(?:\.slice)?")
+# The runtime's container cgroup: `<id>` (cgroupfs), `cri-containerd-<id>.scope`, `crio-<id>.scope`,
+# `docker-<id>.scope` (systemd).
+_CONTAINER_SEGMENT = re.compile(r"(?:[a-z][a-z-]*-)?([0-9a-f]{64})(?:\.scope)?")
+
+
+def _cgroup_path_ids(path: str) -> Tuple[str, str]:
+    """(container_id, pod_uid) of one cgroup path: the container id only where the
+    runtime writes it, the segment right below the pod's (the first pod segment from
+    the root: the kubelet's); outside a pod, the first container segment from the root.
+    A process may make cgroups below its own (a privileged pod with a writable cgroupfs):
+    they are never read, so a sub-cgroup named after another container cannot claim it."""
+    segments = path.split("/")
+    for i, segment in enumerate(segments):
+        pod = _POD_SEGMENT.fullmatch(segment)
+        if pod:
+            below = _CONTAINER_SEGMENT.fullmatch(segments[i + 1]) if i + 1 < len(segments) else None
+            return (below.group(1) if below else ""), pod.group(1).replace("_", "-")
+    for segment in segments:
+        container = _CONTAINER_SEGMENT.fullmatch(segment)
+        if container:
+            return container.group(1), ""
+    return "", ""
 
 
 def parse_cgroup(text: str) -> Tuple[str, str]:
@@ -50,25 +73,18 @@ def parse_cgroup(text: str) -> Tuple[str, str]:
     Handles cgroup v2 ("0::/path") and v1 ("N:controller:/path") with the path
     shapes of containerd and CRI-O under the systemd and cgroupfs drivers
     ("cri-containerd-<id>.scope", "crio-<id>.scope", ".../pod<uid>/<id>") and
-    Docker ("docker-<id>.scope", "/docker/<id>").
+    Docker ("docker-<id>.scope", "/docker/<id>"). Where v1 hierarchies name
+    different containers or pods (a process moved in some of them), it names none.
     """
-    container_id = pod_uid = ""
+    found = set()
     for line in text.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
-        path = parts[2].strip()
-        for segment in reversed(path.split("/")):
-            m = _CONTAINER.search(segment)
-            if m:
-                container_id = container_id or m.group(1)
-                break
-        m = _POD.search(path)
-        if m:
-            pod_uid = pod_uid or m.group(1).replace("_", "-")
-        if container_id and pod_uid:
-            break
-    return container_id, pod_uid
+        ids = _cgroup_path_ids(parts[2].strip())
+        if ids != ("", ""):
+            found.add(ids)
+    return next(iter(found)) if len(found) == 1 else ("", "")
 
 
 def parse_environ(data: bytes) -> Dict[str, str]:
@@ -116,6 +132,7 @@ class ProcClient:
     _boot_time: Optional[float] = None
     _users: Dict[int, str] = field(default_factory=dict)
     _environ_denied_logged: bool = False
+    _refusal_logged: bool = False
     # pid -> (identity of /proc/PID, start ticks, facts). Everything read here is fixed
     # for a process's life (environ is the block it was started with), so a scrape only
     # tells a known process from a new one that reused its PID: procfs gives the new
@@ -180,11 +197,25 @@ class ProcClient:
                 names = lookup(found.container_id)
                 if names is None:
                     return None
-                found.namespace, found.pod, found.container = names.namespace, names.pod, names.container
+                if names != NO_NAMES and not names.confirms(found.pod_uid):
+                    self._refuse(pid, found, names)
+                else:
+                    found.namespace, found.pod, found.container = names.namespace, names.pod, names.container
             facts[pid] = found
         for pid in set(self._known) - set(facts) - keep:
             del self._known[pid]
         return facts
+
+    def _refuse(self, pid: int, found: ProcessFacts, names: PodNames) -> None:
+        """The runtime puts the container the cgroup names in another pod than the cgroup
+        does: not this process's container (a cgroup made to look like another's). It keeps
+        its own pod uid (the kubelet's segment) and no container."""
+        level = logging.DEBUG if self._refusal_logged else logging.WARNING
+        self._refusal_logged = True
+        log.log(level, "PID %d: its cgroup names container %s in pod %s, which the runtime puts in pod %s "
+                "(%s/%s): not attributed", pid, found.container_id, found.pod_uid or "(none)",
+                names.pod_uid or "(none)", names.namespace, names.pod)
+        found.container_id = ""
 
     def read_pid(self, pid: int, ticks: Optional[int]) -> ProcessFacts:
         facts = ProcessFacts(pid=pid)

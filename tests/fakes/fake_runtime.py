@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Dict
 
 RUNTIME_DATA = Path(__file__).resolve().parents[1] / "data" / "runtime"
 CONTAINERD_ROOT = RUNTIME_DATA / "containerd"
@@ -15,13 +16,28 @@ CONTAINERD_SANDBOX_ID = "8d2f6a1c3b5e7d9f0a2c4e6b8d0f1a3c5e7b9d1f3a5c7e9b1d3f5a7
 CRIO_ID = "c7e1a9b3d5f7092b4d6f8a0c2e4b6d8f0a1c3e5b7d9f1a3c5e7b9d0f2a4c6e8b"
 
 
-def write_containerd_spec(root: Path, container_id: str, namespace: str, pod: str, container: str) -> Path:
-    """containerd's spec of CONTAINERD_ID, renamed: `<root>/<container_id>/config.json`."""
+def write_containerd_spec(root: Path, container_id: str, namespace: str, pod: str, container: str,
+                          pod_uid: str = "") -> Path:
+    """containerd's spec of CONTAINERD_ID, renamed: `<root>/<container_id>/config.json`, in
+    pod `pod_uid` ("": the fixture's pod)."""
     spec = json.loads((CONTAINERD_ROOT / CONTAINERD_ID / "config.json").read_text())
     spec["annotations"].update({"io.kubernetes.cri.sandbox-namespace": namespace,
                                 "io.kubernetes.cri.sandbox-name": pod,
                                 "io.kubernetes.cri.container-name": container})
+    if pod_uid:
+        spec["annotations"]["io.kubernetes.cri.sandbox-uid"] = pod_uid
     path = root / container_id / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def write_crio_spec(root: Path, container_id: str, annotations: Dict[str, str]) -> Path:
+    """CRI-O's spec of CRIO_ID with these annotations added or replaced:
+    `<root>/<container_id>/userdata/config.json`."""
+    spec = json.loads((CRIO_ROOT / CRIO_ID / "userdata" / "config.json").read_text())
+    spec["annotations"].update({"io.kubernetes.cri-o.ContainerID": container_id, **annotations})
+    path = root / container_id / "userdata" / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
     return path

@@ -551,3 +551,86 @@ def test_the_ceiling_mps_showed_when_clients_raised_their_device_connections():
     assert snap.unrecognized == {"control": 0, "server": 0}
     again = LogState.from_dict(json.loads(json.dumps(replay(files, until="2026-11-28 04:08:21.250").to_dict())))
     assert again.to_dict()["active"] == replay(files, until="2026-11-28 04:08:21.250").to_dict()["active"]
+
+
+# ------------------------------------------------ indexes instead of scans (issue 42)
+def _apply(state: LogState, file: str, *rows: str) -> LogState:
+    return replay({file: ctl(*rows) if file == "control" else srv(20, *rows)}, state=state, settle=False)
+
+
+def test_a_client_that_moved_servers_stays_when_its_old_server_exits():
+    state = LogState()
+    _apply(state, "control", *START, "00:00:01.000 Starting new server 20 for user 0",
+           "00:00:01.100 NEW SERVER 20: Ready")
+    replay({"server": srv(20, "00:00:02.000 Client {PID: 50, Context ID: 0} connected")
+            + srv(30, "00:00:03.000 Client {PID: 50, Context ID: 0} connected",
+                  "00:00:03.000 Client {PID: 51, Context ID: 0} connected")}, state=state, settle=False)
+    _apply(state, "control", "00:00:04.000 Server 20 exited with status 0")
+    state.settle()
+    assert set(state.snapshot().client_start_times) == {50, 51}  # both are server 30's now
+    _apply(state, "control", "00:00:05.000 Starting new server 30 for user 0", "00:00:05.100 Server 30 exited with status 0")
+    assert state.snapshot().client_start_times == {}
+
+
+def test_an_admitted_client_leaves_the_queue_by_its_oldest_push():
+    state = _apply(LogState(), "control", *START,
+                   "00:00:01.000 NEW CLIENT 10 from user 0: Server is not ready, push client to pending list",
+                   "00:00:02.000 NEW CLIENT 11 from user 0: Server is not ready, push client to pending list",
+                   "00:00:03.000 NEW CLIENT 10 from user 0: Server is not ready, push client to pending list",
+                   "00:00:05.000 NEW CLIENT 10 from user 0: Server already exists")
+    snap = state.snapshot()
+    assert [(p.pid, p.pushed_at) for p in snap.pending] == [(11, at("00:00:02.000")), (10, at("00:00:03.000"))]
+    assert snap.queue_wait["server_starting"].total == pytest.approx(4.0)  # from the first push
+
+
+def test_the_queue_cap_drops_the_oldest_from_every_index(monkeypatch):
+    monkeypatch.setattr(st, "MAX_PENDING", 3)
+    state = _apply(LogState(), "control", *START, *(
+        f"00:00:0{i}.000 NEW CLIENT {10 + i} from user 0: Server is not ready, push client to pending list"
+        for i in range(4)))
+    assert [p.pid for p in state.snapshot().pending] == [11, 12, 13]
+    _apply(state, "control", "00:00:05.000 NEW CLIENT 10 from user 0: Server already exists",
+           "00:00:06.000 NEW CLIENT 11 from user 0: Server already exists")
+    snap = state.snapshot()
+    assert sum(snap.queue_wait["server_starting"].counts) == 1  # 10 had left: only 11's wait
+    assert [p.pid for p in snap.pending] == [12, 13]
+
+
+def test_the_queue_s_indexes_survive_the_state_file():
+    state = _apply(LogState(), "control", *START,
+                   "00:00:01.000 NEW CLIENT 10 from user 0: Server is not ready, push client to pending list",
+                   "00:00:01.500 NEW CLIENT 11 from user 1500: Server is not ready, push client to pending list",
+                   "00:00:02.000 Starting new server 20 for user 0", "00:00:03.000 NEW SERVER 20: Ready")
+    state = LogState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert state.waiting() and [p.pid for p in state.snapshot().pending] == [11]  # 10 was handed over
+    _apply(state, "control", "00:00:04.000 Server 20 exited with status 0")  # 10's wait: push to handover
+    assert state.snapshot().queue_wait["server_starting"].total == pytest.approx(2.0)
+    _apply(state, "control", "00:00:05.000 NEW CLIENT 11 from user 1500: Server already exists")
+    assert not state.waiting() and state.snapshot().pending == []
+    assert state.to_dict()["pending"] == []
+
+
+def test_a_push_s_reason_follows_the_users_of_the_servers_kept(monkeypatch):
+    monkeypatch.setattr(st, "MAX_SERVERS", 1)
+    push = "NEW CLIENT {} from user {}: Server is not ready, push client to pending list"
+    state = _apply(LogState(), "control", *START, "00:00:01.000 Starting new server 20 for user 0",
+                   "00:00:01.100 " + push.format(10, 0), "00:00:01.200 " + push.format(11, 1500))
+    assert state.snapshot().pushes == {"server_starting": 1, "user_switch": 1}
+    _apply(state, "control", "00:00:02.000 Starting new server 20 for user 1500",  # the same PID, another user
+           "00:00:02.100 " + push.format(12, 1500), "00:00:02.200 " + push.format(13, 0))
+    assert state.snapshot().pushes == {"server_starting": 2, "user_switch": 2}
+    _apply(state, "control", "00:00:03.000 Starting new server 21 for user 7",  # 20's record leaves (the cap)
+           "00:00:03.100 " + push.format(14, 7), "00:00:03.200 Server 21 exited with status 0",
+           "00:00:03.300 " + push.format(15, 1500))
+    assert state.snapshot().pushes == {"server_starting": 4, "user_switch": 2}
+
+
+def test_a_shutdown_for_a_waiting_client_switches_only_other_users_waits():
+    push = "NEW CLIENT {} from user {}: Server is not ready, push client to pending list"
+    state = _apply(LogState(), "control", *START, "00:00:01.000 " + push.format(10, 0),
+                   "00:00:01.100 " + push.format(11, 1500), "00:00:01.200 " + push.format(12, 1500),
+                   "00:00:02.000 Starting new server 20 for user 0",
+                   "00:00:03.000 Try shutting down server 20, backoff is enabled")
+    snap = state.snapshot()
+    assert snap.pushes == {"server_starting": 1, "user_switch": 2}
+    assert {p.pid: p.reason for p in snap.pending} == {10: "server_starting", 11: "user_switch", 12: "user_switch"}

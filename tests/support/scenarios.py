@@ -132,7 +132,8 @@ def synthetic(tmp: Path, gpus: int = 8, clients_per_gpu: int = 6, latency: bool 
                 pods[p.pid] = synthetic_pod((len(clients) - 1) // clients_per_pod)
                 pod_uid, container_id = pods[p.pid]
                 write_containerd_spec(tmp / "runtime", container_id, SYNTHETIC_NAMESPACE,
-                                      synthetic_pod_name((len(clients) - 1) // clients_per_pod), SYNTHETIC_CONTAINER)
+                                      synthetic_pod_name((len(clients) - 1) // clients_per_pod), SYNTHETIC_CONTAINER,
+                                      pod_uid)
                 proc.cgroup = (f"0::/kubepods.slice/kubepods-pod{pod_uid.replace('-', '_')}.slice/"
                                f"cri-containerd-{container_id}.scope\n")
             processes.append(proc)
