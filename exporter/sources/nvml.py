@@ -89,8 +89,8 @@ class PerGpuReads:
     at a time, never a second beside it). A GPU with no reading yet is waited for. So a
     slow GPU holds up neither the others' readings nor the source's."""
 
-    def __init__(self, wait_seconds: float = GPU_WAIT_SECONDS) -> None:
-        self.wait_seconds = wait_seconds
+    def __init__(self, wait_seconds: Optional[float] = GPU_WAIT_SECONDS) -> None:
+        self.wait_seconds = wait_seconds  # None: wait for every GPU (the benchmark's reference)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._workers = 0
         self._pending: Dict[int, "Future[GpuReading]"] = {}  # GPU index -> its read in flight
