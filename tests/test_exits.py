@@ -205,3 +205,30 @@ def test_proc_alive_reads_the_state_after_the_command(tmp_path):
         (tmp_path / str(pid) / "stat").write_text(stat)
     alive = proc_alive(str(tmp_path))
     assert alive(1) is True and alive(2) is False and alive(3) is False
+
+
+def test_the_collector_counts_a_client_of_the_fakes_that_leaves_at_its_limit(tmp_path):
+    """End to end through the collector and the exposition: client 1648 of the busy scenario
+    (its own limit 0=4G) grows to 3.9 GiB, then leaves NVML, the daemon's ps and /proc."""
+    import shutil
+
+    from mps_exporter.collector import build_registry
+    from prometheus_client.exposition import generate_latest
+    from tests.support import scenarios
+
+    scen = scenarios.busy(tmp_path, logs=False)
+    gpu = scen.nvml.gpus[0]
+    for proc in gpu.mps_processes + gpu.compute_processes:
+        if proc.pid == 1648:
+            proc.usedGpuMemory = int(3.9 * GiB)
+    registry = build_registry(scen.collector(), process=False)
+    first = generate_latest(registry).decode()
+    assert 'mps_client_memory_peak_bytes{container="trainer",daemon="default",gpu="0"' in first
+    gpu.mps_processes = [p for p in gpu.mps_processes if p.pid != 1648]
+    gpu.compute_processes = [p for p in gpu.compute_processes if p.pid != 1648]
+    scen.daemon.clients = [c for c in scen.daemon.clients if c.pid != 1648]
+    shutil.rmtree(scen.proc_root / "1648")
+    second = generate_latest(registry).decode()
+    assert ('mps_client_exits_at_memory_limit_total{daemon="default",gpu="0",outcome="unknown",'
+            'reason="client_limit"} 1.0') in second
+    assert 'pid="1648"' not in second.split("# HELP mps_client_memory_peak_bytes")[1].split("# HELP")[0]

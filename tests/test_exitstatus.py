@@ -167,7 +167,8 @@ def test_a_real_exit_and_a_real_kill_as_root():
     watcher = ExitWatcher()
     assert watcher.start()
     try:
-        failed = subprocess.run(["sh", "-c", "exit 3"])
+        failed = subprocess.Popen(["sh", "-c", "exit 3"])
+        failed.wait()
         killed = subprocess.Popen(["sleep", "30"])
         killed.kill()
         killed.wait()
@@ -176,7 +177,7 @@ def test_a_real_exit_and_a_real_kill_as_root():
             if watcher.status(killed.pid) is not None:
                 break
             time.sleep(0.01)
+        assert watcher.status(failed.pid) == ExitStatus(3, 0)
         assert watcher.status(killed.pid) == ExitStatus(0, 9)
-        assert failed.returncode == 3
     finally:
         watcher.close()
