@@ -1,7 +1,7 @@
 """How many process exits a second the exit-status watcher (exporter/exitstatus.py) keeps
 up with: `workers` processes each fork `per_worker` children that exit at once (status
 0, 1, or SIGKILL'd by themselves), as fast as they can; then every child's PID is looked
-up. Needs root and the proc connector (the host's PID namespace).
+up. Needs the proc connector (the host's PID namespace; CAP_NET_ADMIN before Linux 6.6).
 
     sudo python3 -m bench.exitstatus_bench --workers 4 --per-worker 5000
 """

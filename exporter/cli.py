@@ -182,8 +182,8 @@ def _add_edges(p: argparse.ArgumentParser) -> None:
                    help="a client that exits while its GPU's used memory was at least this share of the total counts "
                         "as exited at a full GPU (reason=\"device_full\"; default %(default)s)")
     p.add_argument("--mps.exit-status", dest="exit_status", action="store_true", default=DEFAULTS.exit_status,
-                   help="ask the kernel how clients ended (the proc connector over netlink: root and the host's PID "
-                        "namespace; elsewhere the outcome is unknown) (default: on)")
+                   help="ask the kernel how clients ended (the proc connector over netlink: the host's PID namespace, "
+                        "and CAP_NET_ADMIN before Linux 6.6; elsewhere the outcome is unknown) (default: on)")
     p.add_argument("--no-mps.exit-status", dest="exit_status", action="store_false",
                    help="do not ask the kernel: every exit at the edge counts with outcome unknown")
 

@@ -161,7 +161,7 @@ class Config:
     # before the end: a client that grows faster can leave from further off and is not counted.
     oom_margin_ratio: float = 0.05
     device_full_ratio: float = 0.97
-    # --mps.exit-status: serve asks the kernel how clients ended (exitstatus.py, root only).
+    # --mps.exit-status: serve asks the kernel how clients ended (exitstatus.py).
     exit_status: bool = True
     # Collector name -> True, False or "auto" where a flag or replay set it; a
     # collector not named here has its source's default (sources/registry.py).

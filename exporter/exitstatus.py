@@ -8,9 +8,10 @@ listens and keeps the last MAX_EXITS process exits (thread-group leaders) by PID
 that the exit tracker (exits.py) can say `failed` (non-zero status or a signal) or
 `clean` (status 0) for a client it saw leave.
 
-It fails softly: not root (CAP_NET_ADMIN), a kernel without the connector, or a
-container outside the host's PID and user namespaces (the kernel ignores listeners
-there) leave `available` False, and every exit is `unknown`. The PIDs are the host's:
+It fails softly: a kernel without the connector, a kernel before 6.6 without
+CAP_NET_ADMIN (from 6.6 any user may listen: uid 65534 with no capabilities did on
+6.18 here), or a container outside the host's PID and user namespaces (the kernel
+ignores listeners there) leave `available` False, and every exit is `unknown`. The PIDs are the host's:
 the exporter must run in the host's PID namespace (as it must for NVML's PIDs to
 mean anything).
 

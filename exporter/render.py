@@ -222,8 +222,8 @@ EDGE_METRICS = table(
     counter("mps_client_exits_at_memory_limit_total", "MPS clients that exited while their last memory reading was "
             "at the edge: reason client_limit (within --mps.oom-margin-ratio of the pinned limit in force), "
             "device_full (else, the GPU's used memory at least --mps.device-full-ratio of its total); outcome failed "
-            "(non-zero exit status or a signal), clean (status 0) or unknown (no kernel proc connector: not root, "
-            "not the host's PID namespace). MPS logs no out-of-memory: a failed exit here is most likely one. A client "
+            "(non-zero exit status or a signal), clean (status 0) or unknown (no kernel proc connector: not the host's "
+            "PID namespace, or CAP_NET_ADMIN missing before Linux 6.6). MPS logs no out-of-memory: a failed exit here is most likely one. A client "
             "far from both is never counted. Rows of 0 for every daemon and GPU it serves.",
             DAEMON, GPU, EDGE_REASON, EXIT_OUTCOME),
     gauge("mps_client_memory_peak_bytes", "The most device memory the client has held on the GPU since the exporter "
