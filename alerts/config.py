@@ -134,6 +134,25 @@ CLIENT_LIMIT_IGNORED_FOR = "1m"
 # dozens of clients start): long enough to skip that.
 OUTSIDE_MPS_FOR = "2m"
 
+# MPS clients that exited at the edge of memory (mps_client_exits_at_memory_limit_total):
+# outcome failed (a non-zero status or a signal) or unknown (no kernel connector) in the
+# window. An exit is an event, not a state: no `for`, the window is how long the alert
+# stays after the last one (a few evaluation intervals past a 1 m scrape).
+EDGE_EXIT_OUTCOMES = ("failed", "unknown")
+EDGE_EXIT_WINDOW = "10m"
+EDGE_EXIT_FOR = "0m"
+
+# The Kubernetes dashboard's suggested pinned memory limit: a client's (or pod's) peak
+# memory over its life plus this share, rounded up to SUGGESTED_LIMIT_STEP_BYTES (a size
+# MPS takes as written: 2304M). 20 %: a client that died on H100 asking 1 GiB more at
+# 1.9 GiB of a 2 GiB limit (issue 40) asked for half its limit at once; a workload's
+# peak seen by a collection a second misses the allocations of the last second, and
+# 20 % above the peak leaves room for one more such step in most workloads, not in
+# that one. Size from a peak that covers the workload's whole life (a full epoch, not
+# the first minutes).
+SUGGESTED_LIMIT_MARGIN_RATIO = 0.2
+SUGGESTED_LIMIT_STEP_BYTES = 256 << 20
+
 # Share of a GPU's memory in use: the next client's allocation may fail.
 GPU_MEMORY_FULL_RATIO = 0.95
 GPU_MEMORY_FULL_FOR = "5m"

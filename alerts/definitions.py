@@ -193,6 +193,18 @@ ALERTS: Tuple[Alert, ...] = (
         f"set its {lbl('limit')} limit in its environment, but "
         f"CUDA drops it ({lbl('reason')}): the client runs as if it had set none, and may take the whole GPU."),
     Alert(
+        "ClientExitedAtMemoryLimit", "oom",
+        # round: increase() extrapolates one exit to 1.1 over the window; the count is whole.
+        f"round(sum by ({T}, daemon, gpu, reason, outcome) (increase("
+        f"{job('mps_client_exits_at_memory_limit_total', outcome='=~' + '|'.join(C.EDGE_EXIT_OUTCOMES))}"
+        f"[{C.EDGE_EXIT_WINDOW}]))) > 0", C.EDGE_EXIT_FOR, "warning",
+        "MPS clients exited at the edge of device memory, most likely of out-of-memory.",
+        f"{VALUE} MPS client(s) of daemon {lbl('daemon')} on GPU {lbl('gpu')} of {NODE} exited "
+        f"in the last {C.EDGE_EXIT_WINDOW} while their memory was "
+        "{{ if eq $labels.reason \"client_limit\" }}at their pinned memory limit"
+        "{{ else }}on a nearly full GPU{{ end }} (outcome "
+        f"{lbl('outcome')}): MPS logs no out-of-memory, but that is how such clients die."),
+    Alert(
         "GpuMemoryNearFull", "oom",
         f"{GPU_MEMORY_USAGE} > {C.GPU_MEMORY_FULL_RATIO}", C.GPU_MEMORY_FULL_FOR, "warning",
         "A GPU's memory is almost full.",

@@ -1,6 +1,7 @@
 """Kubernetes: MPS clients by namespace and pod (the exporter's own `namespace`, `pod` and
 `container` labels; per-pod sums recorded by alerts/recordings.py)."""
 
+from alerts import config as C
 from alerts import recordings as R
 from alerts.expressions import job
 from dashboards.common import build, kubernetes_variables, rec, row, row_query, table, target, timeseries
@@ -14,6 +15,24 @@ GPU_LEGEND = POD_LEGEND + " GPU {{gpu}}"
 CLIENTS = job("mps_client_info", namespace="=~$namespace", pod="=~$pod")
 # MPS clients of each selected pod (counted here: one series per pod is not worth recording).
 POD_CLIENTS = f"count by (job, instance, namespace, pod) ({CLIENTS})"
+
+
+# Headroom and suggested limit (alerts/config.py SUGGESTED_LIMIT_*): per client where the exporter
+# keeps clients (--mps.client-granularity client), per server and pod where it sums them (pod).
+CLIENT_KEYS = "job, instance, daemon, namespace, pod, container, pid, gpu"
+POD_KEYS = "job, instance, daemon, server_pid, namespace, pod, gpu"
+CLIENT_PEAK = f'max by ({CLIENT_KEYS}) ({job("mps_client_memory_peak_bytes", namespace="=~$namespace", pod="=~$pod")})'
+CLIENT_LIMIT = (f'max by ({CLIENT_KEYS}) '
+                f'({job("mps_client_pinned_memory_limit_bytes", namespace="=~$namespace", pod="=~$pod")})')
+POD_PEAK = f'max by ({POD_KEYS}) ({job("mps_pod_client_memory_peak_bytes", namespace="=~$namespace", pod="=~$pod")})'
+POD_LIMIT = (f'max by ({POD_KEYS}) '
+             f'({job("mps_pod_client_pinned_memory_limit_bytes", namespace="=~$namespace", pod="=~$pod")})')
+
+
+def suggested(peak: str) -> str:
+    """The peak plus the margin, rounded up to a size MPS takes as written."""
+    step = C.SUGGESTED_LIMIT_STEP_BYTES
+    return f"ceil({peak} * {1 + C.SUGGESTED_LIMIT_MARGIN_RATIO:g} / {step}) * {step}"
 
 
 def on_pod_nodes(record: str) -> str:
@@ -41,6 +60,20 @@ dashboard = build(
               [row_query(rec(R.POD_MEMORY, **POD)), row_query(rec(R.POD_LIMIT, **POD))],
               units={"Value #A": "bytes", "Value #B": "bytes"},
               rename={"instance": "node", "Value #A": "memory", "Value #B": "pinned limits"}, h=6),
+        table("Headroom and suggested limit",
+              "Per MPS client (exporters at --mps.client-granularity client) and per server and pod (at pod): the "
+              "most device memory it has held since the exporter saw it start, the pinned limit in force, the "
+              f"headroom left at the peak, and a suggested limit: the peak plus "
+              f"{C.SUGGESTED_LIMIT_MARGIN_RATIO:.0%}, rounded up to {C.SUGGESTED_LIMIT_STEP_BYTES >> 20} MiB "
+              "(alerts/config.py says why). Size from a peak that covers the job's whole run. A client that "
+              "exits at its limit counts in MpsClientExitedAtMemoryLimit.",
+              [row_query(CLIENT_PEAK), row_query(CLIENT_LIMIT), row_query(f"{CLIENT_LIMIT} - {CLIENT_PEAK}"),
+               row_query(suggested(CLIENT_PEAK)), row_query(POD_PEAK), row_query(POD_LIMIT),
+               row_query(f"{POD_LIMIT} - {POD_PEAK}"), row_query(suggested(POD_PEAK))],
+              units={f"Value #{c}": "bytes" for c in "ABCDEFGH"},
+              rename={"instance": "node", "Value #A": "peak", "Value #B": "limit", "Value #C": "headroom",
+                      "Value #D": "suggested limit", "Value #E": "pod peak", "Value #F": "pod limits",
+                      "Value #G": "pod headroom", "Value #H": "pod suggested limit"}, h=8),
         row("Memory and threads"),
         timeseries("Pod memory against its limits",
                    "Device memory of each pod's MPS clients over the sum of their pinned limits, per GPU: "

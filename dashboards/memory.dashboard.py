@@ -38,6 +38,15 @@ dashboard = build(
         # topk before the join: the join then matches ten clients, not all of the node's.
         timeseries("Largest clients", "The ten MPS clients holding the most device memory.", "bytes",
                    [target(f"topk(10, {m('mps_client_memory_used_bytes')}) {CLIENT_INFO_JOIN}", CLIENT_LEGEND)]),
+        timeseries("Exits at the memory edge",
+                   "MPS clients that exited while their last memory reading was within "
+                   "--mps.oom-margin-ratio of their pinned limit (client_limit) or their GPU was at least "
+                   "--mps.device-full-ratio full (device_full), by the kernel's outcome: failed (non-zero status or "
+                   "a signal: most likely out-of-memory, MPS logs none), clean, unknown (no proc connector). "
+                   "The MpsClientExitedAtMemoryLimit alert; `mps-exporter status` lists them with their last reading.",
+                   "none", [target(f"sum by (instance, gpu, reason, outcome) "
+                                   f"(increase({m('mps_client_exits_at_memory_limit_total')}[$__rate_interval]))",
+                                   "{{instance}} GPU {{gpu}} {{reason}} {{outcome}}")], stacked=True),
         timeseries("Server memory", "Device memory of the MPS server processes themselves.", "bytes",
                    [target(m("mps_server_memory_used_bytes"), "{{instance}} GPU {{gpu}} server {{server_pid}}")]),
         timeseries("Pinned memory limits",

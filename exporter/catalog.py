@@ -21,7 +21,7 @@ from .sources.registry import SOURCES
 
 TABLES: Tuple[Tuple[MetricSpec, ...], ...] = (
     render.GPU_METRICS, render.DAEMON_METRICS, render.SERVER_METRICS, render.CLIENT_METRICS,
-    render.POD_SUM_METRICS, render.SERVER_SUM_METRICS, log_render.QUEUE_METRICS, log_render.LOG_METRICS,
+    render.POD_SUM_METRICS, render.SERVER_SUM_METRICS, render.EDGE_METRICS, log_render.QUEUE_METRICS, log_render.LOG_METRICS,
     *(source.metrics for source in SOURCES.values() if source.metrics),
     render.SELF_METRICS,
 )

@@ -172,6 +172,31 @@ def _add_granularity(p: argparse.ArgumentParser) -> None:
                         f"and limits summed per MPS server, no pid or pod ({doc('cardinality.md')}; default %(default)s)")
 
 
+def _add_edges(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mps.oom-margin-ratio", dest="oom_margin_ratio", type=float, default=DEFAULTS.oom_margin_ratio,
+                   help="a client that exits with its last memory reading within this share of its pinned limit "
+                        "counts as exited at its limit (mps_client_exits_at_memory_limit_total{reason=\"client_limit\"};"
+                        " default %(default)s)")
+    p.add_argument("--mps.device-full-ratio", dest="device_full_ratio", type=float,
+                   default=DEFAULTS.device_full_ratio,
+                   help="a client that exits while its GPU's used memory was at least this share of the total counts "
+                        "as exited at a full GPU (reason=\"device_full\"; default %(default)s)")
+    p.add_argument("--mps.exit-status", dest="exit_status", action="store_true", default=DEFAULTS.exit_status,
+                   help="ask the kernel how clients ended (the proc connector over netlink: the host's PID namespace, "
+                        "and CAP_NET_ADMIN before Linux 6.6; elsewhere the outcome is unknown) (default: on)")
+    p.add_argument("--no-mps.exit-status", dest="exit_status", action="store_false",
+                   help="do not ask the kernel: every exit at the edge counts with outcome unknown")
+
+
+def _edge_flags(cfg: Config, ns: argparse.Namespace) -> None:
+    cfg.oom_margin_ratio, cfg.device_full_ratio = ns.oom_margin_ratio, ns.device_full_ratio
+    cfg.exit_status = ns.exit_status
+    if not 0 <= cfg.oom_margin_ratio < 1:
+        raise ConfigError(f"--mps.oom-margin-ratio must be at least 0 and below 1, not {ns.oom_margin_ratio}")
+    if not 0 < cfg.device_full_ratio <= 1:
+        raise ConfigError(f"--mps.device-full-ratio must be above 0 and at most 1, not {ns.device_full_ratio}")
+
+
 def _add_logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log.level", dest="log_level", default=DEFAULTS.log_level,
                    choices=["debug", "info", "warn", "error"], help="(default %(default)s)")
@@ -226,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve /metrics (the default)")
     _add_common(serve)
     _add_granularity(serve)
+    _add_edges(serve)
     _add_web(serve)
     _add_refresh(serve)
     parser.serve_parser = serve
@@ -256,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--loop", action="store_true",
                         help="start over at the end of the bundle (always, for the shipped session)")
     _add_granularity(replay)
+    _add_edges(replay)
     _add_web(replay)
     _add_logging(replay)
     status = sub.add_parser("status", help="collect once and print the node's MPS state as a report "
@@ -265,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "source failed (what it could not tell shows as unknown); 2 for a bad flag or "
                             "bundle.")
     _add_common(status)
+    _add_edges(status)
     status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                         help="refresh in place every SECONDS (default 2) until q or Ctrl-C")
     status.add_argument("--output", choices=["text", "json"], default=DEFAULTS.status.output,
@@ -303,6 +331,8 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
         _web_flags(cfg, ns, check_address=command in ("serve", "replay"))
     if command == "serve":
         _refresh_flags(cfg, ns)
+    if command in ("serve", "replay", "status"):
+        _edge_flags(cfg, ns)
     if command == "replay":
         if ns.speed <= 0:
             raise ConfigError(f"--speed must be positive, not {ns.speed}")

@@ -56,6 +56,7 @@ from .config import DEFAULT_PAUSE_AFTER, Config
 from .contract import READ_DURATION_BUCKETS
 from .model import Histogram, Outcome, Snapshot
 from .catalog import METRICS
+from .exits import ExitTracker
 from .families import FamilyBuilder, empty_family
 from . import scrape_timeout
 from .render import ClientTableMemo, readings_key, render, render_readings, render_self
@@ -334,14 +335,18 @@ class MpsCollector(Collector):
     `control_wait`: seconds a collection waits for a `served_while_reading` source
     before it serves that source's last finished reading (0: it waits as for any), where
     that reading is at most two refresh intervals old (`_may_stand_in`); a read already
-    running longer than the collection's budget is late as before."""
+    running longer than the collection's budget is late as before.
+    `exits`: the exit tracker, fed each collection's snapshot (its report goes in
+    `Snapshot.edges`)."""
 
     def __init__(self, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
                  max_seconds: Optional[float] = None, timeout_offset: float = Config.scrape_timeout_offset,
                  serve_last: bool = True, granularity: str = "client", refresh_interval: float = 0.0,
                  pause_after: float = DEFAULT_PAUSE_AFTER, control_wait: float = 0.0,
-                 timing: Timing = REAL_TIME) -> None:
+                 timing: Timing = REAL_TIME, exits: Optional[ExitTracker] = None) -> None:
         self.clock = clock
+        # Clients' last readings across collections: exits at the memory edge, peaks (exits.py).
+        self.exits = exits or ExitTracker()
         self.timing = timing
         self.granularity = granularity  # --mps.client-granularity
         self.max_seconds = max_seconds
@@ -483,11 +488,16 @@ class MpsCollector(Collector):
             if run.reader.quick is not None and not run.read_here(collection.futures[run.name], collection):
                 start()
         try:
-            return self._gather(collection, budget, started)
+            snap = self._gather(collection, budget, started)
         finally:
             for run, start in starts:
                 if run.name in unwaited:
                     start()
+        try:
+            snap.edges = self.exits.observe(snap)
+        except Exception:  # the exits' state, never the scrape
+            log.exception("tracking client exits failed")
+        return snap
 
     def _gather(self, collection: _Collection, budget: Optional[float], started: float) -> Snapshot:
         """The collection's snapshot: each source's result, or its last reading where late."""

@@ -153,6 +153,16 @@ class Config:
     # "pod", client memory, limits and counts summed per server and pod (no pid);
     # "server", client memory and limits summed per server (no pid, no pod).
     client_granularity: str = "client"
+    # Where a client that leaves counts as at the edge of memory (exits.py): its last reading
+    # within --mps.oom-margin-ratio of its pinned limit in force (0.05: the client that stood
+    # at 95 % of 2 GiB and died asking 1 GiB more, H100, issue 40), or its GPU's used memory
+    # at least --mps.device-full-ratio of the total (0.97: a GPU four clients had filled to
+    # 97.5 % refused a fifth 6 GiB). A collection a second sees at most a second's growth
+    # before the end: a client that grows faster can leave from further off and is not counted.
+    oom_margin_ratio: float = 0.05
+    device_full_ratio: float = 0.97
+    # --mps.exit-status: serve asks the kernel how clients ended (exitstatus.py).
+    exit_status: bool = True
     # Collector name -> True, False or "auto" where a flag or replay set it; a
     # collector not named here has its source's default (sources/registry.py).
     collectors: Dict[str, Union[bool, str]] = field(default_factory=dict)

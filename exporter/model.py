@@ -359,6 +359,53 @@ class Outcome:
     refresh_interval_seconds: float = 0.0  # of its background reads; 0: read in the collection
 
 
+# ------------------------------------------------------- exits at the memory edge
+# Why a client that left is counted (exits.py): its last reading was within the margin of
+# its own pinned limit, or its GPU was nearly full.
+CLIENT_LIMIT, DEVICE_FULL = "client_limit", "device_full"
+EDGE_REASONS = (CLIENT_LIMIT, DEVICE_FULL)
+
+
+@dataclass(frozen=True)
+class EdgeExit:
+    """A client that left while its last memory reading was at the edge (exits.py)."""
+
+    daemon: str
+    pid: int
+    gpu: int
+    reason: str  # EDGE_REASONS
+    outcome: str  # exitstatus.OUTCOMES: failed, clean, unknown
+    used_bytes: int  # its last reading
+    limit_bytes: Optional[int]  # the pinned limit in force then; None: none
+    gpu_used_bytes: Optional[int]  # the GPU's used and total memory at that reading
+    gpu_total_bytes: Optional[int]
+    reading_time: float  # the collection that took the last reading
+    seen_gone: float  # the first collection that found it gone
+    detail: str = ""  # "exit status 1", "signal 9"; "" where unknown
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+
+
+@dataclass(frozen=True)
+class EdgeReport:
+    """What the exit tracker knows after a collection: rendered with the snapshot.
+
+    exits: (daemon, gpu, reason, outcome) -> count since the exporter started (zero rows
+    for every daemon and GPU seen, so that the alert's increase() sees the first one);
+    peaks: the most memory each client still connected has held, per GPU;
+    pod_peaks: the most memory the pod's clients of a server held at once, per GPU, while
+    it has clients; recent: the last edge exits,
+    oldest first."""
+
+    exits: Tuple[Tuple[Tuple[str, int, str, str], int], ...] = ()
+    # ((daemon, pid, gpu), (namespace, pod, container, bytes))
+    peaks: Tuple[Tuple[Tuple[str, int, int], Tuple[str, str, str, int]], ...] = ()
+    # ((daemon, server pid, pod uid, gpu), (namespace, pod, bytes))
+    pod_peaks: Tuple[Tuple[Tuple[str, str, str, int], Tuple[str, str, int]], ...] = ()
+    recent: Tuple[EdgeExit, ...] = ()
+
+
 @dataclass
 class Snapshot:
     """What every source returned in one collection: the input of `render`."""
@@ -373,3 +420,6 @@ class Snapshot:
     read_durations: Dict[str, Histogram] = field(default_factory=dict)  # collector -> all its reads so far
     # Readings of sources that render their own families (Source.render), by source name.
     extra: Dict[str, object] = field(default_factory=dict)
+    # The exit tracker's state after this collection (exits.py); None: not tracked
+    # (a one-off collection: dump, status without --watch).
+    edges: Optional[EdgeReport] = None

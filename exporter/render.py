@@ -29,8 +29,11 @@ from .families import FamilyBuilder
 from prometheus_client.samples import Sample
 from . import limits as lim
 from .limits import Limits, VisibleDevice, client_limits, on_gpus, own_limits, visible_devices
+from .exitstatus import OUTCOMES
 from .logs.render import render_log_metrics
 from .model import (
+    EDGE_REASONS,
+    EdgeReport,
     LogServer,
     LogSnapshot,
     DaemonReading,
@@ -212,6 +215,24 @@ SERVER_SUM_METRICS = table(
           "whose own limit CUDA does not apply, by limit and reason (as mps_client_limit_ignored); absent where none.",
           DAEMON, SERVER_PID, LIMIT, IGNORED_REASON),
 )
+EDGE_REASON = Label("reason", FIXED, "the exporter's exit tracker (exporter/exits.py)", ", ".join(EDGE_REASONS))
+EXIT_OUTCOME = Label("outcome", FIXED, "the kernel's proc connector (exporter/exitstatus.py)", ", ".join(OUTCOMES))
+EDGE_METRICS = table(
+    "Clients at the edge of memory",
+    counter("mps_client_exits_at_memory_limit_total", "MPS clients that exited while their last memory reading was "
+            "at the edge: reason client_limit (within --mps.oom-margin-ratio of the pinned limit in force), "
+            "device_full (else, the GPU's used memory at least --mps.device-full-ratio of its total); outcome failed "
+            "(non-zero exit status or a signal), clean (status 0) or unknown (no kernel proc connector: not the host's "
+            "PID namespace, or CAP_NET_ADMIN missing before Linux 6.6). MPS logs no out-of-memory: a failed exit here is most likely one. A client "
+            "far from both is never counted. Rows of 0 for every daemon and GPU it serves.",
+            DAEMON, GPU, EDGE_REASON, EXIT_OUTCOME),
+    gauge("mps_client_memory_peak_bytes", "The most device memory the client has held on the GPU since the exporter "
+          "first saw it (NVML's MPS process list, once per collection): against mps_client_pinned_memory_limit_bytes, "
+          "its headroom; gone when it exits.", DAEMON, *CLIENT, GPU, UUID),
+    gauge("mps_pod_client_memory_peak_bytes", "At --mps.client-granularity pod: the most device memory the server's "
+          "clients in the pod have held at once on the GPU (summed per collection) while the pod has clients there.",
+          DAEMON, SERVER_PID, POD_UID, NAMESPACE, POD, GPU, UUID),
+)
 COMMAND = Label("command", FIXED, "the exporter's read-only verbs (sources/control.py READ_ONLY_COMMANDS)",
                 "one per read-only verb")
 SELF_METRICS = table(
@@ -291,6 +312,8 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
             render_sums(out, daemon, servers, unlisted, log_snap, snap.processes, joined, by_pod=granularity == "pod")
     if memo is not None:
         memo.keep_only({daemon.name for daemon in snap.daemons})
+    if snap.edges is not None:
+        render_edges(out, snap.edges, {g.index: g.uuid for g in gpus}, granularity)
     for name, log_snap in snap.logs.items():
         render_log_metrics(out, name, log_snap, snap.now)
     for render_own in own_renders:
@@ -302,7 +325,8 @@ def readings_key(snap: Snapshot, granularity: str) -> Tuple[object, ...]:
     never changed once read (every source returns new objects), and the clock enters
     only through the oldest queued client's wait."""
     waits = tuple(log.oldest_queued_wait(snap.now) for log in snap.logs.values() if log.pending)
-    return (granularity, snap.nvml, snap.dcgm, snap.daemons, snap.processes, snap.logs, snap.extra, waits)
+    return (granularity, snap.nvml, snap.dcgm, snap.daemons, snap.processes, snap.logs, snap.extra, waits,
+            snap.edges)
 
 
 # ---------------------------------------------------------------- the exporter
@@ -738,3 +762,69 @@ def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int
     for (server_pid, _, index), ratio in sorted(fullest.items()):
         out.add("mps_server_client_pinned_memory_usage_max_ratio", ratio, daemon=d.name, server_pid=server_pid,
                 gpu=str(index))
+
+
+# ---------------------------------------------------------------- memory at the edge
+def render_edges(out: FamilyBuilder, edges: EdgeReport, uuids: Mapping[int, str], granularity: str) -> None:
+    """The exit tracker's counts (every granularity: no client labels) and peaks (per
+    client at client granularity, per server and pod at pod granularity)."""
+    for (daemon, gpu, reason, outcome), n in edges.exits:
+        out.add("mps_client_exits_at_memory_limit_total", n, daemon=daemon, gpu=str(gpu), reason=reason,
+                outcome=outcome)
+    if granularity == "client":
+        for (daemon, pid, gpu), (namespace, pod, container, peak) in edges.peaks:
+            out.add("mps_client_memory_peak_bytes", peak, daemon=daemon, pid=str(pid), namespace=namespace, pod=pod,
+                    container=container, gpu=str(gpu), uuid=uuids.get(gpu, ""))
+    elif granularity == "pod":
+        for (daemon, server_pid, pod_uid, gpu), (namespace, pod, peak) in edges.pod_peaks:
+            out.add("mps_pod_client_memory_peak_bytes", peak, daemon=daemon, server_pid=server_pid, pod_uid=pod_uid,
+                    namespace=namespace, pod=pod, gpu=str(gpu), uuid=uuids.get(gpu, ""))
+
+@dataclass(frozen=True)
+class ClientMemory:
+    """One client's memory reading on one GPU with the pinned limit in force there: what
+    the exit tracker (exits.py) keeps of each client between collections."""
+
+    daemon: str
+    pid: int
+    gpu: int
+    used_bytes: int
+    limit_bytes: Optional[int]
+    gpu_used_bytes: Optional[int]
+    gpu_total_bytes: Optional[int]
+    server_pid: str  # "" where no server is known
+    pod_uid: str
+    namespace: str
+    pod: str
+    container: str
+
+
+def client_memory(snap: Snapshot) -> List[ClientMemory]:
+    """Every client's memory reading (NVML's MPS list) with its limit in force, by the same
+    join as the client series (_client_in_force): a client is at its limit here exactly
+    where mps_client_pinned_memory_limit_bytes says so."""
+    gpus = snap.nvml.gpus if snap.nvml else []
+    joined = _GpuJoin.of(gpus)
+    listed = {c.pid for d in snap.daemons for c in d.clients}
+    unclaimed = [pid for pid in joined.mps_memory if pid not in listed]
+    found: List[ClientMemory] = []
+    for d in snap.daemons:
+        log_snap = snap.logs.get(d.name)
+        servers = render_servers(FamilyBuilder(), d, log_snap, snap.processes, joined)
+        ps_rows = {c.pid: c for c in d.clients}
+        unlisted = [pid for pid in unclaimed if _claims(d, snap.processes.get(pid), len(snap.daemons) == 1)]
+        for pid in sorted((set(ps_rows) | set(unlisted)) & set(joined.mps_memory)):
+            row, proc = ps_rows.get(pid), snap.processes.get(pid) or ProcessFacts(pid)
+            try:
+                c = _client_in_force(pid, row, proc, servers, d, joined, log_snap)
+            except Exception as e:  # as in the client table: that client alone is left out
+                client_left_out(d, pid, e)
+                continue
+            for gpu, used in c.memory:
+                if used is None or not gpu.up:
+                    continue
+                found.append(ClientMemory(
+                    d.name, pid, gpu.index, used, c.limits.pinned_bytes.get(gpu.index), gpu.memory_used_bytes,
+                    gpu.memory_total_bytes, "" if row is None or row.server_pid is None else str(row.server_pid),
+                    proc.pod_uid, proc.namespace, proc.pod, proc.container))
+    return found

@@ -323,6 +323,7 @@ def replay_config(cfg: Config, bundle: Bundle, log_dirs: Dict[str, str]) -> Conf
     play.collectors["logs"] = bool(h.get("logs")) and bool(play.daemons)
     play.log_timezone = str(h.get("log_timezone") or "UTC")
     play.queued_client_liveness = False
+    play.exit_status = False  # nor are its clients' exits this kernel's
     play.discover_processes = False  # a bundle's daemons are another machine's, this one's /proc is not
     play.refresh_interval = 0.0  # a recorded reading belongs to its moment: read it at the scrape's
     try:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Optional
 
 from .collector import build_registry
 from .config import Config
+from .exitstatus import ExitWatcher
 from .sources.base import Reader
 from .web import serve as serve_http
 from .wiring import build_collector, build_readers, stop_on_signals
@@ -22,7 +23,10 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
     readers = build_readers(cfg) if readers is None else readers
     for reader in readers.values():
         reader.start()
-    collector = build_collector(cfg, readers, clock)
+    watcher = ExitWatcher() if cfg.exit_status else None
+    if watcher is not None:
+        watcher.start()  # fails softly: exits then count as outcome="unknown"
+    collector = build_collector(cfg, readers, clock, statuses=watcher)
     collector.start()
     # Start-up objects (modules, parsers, NVML bindings) live as long as the process:
     # keep them out of the garbage collector's full passes, which otherwise land
@@ -36,6 +40,8 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
                    readiness=lambda: all(reader.ready() for reader in readers.values()), notice=notice)
     finally:
         collector.close()
+        if watcher is not None:
+            watcher.close()
         for reader in readers.values():
             reader.close()
     return 0

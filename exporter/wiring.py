@@ -17,6 +17,7 @@ from prometheus_client.exposition import generate_latest
 from .collector import REAL_TIME, MpsCollector, Timing, build_registry
 from .config import Config
 from .discovery import DaemonSet
+from .exits import ExitStatuses, ExitTracker, Margins, proc_alive
 from .sources.base import Backends, Reader
 from .sources.registry import SOURCES
 
@@ -47,14 +48,19 @@ def with_daemon_set(cfg: Config, backends: Backends) -> Backends:
 
 
 def build_collector(cfg: Config, readers: Mapping[str, Reader[Any]], clock: Callable[[], float] = time.time,
-                    bounded: bool = True, timing: Timing = REAL_TIME) -> MpsCollector:
+                    bounded: bool = True, timing: Timing = REAL_TIME,
+                    statuses: Optional[ExitStatuses] = None) -> MpsCollector:
     """`bounded`: scrapes wait for the sources at most as long as the scrape settings say
     (serve); else every source is waited for (dump, capture). `timing`: the collector's
-    monotonic clock and wait (tests)."""
+    monotonic clock and wait (tests). `statuses`: how processes exited (serve's
+    exitstatus.ExitWatcher; None: unknown)."""
     max_seconds = cfg.scrape_max_seconds or None if bounded else None
+    # /proc tells whether a client that left MPS still runs; not for a bundle's PIDs (replay).
+    alive = proc_alive(cfg.procfs) if cfg.queued_client_liveness else (lambda pid: None)
+    exits = ExitTracker(Margins(cfg.oom_margin_ratio, cfg.device_full_ratio), statuses, alive)
     return MpsCollector(readers, clock=clock, max_seconds=max_seconds, timeout_offset=cfg.scrape_timeout_offset,
                         granularity=cfg.client_granularity, refresh_interval=cfg.refresh_interval,
-                        pause_after=cfg.pause_after, control_wait=cfg.control_wait, timing=timing)
+                        pause_after=cfg.pause_after, control_wait=cfg.control_wait, timing=timing, exits=exits)
 
 
 def stop_on_signals(stop: threading.Event) -> None:

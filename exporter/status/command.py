@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Optional, TextIO
 
 from ..bundle import BundleError, load
 from ..config import Config
+from ..exitstatus import ExitWatcher
 from ..replay import Player, replay_config
 from ..sources.base import Backends
 from ..wiring import build_collector, build_readers, with_daemon_set
@@ -39,7 +40,11 @@ from .watch import watch
 def _live(cfg: Config, backends: Optional[Backends]) -> Iterator[Callable[[], view.NodeStatus]]:
     backends = with_daemon_set(cfg, backends or Backends())
     readers = build_readers(dataclasses.replace(cfg, state_file=None), backends)
-    collector = build_collector(cfg, readers)
+    # Watching, the collections see clients leave: ask the kernel how they ended, as serve does.
+    watcher = ExitWatcher() if cfg.exit_status and cfg.status.watch is not None else None
+    if watcher is not None:
+        watcher.start()
+    collector = build_collector(cfg, readers, statuses=watcher)
     origin = f"host {socket.gethostname()}"
 
     def collect() -> view.NodeStatus:
@@ -53,6 +58,8 @@ def _live(cfg: Config, backends: Optional[Backends]) -> Iterator[Callable[[], vi
     try:
         yield collect
     finally:
+        if watcher is not None:
+            watcher.close()
         for reader in readers.values():
             reader.close()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .view import ClientStatus, DaemonStatus, Event, GpuStatus, NodeStatus, ServerStatus
+from .view import ClientStatus, DaemonStatus, EdgeExitStatus, Event, GpuStatus, NodeStatus, ServerStatus
 
 Line = Tuple[str, str]  # (text, style)
 TITLE, HEADING, ALERT, PLAIN = "title", "heading", "alert", ""
@@ -112,6 +112,7 @@ def _daemon(d: DaemonStatus, now: float) -> List[Line]:
         out += _servers(d.servers, now)
     if d.clients is not None:
         out += _clients(d.clients)
+    out += _edge_exits(d.edge_exits or [], now)
     if d.log_error is not None:
         out += [("", PLAIN), (f"  queue, events and totals from the logs: unknown ({d.log_error})", ALERT)]
         return out
@@ -155,6 +156,27 @@ def _clients(clients: Sequence[ClientStatus]) -> List[Line]:
             for c in clients]
     return _table("  ", ["CLIENT", "SERVER", "USER", "POD / CONTAINER", "MEMORY / LIMIT", "THREADS", "PRIORITY",
                          "COMMAND"], rows)
+
+
+_EDGE_REASONS = {"client_limit": "at its limit", "device_full": "GPU full"}
+
+
+def _edge_exits(exits: Sequence[EdgeExitStatus], now: float) -> List[Line]:
+    """The clients that exited at the edge of memory: their last reading and its age."""
+    if not exits:
+        return []
+    rows = []
+    for e in exits:
+        reading = _bytes(e.used_bytes) + (f" / {_bytes(e.limit_bytes)}" if e.limit_bytes else " / no limit")
+        gpu = _memory(e.gpu_used_bytes, e.gpu_total_bytes)
+        how = e.outcome + (f" ({e.detail})" if e.detail else "")
+        rows.append([str(e.pid), str(e.gpu), _EDGE_REASONS.get(e.reason, e.reason), how, reading, gpu,
+                     f"{_duration(e.reading_age_seconds)} ago", e.pod + (f" {e.container}" if e.container else ""),
+                     _datetime(e.seen_gone)])
+    out: List[Line] = [("", PLAIN), (f"  EXITS AT THE MEMORY EDGE (the last {len(exits)})", PLAIN)]
+    return out + _table("  ", ["EXITED", "GPU", "REASON", "OUTCOME", "LAST READING / LIMIT", "GPU MEMORY",
+                               "READING", "POD / CONTAINER", "SEEN GONE"], rows,
+                        alert=[e.outcome != "clean" for e in exits])
 
 
 def _queued(d: DaemonStatus, now: float) -> List[Line]:

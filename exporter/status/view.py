@@ -131,6 +131,27 @@ class Event:
 
 
 @dataclass
+class EdgeExitStatus:
+    """A client that exited at the edge of memory (exits.py): its last reading, and how old
+    that reading is now."""
+
+    pid: int
+    gpu: int
+    reason: str  # client_limit, device_full
+    outcome: str  # failed, clean, unknown
+    detail: str  # "exit status 1", "signal 9"; "" where unknown
+    used_bytes: int
+    limit_bytes: Optional[int]
+    gpu_used_bytes: Optional[int]
+    gpu_total_bytes: Optional[int]
+    reading_time: float
+    reading_age_seconds: float  # the collection's time less the reading's
+    seen_gone: float  # the first collection that found it gone
+    pod: str  # namespace/pod, "" outside a pod
+    container: str
+
+
+@dataclass
 class Counter:
     metric: str
     labels: Labels  # its labels other than daemon
@@ -160,6 +181,9 @@ class DaemonStatus:
     counters: Optional[List[Counter]] = field(default_factory=list)
     events: Optional[List[Event]] = field(default_factory=list)  # oldest first
     log_error: Optional[str] = None
+    # The last clients that exited at the edge of memory, oldest first (mps_client_exits_at_memory_limit_total);
+    # None: not tracked (a single collection cannot see a client leave: use --watch).
+    edge_exits: Optional[List[EdgeExitStatus]] = None
 
 
 @dataclass
@@ -300,6 +324,12 @@ def _daemon(m: Samples, name: str, snap: Snapshot, failed: Dict[str, str]) -> Da
                       for p in log.pending]
         out.events = [Event(e.time, e.kind, e.server_pid, list(e.clients), e.detail)
                       for e in sorted(log.recent_events, key=lambda e: e.time)]
+    if snap.edges is not None:
+        out.edge_exits = [EdgeExitStatus(e.pid, e.gpu, e.reason, e.outcome, e.detail, e.used_bytes, e.limit_bytes,
+                                         e.gpu_used_bytes, e.gpu_total_bytes, e.reading_time,
+                                         max(0.0, snap.now - e.reading_time), e.seen_gone,
+                                         f"{e.namespace}/{e.pod}" if e.pod else "", e.container)
+                          for e in snap.edges.recent if e.daemon == name]
     # A failed source tells nothing: what it would have said is unknown, not "none" or 0.
     if "control" in failed:
         out.up = None

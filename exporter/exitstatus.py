@@ -1,0 +1,274 @@
+"""How processes exited, from the kernel: the process-events connector over netlink.
+
+MPS never says "out of memory": a client that fails an allocation at its limit exits
+like any other, and the MPS logs show a normal exit line (H100, driver 580, issue 40).
+The kernel knows how each process ended: the proc connector (NETLINK_CONNECTOR, group
+CN_IDX_PROC) multicasts a PROC_EVENT_EXIT per task with its wait status. A thread here
+listens and keeps the last MAX_EXITS process exits (thread-group leaders) by PID, so
+that the exit tracker (exits.py) can say `failed` (non-zero status or a signal) or
+`clean` (status 0) for a client it saw leave.
+
+It fails softly: a kernel without the connector, a kernel before 6.6 without
+CAP_NET_ADMIN (from 6.6 any user may listen: uid 65534 with no capabilities did on
+6.18 here), or a container outside the host's PID and user namespaces (the kernel
+ignores listeners there) leave `available` False, and every exit is `unknown`. The PIDs are the host's:
+the exporter must run in the host's PID namespace (as it must for NVML's PIDs to
+mean anything).
+
+`exit_code` is the task's wait status (`(status << 8) | terminating signal`, as
+waitpid's); the event's `exit_signal` is the signal the parent gets (SIGCHLD), not the
+one that killed it.
+
+Parsing is a pure function of the received bytes (`parse`), tested on struct-packed
+messages; bench/exitstatus_bench.py measures how many exits a second it keeps up with.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+log = logging.getLogger(__name__)
+
+NETLINK_CONNECTOR = 11
+CN_IDX_PROC = 1
+CN_VAL_PROC = 1
+PROC_CN_MCAST_LISTEN = 1
+PROC_CN_MCAST_IGNORE = 2
+PROC_EVENT_NONE = 0x00000000
+PROC_EVENT_EXIT = 0x80000000
+NLMSG_DONE = 3
+NLMSG_ERROR = 2
+
+NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
+CN_MSG = struct.Struct("=IIIIHH")  # cb_id.idx, cb_id.val, seq, ack, len, flags
+PROC_EVENT_HEAD = struct.Struct("=IIQ")  # what, cpu, timestamp_ns
+EXIT_DATA = struct.Struct("=IIII")  # process_pid, process_tgid, exit_code, exit_signal
+ACK_DATA = struct.Struct("=I")  # err
+
+# Exits kept (PID -> status). The tracker asks within a collection or two of the exit:
+# at the storm rate measured here (bench/exitstatus_bench.py) this holds minutes of exits.
+MAX_EXITS = 65536
+RECEIVE_BUFFER = 8 << 20  # bytes; a storm of exits fills a default 208 KiB buffer in ~2,000 events
+# How long `start` waits for the kernel's acknowledgement of the subscription.
+ACK_WAIT_SECONDS = 1.0
+
+FAILED, CLEAN, UNKNOWN = "failed", "clean", "unknown"
+OUTCOMES = (FAILED, CLEAN, UNKNOWN)
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """One process's end: `code` its exit status (0..255) where it exited, `signal` the
+    signal that killed it (0: none)."""
+
+    code: int
+    signal: int
+
+    @classmethod
+    def from_wait_status(cls, status: int) -> "ExitStatus":
+        return cls((status >> 8) & 0xFF, status & 0x7F)
+
+    @property
+    def outcome(self) -> str:
+        return CLEAN if self.code == 0 and self.signal == 0 else FAILED
+
+    def describe(self) -> str:
+        return f"signal {self.signal}" if self.signal else f"exit status {self.code}"
+
+
+@dataclass(frozen=True)
+class Exit:
+    pid: int  # the task's PID (a thread's ID for a thread)
+    tgid: int  # its process
+    status: ExitStatus
+
+    @property
+    def process(self) -> bool:
+        """The thread-group leader's exit: the process's (the last event of a process)."""
+        return self.pid == self.tgid
+
+
+@dataclass(frozen=True)
+class Ack:
+    err: int  # 0: the subscription was taken
+
+
+def listen_message(op: int = PROC_CN_MCAST_LISTEN, seq: int = 0) -> bytes:
+    """The message that subscribes (or unsubscribes) a socket to process events."""
+    payload = struct.pack("=I", op)
+    cn = CN_MSG.pack(CN_IDX_PROC, CN_VAL_PROC, seq, 0, len(payload), 0) + payload
+    return NLMSGHDR.pack(NLMSGHDR.size + len(cn), NLMSG_DONE, 0, seq, 0) + cn
+
+
+def parse(data: bytes) -> Tuple[List[Exit], List[Ack]]:
+    """The exits and acknowledgements in one datagram (several netlink messages, each
+    aligned to 4 bytes); anything else (forks, execs, other connectors, short or
+    malformed messages) is skipped."""
+    exits: List[Exit] = []
+    acks: List[Ack] = []
+    offset = 0
+    while offset + NLMSGHDR.size <= len(data):
+        length, kind, _, _, _ = NLMSGHDR.unpack_from(data, offset)
+        if length < NLMSGHDR.size or offset + length > len(data):
+            break
+        body = offset + NLMSGHDR.size
+        end = offset + length
+        offset += (length + 3) & ~3
+        if kind in (NLMSG_ERROR,) or end - body < CN_MSG.size:
+            continue
+        idx, val, _, _, payload_len, _ = CN_MSG.unpack_from(data, body)
+        event = body + CN_MSG.size
+        if (idx, val) != (CN_IDX_PROC, CN_VAL_PROC) or event + min(payload_len, PROC_EVENT_HEAD.size) > end:
+            continue
+        if event + PROC_EVENT_HEAD.size > end:
+            continue
+        what, _, _ = PROC_EVENT_HEAD.unpack_from(data, event)
+        detail = event + PROC_EVENT_HEAD.size
+        if what == PROC_EVENT_EXIT and detail + EXIT_DATA.size <= end:
+            pid, tgid, code, _signal = EXIT_DATA.unpack_from(data, detail)
+            exits.append(Exit(pid, tgid, ExitStatus.from_wait_status(code)))
+        elif what == PROC_EVENT_NONE and detail + ACK_DATA.size <= end:
+            acks.append(Ack(ACK_DATA.unpack_from(data, detail)[0]))
+    return exits, acks
+
+
+SocketFactory = Callable[[], socket.socket]
+
+
+def _netlink_socket() -> socket.socket:
+    return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_CONNECTOR)
+
+
+class ExitWatcher:
+    """A thread that keeps the last `capacity` process exits by PID.
+
+    `start()` subscribes and returns whether the kernel took it; where it did not (no
+    netlink connector, not permitted) `available` stays False and `status` answers None
+    for every PID. `lost` counts the times the kernel dropped events (ENOBUFS: the
+    socket's buffer overflowed): an exit lost then is `unknown`."""
+
+    def __init__(self, capacity: int = MAX_EXITS, factory: SocketFactory = _netlink_socket,
+                 ack_wait: float = ACK_WAIT_SECONDS) -> None:
+        self.capacity = capacity
+        self._factory = factory
+        self._ack_wait = ack_wait
+        self._exits: "OrderedDict[int, ExitStatus]" = OrderedDict()
+        self._lock = threading.Lock()
+        self._sock: Optional[socket.socket] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self.available = False
+        self.why_not = "not started"
+        self.lost = 0  # overflows of the receive buffer
+        self.seen = 0  # process exits seen
+
+    def start(self) -> bool:
+        try:
+            sock = self._factory()
+        except (OSError, AttributeError) as e:  # no AF_NETLINK (not Linux), no connector
+            return self._unavailable(f"no netlink connector socket: {e}")
+        try:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, 33, RECEIVE_BUFFER)  # SO_RCVBUFFORCE (root)
+            except OSError:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+            sock.bind((0, CN_IDX_PROC))
+            sock.send(listen_message())
+            if not self._acknowledged(sock):
+                sock.close()
+                return False
+        except OSError as e:
+            sock.close()
+            return self._unavailable(f"cannot subscribe to process events: {e}")
+        self._sock = sock
+        self.available, self.why_not = True, ""
+        self._thread = threading.Thread(target=self._run, name="mps-exit-status", daemon=True)
+        self._thread.start()
+        return True
+
+    def _unavailable(self, why: str) -> bool:
+        self.available, self.why_not = False, why
+        log.info("exit status of MPS clients unknown (their exits count as outcome=\"unknown\"): %s", why)
+        return False
+
+    def _acknowledged(self, sock: socket.socket) -> bool:
+        """The kernel acknowledges a subscription with err 0; it refuses one from outside
+        the initial namespaces, or without CAP_NET_ADMIN, with an error (or, on older
+        kernels, silence)."""
+        waited = 0.0
+        step = 0.05
+        while waited < self._ack_wait:
+            ready, _, _ = select.select([sock], [], [], step)
+            waited += step
+            if not ready:
+                continue
+            exits, acks = parse(sock.recv(65536))
+            self._record(exits)
+            for ack in acks:
+                if ack.err:
+                    return self._unavailable(f"the kernel refused the subscription: {os.strerror(ack.err)}")
+                return True
+            if exits:  # events flow: the subscription was taken (a kernel that sends no ack)
+                return True
+        return self._unavailable(f"no answer from the proc connector within {self._ack_wait:g} s "
+                                 "(outside the host's PID namespace?)")
+
+    def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([sock], [], [], 0.5)
+                if not ready:
+                    continue
+                data = sock.recv(1 << 20)
+            except OSError as e:
+                if e.errno == errno.ENOBUFS:
+                    self.lost += 1
+                    continue
+                if self._stop.is_set():
+                    return
+                log.warning("exit status of MPS clients unknown from now on: reading process events failed: %s", e)
+                self.available, self.why_not = False, str(e)
+                return
+            self._record(parse(data)[0])
+
+    def _record(self, exits: List[Exit]) -> None:
+        if not exits:
+            return
+        with self._lock:
+            for e in exits:
+                if not e.process:
+                    continue
+                self.seen += 1
+                self._exits.pop(e.pid, None)
+                self._exits[e.pid] = e.status
+                if len(self._exits) > self.capacity:
+                    self._exits.popitem(last=False)
+
+    def status(self, pid: int) -> Optional[ExitStatus]:
+        """How `pid` exited, where its exit was seen (the latest exit of that PID)."""
+        with self._lock:
+            return self._exits.get(pid)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._sock is not None:
+            try:
+                self._sock.send(listen_message(PROC_CN_MCAST_IGNORE))
+            except OSError:
+                pass
+            self._sock.close()
+            self._sock = None
+        self.available = False

@@ -1,0 +1,183 @@
+"""The proc connector reader (exporter/exitstatus.py): parsing packed messages, failing
+softly, and (as root, where the kernel has it) a real exit."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+from typing import List, Optional
+
+import pytest
+
+from mps_exporter.exitstatus import (ACK_DATA, CLEAN, CN_IDX_PROC, CN_MSG, CN_VAL_PROC, EXIT_DATA, FAILED, NLMSGHDR,
+                                     PROC_CN_MCAST_LISTEN, PROC_EVENT_EXIT, PROC_EVENT_HEAD, PROC_EVENT_NONE, Ack, Exit,
+                                     ExitStatus, ExitWatcher, listen_message, parse)
+
+PROC_EVENT_FORK = 0x00000001
+
+
+def message(what: int, data: bytes, idx: int = CN_IDX_PROC) -> bytes:
+    event = PROC_EVENT_HEAD.pack(what, 3, 123456789) + data
+    cn = CN_MSG.pack(idx, CN_VAL_PROC, 0, 0, len(event), 0) + event
+    raw = NLMSGHDR.pack(NLMSGHDR.size + len(cn), 3, 0, 0, 0) + cn
+    return raw + b"\0" * (-len(raw) % 4)
+
+
+def exit_message(pid: int, wait_status: int, tgid: Optional[int] = None) -> bytes:
+    # parent_pid and parent_tgid follow on newer kernels: trailing bytes the parser ignores
+    return message(PROC_EVENT_EXIT, EXIT_DATA.pack(pid, pid if tgid is None else tgid, wait_status, 17) + b"\0" * 8)
+
+
+def test_an_exit_status_and_a_signal_are_read_from_the_wait_status():
+    exits, acks = parse(exit_message(4242, 1 << 8) + exit_message(4243, 9) + exit_message(4244, 0))
+    assert acks == []
+    assert exits == [Exit(4242, 4242, ExitStatus(1, 0)), Exit(4243, 4243, ExitStatus(0, 9)),
+                     Exit(4244, 4244, ExitStatus(0, 0))]
+    assert [e.status.outcome for e in exits] == [FAILED, FAILED, CLEAN]
+    assert exits[0].status.describe() == "exit status 1" and exits[1].status.describe() == "signal 9"
+
+
+def test_a_core_dump_flag_does_not_hide_the_signal():
+    assert ExitStatus.from_wait_status(0x80 | 6) == ExitStatus(0, 6)  # SIGABRT with core
+
+
+def test_other_events_connectors_and_broken_messages_are_skipped():
+    fork = message(PROC_EVENT_FORK, struct.pack("=IIII", 1, 1, 2, 2))
+    other_connector = message(PROC_EVENT_EXIT, EXIT_DATA.pack(5, 5, 256, 17), idx=7)
+    short = exit_message(6, 256)[:-16]  # cut inside the exit data, its header still claiming the whole
+    exits, _ = parse(fork + other_connector + exit_message(7, 256) + short)
+    assert exits == [Exit(7, 7, ExitStatus(1, 0))]
+    assert parse(b"")[0] == [] and parse(b"\xff" * 7)[0] == []
+    # A length shorter than a header stops the walk instead of looping.
+    assert parse(NLMSGHDR.pack(4, 3, 0, 0, 0) + exit_message(8, 0))[0] == []
+
+
+def test_a_thread_exit_is_kept_apart_from_its_process():
+    exits, _ = parse(exit_message(101, 0, tgid=100) + exit_message(100, 256))
+    assert [(e.pid, e.process) for e in exits] == [(101, False), (100, True)]
+
+
+def test_the_acknowledgement_carries_the_kernel_error():
+    assert parse(message(PROC_EVENT_NONE, ACK_DATA.pack(1)))[1] == [Ack(1)]
+    assert parse(message(PROC_EVENT_NONE, ACK_DATA.pack(0)))[1] == [Ack(0)]
+
+
+def test_the_listen_message_is_what_the_kernel_expects():
+    raw = listen_message()
+    length, kind, _, _, _ = NLMSGHDR.unpack_from(raw)
+    assert length == len(raw) == NLMSGHDR.size + CN_MSG.size + 4 and kind == 3
+    assert CN_MSG.unpack_from(raw, NLMSGHDR.size)[:2] == (CN_IDX_PROC, CN_VAL_PROC)
+    assert struct.unpack_from("=I", raw, NLMSGHDR.size + CN_MSG.size) == (PROC_CN_MCAST_LISTEN,)
+
+
+class FakeNetlink:
+    """One end of a datagram socket pair dressed as the netlink socket: what the test
+    writes to `peer` the watcher receives."""
+
+    def __init__(self) -> None:
+        self._mine, self.peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sent: List[bytes] = []
+
+    def fileno(self) -> int:
+        return self._mine.fileno()
+
+    def setsockopt(self, *args: object) -> None:
+        pass
+
+    def bind(self, address: object) -> None:
+        pass
+
+    def send(self, data: bytes) -> int:
+        self.sent.append(data)
+        return len(data)
+
+    def recv(self, n: int) -> bytes:
+        return self._mine.recv(n)
+
+    def close(self) -> None:
+        self._mine.close()
+        self.peer.close()
+
+
+def test_the_watcher_keeps_process_exits_and_bounds_them():
+    fake = FakeNetlink()
+    fake.peer.send(message(PROC_EVENT_NONE, ACK_DATA.pack(0)))
+    watcher = ExitWatcher(capacity=2, factory=lambda: fake, ack_wait=1.0)  # type: ignore[arg-type,return-value]
+    assert watcher.start() and watcher.available
+    assert fake.sent == [listen_message()]
+    watcher._record(parse(exit_message(11, 256) + exit_message(12, 0, tgid=13) + exit_message(13, 0)
+                          + exit_message(14, 9))[0])
+    assert watcher.status(11) is None  # the oldest, beyond capacity 2
+    assert watcher.status(12) is None  # a thread
+    assert watcher.status(13) == ExitStatus(0, 0) and watcher.status(14) == ExitStatus(0, 9)
+    watcher.close()
+    assert not watcher.available
+
+
+def test_the_watcher_reads_exits_in_its_thread():
+    fake = FakeNetlink()
+    fake.peer.send(message(PROC_EVENT_NONE, ACK_DATA.pack(0)))
+    watcher = ExitWatcher(factory=lambda: fake)  # type: ignore[arg-type,return-value]
+    assert watcher.start()
+    fake.peer.send(exit_message(77, 3 << 8))
+    for _ in range(200):
+        if watcher.status(77) is not None:
+            break
+        import time
+        time.sleep(0.01)
+    assert watcher.status(77) == ExitStatus(3, 0)
+    watcher.close()
+
+
+@pytest.mark.parametrize("setup, why", [
+    ("no socket", "no netlink connector socket"),
+    ("refused", "refused the subscription"),
+    ("silent", "no answer from the proc connector"),
+])
+def test_the_watcher_fails_softly(setup, why):
+    fake = FakeNetlink()
+
+    def factory() -> FakeNetlink:
+        if setup == "no socket":
+            raise PermissionError(1, "Operation not permitted")
+        return fake
+
+    if setup == "refused":
+        fake.peer.send(message(PROC_EVENT_NONE, ACK_DATA.pack(1)))  # EPERM
+    watcher = ExitWatcher(factory=factory, ack_wait=0.1)  # type: ignore[arg-type]
+    assert watcher.start() is False
+    assert not watcher.available and why in watcher.why_not
+    assert watcher.status(1) is None
+    watcher.close()
+
+
+def _connector_works() -> bool:
+    if not hasattr(socket, "AF_NETLINK") or os.geteuid() != 0:
+        return False
+    w = ExitWatcher(ack_wait=0.5)
+    ok = w.start()
+    w.close()
+    return ok
+
+
+@pytest.mark.skipif(not _connector_works(), reason="needs root and the kernel's proc connector")
+def test_a_real_exit_and_a_real_kill_as_root():
+    watcher = ExitWatcher()
+    assert watcher.start()
+    try:
+        failed = subprocess.Popen(["sh", "-c", "exit 3"])
+        failed.wait()
+        killed = subprocess.Popen(["sleep", "30"])
+        killed.kill()
+        killed.wait()
+        import time
+        for _ in range(100):
+            if watcher.status(killed.pid) is not None:
+                break
+            time.sleep(0.01)
+        assert watcher.status(failed.pid) == ExitStatus(3, 0)
+        assert watcher.status(killed.pid) == ExitStatus(0, 9)
+    finally:
+        watcher.close()
