@@ -246,3 +246,55 @@ def test_reading_round_trips_through_the_codec_and_shifts_its_times():
     shifted = xid_source.SOURCE.shift(reading, 1000.0)
     assert shifted.gpus[0].xids["79"].last_seen == 1100.5 and reading.gpus[0].xids["79"].last_seen == 100.5
     assert shifted.gpus[0].xids["79"].count == 2 and shifted.gpus[1] == reading.gpus[1]
+
+
+# ------------------------------------------------------------ status: Xids beside MPS's fatal errors
+def test_status_lists_a_gpus_xid_beside_the_fatal_error_mps_logged_then(tmp_path):
+    import dataclasses
+
+    from mps_exporter.status import text, view
+    from mps_exporter.wiring import build_collector, build_readers
+    from tests.support import scenarios
+
+    scen = scenarios.busy(tmp_path)
+    if scen.log_directory is None:
+        pytest.skip("the capture's logs are not here")
+    # The busy capture's server.log: a fatal GPU error of server 2736 at 04:23:08.506 UTC,
+    # client 2755 left with a sticky error. NVML delivers the Xid 1.5 s later.
+    fatal_at = 1795234988.506
+    clock = Clock(fatal_at + 1.5)
+    readers = build_readers(scen.cfg, dataclasses.replace(scen.backends(), clock=clock))
+    readers["logs"].catch_up()
+    readers["xid"].catch_up()
+    try:
+        scen.nvml.inject_xid(0, 13)
+        readers["xid"].catch_up()  # taken in (and stamped) now
+        clock.now = fatal_at + 600  # an Xid far from any fatal error: listed alone
+        scen.nvml.inject_xid(0, 79)
+        readers["xid"].catch_up()
+        st = view.build(build_collector(scen.cfg, readers).snapshot(), "test")
+    finally:
+        readers["xid"].close()
+    gpu = st.gpus[0]
+    assert gpu.xid_events_registered is True
+    assert [(x.xid, x.count, x.last_seen) for x in gpu.xids] == [("79", 1, fatal_at + 600), ("13", 1, fatal_at + 1.5)]
+    report = text.plain(text.report(st))
+    lines = report.splitlines()
+    at = lines.index("XID ERRORS of GPU 0 (since the exporter started, from NVML's events)")
+    assert lines[at + 1].startswith("  Xid 79     1 time(s), last 2026-11-21 04:33:08.506 (")
+    assert lines[at + 2].startswith("  Xid 13     1 time(s), last 2026-11-21 04:23:10.006 (")
+    assert lines[at + 3] == ("    2026-11-21 04:23:08.506  fatal GPU error in the MPS logs (-1.5 s): daemon default, "
+                             "server 2736, clients with a sticky error: 2755")
+    assert not lines[at + 4].startswith("    ")  # nothing near the Xid 79
+
+
+def test_status_says_when_a_gpus_xid_events_are_not_registered(tmp_path):
+    from mps_exporter.status import text, view
+    from tests.support import scenarios
+
+    scen = scenarios.busy(tmp_path, logs=False)
+    scen.nvml.gpus[0].errors["nvmlDeviceRegisterEvents"] = fp.NVML_ERROR_NOT_SUPPORTED
+    st = view.build(scen.collector().snapshot(), "test")
+    assert st.gpus[0].xid_events_registered is False and st.gpus[0].xids == []
+    assert "GPU 0: ! NVML refused to register its Xid events: its Xid errors are not counted" in text.plain(
+        text.report(st))
