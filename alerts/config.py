@@ -165,6 +165,39 @@ MEMORY_FILL_HORIZON_SECONDS = 4 * 3600
 MEMORY_FILL_MIN_RATIO = 0.5
 MEMORY_FILL_FOR = "10m"
 
+# ----------------------------------------------------------------------- Xid
+# NVIDIA's Xid catalogue (https://docs.nvidia.com/deploy/xid-errors/), the codes by what
+# they ask of an operator: the one list the alerts, their descriptions and the runbook
+# follow. A code in neither list (45, preemptive cleanup after an earlier error, comes
+# with every killed context) shows on the dashboards and in `mps-exporter status` only.
+#
+# Critical: the GPU itself is in trouble; it needs a reset, a reboot or service, and
+# every MPS client on it has lost (or will lose) its work.
+XID_CRITICAL = {
+    "48": "double-bit ECC error",
+    "62": "internal micro-controller halt",
+    "64": "ECC page retirement or row remapping failure",
+    "74": "NVLink error",
+    "79": "GPU has fallen off the bus",
+    "95": "uncontained ECC error",
+    "119": "GSP RPC timeout",
+    "120": "GSP error",
+}
+# Warning: an application's fault (or, for 94, a contained memory error that ended the
+# application): the GPU goes on, but under MPS the clients of the same server lose their
+# work with it (MpsFatalGpuError names them from the MPS logs).
+XID_APPLICATION = {
+    "13": "graphics engine exception",
+    "31": "GPU memory page fault (MMU fault)",
+    "43": "GPU stopped processing",
+    "94": "contained ECC error",
+}
+# An Xid seen within this window alerts (no `for:`: the event is the news).
+XID_WINDOW = "5m"
+# A GPU whose Xid events cannot be registered (not supported, no permission) for this
+# long: the Xid alerts above are blind there.
+XID_UNREGISTERED_FOR = "10m"
+
 # ------------------------------------------------------------------ exporter
 # A collector that keeps failing leaves the metrics it owns missing, and the
 # alerts on them silent.

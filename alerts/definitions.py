@@ -9,11 +9,11 @@ from config.py only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, Tuple
 
 from . import config as C
 from .expressions import TARGET as T
-from .expressions import client_info_join, job, memory_fill_prediction, server_info_join
+from .expressions import client_info_join, counted_in, job, memory_fill_prediction, server_info_join
 from .recordings import (  # noqa: F401 (RECORDINGS, Recording: generate.py's and the tests' view of the rules)
     CLIENT_MEMORY_USAGE,
     DAEMON_UP_MAX,
@@ -30,7 +30,7 @@ SEVERITIES = ("critical", "warning", "info")
 @dataclass(frozen=True)
 class Alert:
     name: str  # without the prefix
-    group: str  # contention | oom | exporter
+    group: str  # contention | xid | oom | exporter
     expr: str
     for_: str
     severity: str
@@ -70,6 +70,26 @@ def with_server_user(expr: str) -> str:
     when the info is missing (an alert must not vanish with a failed `ps`)."""
     return (f"({expr})\n  {server_info_join(job)}\n"
             f"or on({T}, daemon, server_pid)\n  ({expr})")
+
+
+def xid_codes(codes: Dict[str, str]) -> str:
+    """The regex of an xid matcher for these codes."""
+    return "|".join(codes)
+
+
+def xid_meaning(codes: Dict[str, str]) -> str:
+    """A Go template naming the alert's Xid code from config.py's list."""
+    branches = [f'{{{{ {"if" if i == 0 else "else if"} eq $labels.xid "{code}" }}}}{meaning}'
+                for i, (code, meaning) in enumerate(codes.items())]
+    return "".join(branches) + "{{ end }}"
+
+
+def xid_alert(name: str, codes: Dict[str, str], severity: str, summary: str, consequence: str) -> Alert:
+    return Alert(
+        name, "xid", counted_in(job, "mps_gpu_xid_errors_total", C.XID_WINDOW, xid=f"=~{xid_codes(codes)}"),
+        "0m", severity, summary,
+        f"GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} reported Xid {lbl('xid')} ({xid_meaning(codes)}) "
+        f"{{{{ $value | printf \"%.0f\" }}}} time(s) in the last {C.XID_WINDOW}: {consequence}")
 
 
 # -------------------------------------------------------------------- alerts
@@ -172,6 +192,13 @@ ALERTS: Tuple[Alert, ...] = (
         "An MPS control daemon that was running no longer answers.",
         f"MPS control daemon {lbl('daemon')} on {NODE} answered within the last {C.DAEMON_SEEN_WINDOW} but "
         f"has not answered for {C.DAEMON_DOWN_FOR}: new CUDA processes run without MPS or fail."),
+    # Xid -----------------------------------------------------------------
+    xid_alert("GpuXidCritical", C.XID_CRITICAL, "critical", "A GPU reported an Xid error that needs a reset or service.",
+              "the GPU needs a reset, a reboot or service, and the work of every MPS client on it is lost. "
+              "Drain the node."),
+    xid_alert("GpuXidApplication", C.XID_APPLICATION, "warning", "A GPU reported an Xid error caused by an application.",
+              "an application faulted; under MPS the other clients of its server lose their work with it "
+              "(mps-exporter status names them beside the Xid)."),
     # OOM -----------------------------------------------------------------
     Alert(
         "ClientNearMemoryLimit", "oom",
@@ -253,6 +280,12 @@ ALERTS: Tuple[Alert, ...] = (
         f"NVML has not answered for GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} for "
         f"{C.COLLECTOR_FAILING_FOR}: the GPU may have fallen off the bus."),
     Alert(
+        "ExporterXidEventsUnregistered", "exporter",
+        f"{job('mps_gpu_xid_events_registered')} == 0", C.XID_UNREGISTERED_FOR, "info",
+        "The mps-exporter receives no Xid events of a GPU.",
+        f"NVML refused to register GPU {lbl('gpu')} ({lbl('uuid')}) on {NODE} for Xid events (not supported, "
+        f"or no permission): its Xid errors are not counted and MpsGpuXidCritical cannot fire for it."),
+    Alert(
         "ExporterTargetDown", "exporter",
         f"{job('up')} == 0", C.TARGET_DOWN_FOR, "warning",
         "Prometheus cannot scrape an mps-exporter.",
@@ -277,7 +310,7 @@ ALERTS: Tuple[Alert, ...] = (
         f"cannot fire for this machine."),
 )
 
-GROUPS = ("contention", "oom", "exporter")
+GROUPS = ("contention", "xid", "oom", "exporter")
 
 
 def check() -> None:

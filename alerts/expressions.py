@@ -77,3 +77,12 @@ def queue_wait_quantile(sel: Selector, q: float, window: str, by: str = "") -> s
     if by:
         rate = f"sum by ({by}, le) ({rate})"
     return f"histogram_quantile({q}, {rate})"
+
+
+# ------------------------------------------------------------------ events
+def counted_in(sel: Selector, name: str, window: str, **extra: str) -> str:
+    """How much a counter grew in `window`, including a series that first appeared in it:
+    a counter the exporter creates at its first event (an Xid code) starts at 1, where
+    increase() sees no growth."""
+    series = sel(name, **extra)
+    return f"increase({series}[{window}]) > 0\nor\n({series} unless {series} offset {window})"

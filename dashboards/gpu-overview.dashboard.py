@@ -63,6 +63,21 @@ dashboard = build(
                    [target(m("mps_server_sm_utilization_ratio"), GPU_LEGEND + " MPS server {{server_pid}}"),
                     target(m("mps_process_sm_utilization_ratio"), GPU_LEGEND + " pid {{pid}}")],
                    w=24, max_one=True),
+        row("Xid errors"),
+        timeseries("Xid errors per GPU and code",
+                   "Xid errors NVML reported in each interval, by GPU and Xid code (NVML's event API, counted since "
+                   "the exporter started). Codes that need a reset or service alert as MpsGpuXidCritical, "
+                   "application faults as MpsGpuXidApplication (alerts/config.py lists them).", "none",
+                   [target(f"increase({m('mps_gpu_xid_errors_total')}[$__rate_interval])",
+                           GPU_LEGEND + " Xid {{xid}}")], w=12),
+        table("Last Xid per GPU and code",
+              "When the exporter last received each Xid code of each GPU (compare with the MPS logs' fatal GPU "
+              "errors: mps-exporter status lists them side by side), and whether the GPU's Xid events are "
+              "registered at all: 0 means NVML refused (not supported, no permission) and its Xids go uncounted.",
+              [row_query(f"{m('mps_gpu_xid_last_seen_timestamp_seconds')} * 1000"),
+               row_query(m("mps_gpu_xid_events_registered"))],
+              units={"Value #A": "dateTimeAsIso", "Value #B": "none"},
+              rename={"Value #A": "last seen", "Value #B": "events registered"}, hide=[], w=12, h=8),
         row("Memory and power"),
         timeseries("Memory used",
                    "Device memory used and total per GPU.",

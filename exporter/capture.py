@@ -305,6 +305,8 @@ def capture(cfg: Config, stop: Optional[threading.Event] = None, readers: Option
     except OSError as e:
         log.error("cannot write the bundle %s: %s", path, e.strerror or e)
         return 2
+    for reader in readers.values():
+        reader.start()  # background work: the Xid source's event thread
     recorder = Recorder(cfg, readers, writer)
     log.info("capturing for %g s, sources every %g s, into %s", cfg.capture.duration_seconds,
              cfg.capture.interval_seconds, path)

@@ -639,7 +639,7 @@ def test_capture_summary_names_the_silent_sources_and_exits_0_when_one_answered(
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert re.search(r"capture summary: nvml: 0 of \d+ readings answered \(last error: NvmlUnavailable", res.stderr)
-    assert "capture summary: never answered: control, nvml\"" in res.stderr and "logs of daemon" not in res.stderr
+    assert "capture summary: never answered: control, nvml, xid\"" in res.stderr and "logs of daemon" not in res.stderr
     assert load(str(out)).log_errors == []
 
 

@@ -31,6 +31,10 @@ def test_fake_constants_and_error_classes_match_real_pynvml():
     assert len(names) > 30
     for name in names:
         assert getattr(pynvml, name) == getattr(fp, name), name
+    event_types = [n for n in vars(fp) if n.startswith("nvmlEventType")]
+    assert "nvmlEventTypeXidCriticalError" in event_types
+    for name in event_types:
+        assert getattr(pynvml, name) == getattr(fp, name) == getattr(FakeNvml, name), name
     assert fp.NVML_VALUE_NOT_AVAILABLE_ulonglong.value == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
     for name, cls in fp.ERROR_CLASSES.items():
         real = getattr(pynvml, name)
@@ -40,8 +44,9 @@ def test_fake_constants_and_error_classes_match_real_pynvml():
 
 
 def test_fake_functions_have_real_names_and_parameters():
-    functions = [n for n in vars(FakeNvml) if n.startswith("nvml")]
+    functions = [n for n in vars(FakeNvml) if n.startswith("nvml") and callable(getattr(FakeNvml, n))]
     assert "nvmlGpmMetricsGet" in functions and "nvmlDeviceGetProcessUtilization" in functions
+    assert {"nvmlEventSetCreate", "nvmlDeviceRegisterEvents", "nvmlEventSetWait_v2", "nvmlEventSetFree"} <= set(functions)
     for name in functions:
         real = inspect.signature(getattr(pynvml, name))
         fake = inspect.signature(getattr(FakeNvml(gpus=[]), name))
@@ -62,6 +67,10 @@ def test_fake_structs_have_real_field_names():
         (fake.nvmlDeviceGetProcessUtilization(h, 0)[0], pynvml.c_nvmlProcessUtilizationSample_t),
         (fake.nvmlGpmQueryDeviceSupport(h), pynvml.c_nvmlGpmSupport_t),
     ]
+    event_set = fake.nvmlEventSetCreate()
+    fake.nvmlDeviceRegisterEvents(h, fp.nvmlEventTypeXidCriticalError, event_set)
+    assert fake.inject_xid(0, 79) == 1
+    cases.append((fake.nvmlEventSetWait_v2(event_set, 0), pynvml.c_nvmlEventData_t))
     for obj, real in cases:
         assert sorted(vars(obj)) == sorted(f[0] for f in real._fields_), real.__name__
 

@@ -287,7 +287,7 @@ def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
                  "--mps.log-timezone", "UTC", "--no-collector.dcgm", "--path.procfs", str(tmp_path))
     assert res.returncode == 1, res.stderr  # a source failed: scripts must not read this as all well
     out = res.stdout
-    assert re.search(rf"^{sources_line(failed=('control', 'nvml'))}$", out, re.M), out
+    assert re.search(rf"^{sources_line(failed=('control', 'nvml', 'xid'))}$", out, re.M), out
     assert re.search(r"^! control failed: default: .*no-such-binary", out, re.M), out
     assert re.search(r"^! nvml failed: ", out, re.M) and "GPUs: unknown: NVML failed" in out
     # Nobody could ask the daemon: not "DOWN", "no server", "no client" or "no limit".
@@ -305,7 +305,7 @@ def test_failing_sources_show_as_such_and_the_rest_prints(tmp_path):
                  "--no-collector.dcgm", "--output", "json")
     st = json.loads(res.stdout)
     failed = {s["name"]: s["error"] for s in st["sources"] if not s["ok"]}
-    assert set(failed) == {"control", "nvml"} and "no-such-binary" in failed["control"]
+    assert set(failed) == {"control", "nvml", "xid"} and "no-such-binary" in failed["control"]
     assert st["gpus"] == [] and st["daemons"][0]["up"] is None
     assert st["daemons"][0]["servers"] is None and st["daemons"][0]["clients"] is None
     assert res.returncode == 1
@@ -317,7 +317,7 @@ def test_failed_logs_are_unknown_not_zero(tmp_path):
     res = status("--mps.control-binary", str(tmp_path / "no-such-binary"), "--mps.log-directory", str(missing),
                  "--no-collector.dcgm", "--no-collector.nvml", "--path.procfs", str(tmp_path))
     assert res.returncode == 1
-    assert re.search(rf"^{sources_line(failed=('control', 'logs'), off=('nvml',))}$", res.stdout, re.M), res.stdout
+    assert re.search(rf"^{sources_line(failed=('control', 'logs'), off=('nvml', 'xid'))}$", res.stdout, re.M), res.stdout
     assert f"  queue, events and totals from the logs: unknown (log directory {missing} does not exist)\n" \
         in res.stdout
     assert "  totals from the logs:" not in res.stdout and "refused clients 0" not in res.stdout
@@ -352,7 +352,7 @@ def test_a_hung_source_shows_as_failed_after_a_scrape_s_wait(tmp_path):
                  "--path.procfs", str(tmp_path))
     assert res.returncode == 1, res.stderr
     assert re.search(r"^! control failed: no answer within 5 s$", res.stdout, re.M), res.stdout
-    assert sources_line(failed=("control", "nvml"), off=("logs",)) in res.stdout
+    assert sources_line(failed=("control", "nvml", "xid"), off=("logs",)) in res.stdout
     assert "MPS daemon default: unknown (its control source failed)" in res.stdout
 
 

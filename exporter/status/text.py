@@ -9,12 +9,15 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .view import ClientStatus, DaemonStatus, EdgeExitStatus, Event, GpuStatus, NodeStatus, ServerStatus
+from .view import ClientStatus, DaemonStatus, EdgeExitStatus, Event, GpuStatus, NodeStatus, ServerStatus, XidStatus
 
 Line = Tuple[str, str]  # (text, style)
 TITLE, HEADING, ALERT, PLAIN = "title", "heading", "alert", ""
 
 WIDTH = 100  # where the totals wrap; tables and events keep a line per row
+# An MPS fatal GPU error logged this close to a GPU's Xid (either side) is listed beside
+# it: the kernel, NVML and MPS each stamp the same fault with their own clock and delay.
+XID_NEAR_SECONDS = 60.0
 _EVENT_NAMES = {"fatal_gpu_error": "fatal GPU error", "handoff": "handoff", "start_failure": "start failure",
                 "exit_with_clients": "server died", "client_rejected": "client refused",
                 "left_queue": "left the queue", "client_terminated": "client ended"}
@@ -41,6 +44,7 @@ def report(st: NodeStatus) -> List[Line]:
         lines.append((f"reading ages: {ages}", PLAIN))
     lines += [(f"! {s.name} failed: {s.error or 'no reason given'}", ALERT) for s in st.sources if not s.ok]
     lines += _gpus(st)
+    lines += _xids(st)
     for d in st.daemons:
         lines += _daemon(d, st.time)
     return lines
@@ -71,6 +75,44 @@ def _gpus(st: NodeStatus) -> List[Line]:
             out.append((f"  ! process {p.pid} ({p.command}, user {p.user}{where}) runs outside MPS: "
                         f"{_memory(p.memory_bytes, None)}, no MPS limit binds it", ALERT))
     return out
+
+
+def _xids(st: NodeStatus) -> List[Line]:
+    """Each GPU's Xids, newest first, with the fatal GPU errors the MPS logs recorded near
+    the time of each (the server, and the clients MPS names as left with a sticky error):
+    who was hit when the GPU reported it. NVML's events carry no process; the logs do."""
+    out: List[Line] = []
+    fatal = [(d.name, e) for d in st.daemons for e in d.events or [] if e.kind == "fatal_gpu_error"]
+    for g in st.gpus:
+        if g.xid_events_registered is False:
+            out += [("", PLAIN), (f"GPU {g.index}: ! NVML refused to register its Xid events: its Xid errors are "
+                                  "not counted", ALERT)]
+        if not g.xids:
+            continue
+        out += [("", PLAIN), (f"XID ERRORS of GPU {g.index} (since the exporter started, from NVML's events)",
+                              HEADING)]
+        for x in g.xids:
+            out.append((f"  Xid {x.xid:<6} {x.count:.0f} time(s), last " + _when(x, st.time), ALERT))
+            for daemon, e in _near(x, fatal):
+                clients = " ".join(map(str, e.clients)) or "none named"
+                out.append((f"    {_datetime(e.time, millis=True)}  fatal GPU error in the MPS logs "
+                            f"({e.time - (x.last_seen or 0.0):+.1f} s): daemon {daemon}, server "
+                            f"{e.server_pid if e.server_pid is not None else '?'}, clients with a sticky error: "
+                            f"{clients}", ALERT))
+    return out
+
+
+def _when(x: XidStatus, now: float) -> str:
+    if x.last_seen is None:
+        return "?"
+    return f"{_datetime(x.last_seen, millis=True)} ({_duration(now - x.last_seen)} ago)"
+
+
+def _near(x: XidStatus, fatal: Sequence[Tuple[str, Event]]) -> List[Tuple[str, Event]]:
+    if x.last_seen is None:
+        return []
+    seen = x.last_seen
+    return sorted(((d, e) for d, e in fatal if abs(e.time - seen) <= XID_NEAR_SECONDS), key=lambda de: de[1].time)
 
 
 def _gpu_facts(g: GpuStatus) -> Tuple[List[str], List[str]]:

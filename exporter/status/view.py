@@ -56,6 +56,15 @@ class OutsideProcess:
 
 
 @dataclass
+class XidStatus:
+    """One Xid code of a GPU (mps_gpu_xid_errors_total, _last_seen_timestamp_seconds)."""
+
+    xid: str  # the code, or "other"
+    count: float  # since the exporter started
+    last_seen: Optional[float]  # unix time
+
+
+@dataclass
 class GpuStatus:
     index: int
     uuid: str
@@ -77,6 +86,9 @@ class GpuStatus:
     temperature_celsius: Optional[float] = None
     compute_processes: Optional[float] = None
     outside_mps: List[OutsideProcess] = field(default_factory=list)
+    # None: the xid collector is off or failed; False: NVML refused its Xid events
+    xid_events_registered: Optional[bool] = None
+    xids: List[XidStatus] = field(default_factory=list)  # newest first
 
 
 @dataclass
@@ -274,7 +286,11 @@ def _gpus(m: Samples) -> List[GpuStatus]:
             outside_mps=[OutsideProcess(int(lab["pid"]), lab["user"], lab["command"],
                                         f"{lab['namespace']}/{lab['pod']}" if lab.get("pod") else "",
                                         m.value("mps_process_outside_mps_memory_used_bytes", **g, pid=lab["pid"]))
-                         for lab, _ in m.rows("mps_process_outside_mps_info", **g)]))
+                         for lab, _ in m.rows("mps_process_outside_mps_info", **g)],
+            xid_events_registered=_bool(m.value("mps_gpu_xid_events_registered", **g)),
+            xids=sorted((XidStatus(lab["xid"], v, m.value("mps_gpu_xid_last_seen_timestamp_seconds", **g, xid=lab["xid"]))
+                         for lab, v in m.rows("mps_gpu_xid_errors_total", **g)),
+                        key=lambda x: -(x.last_seen or 0.0))))
     return out
 
 

@@ -30,6 +30,11 @@ Scenario knobs (plain attributes, change them between reads):
                           GpmCallsOverlap in the entering call and records the pair
     fake.gpm_hold_s       each nvmlGpmSampleGet stays inside this long, or until a second
                           GPM call enters: an overlap then shows in every run, not by luck
+    fake.inject_xid(i, code)  an Xid on GPU i: every live event set that registered GPU i for
+                          nvmlEventTypeXidCriticalError gets it (a queue its nvmlEventSetWait_v2 takes
+                          from, waiting at most its timeout); 0 sets took it: nobody is listening
+    fake.gpus[i].errors["nvmlDeviceRegisterEvents"] = NVML_ERROR_NOT_SUPPORTED  a GPU without events
+    fake.event_sets       every set created (`.freed`, `.registered`: GPU index -> event types)
 
 Process utilization behaves like NVML's: samples newer than the `timeStamp`
 argument, NVML_ERROR_NOT_FOUND when there are none (the capture's idle answer).
@@ -42,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import queue
 import threading
 import time
 from collections import Counter
@@ -89,6 +95,10 @@ NVML_GPM_METRIC_FP16_UTIL = 13
 NVML_GPM_METRIC_MAX = 477
 NVML_GPM_METRICS_GET_VERSION = 1
 NVML_GPM_SUPPORT_VERSION = 1
+
+# NVML event types (pynvml names them without the NVML_ prefix).
+nvmlEventTypeXidCriticalError = 0x0000000000000008
+nvmlEventTypeDoubleBitEccError = 0x0000000000000002
 
 # pynvml's messages for the codes above (NVMLError.__str__).
 _ERROR_STRINGS = {
@@ -236,6 +246,15 @@ class FakeHandle:
     index: int
 
 
+@dataclass(eq=False)
+class FakeEventSet:
+    """An opaque set from nvmlEventSetCreate: the events waiting for nvmlEventSetWait_v2."""
+
+    registered: Dict[int, int] = field(default_factory=dict)  # GPU index -> event types registered
+    events: "queue.Queue[_Struct]" = field(default_factory=queue.Queue)
+    freed: bool = False
+
+
 # --------------------------------------------------------------- the model
 @dataclass
 class FakeProcess:
@@ -367,6 +386,7 @@ class FakeNvml:
         self.gpm_hold_s = 0.0
         self._gpm_guard = threading.Condition()
         self._gpm_inside: Optional[str] = None
+        self.event_sets: List[FakeEventSet] = []
 
     # ---------------------------------------------------------- scenarios
     @classmethod
@@ -625,6 +645,45 @@ class FakeNvml:
         count.value = len(rows)
         return NVML_SUCCESS
 
+    # ------------------------------------------------------ pynvml: events
+    def inject_xid(self, index: int, xid: int, eventType: int = nvmlEventTypeXidCriticalError) -> int:
+        """An event on GPU `index`, queued in every live set registered for its type; how many."""
+        taken = 0
+        for event_set in self.event_sets:
+            if not event_set.freed and event_set.registered.get(index, 0) & eventType:
+                event_set.events.put(_Struct(device=FakeHandle(index), eventType=eventType, eventData=xid,
+                                             gpuInstanceId=_NO_INSTANCE, computeInstanceId=_NO_INSTANCE))
+                taken += 1
+        return taken
+
+    def nvmlEventSetCreate(self) -> FakeEventSet:
+        self._enter("nvmlEventSetCreate")
+        event_set = FakeEventSet()
+        self.event_sets.append(event_set)
+        return event_set
+
+    def nvmlDeviceRegisterEvents(self, handle: FakeHandle, eventTypes: int, eventSet: FakeEventSet) -> None:
+        self._enter("nvmlDeviceRegisterEvents", handle)
+        if not isinstance(eventSet, FakeEventSet) or eventSet.freed:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        eventSet.registered[handle.index] = eventSet.registered.get(handle.index, 0) | eventTypes
+
+    def nvmlEventSetWait_v2(self, eventSet: FakeEventSet, timeoutms: int) -> _Struct:
+        """The next event, waiting at most `timeoutms`; NVML_ERROR_TIMEOUT where none came."""
+        self._enter("nvmlEventSetWait_v2")
+        if not isinstance(eventSet, FakeEventSet) or eventSet.freed:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        try:
+            return eventSet.events.get(timeout=timeoutms / 1000.0) if timeoutms else eventSet.events.get_nowait()
+        except queue.Empty:
+            raise NVMLError(NVML_ERROR_TIMEOUT) from None
+
+    def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
+        self._enter("nvmlEventSetFree")
+        if not isinstance(eventSet, FakeEventSet) or eventSet.freed:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        eventSet.freed = True
+
     # --------------------------------------------------------- pynvml: GPM
     @contextlib.contextmanager
     def _gpm(self, fn: str, hold_s: float = 0.0) -> Iterator[None]:
@@ -706,5 +765,5 @@ class FakeNvml:
 
 # The module's constants and error classes are attributes of the fake module object too.
 for _name, _value in list(globals().items()):
-    if _name.startswith(("NVML_", "NVMLError_")):
+    if _name.startswith(("NVML_", "NVMLError_", "nvmlEventType")):
         setattr(FakeNvml, _name, _value)

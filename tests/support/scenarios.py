@@ -51,10 +51,12 @@ class Scenario:
         return Backends(nvml_module=self.nvml, control_runner=self.daemon)
 
     def readers(self) -> Dict[str, Reader[Any]]:
-        """Every enabled source over the fakes; the logs read to their end."""
+        """Every enabled source over the fakes; the logs read to their end, the Xid events
+        registered (no thread: nothing here closes the readers)."""
         readers = build_readers(self.cfg, self.backends())
-        if "logs" in readers:
-            readers["logs"].catch_up()
+        for name in ("logs", "xid"):
+            if name in readers:
+                readers[name].catch_up()
         return readers
 
     def collector(self, with_logs: bool = True) -> MpsCollector:
