@@ -20,6 +20,8 @@ CUDA clients (workloads/); it quits MPS at the end whatever failed. Phases:
             second exporter as they come and go (discovery_phase.py)
   remapped, percap, daemonpergpu, storm2   two or more GPUs (multi_gpu_phase.py)
   starts, cvdlimits, killdaemon, ceiling   nodes with several GPUs (node_phases.py)
+  oomlimit, oomfull, nearclean, xid        out of memory at a limit and on a full GPU, a
+            normal exit near a limit, an Xid from a fatal error (oom_phase.py)
 
 Each comparison goes into the report (name, expected, actual, passed); the
 JSON and a Markdown summary are written to --report-dir.
@@ -47,6 +49,7 @@ sys.path.insert(0, str(HERE))
 import limits_truth  # noqa: E402  (issue 24's phases)
 import multi_gpu_phase  # noqa: E402  (issue 30's phases: two or more GPUs)
 import node_phases  # noqa: E402  (issue 38's phases: nodes with several GPUs)
+import oom_phase  # noqa: E402  (issue 40's phases: out of memory and Xid)
 import oracles  # noqa: E402
 from oracles import MIB, Samples  # noqa: E402
 from report import Report  # noqa: E402
@@ -174,7 +177,8 @@ class Session:
     # -------------------------------------------------------------- clients
     def client(self, tag: str, mem_gib: float, device: int = 0, env: Optional[Dict[str, str]] = None,
                uid: int = 0, n: int = 2048, idle: bool = False, grow: Optional[List[float]] = None,
-               mps: bool = True) -> Client:
+               mps: bool = True, extra: Optional[List[str]] = None) -> Client:
+        """`extra`: more gpu_client.py options (--fill-self-mib, --exit-on-fail, ...)."""
         ready, stop, output = self.ready_dir / f"{tag}.ready", self.ready_dir / f"{tag}.stop", self.out_dir / f"{tag}.txt"
         for p in (ready, stop, *ready.parent.glob(f"{tag}.*.grow*")):
             p.unlink(missing_ok=True)
@@ -184,6 +188,7 @@ class Session:
             argv.append("--idle")
         for gib in grow or []:
             argv += ["--grow", str(gib)]
+        argv += extra or []
         if uid:
             argv = [sys.executable, str(self.scripts / "runas.py"), str(uid), *argv]
         base = self.env if mps else {k: v for k, v in self.env.items() if not k.startswith("CUDA_MPS_")}
@@ -992,7 +997,8 @@ class TruthCheck:
                 if phase is not None:
                     phase()
                 else:
-                    {**limits_truth.PHASES, **multi_gpu_phase.PHASES, **node_phases.PHASES}[name](self)
+                    {**limits_truth.PHASES, **multi_gpu_phase.PHASES, **node_phases.PHASES,
+                     **oom_phase.PHASES}[name](self)
             except Exception as e:  # one broken phase must not stop the rest (nor the quit)
                 traceback.print_exc()
                 self.r.check_true(f"{name}: phase completed", "no error", f"{type(e).__name__}: {e}", False)
