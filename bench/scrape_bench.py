@@ -88,6 +88,14 @@ def setup(tmp: Path, gpus: int, per_gpu: int, max_seconds: float = 5.0,
         readers["nvml"].source.gpus.wait_seconds = None
     collector = build_collector(scen.cfg, readers)
     collector.start()
+    stop_collector = collector.close
+
+    def close() -> None:  # as service.serve ends: the readers' own threads (NVML's per GPU) too
+        stop_collector()
+        for reader in readers.values():
+            reader.close()
+
+    collector.close = close
     return scen, collector, build_registry(collector, process=False)
 
 

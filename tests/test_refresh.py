@@ -196,7 +196,7 @@ def test_status_shows_the_age_of_each_reading(gated):  # noqa: F811 (the fixture
     st = view.build(collector.snapshot(0.3), "test")
     ages = {s.name: s.age_seconds for s in st.sources}
     assert ages["nvml"] == 7.0 and ages["control"] == 0.0
-    assert "reading ages: control 0.0 s, nvml 7.0 s, proc 0.0 s" in [line for line, _ in text.report(st)]
+    assert "reading ages: control 0.0 s, nvml 7.0 s, proc 0.0 s, xid 0.0 s" in [line for line, _ in text.report(st)]
     gate.open()
 
 

@@ -597,6 +597,58 @@ def test_a_gpu_whose_read_hangs_stands_in_with_its_last_reading():
     assert [g.temperature_celsius for g in after.gpus] == [71.0, 71.0]
 
 
+def test_close_leaves_a_hung_read_behind_in_a_daemon_thread(monkeypatch):
+    """An NVML call that never returns must not keep the exporter from exiting: close()
+    does not wait for it past CLOSE_WAIT_SECONDS (0 here), and its thread is a daemon
+    thread, which the interpreter does not join at exit."""
+    import threading
+
+    monkeypatch.setattr(nvml_source, "CLOSE_WAIT_SECONDS", 0.0)
+    nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    source = NvmlClient(nvml)
+    source.read()
+    inside, release = threading.Event(), threading.Event()
+    hung = []
+
+    def latency(fn: str, gpu: int) -> float:
+        if fn == "nvmlDeviceGetMemoryInfo" and gpu == 1:
+            hung.append(threading.current_thread())
+            inside.set()
+            release.wait(30)
+        return 0.0
+
+    nvml.latency_of = latency
+    source.gpus.wait_seconds = 0.0
+    source.read()
+    assert inside.wait(30)
+    source.close()  # returns although GPU 1's read is still inside NVML
+    assert not release.is_set() and hung and all(t.daemon and t.is_alive() for t in hung)
+    release.set()
+    for t in hung:
+        t.join(30)
+    assert not any(t.is_alive() for t in hung)  # it ends once its call returns
+
+
+def test_a_client_nobody_closed_takes_its_threads_with_it():
+    """The GPU and GPM threads end when their NvmlClient is collected, closed or not (tests
+    and benchmarks make thousands); several GPUs asking for GPM at once start one thread."""
+    import gc
+    import threading
+
+    before = set(threading.enumerate())
+    for _ in range(20):
+        source = NvmlClient(FakeNvml.synthetic(gpus=4, clients_per_gpu=1))
+        source.read()
+        source.read()
+        assert sum(t.name == "mps-read-gpm" for t in set(threading.enumerate()) - before) <= 1
+        del source
+        gc.collect()
+    started = [t for t in set(threading.enumerate()) - before if t.name.startswith("mps-read")]
+    for t in started:
+        t.join(30)
+    assert [t.name for t in started if t.is_alive()] == []
+
+
 # ------------------------------------------- list calls straight into NVML
 LISTS = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v3",
          "nvmlDeviceGetProcessUtilization")

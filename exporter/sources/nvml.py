@@ -19,15 +19,18 @@ drops that field.
 from __future__ import annotations
 
 import ctypes
+import functools
 import dataclasses
 import logging
 import math
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from ..config import Config
 from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot
@@ -81,6 +84,56 @@ def gpm_call(fn: Callable[..., T], *args: Any) -> T:
 GPU_WAIT_SECONDS = 0.25
 
 
+# How long closing waits for a read in flight: an NVML call that hangs must not keep the
+# exporter from exiting.
+CLOSE_WAIT_SECONDS = 2.0
+
+
+class DaemonWorker:
+    """One daemon thread running the calls given to it, in order. Not a ThreadPoolExecutor:
+    its threads are joined at interpreter exit, so an NVML call that never returns would
+    keep the exporter from exiting on SIGTERM."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: "queue.SimpleQueue[Optional[Tuple[Callable[[], Any], Future[Any]]]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> "Future[T]":
+        future: "Future[T]" = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # raised to whoever takes the result
+                    future.set_exception(e)
+            # The call may hold its owner (the NvmlClient): let it go while this thread waits.
+            del job, fn, future
+
+    def stop(self) -> None:
+        """End the thread after the call in flight, if any (not waited for)."""
+        self._jobs.put(None)
+
+
+def _stop_all(workers: Dict[int, DaemonWorker]) -> None:
+    for worker in workers.values():
+        worker.stop()
+    workers.clear()
+
+
+def _settle(futures: Iterable["Future[Any]"], timeout: Optional[float]) -> None:
+    """Wait for these to end (at most `timeout` seconds), whatever they raise."""
+    wait_futures(list(futures), timeout=timeout)
+
+
 class PerGpuReads:
     """Each GPU read in a thread of its own, side by side: NVML's calls other than GPM's
     are thread-safe and release the GIL. A read of every GPU waits for each at most
@@ -91,16 +144,16 @@ class PerGpuReads:
 
     def __init__(self, wait_seconds: Optional[float] = GPU_WAIT_SECONDS) -> None:
         self.wait_seconds = wait_seconds  # None: wait for every GPU (the benchmark's reference)
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._workers = 0
+        self._workers: Dict[int, DaemonWorker] = {}  # GPU index -> its thread
+        weakref.finalize(self, _stop_all, self._workers)  # threads end with their owner, closed or not
         self._pending: Dict[int, "Future[GpuReading]"] = {}  # GPU index -> its read in flight
         self._last: Dict[int, GpuReading] = {}
 
     def read(self, indexes: Sequence[int], read_one: Callable[[int], GpuReading]) -> List[GpuReading]:
         """One reading per index, in their order. An exception of `read_one` is raised here."""
-        pool = self._executor(len(indexes))
-        futures = {i: self._pending.get(i) or self._pending.setdefault(i, pool.submit(read_one, i)) for i in indexes}
-        wait_futures(list(futures.values()), timeout=self.wait_seconds)
+        futures = {i: self._pending.get(i) or self._pending.setdefault(i, self._worker(i).submit(
+            functools.partial(read_one, i))) for i in indexes}
+        _settle(futures.values(), self.wait_seconds)
         out = []
         for i in indexes:
             future = futures[i]
@@ -110,21 +163,15 @@ class PerGpuReads:
             out.append(self._last[i])
         return out
 
-    def _executor(self, workers: int) -> ThreadPoolExecutor:
-        if self._pool is None or workers > self._workers:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)  # its reads in flight finish and are kept
-            self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="mps-read-nvml")
-            self._workers = workers
-        return self._pool
+    def _worker(self, index: int) -> DaemonWorker:
+        worker = self._workers.get(index)
+        if worker is None:
+            worker = self._workers[index] = DaemonWorker(f"mps-read-nvml-{index}")
+        return worker
 
-    def drain(self) -> None:
+    def drain(self, timeout: Optional[float] = None) -> None:
         """Wait for the reads in flight; their results go to the next read."""
-        for future in list(self._pending.values()):
-            try:
-                future.result()
-            except BaseException:  # raised to the next read
-                pass
+        _settle(self._pending.values(), timeout)
 
     def forget(self) -> None:
         """Wait for the reads in flight and drop every kept reading (re-initialisation)."""
@@ -133,10 +180,11 @@ class PerGpuReads:
         self._last.clear()
 
     def close(self) -> None:
-        self.forget()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stop the threads, waiting a bounded time for the reads in flight."""
+        self.drain(CLOSE_WAIT_SECONDS)
+        _stop_all(self._workers)
+        self._pending.clear()
+        self._last.clear()
 
 
 # Said where NVML is missing altogether (a laptop, a CI runner): where the demo is.
@@ -152,7 +200,9 @@ class GpmSampler:
 
     def __init__(self, wait_seconds: float = GPM_WAIT_SECONDS) -> None:
         self.wait_seconds = wait_seconds
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mps-read-gpm")
+        self._workers: Dict[int, DaemonWorker] = {}  # 0 -> the one thread, started at the first GPM work
+        self._start = threading.Lock()  # GPUs' reads ask at once: one thread, not one each
+        weakref.finalize(self, _stop_all, self._workers)
         self._pending: Dict[int, "Future[Dict[str, float]]"] = {}  # GPU index -> its work in line
         self._last: Dict[int, Dict[str, float]] = {}
 
@@ -161,7 +211,10 @@ class GpmSampler:
         An NVMLError of the work is raised here, once."""
         future = self._pending.get(index)
         if future is None:
-            future = self._pending[index] = self._worker.submit(work)
+            with self._start:
+                if 0 not in self._workers:
+                    self._workers[0] = DaemonWorker("mps-read-gpm")
+            future = self._pending[index] = self._workers[0].submit(work)
         try:
             activity = future.result(timeout=self.wait_seconds)
         except FutureTimeout:
@@ -175,13 +228,9 @@ class GpmSampler:
         self._last[index] = activity
         return activity
 
-    def drain(self) -> None:
-        """Wait for the work in line (shutdown, re-initialisation, tests)."""
-        for future in list(self._pending.values()):
-            try:
-                future.result()
-            except BaseException:  # its read has gone: nobody to tell
-                pass
+    def drain(self, timeout: Optional[float] = None) -> None:
+        """Wait for the work in line (re-initialisation, tests)."""
+        _settle(self._pending.values(), timeout)
 
     def forget(self) -> None:
         self.drain()
@@ -189,8 +238,11 @@ class GpmSampler:
         self._last.clear()
 
     def close(self) -> None:
-        self.forget()
-        self._worker.shutdown(wait=True)
+        """Stop the thread, waiting a bounded time for the work in line."""
+        self.drain(CLOSE_WAIT_SECONDS)
+        _stop_all(self._workers)
+        self._pending.clear()
+        self._last.clear()
 
 
 class NvmlUnavailable(RuntimeError):
@@ -343,10 +395,10 @@ class NvmlClient:
         if not self._initialised:
             return
         nvml = self._module()
-        self._forget_state(nvml)
+        self.gpus.close()  # first: a hung read is left behind, not waited for
         self.gpm.close()
+        self._forget_state(nvml)
         self.gpm = GpmSampler()  # a thread only once a read asks again
-        self.gpus.close()
         self.gpus = PerGpuReads()
         self._initialised = False
         try:
