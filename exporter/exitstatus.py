@@ -65,6 +65,14 @@ FAILED, CLEAN, UNKNOWN = "failed", "clean", "unknown"
 OUTCOMES = (FAILED, CLEAN, UNKNOWN)
 
 
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """poll(), not select(): select() refuses a descriptor past 1023, and a busy exporter
+    (or a test suite) may hold that many."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
+
+
 @dataclass(frozen=True)
 class ExitStatus:
     """One process's end: `code` its exit status (0..255) where it exited, `signal` the
@@ -207,7 +215,7 @@ class ExitWatcher:
         waited = 0.0
         step = 0.05
         while waited < self._ack_wait:
-            ready, _, _ = select.select([sock], [], [], step)
+            ready = _readable(sock, step)
             waited += step
             if not ready:
                 continue
@@ -227,7 +235,7 @@ class ExitWatcher:
         assert sock is not None
         while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([sock], [], [], 0.5)
+                ready = _readable(sock, 0.5)
                 if not ready:
                     continue
                 data = sock.recv(1 << 20)

@@ -235,7 +235,9 @@ def test_pod_granularity_sums_clients_per_server_and_pod(tmp_path):
     client, scen = _samples(tmp_path, "client", gpus=8, clients_per_gpu=48, clients_per_pod=1)
     pod, _ = _samples(tmp_path, "pod", gpus=8, clients_per_gpu=48, clients_per_pod=1)
     assert not any("pid" in s.labels for s in pod)
-    assert not any(s.name.startswith("mps_client_") and not s.name.startswith("mps_client_queue") for s in pod)
+    # (The queue and the exits at the memory edge are counted per daemon, not per client.)
+    assert not any(s.name.startswith("mps_client_")
+                   and not s.name.startswith(("mps_client_queue", "mps_client_exits_at_memory_limit")) for s in pod)
     assert _total(pod, "mps_pod_clients") == 8 * 48 == sum(1 for s in client if s.name == "mps_client_info")
     assert _total(pod, "mps_pod_client_memory_used_bytes") == _total(client, "mps_client_memory_used_bytes") > 0
     assert _total(pod, "mps_pod_client_pinned_memory_limit_bytes") == \
