@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 
 from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
-from ..discovery import DaemonSet, daemon_environ, find_control_daemon, is_multiuser
+from ..discovery import DaemonSet, daemon_environ, find_control_daemon, identity, is_multiuser
 from ..limits import VisibleDevice, visible_devices
 from ..model import DaemonReading, PsEntry, ServerFacts, Snapshot
 from ..units import parse_size
@@ -383,14 +383,6 @@ class _Cached:
     read_at: float
 
 
-def directory_identity(path: str) -> Optional[Tuple[int, int]]:
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return st.st_dev, st.st_ino
-
-
 @dataclass(frozen=True)
 class DaemonProcess:
     """What the daemon's process says of it: `-M`, and the CUDA_VISIBLE_DEVICES it was
@@ -585,7 +577,7 @@ class DaemonReader:
         seen = signals()
         reading = DaemonReading(name=self.daemon.name, up=False, pipe_directory=self.daemon.pipe_directory,
                                 log_directory=self.daemon.log_directory, claim_uid=self.daemon.claim_uid,
-                                pipe_identity=directory_identity(self.daemon.pipe_directory))
+                                pipe_identity=identity(self.daemon.pipe_directory))
         try:
             server_pids = parse_pid_list(self._run("get_server_list"))
         except DaemonNotRunning:

@@ -30,7 +30,7 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from ..config import Config
 from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot
@@ -55,6 +55,7 @@ _VALUE_NOT_AVAILABLE_ULL = 2**64 - 1
 
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 # NVML's GPM calls are not thread-safe on driver 580, whatever its documentation says: two
@@ -134,7 +135,35 @@ def _settle(futures: Iterable["Future[Any]"], timeout: Optional[float]) -> None:
     wait_futures(list(futures), timeout=timeout)
 
 
-class PerGpuReads:
+class _WorkInFlight(Generic[R]):
+    """Work per GPU index in daemon threads, the last result of each kept: what PerGpuReads
+    and GpmSampler share. Threads end when their owner is collected, closed or not."""
+
+    def __init__(self) -> None:
+        self._workers: Dict[int, DaemonWorker] = {}
+        weakref.finalize(self, _stop_all, self._workers)
+        self._pending: Dict[int, "Future[R]"] = {}  # GPU index -> its work in flight
+        self._last: Dict[int, R] = {}
+
+    def drain(self, timeout: Optional[float] = None) -> None:
+        """Wait for the work in flight; its results go to the next ask."""
+        _settle(self._pending.values(), timeout)
+
+    def forget(self) -> None:
+        """Wait for the work in flight and drop every kept result (re-initialisation)."""
+        self.drain()
+        self._pending.clear()
+        self._last.clear()
+
+    def close(self) -> None:
+        """Stop the threads, waiting a bounded time for the work in flight."""
+        self.drain(CLOSE_WAIT_SECONDS)
+        _stop_all(self._workers)
+        self._pending.clear()
+        self._last.clear()
+
+
+class PerGpuReads(_WorkInFlight[GpuReading]):
     """Each GPU read in a thread of its own, side by side: NVML's calls other than GPM's
     are thread-safe and release the GIL. A read of every GPU waits for each at most
     `wait_seconds`; a GPU whose read is still running then stands in with its last
@@ -143,11 +172,8 @@ class PerGpuReads:
     slow GPU holds up neither the others' readings nor the source's."""
 
     def __init__(self, wait_seconds: Optional[float] = GPU_WAIT_SECONDS) -> None:
+        super().__init__()  # a thread per GPU index
         self.wait_seconds = wait_seconds  # None: wait for every GPU (the benchmark's reference)
-        self._workers: Dict[int, DaemonWorker] = {}  # GPU index -> its thread
-        weakref.finalize(self, _stop_all, self._workers)  # threads end with their owner, closed or not
-        self._pending: Dict[int, "Future[GpuReading]"] = {}  # GPU index -> its read in flight
-        self._last: Dict[int, GpuReading] = {}
 
     def read(self, indexes: Sequence[int], read_one: Callable[[int], GpuReading]) -> List[GpuReading]:
         """One reading per index, in their order. An exception of `read_one` is raised here."""
@@ -169,29 +195,13 @@ class PerGpuReads:
             worker = self._workers[index] = DaemonWorker(f"mps-read-nvml-{index}")
         return worker
 
-    def drain(self, timeout: Optional[float] = None) -> None:
-        """Wait for the reads in flight; their results go to the next read."""
-        _settle(self._pending.values(), timeout)
-
-    def forget(self) -> None:
-        """Wait for the reads in flight and drop every kept reading (re-initialisation)."""
-        self.drain()
-        self._pending.clear()
-        self._last.clear()
-
-    def close(self) -> None:
-        """Stop the threads, waiting a bounded time for the reads in flight."""
-        self.drain(CLOSE_WAIT_SECONDS)
-        _stop_all(self._workers)
-        self._pending.clear()
-        self._last.clear()
 
 
 # Said where NVML is missing altogether (a laptop, a CI runner): where the demo is.
 DEMO_HINT = "for a demo without a GPU: mps-exporter replay"
 
 
-class GpmSampler:
+class GpmSampler(_WorkInFlight[Dict[str, float]]):
     """Every GPU's GPM work in one thread, in the order asked: never two GPM calls at once,
     and no GPU waits for another's. A GPU's read asks for its activity and waits at most
     `wait_seconds`; where the work is not done by then it gets the last activity it had
@@ -199,12 +209,9 @@ class GpmSampler:
     delays the others' GPM figures, never their readings."""
 
     def __init__(self, wait_seconds: float = GPM_WAIT_SECONDS) -> None:
+        super().__init__()  # 0 -> the one thread, started at the first GPM work
         self.wait_seconds = wait_seconds
-        self._workers: Dict[int, DaemonWorker] = {}  # 0 -> the one thread, started at the first GPM work
         self._start = threading.Lock()  # GPUs' reads ask at once: one thread, not one each
-        weakref.finalize(self, _stop_all, self._workers)
-        self._pending: Dict[int, "Future[Dict[str, float]]"] = {}  # GPU index -> its work in line
-        self._last: Dict[int, Dict[str, float]] = {}
 
     def activity(self, index: int, work: Callable[[], Dict[str, float]]) -> Dict[str, float]:
         """`work`'s result for this GPU, or its last one while the work is still in line.
@@ -228,25 +235,19 @@ class GpmSampler:
         self._last[index] = activity
         return activity
 
-    def drain(self, timeout: Optional[float] = None) -> None:
-        """Wait for the work in line (re-initialisation, tests)."""
-        _settle(self._pending.values(), timeout)
-
-    def forget(self) -> None:
-        self.drain()
-        self._pending.clear()
-        self._last.clear()
-
-    def close(self) -> None:
-        """Stop the thread, waiting a bounded time for the work in line."""
-        self.drain(CLOSE_WAIT_SECONDS)
-        _stop_all(self._workers)
-        self._pending.clear()
-        self._last.clear()
-
 
 class NvmlUnavailable(RuntimeError):
     """NVML cannot be used at all in this scrape (no library, no driver, no GPU)."""
+
+
+def import_pynvml(unavailable: Type[Exception], hint: str = "") -> Any:
+    """The pynvml module (the nvidia-ml-py package), imported where first needed; where it
+    is missing, `unavailable` saying so."""
+    try:
+        import pynvml
+    except ImportError as e:
+        raise unavailable(f"cannot import pynvml (install nvidia-ml-py{hint}): {e}") from e
+    return pynvml
 
 
 def _text(value: Any) -> str:
@@ -358,11 +359,7 @@ class NvmlClient:
     # ------------------------------------------------------------ lifecycle
     def _module(self) -> Any:
         if self._nvml is None:
-            try:
-                import pynvml  # the nvidia-ml-py package
-            except ImportError as e:
-                raise NvmlUnavailable(f"cannot import pynvml (install nvidia-ml-py; {DEMO_HINT}): {e}") from e
-            self._nvml = pynvml
+            self._nvml = import_pynvml(NvmlUnavailable, f"; {DEMO_HINT}")
         return self._nvml
 
     def _ensure_initialised(self, nvml: Any) -> None:

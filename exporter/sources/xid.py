@@ -38,6 +38,7 @@ from ..contract import DEVICE, GPU, OTHER, UUID, Label, counter, gauge, table
 from ..families import FamilyBuilder
 from ..model import Snapshot
 from .base import Backends, ReadContext, Reader, Source
+from .nvml import import_pynvml
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +142,7 @@ class XidWatcher:
     # ---------------------------------------------------------- NVML
     def _module(self) -> Any:
         if self._nvml is None:
-            try:
-                import pynvml  # the nvidia-ml-py package
-            except ImportError as e:
-                raise XidUnavailable(f"cannot import pynvml (install nvidia-ml-py): {e}") from e
-            self._nvml = pynvml
+            self._nvml = import_pynvml(XidUnavailable)
         return self._nvml
 
     def _setup(self) -> bool:

@@ -128,12 +128,8 @@ def control_daemon_pids(pipe: Path) -> List[int]:
 
 
 def _wait(predicate: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
+    from truth_check import wait_for  # truth_check imports this module: not at its top
+    return wait_for(predicate, timeout, step)
 
 
 def per_gpu_daemons(root: Path, visible: List[str]) -> List["Daemon"]:
