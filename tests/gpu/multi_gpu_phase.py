@@ -29,6 +29,7 @@ nvidia-smi and the daemons' logs; never the exporter's code.
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
@@ -260,6 +261,29 @@ def start_nvitop(tc: "TruthCheck", port: int = NVITOP_PORT):
         env=env, stdout=open(tc.s.work / "nvitop-exporter.log", "w"), stderr=subprocess.STDOUT, cwd="/tmp")
 
 
+PY_SPY = "/tmp/site/bin/py-spy"  # from .whl/ (tests/gpu/device_env.sh); absent: no profile
+
+
+def start_profiler(tc: "TruthCheck") -> "Optional[subprocess.Popen[bytes]]":
+    """py-spy sampling mps-exporter (non-blocking, raw stacks) through the storm: where its CPU goes."""
+    import os
+    if not os.access(PY_SPY, os.X_OK):
+        return None
+    out = tc.s.work / "py-spy-storm2.txt"
+    return subprocess.Popen([PY_SPY, "record", "--nonblocking", "--rate", "100", "--threads", "--format", "raw",
+                             "-p", str(tc.exporter.pid), "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_profiler(profiler: "Optional[subprocess.Popen[bytes]]") -> None:
+    if profiler is not None and profiler.poll() is None:
+        profiler.send_signal(2)  # SIGINT: py-spy writes what it sampled
+        try:
+            profiler.wait(20)
+        except subprocess.TimeoutExpired:
+            profiler.kill()
+
+
 def storm_verdict(ours: Dict[str, float], theirs: Dict[str, float]) -> Dict[str, bool]:
     """Ours at or below nvitop-exporter's: scrape p99 and CPU seconds per scrape (storm.scrape_stats)."""
     return {key: ours.get(key) is not None and theirs.get(key) is not None and ours[key] <= theirs[key]
@@ -299,6 +323,7 @@ def phase_storm2(tc: "TruthCheck", per_gpu: int = STORM_PER_GPU, idle_seconds: f
             scrapers.append(theirs)
         for sc in scrapers:
             sc.start()
+        profiler = start_profiler(tc)
         time.sleep(idle_seconds)
         storm.set_phase(scrapers, "storm")
         started = time.time()
@@ -323,6 +348,7 @@ def phase_storm2(tc: "TruthCheck", per_gpu: int = STORM_PER_GPU, idle_seconds: f
             sc.stop_event.set()
         for sc in scrapers:
             sc.join(35)
+        stop_profiler(profiler)
         # Settled: every admitted client's memory against nvidia-smi, oracles agreeing before and after.
         pids = {c.pid for c in admitted}
         for _ in range(4):
