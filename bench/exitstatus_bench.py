@@ -4,6 +4,10 @@ up with: `workers` processes each fork `per_worker` children that exit at once (
 up. Needs the proc connector (the host's PID namespace; CAP_NET_ADMIN before Linux 6.6).
 
     sudo python3 -m bench.exitstatus_bench --workers 4 --per-worker 5000
+
+Then the watcher thread's own CPU through a flood of events that are not process exits
+(threads started and ended: a fork and an exit event each, as a PyTorch client storm makes
+them), with the kernel-side filter (exitstatus.attach_exits_only) and without it, same run.
 """
 
 from __future__ import annotations
@@ -83,13 +87,43 @@ def run(workers: int, per_worker: int) -> dict:
             "parse_events_per_second": round(parse_rate())}
 
 
+def _thread_cpu(tid: int) -> float:
+    fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_flood(threads: int, filter_events: bool) -> dict:
+    """The watcher thread's CPU seconds while `threads` threads start and end, filtered or not."""
+    import threading
+    watcher = ExitWatcher(filter_events=filter_events)
+    if not watcher.start() or watcher.thread_id is None:
+        return {"available": False, "why": watcher.why_not}
+    time.sleep(0.2)
+    before = _thread_cpu(watcher.thread_id)
+    start = time.monotonic()
+    for _ in range(threads):
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        t.join()
+    seconds = time.monotonic() - start
+    time.sleep(0.5)  # the last events in flight
+    cpu = _thread_cpu(watcher.thread_id) - before
+    watcher.close()
+    return {"filtered": watcher.filtered if filter_events else False, "threads": threads,
+            "threads_per_second": round(threads / seconds), "watcher_cpu_seconds": round(cpu, 3)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--per-worker", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=20000)
     a = p.parse_args()
     result = run(a.workers, a.per_worker)
     print(json.dumps(result))
+    if result.get("available"):
+        for filter_events in (False, True):
+            print(json.dumps(thread_flood(a.threads, filter_events)))
     return 0 if result.get("available") and not result.get("missing") else 1
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from mps_exporter.exitstatus import (ACK_DATA, CLEAN, CN_IDX_PROC, CN_MSG, CN_VAL_PROC, EXIT_DATA, FAILED, NLMSGHDR,
                                      PROC_CN_MCAST_LISTEN, PROC_EVENT_EXIT, PROC_EVENT_HEAD, PROC_EVENT_NONE, Ack, Exit,
-                                     ExitStatus, ExitWatcher, listen_message, parse)
+                                     ExitStatus, ExitWatcher, attach_exits_only, listen_message, parse)
 
 PROC_EVENT_FORK = 0x00000001
 
@@ -37,6 +37,33 @@ def test_an_exit_status_and_a_signal_are_read_from_the_wait_status():
                      Exit(4244, 4244, ExitStatus(0, 0))]
     assert [e.status.outcome for e in exits] == [FAILED, FAILED, CLEAN]
     assert exits[0].status.describe() == "exit status 1" and exits[1].status.describe() == "signal 9"
+
+
+def test_the_kernel_filter_passes_process_exits_and_acks_only():
+    """The socket filter, run by this kernel on an AF_UNIX datagram pair (the same classic
+    BPF the netlink socket gets): what the exit-status thread is woken for."""
+    receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with receiver, sender:
+        assert attach_exits_only(receiver)
+        sent = {
+            "process exit": exit_message(4242, 1 << 8),
+            "thread exit": exit_message(4243, 0, tgid=4242),
+            "fork": message(PROC_EVENT_FORK, struct.pack("=IIII", 1, 1, 2, 2)),
+            "ack": message(PROC_EVENT_NONE, ACK_DATA.pack(0)),
+            "short": exit_message(4244, 0)[:40],
+        }
+        for raw in sent.values():
+            sender.send(raw)
+        receiver.setblocking(False)
+        received = []
+        while True:
+            try:
+                received.append(receiver.recv(4096))
+            except BlockingIOError:
+                break
+    assert received == [sent["process exit"], sent["ack"]]
+    exits, acks = parse(b"".join(received))
+    assert exits == [Exit(4242, 4242, ExitStatus(1, 0))] and acks == [Ack(0)]
 
 
 def test_a_core_dump_flag_does_not_hide_the_signal():

@@ -284,6 +284,21 @@ def stop_profiler(profiler: "Optional[subprocess.Popen[bytes]]") -> None:
             profiler.kill()
 
 
+def thread_cpu(pid: int) -> Dict[int, float]:
+    """CPU seconds (user + system) of each thread of `pid`, by thread ID: what each part of the
+    exporter costs (py-spy's raw stacks name each thread ID)."""
+    import os
+    tick = os.sysconf("SC_CLK_TCK")
+    out: Dict[int, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    return out
+
+
 def storm_verdict(ours: Dict[str, float], theirs: Dict[str, float]) -> Dict[str, bool]:
     """Ours at or below nvitop-exporter's: scrape p99 and CPU seconds per scrape (storm.scrape_stats)."""
     return {key: ours.get(key) is not None and theirs.get(key) is not None and ours[key] <= theirs[key]
@@ -326,6 +341,7 @@ def phase_storm2(tc: "TruthCheck", per_gpu: int = STORM_PER_GPU, idle_seconds: f
         profiler = start_profiler(tc)
         time.sleep(idle_seconds)
         storm.set_phase(scrapers, "storm")
+        cpu_before = thread_cpu(tc.exporter.pid)
         started = time.time()
         gpus = list(range(s.gpus))
         for g in gpus:
@@ -349,6 +365,10 @@ def phase_storm2(tc: "TruthCheck", per_gpu: int = STORM_PER_GPU, idle_seconds: f
         for sc in scrapers:
             sc.join(35)
         stop_profiler(profiler)
+        cpu_after = thread_cpu(tc.exporter.pid)
+        r.facts["storm2: mps-exporter CPU seconds by thread ID, storm + settled"] = {
+            tid: round(cpu_after[tid] - cpu_before.get(tid, 0.0), 2) for tid in sorted(cpu_after)
+            if cpu_after[tid] - cpu_before.get(tid, 0.0) >= 0.01}
         # Settled: every admitted client's memory against nvidia-smi, oracles agreeing before and after.
         pids = {c.pid for c in admitted}
         for _ in range(4):

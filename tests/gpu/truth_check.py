@@ -349,7 +349,10 @@ class TruthCheck:
         log = open(self.s.work / "exporter.log", "w")
         argv = [sys.executable, "-m", "mps_exporter.cli", "serve", "--mps.pipe-directory", str(self.s.pipe),
                 "--mps.log-directory", str(self.s.logdir), "--web.listen-address", f"127.0.0.1:{self.port}",
-                "--mps.facts-refresh", str(FACTS_REFRESH), "--log.level", "info"]
+                "--mps.facts-refresh", str(FACTS_REFRESH), "--log.level", "info",
+                # Its own daemon only: the checks compare with that daemon's logs and lists, and
+                # the node's other daemons (churn.py's in run_x2/x4.sh) are discovery's phases.
+                "--no-mps.discover-processes"]
         env = {k: v for k, v in self.s.env.items() if not k.startswith("CUDA_MPS_")}
         self.exporter = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/tmp")
 
