@@ -30,9 +30,11 @@ call1)
   trap 'quit_all; tar czf ${OUT:-/tmp}/call1.tgz -C /tmp results-x4' EXIT
   { nvidia-smi -L; nproc; python3 -c 'import sys, torch, nvitop_exporter; print(sys.version, torch.__version__)'; } > $R/env.txt 2>&1
   cat $R/env.txt
-  setsid nohup python3 $REPO/tests/gpu/churn.py --seconds ${CHURN_SECONDS:-600} --max-live 10 --out $C/churn.json \
-    > $C/churn.log 2>&1 < /dev/null &
-  echo $! > $C/pid; date +%s > $C/started
+  if [ "${CHURN_SECONDS:-600}" != 0 ]; then  # CHURN_SECONDS=0: the truth check's phases alone
+    setsid nohup python3 $REPO/tests/gpu/churn.py --seconds ${CHURN_SECONDS:-600} --max-live 10 --out $C/churn.json \
+      > $C/churn.log 2>&1 < /dev/null &
+    echo $! > $C/pid; date +%s > $C/started
+  fi
   timeout -s INT -k 30 ${TRUTH_SECONDS:-500} python3 $REPO/tests/gpu/truth_check.py --work /tmp/mps-truth-x4 \
     --report-dir $R/reports --name x4-issue45 --title "Issue 45 on four GPUs: starts, limits on GPUs 2 and 3, storm beside nvitop-exporter" \
     --phases ${PHASES:-starts,cvdlimits,storm2,quit} 2>&1 | tee $R/truth_check.out | grep -E "^(FAIL|###)"
