@@ -464,12 +464,14 @@ class MpsCollector(Collector):
                     # for seconds, or a hung one); failed, its last reading served.
                     collection.waits[name] = self.timing.monotonic()
                     collection.overdue.add(name)
-                elif self._may_stand_in(earlier, collection.now):
+                elif self._may_stand_in(earlier, collection.now) or self._in_vain(name, earlier, collection.now):
                     # A daemon whose last answer took longer than the wait (MPS admitting a
                     # storm of clients) is not waited for at all: it would only cost the wait.
                     # Nor for CONTROL_CALM_SECONDS after such an answer: in a storm answers hover
                     # about the wait (a read started after a scrape is fast, the next, beside
-                    # one, slow), and every other scrape waited the whole wait in vain.
+                    # one, slow), and every other scrape waited the whole wait in vain. Its last
+                    # answer stands in then however old: after a 10 s answer the next read, just
+                    # started, was waited for to the end of the budget (4 x H200, issue 45).
                     if earlier.duration_seconds > self.control_wait:
                         self._unwaited_until[name] = self.timing.monotonic() + CONTROL_CALM_SECONDS
                     calm = self.timing.monotonic() >= self._unwaited_until.get(name, 0.0)
@@ -534,6 +536,14 @@ class MpsCollector(Collector):
         refresh intervals). Scraped every second through a client storm it is; scraped
         every 15 s it is not, and the scrape waits for its own read (within its budget)."""
         return self.refresh_interval <= 0 or now - earlier.taken_at <= 2 * self.refresh_interval
+
+    def _in_vain(self, name: str, earlier: _Result, now: float) -> bool:
+        """Whether waiting for a `served_while_reading` source would be in vain: its last
+        answer, slower than the wait, ended less than CONTROL_CALM_SECONDS ago (or the
+        calm window of an earlier one is still open)."""
+        ended = earlier.taken_at + earlier.duration_seconds
+        return ((earlier.duration_seconds > self.control_wait and now < ended + CONTROL_CALM_SECONDS)
+                or self.timing.monotonic() < self._unwaited_until.get(name, 0.0))
 
     def _note_collection(self) -> None:
         self._last_collection = self.timing.monotonic()

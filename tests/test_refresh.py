@@ -317,6 +317,23 @@ def test_a_daemon_slower_than_the_wait_last_time_is_not_waited_for(tmp_path, mon
     assert value(t.scrape(), CONTROL_TIME) == 1005.0  # waited for, this scrape's own
 
 
+def test_after_a_long_answer_its_reading_stands_in_however_old(tmp_path):
+    # A storm: one answer took 3 s, so its reading is older than two refresh intervals
+    # when it comes; the next read, just started, is as slow. Waiting for it would be in
+    # vain: before, the scrape waited out its whole budget (0.56 s of a 1 s timeout, 4 x H200).
+    t = TimedControl(tmp_path, wait=0.5)
+    assert value(t.scrape(), CONTROL_TIME) == 1001.0
+    t.delay = 3.0
+    assert value(t.scrape(), CONTROL_TIME) == 1001.0  # the slow read starts (at 1002)
+    t.release()
+    assert control_read_ended(t.collector, 1002.0)
+    t.clock.now += 3.0  # scrapes went on meanwhile: that reading is now 4 s old
+    t.delay = 0.8  # the next read is slow too
+    text = t.scrape()
+    assert value(text, CONTROL_TIME) == 1002.0 and value(text, CONTROL_OK) == 1  # stood in, not waited for
+    t.release()
+
+
 def test_a_control_read_running_past_the_scrape_budget_is_late(tmp_path):
     scen, collector, gate, clock = gated_collector(tmp_path, "control", max_seconds=0.2, control_wait=0.05, gpus=1,
                                                    clients_per_gpu=2)

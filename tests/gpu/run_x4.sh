@@ -38,7 +38,7 @@ call1)
   timeout -s INT -k 30 ${TRUTH_SECONDS:-500} python3 $REPO/tests/gpu/truth_check.py --work /tmp/mps-truth-x4 \
     --report-dir $R/reports --name x4-issue45 --title "Issue 45 on four GPUs: starts, limits on GPUs 2 and 3, storm beside nvitop-exporter" \
     --phases ${PHASES:-starts,cvdlimits,storm2,quit} 2>&1 | tee $R/truth_check.out | grep -E "^(FAIL|###)"
-  cp -r /tmp/mps-truth-x4/log $R/ 2>/dev/null; cp /tmp/mps-truth-x4/py-spy-storm2.txt $R/ 2>/dev/null
+  cp -r /tmp/mps-truth-x4/log $R/ 2>/dev/null; cp /tmp/mps-truth-x4/py-spy-storm2.txt /tmp/mps-truth-x4/*.log $R/ 2>/dev/null
   ;;
 call2)
   mkdir -p $R $C
