@@ -39,7 +39,7 @@ dashboard = build(
         timeseries("Largest clients", "The ten MPS clients holding the most device memory.", "bytes",
                    [target(f"topk(10, {m('mps_client_memory_used_bytes')}) {CLIENT_INFO_JOIN}", CLIENT_LEGEND)]),
         timeseries("Exits at the memory edge",
-                   "MPS clients that exited while their last memory reading was within "
+                   "MPS clients that exited while a memory reading of their last 30 s was within "
                    "--mps.oom-margin-ratio of their pinned limit (client_limit) or their GPU was at least "
                    "--mps.device-full-ratio full (device_full), by the kernel's outcome: failed (non-zero status or "
                    "a signal: most likely out-of-memory, MPS logs none), clean, unknown (no proc connector). "

@@ -174,7 +174,7 @@ def _add_granularity(p: argparse.ArgumentParser) -> None:
 
 def _add_edges(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mps.oom-margin-ratio", dest="oom_margin_ratio", type=float, default=DEFAULTS.oom_margin_ratio,
-                   help="a client that exits with its last memory reading within this share of its pinned limit "
+                   help="a client that exits with a memory reading of its last 30 s within this share of its pinned limit "
                         "counts as exited at its limit (mps_client_exits_at_memory_limit_total{reason=\"client_limit\"};"
                         " default %(default)s)")
     p.add_argument("--mps.device-full-ratio", dest="device_full_ratio", type=float,

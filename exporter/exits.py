@@ -14,7 +14,12 @@ reading was at the edge:
 - `device_full`: else, its GPU's used memory was at least `device_full_ratio` of the total
   (--mps.device-full-ratio, 0.97: the 97.5 % GPU above).
 
-A client far from both is never counted. How it ended comes from the kernel where it can
+The reading judged is the last one, or where that is far from the edge, the last reading
+at the edge within `window_seconds` before it: a PyTorch client that fails an allocation
+first gives back its allocator's cache, and one that exits frees its tensors before its
+context goes, so a scrape in those moments read it below the edge and the exit went
+uncounted (4 x H200, issue 40: 1958 of 2048 MiB, then not counted). A client far from both
+for the whole window is never counted. How it ended comes from the kernel where it can
 be had (exitstatus.py): `failed` (a non-zero status or a signal), `clean` (status 0) or
 `unknown` (no connector, or its exit was not seen).
 
@@ -36,7 +41,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, Optional, Protocol, Set, Tuple
 
 from .exitstatus import CLEAN, FAILED, UNKNOWN, ExitStatus
@@ -55,6 +60,7 @@ class Margins:
 
     limit_ratio: float = 0.05
     device_full_ratio: float = 0.97
+    window_seconds: float = 30.0  # two default scrape intervals
 
     def reason(self, r: ClientMemory) -> Optional[str]:
         """Why a client whose last reading was `r` left at the edge; None: far from it."""
@@ -102,6 +108,7 @@ class _Client:
     daemon: str
     readings: Dict[int, Tuple[ClientMemory, float]]  # gpu -> (last reading, its collection time)
     peaks: Dict[int, int]  # gpu -> the most memory seen
+    edges: Dict[int, Tuple[ClientMemory, float]] = field(default_factory=dict)  # gpu -> last reading at the edge
     gone_since: Optional[float] = None  # seen gone once, its exit status not yet there
 
 
@@ -144,6 +151,8 @@ class ExitTracker:
                 c = self._clients[r.pid] = _Client(r.daemon, {}, {})
             c.gone_since = None
             c.readings[r.gpu] = (r, snap.now)
+            if self.margins.reason(r) is not None:
+                c.edges[r.gpu] = (r, snap.now)
             c.peaks[r.gpu] = max(c.peaks.get(r.gpu, 0), r.used_bytes)
             if r.pod_uid:
                 key = (r.daemon, r.server_pid, r.pod_uid, r.gpu)
@@ -178,7 +187,8 @@ class ExitTracker:
                     continue
             del self._clients[pid]
             outcome = UNKNOWN if status is None else status.outcome
-            for gpu, (r, taken) in sorted(c.readings.items()):
+            for gpu, last in sorted(c.readings.items()):
+                r, taken = self._judged(c, gpu, last)
                 reason = self.margins.reason(r)
                 if reason is None:
                     continue
@@ -188,6 +198,13 @@ class ExitTracker:
                     c.daemon, pid, gpu, reason, outcome, r.used_bytes, r.limit_bytes, r.gpu_used_bytes,
                     r.gpu_total_bytes, taken, c.gone_since or snap.now, "" if status is None else status.describe(),
                     r.namespace, r.pod, r.container))
+
+    def _judged(self, c: _Client, gpu: int, last: Tuple[ClientMemory, float]) -> Tuple[ClientMemory, float]:
+        """The reading an exit is judged by: the last, or the last at the edge within the window before it."""
+        edge = c.edges.get(gpu)
+        if self.margins.reason(last[0]) is None and edge is not None and last[1] - edge[1] <= self.margins.window_seconds:
+            return edge
+        return last
 
     def _zero_rows(self, snap: Snapshot) -> None:
         """A row of 0 for each daemon, GPU it serves, reason and outcome the exporter can

@@ -375,11 +375,11 @@ class EdgeExit:
     gpu: int
     reason: str  # EDGE_REASONS
     outcome: str  # exitstatus.OUTCOMES: failed, clean, unknown
-    used_bytes: int  # its last reading
+    used_bytes: int  # the reading judged (exits.py: the last, or the last at the edge)
     limit_bytes: Optional[int]  # the pinned limit in force then; None: none
     gpu_used_bytes: Optional[int]  # the GPU's used and total memory at that reading
     gpu_total_bytes: Optional[int]
-    reading_time: float  # the collection that took the last reading
+    reading_time: float  # the collection that took that reading
     seen_gone: float  # the first collection that found it gone
     detail: str = ""  # "exit status 1", "signal 9"; "" where unknown
     namespace: str = ""

@@ -219,7 +219,7 @@ EDGE_REASON = Label("reason", FIXED, "the exporter's exit tracker (exporter/exit
 EXIT_OUTCOME = Label("outcome", FIXED, "the kernel's proc connector (exporter/exitstatus.py)", ", ".join(OUTCOMES))
 EDGE_METRICS = table(
     "Clients at the edge of memory",
-    counter("mps_client_exits_at_memory_limit_total", "MPS clients that exited while their last memory reading was "
+    counter("mps_client_exits_at_memory_limit_total", "MPS clients that exited while a memory reading of their last 30 s was "
             "at the edge: reason client_limit (within --mps.oom-margin-ratio of the pinned limit in force), "
             "device_full (else, the GPU's used memory at least --mps.device-full-ratio of its total); outcome failed "
             "(non-zero exit status or a signal), clean (status 0) or unknown (no kernel proc connector: not the host's "

@@ -71,6 +71,21 @@ def test_a_client_that_dies_at_95_percent_of_its_2_gib_limit_is_counted_as_faile
     assert ("default", 0, "client_limit", "unknown") not in dict(report.exits)
 
 
+def test_a_client_read_below_the_edge_in_its_last_moments_is_judged_by_its_edge_reading():
+    # Live (4 x H200): at 1958 of 2048 MiB, then read lower while PyTorch gave back its cache
+    # and the process tore down; the exit was not counted when only the last reading counted.
+    statuses = Statuses()
+    tracker = ExitTracker(Margins(0.05, 0.97, window_seconds=30.0), statuses, alive=lambda pid: False)
+    at_edge = int(2 * GiB * 0.956)
+    tracker.observe(snap(100.0, {4242: at_edge, 4343: at_edge}, env={4242: "0=2G", 4343: "0=2G"}))
+    tracker.observe(snap(101.0, {4242: GiB, 4343: at_edge}, env={4242: "0=2G", 4343: "0=2G"}))  # 4242 below it now
+    tracker.observe(snap(140.0, {4343: GiB}, env={4343: "0=2G"}))  # 4343 left its edge 39 s before it leaves
+    statuses.known[4242], statuses.known[4343] = ExitStatus(3, 0), ExitStatus(0, 0)
+    report = tracker.observe(snap(141.0, {}))
+    assert counts(report) == {("default", 0, "client_limit", "failed"): 1}  # 4343: far for the whole window
+    assert [(e.pid, e.used_bytes, e.reading_time) for e in report.recent] == [(4242, at_edge, 100.0)]
+
+
 def test_a_client_far_from_its_limit_is_never_counted():
     statuses = Statuses()
     tracker = ExitTracker(Margins(0.05, 0.97), statuses, alive=lambda pid: False)
