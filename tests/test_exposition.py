@@ -177,13 +177,13 @@ def test_a_clients_series_are_reused_while_its_inputs_stay_and_redone_when_one_m
     registry = build_registry(collector, process=False)
     encoder, content_type = choose_encoder(OPENMETRICS)
     rendered: List[int] = []
-    real = render_module.render_client
+    real = render_module._render_client
 
-    def counting(out: Any, d: Any, pid: int, *args: Any) -> None:
-        rendered.append(pid)
-        real(out, d, pid, *args)
+    def counting(c: Any, *args: Any) -> Any:
+        rendered.append(c.pid)
+        return real(c, *args)
 
-    monkeypatch.setattr(render_module, "render_client", counting)
+    monkeypatch.setattr(render_module, "_render_client", counting)
     first = registry.encode(encoder, content_type, False).decode()
     assert len(rendered) == 3
     scen.nvml.gpus[0].util_gpu += 40  # the GPU's numbers move, the clients' do not
