@@ -321,11 +321,13 @@ def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Map
     joined_servers = server_rows(d, log_snap, processes, joined, devices)
     server_limits = {s.pid: limits for s, limits in joined_servers}
     ps_rows = {c.pid: c for c in d.clients}
+    daemon = _DaemonJoin(d, devices, tuple((dev.index, dev.uuid) for dev in devices if dev.index is not None),
+                         Limits(d.default_active_thread_percentage, d.default_pinned_limits), server_limits, log_snap)
     clients = []
     for pid in sorted(set(ps_rows) | set(unlisted)):
         try:
-            clients.append(_client_in_force(pid, ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid),
-                                            server_limits, d, joined, log_snap, devices))
+            clients.append(_client_in_force(pid, ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid), daemon,
+                                            joined))
         except Exception as e:  # one client's data, never the scrape
             client_left_out(d.name, pid, e)
     return DaemonRow(
@@ -388,19 +390,31 @@ def _server_row(daemon: str, s: ServerFacts, ls: Optional[LogServer], proc: Opti
 
 
 # ---------------------------------------------------------------- clients
-def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, server_limits: Mapping[int, Limits],
-                     d: DaemonReading, joined: _GpuJoin, log_snap: Optional[LogSnapshot],
-                     devices: Sequence[VisibleDevice]) -> ClientRow:
+@dataclass(frozen=True)
+class _DaemonJoin:
+    """What every client row of a daemon reads of it."""
+
+    reading: DaemonReading
+    devices: Sequence[VisibleDevice]  # the devices it and its clients count from
+    gpus: Tuple[Tuple[int, str], ...]  # (index, UUID) of those that are GPUs
+    defaults: Limits
+    server_limits: Mapping[int, Limits]  # server pid -> its limits now
+    log_snap: Optional[LogSnapshot]
+
+
+def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon: _DaemonJoin,
+                     joined: _GpuJoin) -> ClientRow:
+    d, log_snap, devices = daemon.reading, daemon.log_snap, daemon.devices
     memory = joined.mps_memory.get(pid, [])
     gpus, gpus_source = [gpu for gpu, _ in memory], FROM_NVML
     if not gpus:
         gpu = joined.gpu_for_device(row.device) if row else None
         gpus, gpus_source = ([gpu], FROM_PS) if gpu else ([], UNKNOWN)
-    own = _own_limits(proc.environ, tuple((dev.index, dev.uuid) for dev in devices if dev.index is not None))
+    own = _own_limits(proc.environ, daemon.gpus)
     server_pid = None if row is None else row.server_pid
-    server = None if server_pid is None else server_limits.get(server_pid, Limits())
+    server = None if server_pid is None else daemon.server_limits.get(server_pid, Limits())
     logged = log_snap.client_limits.get(pid) if log_snap is not None and server is not None else None
-    in_force = client_limits(own.limits, server, Limits(d.default_active_thread_percentage, d.default_pinned_limits),
+    in_force = client_limits(own.limits, server, daemon.defaults,
                              at_connect=None if logged is None else Limits(logged[0], on_gpus(logged[1], devices)))
     priority, priority_source = _client_priority(own.priority, server_pid, log_snap, d)
     share = in_force.limits.thread_percentage

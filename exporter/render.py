@@ -10,6 +10,7 @@ granularities are folds over the client rows.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import platform
 from dataclasses import dataclass, field
 from typing import AbstractSet, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
@@ -406,11 +407,8 @@ def emit_client_readings(out: FamilyBuilder, c: ClientRow, cp: Mapping[str, obje
 
 
 ClientParts = List[Tuple[str, List[Sample]]]
-FACT_FIELDS = tuple(f.name for f in dataclasses.fields(ClientRow) if f.name not in reading_fields(ClientRow))
-
-
-def _facts(c: ClientRow) -> Tuple[object, ...]:
-    return tuple(getattr(c, name) for name in FACT_FIELDS)
+# A client row's fields but its READING ones, as a tuple.
+_facts = operator.attrgetter(*(f.name for f in dataclasses.fields(ClientRow) if f.name not in reading_fields(ClientRow)))
 
 
 @dataclass
