@@ -53,35 +53,39 @@ def _label_values(labels: Dict[str, object], cut: FrozenSet[str] = frozenset()) 
 
 
 class FamilyBuilder:
-    def __init__(self) -> None:
-        self._families: Dict[str, Metric] = {}
+    """The samples of each family by declared name, in the order of their first sample;
+    client_python's family objects are made when `families()` asks (a builder of one
+    client's series, `parts`, needs none)."""
 
-    def _family(self, name: str) -> Tuple[MetricSpec, Metric]:
-        spec = DECLARED.get(name)
-        if spec is None:
-            raise ContractError(f"{name} is not declared (contract.table)")
-        fam = self._families.get(name)
-        if fam is None:
-            fam = empty_family(spec)
-            self._families[name] = fam
-        return spec, fam
+    def __init__(self) -> None:
+        self._samples: Dict[str, Tuple[MetricSpec, List[Sample]]] = {}
+        self._metrics: Dict[str, Metric] = {}
+
+    def _family(self, name: str) -> Tuple[MetricSpec, List[Sample]]:
+        found = self._samples.get(name)
+        if found is None:
+            spec = DECLARED.get(name)
+            if spec is None:
+                raise ContractError(f"{name} is not declared (contract.table)")
+            found = self._samples[name] = (spec, [])
+        return found
 
     def add(self, name: str, value: Optional[float], /, **labels: object) -> None:
         # The hot path of a scrape (hundreds of calls): keep it lean.
         if value is None:
             return
-        spec, fam = self._family(name)
+        spec, samples = self._family(name)
         if spec.type == HISTOGRAM:
             raise ContractError(f"{name} is a histogram: use add_histogram")
         value = float(value)
         if value != value:  # NaN: no number to publish
             return
         _check_labels(spec, labels)
-        fam.samples.append(Sample(spec.name, _label_values(labels, spec.input_labels), value, None))
+        samples.append(Sample(spec.name, _label_values(labels, spec.input_labels), value, None))
 
     def add_histogram(self, name: str, bucket_counts: Sequence[Tuple[float, float]], total: float, /, **labels: object) -> None:
         """bucket_counts: (upper bound, cumulative count) pairs ending with +Inf."""
-        spec, fam = self._family(name)
+        spec, samples = self._family(name)
         if spec.type != HISTOGRAM:
             raise ContractError(f"{name} is not a histogram")
         _check_labels(spec, labels)
@@ -89,21 +93,30 @@ class FamilyBuilder:
         count = 0.0
         for bound, cumulative in bucket_counts:
             le = "+Inf" if math.isinf(bound) else _format_le(bound)
-            fam.samples.append(Sample(spec.name + "_bucket", {**base, "le": le}, float(cumulative), None))
+            samples.append(Sample(spec.name + "_bucket", {**base, "le": le}, float(cumulative), None))
             count = float(cumulative)
-        fam.samples.append(Sample(spec.name + "_count", base, count, None))
-        fam.samples.append(Sample(spec.name + "_sum", base, float(total), None))
+        samples.append(Sample(spec.name + "_count", base, count, None))
+        samples.append(Sample(spec.name + "_sum", base, float(total), None))
 
     def families(self) -> List[Metric]:
-        return [f for f in self._families.values() if f.samples]
+        out = []
+        for name, (spec, samples) in self._samples.items():
+            if not samples:
+                continue
+            fam = self._metrics.get(name)
+            if fam is None:
+                fam = self._metrics[name] = empty_family(spec)
+                fam.samples = samples  # the same list: samples added later are in it too
+            out.append(fam)
+        return out
 
     def parts(self) -> List[Tuple[str, List[Sample]]]:
         """(declared name, samples) of each family with samples: what `extend` takes back."""
-        return [(name, f.samples) for name, f in self._families.items() if f.samples]
+        return [(name, samples) for name, (_, samples) in self._samples.items() if samples]
 
     def extend(self, name: str, samples: Sequence[Sample]) -> None:
         """Samples built and checked by an earlier builder (`parts`), added as they are."""
-        self._family(name)[1].samples.extend(samples)
+        self._family(name)[1].extend(samples)
 
 
 def _format_le(bound: float) -> str:

@@ -1,26 +1,19 @@
-"""Join what the sources saw in one collection into the contract's families.
+"""The contract's families of one collection: a view of its rows (join.py).
 
 A pure function of a `Snapshot`: no I/O, no clock, so golden tests and replay
 produce the same exposition the live exporter did. One part per table of the
-contract: the exporter itself, GPUs, daemons, servers, clients, logs.
-
-Joins (see README "Where the numbers come from"):
-- clients: the daemon's `ps` (server, device, namespace, command) + NVML's MPS
-  process list (memory by PID and GPU) + /proc (uid, container, env limits);
-- limits in force: limits.client_limits (the server's as the client connected,
-  from the logs, where they show it);
-- start times: the MPS logs when they saw the event, else /proc start time;
-- when the daemon does not answer, the servers the logs know to be running
-  still get their info, limits and start time.
+contract: the exporter itself, GPUs, daemons, servers, clients, logs. Each joined
+metric is declared here and emitted by one line from a row field; the pod and server
+granularities are folds over the client rows.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import operator
 import platform
-import threading
-from dataclasses import dataclass
-from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass, field
+from typing import AbstractSet, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from . import __version__
 from .contract import (CLIENT_PID, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVER_PID, UID, USER, UUID, Label,
@@ -28,28 +21,14 @@ from .contract import (CLIENT_PID, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVE
 from .families import FamilyBuilder
 from prometheus_client.samples import Sample
 from . import limits as lim
-from .limits import Limits, VisibleDevice, client_limits, on_gpus, own_limits, visible_devices
 from .exitstatus import OUTCOMES
 from .logs.render import render_log_metrics
-from .model import (
-    EDGE_REASONS,
-    EdgeReport,
-    LogServer,
-    LogSnapshot,
-    DaemonReading,
-    DcgmReading,
-    GpuReading,
-    Outcome,
-    ProcessFacts,
-    ProcessMemory,
-    PsEntry,
-    ServerFacts,
-    Snapshot,
-)
+from .join import (ClientMemory, ClientRow, DaemonRow, GpuRow, Rows, ServerRow, client_left_out, client_memory, join,
+                   reading_fields, sharing_mode, sm_utilization)
+from .model import EDGE_REASONS, EdgeReport, Outcome, Snapshot
 
-log = logging.getLogger(__name__)
-
-__all__ = ["Outcome", "Snapshot", "readings_key", "render", "render_readings", "sharing_mode", "sm_utilization"]
+__all__ = ["ClientMemory", "FamilyBuilder", "Outcome", "Snapshot", "client_memory", "readings_key", "render",
+           "render_readings", "sharing_mode", "sm_utilization"]
 
 # ---------------------------------------------------------------- the declarations
 MODE = Label("mode", FIXED, "the exporter's classification", "mps, mixed, time_slicing, exclusive, mig, idle")
@@ -261,16 +240,6 @@ SELF_METRICS = table(
 )
 
 
-ACTIVITY_METRICS = {
-    "sm_active": "mps_gpu_sm_active_ratio",
-    "sm_occupancy": "mps_gpu_sm_occupancy_ratio",
-    "tensor_active": "mps_gpu_tensor_active_ratio",
-    "dram_active": "mps_gpu_dram_active_ratio",
-}
-MPS_SERVER_COMMAND = "nvidia-cuda-mps"  # comm of nvidia-cuda-mps-server, cut to 15 chars
-NO_PROCESS = ProcessFacts(0)
-
-
 OwnRender = Callable[[FamilyBuilder, Snapshot], None]
 
 
@@ -289,35 +258,34 @@ def render(snap: Snapshot, granularity: str = "client", own_renders: Sequence[Ow
 def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "client",
                     own_renders: Sequence[OwnRender] = (), memo: Optional["ClientTableMemo"] = None) -> None:
     """Everything but the exporter's own series: a function of `readings_key(snap)` alone.
-    `memo`: the client tables of the last call, reused where their inputs are equal."""
-    gpus = snap.nvml.gpus if snap.nvml else []
-    server_pids = {s.pid for d in snap.daemons for s in d.servers}
-    listed = {c.pid for d in snap.daemons for c in d.clients}
-    clients = listed | {p.pid for gpu in gpus for p in gpu.mps_clients}
-    for gpu in gpus:
-        render_gpu(out, gpu, snap.nvml.driver_version if snap.nvml else "", snap.dcgm, server_pids, clients,
-                   snap.processes)
-    joined = _GpuJoin.of(gpus)
-    unclaimed = [pid for pid in joined.mps_memory if pid not in listed]
-    for daemon in snap.daemons:
-        log_snap = snap.logs.get(daemon.name)
-        render_daemon(out, daemon)
-        servers = render_servers(out, daemon, log_snap, snap.processes, joined)
-        unlisted = [pid for pid in unclaimed if _claims(daemon, snap.processes.get(pid), len(snap.daemons) == 1)]
-        if granularity == "client" and memo is not None:
-            memo.render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
-        elif granularity == "client":
-            render_clients(out, daemon, servers, unlisted, log_snap, snap.processes, joined)
-        else:
-            render_sums(out, daemon, servers, unlisted, log_snap, snap.processes, joined, by_pod=granularity == "pod")
-    if memo is not None:
-        memo.keep_only({daemon.name for daemon in snap.daemons})
+    `memo`: the client tables of the last call, reused where their rows are equal."""
+    rows = join(snap)
+    render_rows(out, rows, granularity, memo)
     if snap.edges is not None:
-        render_edges(out, snap.edges, {g.index: g.uuid for g in gpus}, granularity)
+        render_edges(out, snap.edges, rows.uuids, granularity)
     for name, log_snap in snap.logs.items():
         render_log_metrics(out, name, log_snap, snap.now)
     for render_own in own_renders:
         render_own(out, snap)
+
+
+def render_rows(out: FamilyBuilder, rows: Rows, granularity: str = "client",
+                memo: Optional["ClientTableMemo"] = None) -> None:
+    """The joined tables: GPUs, daemons, servers, and the clients at `granularity`."""
+    uuids = rows.uuids
+    for gpu in rows.gpus:
+        emit_gpu(out, gpu)
+    clients = memo if memo is not None else ClientTableMemo()
+    for d in rows.daemons:
+        emit_daemon(out, d)
+        for server in d.servers:
+            emit_server(out, server, uuids)
+        if granularity == "client":
+            clients.render_clients(out, d, uuids)
+        else:
+            emit_sums(out, d, fold_clients(d.clients, by_pod=granularity == "pod"), uuids)
+    if memo is not None:
+        memo.keep_only({d.name for d in rows.daemons})
 
 
 def readings_key(snap: Snapshot, granularity: str) -> Tuple[object, ...]:
@@ -349,348 +317,134 @@ def render_self(out: FamilyBuilder, snap: Snapshot) -> None:
 
 
 # ---------------------------------------------------------------- GPUs
-def _is_server(pid: int, server_pids: Set[int], processes: Mapping[int, ProcessFacts]) -> bool:
-    return pid in server_pids or processes.get(pid, NO_PROCESS).command == MPS_SERVER_COMMAND
-
-
-def outside_mps(gpu: GpuReading, server_pids: Set[int], clients: AbstractSet[int],
-                processes: Mapping[int, ProcessFacts]) -> List[ProcessMemory]:
-    """Compute processes on a GPU that an MPS server serves that are neither a server nor a
-    client (`clients`: every daemon's `ps` and every GPU's MPS list): a CUDA process whose
-    CUDA_MPS_PIPE_DIRECTORY reaches no daemon runs beside MPS, silently (issue 24)."""
-    if gpu.mig_enabled or not (gpu.mps_clients or any(_is_server(p.pid, server_pids, processes)
-                                                      for p in gpu.compute_processes)):
-        return []
-    own = {p.pid for p in gpu.mps_clients}
-    return [p for p in gpu.compute_processes
-            if p.pid not in own and p.pid not in clients and not _is_server(p.pid, server_pids, processes)]
-
-
-def sharing_mode(gpu: GpuReading, server_pids: Set[int], processes: Mapping[int, ProcessFacts],
-                 clients: AbstractSet[int] = frozenset()) -> str:
-    """mixed: MPS serves the GPU and processes outside MPS run on it too (outside_mps)."""
-    if gpu.mig_enabled:
-        return "mig"
-    pids = {p.pid for p in gpu.compute_processes}
-    if gpu.mps_clients or any(_is_server(pid, server_pids, processes) for pid in pids):
-        return "mixed" if outside_mps(gpu, server_pids, clients, processes) else "mps"
-    if len(pids) > 1:
-        return "time_slicing"
-    return "exclusive" if pids else "idle"
-
-
-def render_gpu(out: FamilyBuilder, gpu: GpuReading, driver: str, dcgm: DcgmReading, server_pids: Set[int],
-               clients: AbstractSet[int], processes: Mapping[int, ProcessFacts]) -> None:
-    g = {"gpu": str(gpu.index), "uuid": gpu.uuid}
-    out.add("mps_gpu_up", int(gpu.up), **g)
-    if not gpu.up:
+def emit_gpu(out: FamilyBuilder, g: GpuRow) -> None:
+    ids = {"gpu": g.index, "uuid": g.uuid}
+    out.add("mps_gpu_up", int(g.up), **ids)
+    if not g.up:  # NVML did not answer for it: nothing else is known
         return
-    out.add("mps_gpu_info", 1, **g, name=gpu.name, driver_version=driver, compute_mode=gpu.compute_mode,
-            mig_mode="enabled" if gpu.mig_enabled else "disabled")
-    out.add("mps_gpu_memory_total_bytes", gpu.memory_total_bytes, **g)
-    out.add("mps_gpu_memory_used_bytes", gpu.memory_used_bytes, **g)
-    out.add("mps_gpu_utilization_ratio", gpu.utilization_ratio, **g)
-    out.add("mps_gpu_memory_utilization_ratio", gpu.memory_utilization_ratio, **g)
-    out.add("mps_gpu_power_watts", gpu.power_watts, **g)
-    out.add("mps_gpu_temperature_celsius", gpu.temperature_celsius, **g)
-    activity = {**gpu.activity, **dcgm.get(gpu.index, {})}  # DCGM's profiling fields win over GPM
-    for key, metric in ACTIVITY_METRICS.items():
-        out.add(metric, activity.get(key), **g)
-    mode = sharing_mode(gpu, server_pids, processes, clients)
-    out.add("mps_gpu_sharing_mode", 1, **g, mode=mode)
-    out.add("mps_gpu_compute_processes", len(gpu.compute_processes), **g)
-    out.add("mps_gpu_clients", len(gpu.mps_clients), **g)
-    outside = outside_mps(gpu, server_pids, clients, processes)
-    out.add("mps_gpu_processes_outside_mps", len(outside), **g)
-    for p in outside:
-        proc = processes.get(p.pid) or ProcessFacts(p.pid)
-        out.add("mps_process_outside_mps_info", 1, **g, pid=str(p.pid), uid="" if proc.uid is None else str(proc.uid),
-                user=proc.user, command=proc.command, container_id=proc.container_id, pod_uid=proc.pod_uid,
-                namespace=proc.namespace, pod=proc.pod, container=proc.container)
-        out.add("mps_process_outside_mps_memory_used_bytes", p.used_bytes, **g, pid=str(p.pid))
-    if mode not in ("mps", "mixed"):  # under MPS NVML gives all SM time to the server: no per-client number
-        for pid, ratio in sm_utilization(gpu).items():
-            out.add("mps_process_sm_utilization_ratio", ratio, **g, pid=str(pid))
-
-
-def sm_utilization(gpu: GpuReading) -> Dict[int, float]:
-    """Per compute process: its newest SM utilization sample since the last scrape.
-
-    NVML returns samples only for processes that used the SMs, so a process on
-    the GPU without a new sample was idle over the interval: 0, not absent
-    (absent would make its series flap between scrapes).
-    """
-    latest: Dict[int, Tuple[int, float]] = {}
-    for s in gpu.process_utilization:
-        if s.pid not in latest or s.timestamp_us > latest[s.pid][0]:
-            latest[s.pid] = (s.timestamp_us, s.sm_ratio)
-    ratios = {p.pid: 0.0 for p in gpu.compute_processes}
-    ratios.update({pid: ratio for pid, (_, ratio) in latest.items()})
-    return ratios
-
-
-@dataclass
-class _GpuJoin:
-    """The GPU facts the server and client tables look up by PID."""
-
-    gpus: List[GpuReading]
-    utilization: Dict[int, Dict[int, float]]  # gpu index -> pid -> SM ratio
-    compute_memory: Dict[int, Dict[int, Optional[int]]]  # gpu index -> pid -> bytes
-    mps_memory: Dict[int, List[Tuple[GpuReading, Optional[int]]]]  # client pid -> [(gpu, bytes)]
-
-    @classmethod
-    def of(cls, gpus: List[GpuReading]) -> "_GpuJoin":
-        mps_memory: Dict[int, List[Tuple[GpuReading, Optional[int]]]] = {}
-        for gpu in gpus:
-            for p in gpu.mps_clients:
-                mps_memory.setdefault(p.pid, []).append((gpu, p.used_bytes))
-        return cls(gpus, {gpu.index: sm_utilization(gpu) for gpu in gpus},
-                   {gpu.index: {p.pid: p.used_bytes for p in gpu.compute_processes} for gpu in gpus}, mps_memory)
-
-    def daemon_devices(self, d: DaemonReading) -> List[VisibleDevice]:
-        """The devices the daemon and its clients count from: its own CUDA_VISIBLE_DEVICES."""
-        return visible_devices(d.visible_devices, [(g.index, g.uuid) for g in self.gpus])
-
-    def gpu_for_device(self, device: str) -> Optional[GpuReading]:
-        """`ps` prints a UUID prefix ("GPU-a20825ef-ef8f-4f37")."""
-        return next((g for g in self.gpus if device and g.uuid.startswith(device)), None)
+    out.add("mps_gpu_info", 1, **ids, name=g.name, driver_version=g.driver_version, compute_mode=g.compute_mode,
+            mig_mode=g.mig_mode)
+    out.add("mps_gpu_memory_total_bytes", g.memory_total_bytes, **ids)
+    out.add("mps_gpu_memory_used_bytes", g.memory_used_bytes, **ids)
+    out.add("mps_gpu_utilization_ratio", g.utilization_ratio, **ids)
+    out.add("mps_gpu_memory_utilization_ratio", g.memory_utilization_ratio, **ids)
+    out.add("mps_gpu_power_watts", g.power_watts, **ids)
+    out.add("mps_gpu_temperature_celsius", g.temperature_celsius, **ids)
+    out.add("mps_gpu_sm_active_ratio", g.sm_active_ratio, **ids)
+    out.add("mps_gpu_sm_occupancy_ratio", g.sm_occupancy_ratio, **ids)
+    out.add("mps_gpu_tensor_active_ratio", g.tensor_active_ratio, **ids)
+    out.add("mps_gpu_dram_active_ratio", g.dram_active_ratio, **ids)
+    out.add("mps_gpu_sharing_mode", 1, **ids, mode=g.sharing_mode)
+    out.add("mps_gpu_compute_processes", g.compute_processes, **ids)
+    out.add("mps_gpu_clients", g.clients, **ids)
+    out.add("mps_gpu_processes_outside_mps", len(g.outside_mps), **ids)
+    for p in g.outside_mps:
+        out.add("mps_process_outside_mps_info", 1, **ids, pid=p.pid, uid=p.uid, user=p.user, command=p.command,
+                container_id=p.container_id, pod_uid=p.pod_uid, namespace=p.namespace, pod=p.pod,
+                container=p.container)
+        out.add("mps_process_outside_mps_memory_used_bytes", p.memory_used_bytes, **ids, pid=p.pid)
+    for pid, ratio in g.process_sm_utilization.items():
+        out.add("mps_process_sm_utilization_ratio", ratio, **ids, pid=pid)
 
 
 # ---------------------------------------------------------------- daemons
-def _claims(d: DaemonReading, proc: Optional[ProcessFacts], only: bool) -> bool:
-    """Whether an NVML MPS client that no daemon's `ps` listed (it connected after the `ps`,
-    or the `ps` failed) is `d`'s: its pipe directory is d's, or, where that cannot be told,
-    d is the only daemon watched. Never a daemon that is not running: a SIGKILLed daemon's
-    clients stay in NVML's list, each a client of nothing (2 x H200, issue 38); nor where
-    another daemon runs beside the one watched (its clients showed as this one's in that
-    run). A daemon that did not answer (hung, an error) may still have its clients."""
-    if not d.up and d.error is None:
-        return False
-    pipe = proc.mps_pipe if proc is not None else None
-    if pipe is not None and d.pipe_identity is not None:
-        return pipe == d.pipe_identity
-    return only
+def _flag(value: Optional[bool]) -> str:
+    return "" if value is None else str(value).lower()
 
 
-def render_daemon(out: FamilyBuilder, d: DaemonReading) -> None:
+def emit_daemon(out: FamilyBuilder, d: DaemonRow) -> None:
     out.add("mps_control_daemon_up", int(d.up), daemon=d.name)
-    multiuser = "" if d.multiuser is None else str(d.multiuser).lower()
     out.add("mps_control_daemon_info", 1, daemon=d.name, version=d.version, pipe_directory=d.pipe_directory,
-            log_directory=d.log_directory, claim_uid=d.claim_uid, multiuser=multiuser)
-    if d.default_active_thread_percentage is not None:
-        out.add("mps_default_active_thread_ratio", d.default_active_thread_percentage / 100, daemon=d.name)
-    for dev, limit in sorted(d.default_pinned_limits.items()):
-        out.add("mps_default_pinned_memory_limit_bytes", limit, daemon=d.name, gpu=str(dev))
+            log_directory=d.log_directory, claim_uid=d.claim_uid, multiuser=_flag(d.multiuser))
+    out.add("mps_default_active_thread_ratio", d.default_active_thread_ratio, daemon=d.name)
+    for gpu, limit in d.default_pinned_memory_limit_bytes.items():
+        out.add("mps_default_pinned_memory_limit_bytes", limit, daemon=d.name, gpu=gpu)
     out.add("mps_default_client_priority", d.default_client_priority, daemon=d.name)
 
 
 # ---------------------------------------------------------------- servers
-def render_servers(out: FamilyBuilder, d: DaemonReading, log_snap: Optional[LogSnapshot],
-                   processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> Dict[int, Limits]:
-    """The server table; returns each server's limits for the client table."""
-    log_servers: Mapping[int, LogServer] = log_snap.servers if log_snap else {}
-    # The daemon's list; when it did not answer, the logs' running servers that still run:
-    # a SIGKILLed daemon and server leave no exit line, and a server the logs alone know
-    # stayed in mps_server_info as long as the daemon's directory did (issue 38).
-    servers = {s.pid: s for s in d.servers}
-    if not d.up or d.error:
-        for pid, running in log_servers.items():
-            if running.running and pid not in servers and (
-                    pid in processes or any(pid in memory for memory in joined.compute_memory.values())):
-                servers[pid] = ServerFacts(pid=pid, status=None)
-    clients_per_server: Dict[int, int] = {}
-    for c in d.clients:
-        clients_per_server[c.server_pid] = clients_per_server.get(c.server_pid, 0) + 1
-    limits: Dict[int, Limits] = {}
-    for pid, s in sorted(servers.items()):
-        ls = log_servers.get(pid)
-        proc = processes.get(pid)
-        sp = {"daemon": d.name, "server_pid": str(pid)}
-        uid = proc.uid if proc and proc.uid is not None else (ls.uid if ls else None)
-        user = proc.user if proc and proc.user else ("" if uid is None else str(uid))
-        out.add("mps_server_info", 1, **sp, uid="" if uid is None else str(uid), user=user)
-        if s.status:
-            out.add("mps_server_status", 1, **sp, status=s.status)
-        out.add("mps_server_clients", clients_per_server.get(pid, 0), **sp)
-        atp = s.active_thread_percentage
-        if atp is None and ls is not None:
-            atp = ls.active_thread_percentage
-        out.add("mps_server_active_thread_ratio", None if atp is None else atp / 100, **sp)
-        pinned = s.pinned_limits or (on_gpus(ls.pinned_limits, joined.daemon_devices(d)) if ls else {})
-        limits[pid] = Limits(atp, pinned)
-        for dev, limit in sorted(pinned.items()):
-            out.add("mps_server_pinned_memory_limit_bytes", limit, **sp, gpu=str(dev))
-        start = (ls.start_time if ls else None) or (proc.start_time_seconds if proc else None)
-        out.add("mps_server_start_time_seconds", start, **sp)
-        out.add("mps_server_priority", ls.priority if ls else None, **sp)
-        for gpu in joined.gpus:
-            g = {"gpu": str(gpu.index), "uuid": gpu.uuid}
-            if pid in joined.compute_memory[gpu.index]:
-                out.add("mps_server_memory_used_bytes", joined.compute_memory[gpu.index][pid], **sp, **g)
-            out.add("mps_server_sm_utilization_ratio", joined.utilization[gpu.index].get(pid), **sp, **g)
-    return limits
+def emit_server(out: FamilyBuilder, s: ServerRow, uuids: Mapping[int, str]) -> None:
+    sp = {"daemon": s.daemon, "server_pid": s.pid}
+    out.add("mps_server_info", 1, **sp, uid=s.uid, user=s.user)
+    out.add("mps_server_status", 1 if s.status else None, **sp, status=s.status)
+    out.add("mps_server_clients", s.clients, **sp)
+    out.add("mps_server_active_thread_ratio", s.active_thread_ratio, **sp)
+    for gpu, limit in s.pinned_memory_limit_bytes.items():
+        out.add("mps_server_pinned_memory_limit_bytes", limit, **sp, gpu=gpu)
+    out.add("mps_server_start_time_seconds", s.start_time, **sp)
+    out.add("mps_server_priority", s.priority, **sp)
+    for gpu, uuid in uuids.items():
+        out.add("mps_server_memory_used_bytes", s.memory_used_bytes.get(gpu), **sp, gpu=gpu, uuid=uuid)
+        out.add("mps_server_sm_utilization_ratio", s.sm_utilization_ratio.get(gpu), **sp, gpu=gpu, uuid=uuid)
 
 
 # ---------------------------------------------------------------- clients
-@dataclass
-class _ClientJoin:
-    """What render_clients and render_sums show of one client."""
-
-    memory: List[Tuple[GpuReading, Optional[int]]]  # NVML's MPS list: (GPU, bytes)
-    gpus: List[GpuReading]  # the GPUs it is on: that list, else the device `ps` names
-    limits: Limits  # in force
-    sources: Dict[str, str]  # limits.LIMITS -> limits.SOURCES: where each limit in force came from
-    ignored: Mapping[str, str]  # limit -> why the client's own setting is not in force
-    priority: Optional[int]  # in force
+def client_labels(c: ClientRow) -> Dict[str, object]:
+    """The labels of every per-client series."""
+    return {"daemon": c.daemon, "pid": c.pid, "namespace": c.namespace, "pod": c.pod, "container": c.container}
 
 
-def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, server_limits: Mapping[int, Limits],
-                     d: DaemonReading, joined: _GpuJoin, log_snap: Optional[LogSnapshot]) -> _ClientJoin:
-    memory = joined.mps_memory.get(pid, [])
-    client_gpus = [gpu for gpu, _ in memory]
-    if row and not client_gpus:
-        gpu = joined.gpu_for_device(row.device)
-        client_gpus = [gpu] if gpu else []
-    devices = joined.daemon_devices(d)
-    own = own_limits(proc.environ, [(dev.index, dev.uuid) for dev in devices if dev.index is not None])
-    server = None if row is None or row.server_pid is None else server_limits.get(row.server_pid, Limits())
-    logged = log_snap.client_limits.get(pid) if log_snap is not None and server is not None else None
-    in_force = client_limits(own.limits, server, Limits(d.default_active_thread_percentage, d.default_pinned_limits),
-                             at_connect=None if logged is None else Limits(logged[0], on_gpus(logged[1], devices)))
-    priority, priority_source = _client_priority(own.priority, None if row is None else row.server_pid, log_snap, d)
-    return _ClientJoin(memory, client_gpus, in_force.limits, {**in_force.sources, lim.PRIORITY: priority_source},
-                       own.ignored, priority)
-
-
-def _client_priority(own: Optional[int], server_pid: Optional[int], log_snap: Optional[LogSnapshot],
-                     d: DaemonReading) -> Tuple[Optional[int], str]:
-    """The priority a client runs at and where it came from: its own
-    CUDA_MPS_CLIENT_PRIORITY, else its server's (`Server Priority set to N`: the daemon
-    default when the server started, which its clients inherit), else the daemon default now."""
-    if own is not None:
-        return own, lim.CLIENT
-    server = log_snap.servers.get(server_pid) if log_snap is not None and server_pid is not None else None
-    if server is not None and server.priority is not None:
-        return server.priority, lim.SERVER_AT_CONNECT
-    if d.default_client_priority is not None:
-        return d.default_client_priority, lim.DAEMON_DEFAULT
-    return None, lim.NONE
-
-
-# A client's series come from what its process supplied (its environment, its command):
-# one that cannot be rendered costs that client's series, never the scrape. Each kind of
-# failure is logged once as a warning, then at debug level (a client lives for many scrapes).
-MAX_FAILURES_WARNED = 64
-_failures_warned: Set[Tuple[str, str]] = set()
-_failures_lock = threading.Lock()
-
-
-def client_left_out(d: DaemonReading, pid: int, e: Exception) -> None:
-    """Log that client `pid` of daemon `d` is left out of the exposition, because of `e`."""
-    kind = (type(e).__name__, str(e)[:200])
-    with _failures_lock:
-        first = kind not in _failures_warned and len(_failures_warned) < MAX_FAILURES_WARNED
-        if first:
-            _failures_warned.add(kind)
-    log.log(logging.WARNING if first else logging.DEBUG,
-            "daemon %s: client %d left out of the metrics (its series could not be rendered: %s: %s)%s",
-            d.name, pid, kind[0], kind[1], "; further such failures are logged at debug level" if first else "")
-
-
-def render_clients(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
-                   log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin) -> None:
-    """Rows of the daemon's `ps`, plus the NVML MPS clients in `unlisted`. A client whose
-    series cannot be rendered is left out whole (none of its series), and logged."""
-    ps_rows = {c.pid: c for c in d.clients}
-    for pid in sorted(set(ps_rows) | set(unlisted)):
-        part = FamilyBuilder()
-        try:
-            render_client(part, d, pid, ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid), server_limits,
-                          joined, log_snap)
-        except Exception as e:  # one client's data, never the scrape
-            client_left_out(d, pid, e)
-            continue
-        for name, samples in part.parts():
-            out.extend(name, samples)
-
-
-def render_client(out: FamilyBuilder, d: DaemonReading, pid: int, row: Optional[PsEntry], proc: ProcessFacts,
-                  server_limits: Mapping[int, Limits], joined: _GpuJoin, log_snap: Optional[LogSnapshot]) -> None:
-    """One client's series. What it reads is what ClientTableMemo._inputs compares."""
-    cp = {"daemon": d.name, "pid": str(pid), "namespace": proc.namespace, "pod": proc.pod,
-          "container": proc.container}
-    server_pid = row.server_pid if row else None
-    out.add("mps_client_info", 1, **cp, server_pid="" if server_pid is None else str(server_pid),
-            uid="" if proc.uid is None else str(proc.uid), user=proc.user,
-            command=(row.command if row else "") or proc.command, pid_namespace=row.namespace if row else "",
-            container_id=proc.container_id, pod_uid=proc.pod_uid)
-    c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
-    for gpu, used in c.memory:
-        out.add("mps_client_memory_used_bytes", used, **cp, gpu=str(gpu.index), uuid=gpu.uuid)
-    for gpu in c.gpus:
-        out.add("mps_client_pinned_memory_limit_bytes", c.limits.pinned_bytes.get(gpu.index), **cp,
-                gpu=str(gpu.index))
-    share = c.limits.thread_percentage
-    out.add("mps_client_active_thread_ratio", None if share is None else share / 100, **cp)
+def emit_client(out: FamilyBuilder, c: ClientRow, uuids: Mapping[int, str]) -> None:
+    cp = client_labels(c)
+    out.add("mps_client_info", 1, **cp, server_pid=c.server_pid, uid=c.uid, user=c.user, command=c.command,
+            pid_namespace=c.pid_namespace, container_id=c.container_id, pod_uid=c.pod_uid)
+    emit_client_readings(out, c, cp, uuids)
+    for gpu, limit in c.pinned_memory_limit_bytes.items():
+        out.add("mps_client_pinned_memory_limit_bytes", limit, **cp, gpu=gpu)
+    out.add("mps_client_active_thread_ratio", c.active_thread_ratio, **cp)
     out.add("mps_client_priority", c.priority, **cp)
-    out.add("mps_client_limit_source", 1, **cp, **c.sources)
-    for limit, reason in c.ignored.items():
-        out.add("mps_client_limit_ignored", 1, **cp, limit=limit, reason=reason)
-    log_start = log_snap.client_start_times.get(pid) if log_snap else None
-    out.add("mps_client_start_time_seconds", log_start or proc.start_time_seconds, **cp)
+    out.add("mps_client_limit_source", 1, **cp, **c.limit_sources)
+    for what, reason in c.ignored_limits.items():
+        out.add("mps_client_limit_ignored", 1, **cp, limit=what, reason=reason)
+    out.add("mps_client_start_time_seconds", c.start_time, **cp)
+
+
+def emit_client_readings(out: FamilyBuilder, c: ClientRow, cp: Mapping[str, object], uuids: Mapping[int, str]) -> None:
+    """The series of the client's READING fields (join.py) alone: what moves while the rest
+    of its row stands still."""
+    for gpu, used in c.memory_used_bytes.items():
+        out.add("mps_client_memory_used_bytes", used, **cp, gpu=gpu, uuid=uuids[gpu])
 
 
 ClientParts = List[Tuple[str, List[Sample]]]
+# A client row's fields but its READING ones, as a tuple.
+_facts = operator.attrgetter(*(f.name for f in dataclasses.fields(ClientRow) if f.name not in reading_fields(ClientRow)))
+
+
+@dataclass
+class _Rendered:
+    row: ClientRow
+    parts: ClientParts
+    readings: FrozenSet[str]  # the families of emit_client_readings among the parts
 
 
 class ClientTableMemo:
-    """Each client's series as last rendered, with what they were rendered from.
+    """Each client's series as last rendered, with the row they were rendered from.
 
-    The clients' series mostly stay the same from one scrape to the next while the GPU
-    numbers and the log counters move; in a storm a few clients change at a time. The
-    client table (six or more series a client) was most of a scrape's render with 48
-    clients (issue 29). A client's series are reused where every input render_client
-    reads is equal; the samples are shared, never changed."""
+    The clients' rows mostly stay the same from one scrape to the next while the GPU
+    numbers and the log counters move; in a storm a few clients change at a time, and on
+    a busy node their memory moves and nothing else. A client's series are reused where its
+    row is equal; where only its READING fields moved, those families alone are emitted
+    again. The samples are shared, never changed."""
 
     def __init__(self) -> None:
-        self._clients: Dict[str, Dict[int, Tuple[Tuple[object, ...], ClientParts]]] = {}  # daemon -> pid -> ...
+        self._clients: Dict[str, Dict[int, _Rendered]] = {}  # daemon -> pid -> ...
+        self._uuids: Dict[int, str] = {}
 
-    @staticmethod
-    def _inputs(d: DaemonReading, pid: int, row: Optional[PsEntry], proc: ProcessFacts,
-                server_limits: Mapping[int, Limits], joined: _GpuJoin, log_snap: Optional[LogSnapshot],
-                shared: Tuple[object, ...]) -> Tuple[object, ...]:
-        server_pid = row.server_pid if row else None
-        logged = None if log_snap is None else (
-            log_snap.client_start_times.get(pid), log_snap.client_limits.get(pid),
-            None if server_pid is None else log_snap.servers.get(server_pid))
-        memory = tuple((g.index, used) for g, used in joined.mps_memory.get(pid, ()))
-        return (shared, row, proc, None if server_pid is None else server_limits.get(server_pid), memory, logged)
-
-    def render_clients(self, out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits],
-                       unlisted: List[int], log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
-                       joined: _GpuJoin) -> None:
-        # What every client of the daemon reads: its name and defaults, the GPUs, whether logs are read.
-        shared = (d.name, d.default_active_thread_percentage, tuple(sorted(d.default_pinned_limits.items())),
-                  d.default_client_priority, tuple((g.index, g.uuid) for g in joined.gpus), log_snap is None,
-                  d.visible_devices)
+    def render_clients(self, out: FamilyBuilder, d: DaemonRow, uuids: Mapping[int, str]) -> None:
+        """The daemon's client rows. A client whose series cannot be rendered is left out
+        whole (none of its series), and logged; not tried again while its row stays."""
+        if uuids != self._uuids:  # the memory series carry the GPUs' UUIDs
+            self._clients, self._uuids = {}, dict(uuids)
         before = self._clients.get(d.name, {})
-        now: Dict[int, Tuple[Tuple[object, ...], ClientParts]] = {}
-        families: Dict[str, List[Sample]] = {}  # in the order render_clients adds them
-        ps_rows = {c.pid: c for c in d.clients}
-        for pid in sorted(set(ps_rows) | set(unlisted)):
-            row, proc = ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid)
-            inputs = self._inputs(d, pid, row, proc, server_limits, joined, log_snap, shared)
-            kept = before.get(pid)
-            if kept is None or kept[0] != inputs:
-                part = FamilyBuilder()
-                try:
-                    render_client(part, d, pid, row, proc, server_limits, joined, log_snap)
-                    kept = (inputs, part.parts())
-                except Exception as e:  # left out, and not tried again while its inputs stay
-                    client_left_out(d, pid, e)
-                    kept = (inputs, [])
-            now[pid] = kept
-            for name, samples in kept[1]:
+        now: Dict[int, _Rendered] = {}
+        families: Dict[str, List[Sample]] = {}  # in the order emit_client adds them
+        for c in d.clients:
+            kept = before.get(c.pid)
+            if kept is None or kept.row != c:
+                kept = _render_client(c, uuids, kept)
+            now[c.pid] = kept
+            for name, samples in kept.parts:
                 families.setdefault(name, []).extend(samples)
         self._clients[d.name] = now  # clients gone are forgotten
         for name, samples in families.items():
@@ -701,67 +455,90 @@ class ClientTableMemo:
         self._clients = {name: kept for name, kept in self._clients.items() if name in names}
 
 
-def render_sums(out: FamilyBuilder, d: DaemonReading, server_limits: Mapping[int, Limits], unlisted: List[int],
-                log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts], joined: _GpuJoin,
-                by_pod: bool) -> None:
-    """The clients render_clients would show, summed per server and (by_pod) pod: no pid
-    label, so short-lived clients add no series. Per server alone, the fullest client's
-    share of its limit is kept too: a sum over clients would hide one at its limit."""
-    ps_rows = {c.pid: c for c in d.clients}
-    counts: Dict[Tuple[str, str], int] = {}
-    pod_names: Dict[str, Dict[str, str]] = {"": {"namespace": "", "pod": ""}}  # pod uid -> its names
-    memory: Dict[Tuple[str, str, int], int] = {}  # (server, pod, gpu index) -> bytes
-    limits: Dict[Tuple[str, str, int], int] = {}
-    fullest: Dict[Tuple[str, str, int], float] = {}  # largest memory / limit of one client
-    ignored: Dict[Tuple[str, str, str], int] = {}  # (server, limit, reason) -> clients
-    for pid in sorted(set(ps_rows) | set(unlisted)):
-        row = ps_rows.get(pid)
-        proc = processes.get(pid) or ProcessFacts(pid)
-        try:
-            c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
-        except Exception as e:  # one client's data, never the scrape: left out of every sum
-            client_left_out(d, pid, e)
-            continue
-        key = ("" if row is None or row.server_pid is None else str(row.server_pid), proc.pod_uid if by_pod else "")
-        counts[key] = counts.get(key, 0) + 1
-        if by_pod and proc.pod_uid and proc.pod:
-            pod_names[proc.pod_uid] = {"namespace": proc.namespace, "pod": proc.pod}
-        for what, reason in c.ignored.items():
-            ignored[(key[0], what, reason)] = ignored.get((key[0], what, reason), 0) + 1
-        for gpu in c.gpus:
-            limit = c.limits.pinned_bytes.get(gpu.index)
-            if limit is not None:
-                limits[key + (gpu.index,)] = limits.get(key + (gpu.index,), 0) + limit
-        for gpu, n in c.memory:
-            if n is None:
-                continue
-            memory[key + (gpu.index,)] = memory.get(key + (gpu.index,), 0) + n
-            limit = c.limits.pinned_bytes.get(gpu.index)
-            if limit:
-                fullest[key + (gpu.index,)] = max(fullest.get(key + (gpu.index,), 0.0), n / limit)
-    uuids = {gpu.index: gpu.uuid for gpu in joined.gpus}
-    for (server_pid, what, reason), n in sorted(ignored.items()):
+def _render_client(c: ClientRow, uuids: Mapping[int, str], before: Optional[_Rendered]) -> _Rendered:
+    try:
+        readings = FamilyBuilder()
+        emit_client_readings(readings, c, client_labels(c), uuids)
+        moved = dict(readings.parts())
+        if before is not None and before.parts and frozenset(moved) == before.readings and \
+                _facts(before.row) == _facts(c):
+            return _Rendered(c, [(name, moved.get(name, samples)) for name, samples in before.parts], before.readings)
+        part = FamilyBuilder()
+        emit_client(part, c, uuids)
+        return _Rendered(c, part.parts(), frozenset(moved))
+    except Exception as e:  # left out, and not tried again while its row stays
+        client_left_out(c.daemon, c.pid, e)
+        return _Rendered(c, [], frozenset())
+
+
+# ---------------------------------------------------------------- the clients summed
+@dataclass
+class ClientSums:
+    """The client rows of a daemon folded per (server pid, pod uid) (pod uid "" per server)."""
+
+    by_pod: bool
+    counts: Dict[Tuple[str, str], int] = field(default_factory=dict)
+    pod_names: Dict[str, Dict[str, str]] = field(default_factory=lambda: {"": {"namespace": "", "pod": ""}})
+    memory: Dict[Tuple[str, str, int], int] = field(default_factory=dict)  # (server, pod, gpu index) -> bytes
+    limits: Dict[Tuple[str, str, int], int] = field(default_factory=dict)
+    fullest: Dict[Tuple[str, str, int], float] = field(default_factory=dict)  # largest memory / limit of one client
+    ignored: Dict[Tuple[str, str, str], int] = field(default_factory=dict)  # (server, limit, reason) -> clients
+
+
+def fold_clients(clients: Sequence[ClientRow], by_pod: bool) -> ClientSums:
+    """The clients summed per server and (by_pod) pod: no pid label, so short-lived clients
+    add no series. The fullest client's share of its limit is kept too: a sum over clients
+    would hide one at its limit."""
+    sums = ClientSums(by_pod)
+    for c in clients:
+        key = ("" if c.server_pid is None else str(c.server_pid), c.pod_uid if by_pod else "")
+        sums.counts[key] = sums.counts.get(key, 0) + 1
+        if by_pod and c.pod_uid and c.pod:
+            sums.pod_names[c.pod_uid] = {"namespace": c.namespace, "pod": c.pod}
+        for what, reason in c.ignored_limits.items():
+            sums.ignored[(key[0], what, reason)] = sums.ignored.get((key[0], what, reason), 0) + 1
+        for gpu, limit in c.pinned_memory_limit_bytes.items():
+            sums.limits[key + (gpu,)] = sums.limits.get(key + (gpu,), 0) + limit
+        for gpu, used in c.memory_used_bytes.items():
+            sums.memory[key + (gpu,)] = sums.memory.get(key + (gpu,), 0) + used
+            bound = c.pinned_memory_limit_bytes.get(gpu)
+            if bound:
+                sums.fullest[key + (gpu,)] = max(sums.fullest.get(key + (gpu,), 0.0), used / bound)
+    return sums
+
+
+def emit_sums(out: FamilyBuilder, d: DaemonRow, sums: ClientSums, uuids: Mapping[int, str]) -> None:
+    for (server_pid, what, reason), n in sorted(sums.ignored.items()):
         out.add("mps_server_clients_limit_ignored", n, daemon=d.name, server_pid=server_pid, limit=what, reason=reason)
-    if by_pod:
-        for (server_pid, pod_uid), count in sorted(counts.items()):
-            out.add("mps_pod_clients", count, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid,
-                    **pod_names.get(pod_uid, pod_names[""]))
-        for (server_pid, pod_uid, index), total in sorted(memory.items()):
-            out.add("mps_pod_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid,
-                    pod_uid=pod_uid, **pod_names.get(pod_uid, pod_names[""]), gpu=str(index), uuid=uuids[index])
-        for (server_pid, pod_uid, index), limit_sum in sorted(limits.items()):
-            out.add("mps_pod_client_pinned_memory_limit_bytes", limit_sum, daemon=d.name, server_pid=server_pid,
-                    pod_uid=pod_uid, **pod_names.get(pod_uid, pod_names[""]), gpu=str(index))
-        return
-    for (server_pid, _, index), total in sorted(memory.items()):
-        out.add("mps_server_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid, gpu=str(index),
-                uuid=uuids[index])
-    for (server_pid, _, index), limit_sum in sorted(limits.items()):
+    if sums.by_pod:
+        emit_pod_sums(out, d, sums, uuids)
+    else:
+        emit_server_sums(out, d, sums, uuids)
+
+
+def emit_pod_sums(out: FamilyBuilder, d: DaemonRow, sums: ClientSums, uuids: Mapping[int, str]) -> None:
+    names = sums.pod_names
+    for (server_pid, pod_uid), count in sorted(sums.counts.items()):
+        out.add("mps_pod_clients", count, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid,
+                **names.get(pod_uid, names[""]))
+    for (server_pid, pod_uid, gpu), total in sorted(sums.memory.items()):
+        out.add("mps_pod_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid, pod_uid=pod_uid,
+                **names.get(pod_uid, names[""]), gpu=gpu, uuid=uuids[gpu])
+    for (server_pid, pod_uid, gpu), limit_sum in sorted(sums.limits.items()):
+        out.add("mps_pod_client_pinned_memory_limit_bytes", limit_sum, daemon=d.name, server_pid=server_pid,
+                pod_uid=pod_uid, **names.get(pod_uid, names[""]), gpu=gpu)
+
+
+def emit_server_sums(out: FamilyBuilder, d: DaemonRow, sums: ClientSums, uuids: Mapping[int, str]) -> None:
+    for (server_pid, _, gpu), total in sorted(sums.memory.items()):
+        out.add("mps_server_client_memory_used_bytes", total, daemon=d.name, server_pid=server_pid, gpu=gpu,
+                uuid=uuids[gpu])
+    for (server_pid, _, gpu), limit_sum in sorted(sums.limits.items()):
         out.add("mps_server_client_pinned_memory_limit_bytes", limit_sum, daemon=d.name, server_pid=server_pid,
-                gpu=str(index))
-    for (server_pid, _, index), ratio in sorted(fullest.items()):
+                gpu=gpu)
+    for (server_pid, _, gpu), ratio in sorted(sums.fullest.items()):
         out.add("mps_server_client_pinned_memory_usage_max_ratio", ratio, daemon=d.name, server_pid=server_pid,
-                gpu=str(index))
+                gpu=gpu)
 
 
 # ---------------------------------------------------------------- memory at the edge
@@ -779,52 +556,3 @@ def render_edges(out: FamilyBuilder, edges: EdgeReport, uuids: Mapping[int, str]
         for (daemon, server_pid, pod_uid, gpu), (namespace, pod, peak) in edges.pod_peaks:
             out.add("mps_pod_client_memory_peak_bytes", peak, daemon=daemon, server_pid=server_pid, pod_uid=pod_uid,
                     namespace=namespace, pod=pod, gpu=str(gpu), uuid=uuids.get(gpu, ""))
-
-@dataclass(frozen=True)
-class ClientMemory:
-    """One client's memory reading on one GPU with the pinned limit in force there: what
-    the exit tracker (exits.py) keeps of each client between collections."""
-
-    daemon: str
-    pid: int
-    gpu: int
-    used_bytes: int
-    limit_bytes: Optional[int]
-    gpu_used_bytes: Optional[int]
-    gpu_total_bytes: Optional[int]
-    server_pid: str  # "" where no server is known
-    pod_uid: str
-    namespace: str
-    pod: str
-    container: str
-
-
-def client_memory(snap: Snapshot) -> List[ClientMemory]:
-    """Every client's memory reading (NVML's MPS list) with its limit in force, by the same
-    join as the client series (_client_in_force): a client is at its limit here exactly
-    where mps_client_pinned_memory_limit_bytes says so."""
-    gpus = snap.nvml.gpus if snap.nvml else []
-    joined = _GpuJoin.of(gpus)
-    listed = {c.pid for d in snap.daemons for c in d.clients}
-    unclaimed = [pid for pid in joined.mps_memory if pid not in listed]
-    found: List[ClientMemory] = []
-    for d in snap.daemons:
-        log_snap = snap.logs.get(d.name)
-        servers = render_servers(FamilyBuilder(), d, log_snap, snap.processes, joined)
-        ps_rows = {c.pid: c for c in d.clients}
-        unlisted = [pid for pid in unclaimed if _claims(d, snap.processes.get(pid), len(snap.daemons) == 1)]
-        for pid in sorted((set(ps_rows) | set(unlisted)) & set(joined.mps_memory)):
-            row, proc = ps_rows.get(pid), snap.processes.get(pid) or ProcessFacts(pid)
-            try:
-                c = _client_in_force(pid, row, proc, servers, d, joined, log_snap)
-            except Exception as e:  # as in the client table: that client alone is left out
-                client_left_out(d, pid, e)
-                continue
-            for gpu, used in c.memory:
-                if used is None or not gpu.up:
-                    continue
-                found.append(ClientMemory(
-                    d.name, pid, gpu.index, used, c.limits.pinned_bytes.get(gpu.index), gpu.memory_used_bytes,
-                    gpu.memory_total_bytes, "" if row is None or row.server_pid is None else str(row.server_pid),
-                    proc.pod_uid, proc.namespace, proc.pod, proc.container))
-    return found

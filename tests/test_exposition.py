@@ -177,13 +177,13 @@ def test_a_clients_series_are_reused_while_its_inputs_stay_and_redone_when_one_m
     registry = build_registry(collector, process=False)
     encoder, content_type = choose_encoder(OPENMETRICS)
     rendered: List[int] = []
-    real = render_module.render_client
+    real = render_module._render_client
 
-    def counting(out: Any, d: Any, pid: int, *args: Any) -> None:
-        rendered.append(pid)
-        real(out, d, pid, *args)
+    def counting(c: Any, *args: Any) -> Any:
+        rendered.append(c.pid)
+        return real(c, *args)
 
-    monkeypatch.setattr(render_module, "render_client", counting)
+    monkeypatch.setattr(render_module, "_render_client", counting)
     first = registry.encode(encoder, content_type, False).decode()
     assert len(rendered) == 3
     scen.nvml.gpus[0].util_gpu += 40  # the GPU's numbers move, the clients' do not
@@ -386,3 +386,47 @@ def test_a_format_whose_lines_are_not_prefix_and_value_is_reused_only_whole():
     for step in range(6):
         families = [GaugeMetricFamily("odd_halves", "1.5, 2.0, 2.5, ...", value=1.5 + step / 2)] + _odd_families(step)
         assert families_encoder.encode(families) + families_encoder.trailer == _plain(integers, families), step
+
+
+def test_the_client_memo_renders_what_a_fresh_render_does_whatever_row_field_moves(tmp_path):
+    """Every field of a client row moved in turn, READING or not: the memo's families are
+    those of a render without it (a family that reads a READING field must be emitted by
+    emit_client_readings, or this fails)."""
+    import dataclasses
+    from typing import Mapping
+
+    from mps_exporter.families import FamilyBuilder
+    from mps_exporter.join import ClientRow, join
+    from mps_exporter.render import ClientTableMemo, render_rows
+
+    rows = join(scenarios.busy(tmp_path).collector().snapshot())
+
+    def moved(v: Any) -> Any:
+        if isinstance(v, bool) or v is None:
+            return 1
+        if isinstance(v, (int, float)):
+            return v + 1
+        if isinstance(v, str):
+            return v + "x"
+        if isinstance(v, Mapping):
+            return {k: (w + 1 if isinstance(w, (int, float)) else w + "x") for k, w in v.items()} or {0: 1}
+        return tuple(v) + (1,)
+
+    def families(r: Any, memo: Any) -> List[Any]:
+        out = FamilyBuilder()
+        render_rows(out, r, "client", memo)
+        return out.families()
+
+    checked = 0
+    for f in dataclasses.fields(ClientRow):
+        if f.name == "daemon":
+            continue
+        memo = ClientTableMemo()
+        families(rows, memo)
+        (d,) = rows.daemons
+        c = d.clients[1]
+        variant = dataclasses.replace(rows, daemons=(dataclasses.replace(d, clients=(
+            d.clients[0], dataclasses.replace(c, **{f.name: moved(getattr(c, f.name))}), *d.clients[2:])),))
+        assert families(variant, memo) == families(variant, None), f.name
+        checked += 1
+    assert checked >= 20

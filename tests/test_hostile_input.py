@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from mps_exporter import limits as lim
-from mps_exporter import render as render_module
+from mps_exporter import join as join_module
 from mps_exporter.limits import own_limits
 from mps_exporter.sources.control import MAX_LISTED, ControlError, parse_ps
 from mps_exporter.units import ascii_digits, parse_decimal, parse_size, parse_uint
@@ -156,21 +156,21 @@ def test_the_issues_examples_cost_no_other_clients_series(tmp_path):
 
 
 def test_a_client_that_cannot_be_rendered_costs_its_own_series_and_is_logged_once(tmp_path, monkeypatch, caplog):
-    real = render_module._client_in_force
+    real = join_module._client_in_force
 
     def broken(pid, *args, **kwargs):  # a failure no parser foresaw, in client 10001 alone
         if pid == 10001:
             raise OverflowError("int too large to convert to float")
         return real(pid, *args, **kwargs)
 
-    monkeypatch.setattr(render_module, "_client_in_force", broken)
-    monkeypatch.setattr(render_module, "_failures_warned", set())
+    monkeypatch.setattr(join_module, "_client_in_force", broken)
+    monkeypatch.setattr(join_module, "_failures_warned", set())
     for granularity in ("client", "server", "pod"):
         scen = scenarios.synthetic(tmp_path / granularity, gpus=2, clients_per_gpu=2)
         scen.cfg.client_granularity = granularity
         collector = scen.collector()
         caplog.clear()
-        with caplog.at_level(logging.DEBUG, logger=render_module.__name__):
+        with caplog.at_level(logging.DEBUG, logger=join_module.__name__):
             texts = [exposition(collector) for _ in range(3)]
         warned = [r for r in caplog.records if r.levelno == logging.WARNING and "client 10001" in r.getMessage()]
         assert len(warned) == (1 if granularity == "client" else 0)  # once per process lifetime, not per scrape

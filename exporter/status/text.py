@@ -7,7 +7,7 @@ in bold and what went wrong in reverse video; printed, the lines are plain text.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .view import ClientStatus, DaemonStatus, EdgeExitStatus, Event, GpuStatus, NodeStatus, ServerStatus, XidStatus
 
@@ -300,7 +300,7 @@ def _memory(used: Optional[float], total: Optional[float]) -> str:
     return f"{_bytes(used)} of {_bytes(total)} ({used / total:.0%})"
 
 
-def _per_gpu(values: Dict[int, float]) -> str:
+def _per_gpu(values: Mapping[int, float]) -> str:
     if not values:
         return "-"
     if len(values) == 1 and 0 in values:

@@ -1,22 +1,25 @@
 """The node's MPS state as one typed view: what `mps-exporter status` shows.
 
-Built on the same collection and the same join as /metrics: `build()` renders the
-snapshot with `render.render`, exactly as a scrape does, and reads the view off
-those samples. Only what no metric carries comes from the log state directly:
-the clients still queued (PID, since when) and the recent events with their times.
-So a number `status` prints is a sample /metrics publishes for the same moment;
-they cannot disagree, and a new metric needs no second join here.
+Built on the same collection and the same rows as /metrics: `build()` joins the
+snapshot with `join.join`, exactly as a scrape's render does, and shows the rows;
+a server and a client are shown as their rows (ServerStatus and ClientStatus are
+the row types), so a field added to a row is in `status --output json` as it is
+in the metric emitted from it. The queue, the counters and the recent events come
+from the log state, the Xid counts from the xid source's reading. So a number
+`status` prints is the value /metrics publishes for the same moment; they cannot
+disagree, and nothing here reads the exposition back.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, TypeVar
 
-from ..model import Snapshot
-from ..render import render
-from ..sources.registry import own_renders
+from ..families import FamilyBuilder
+from ..join import ClientRow, DaemonRow, GpuRow, ServerRow, join
+from ..logs.render import render_log_metrics
+from ..model import REASONS, LogSnapshot, Snapshot
+from ..sources.xid import XidGpu, XidReading, _code_order
 
 Labels = Dict[str, str]
 
@@ -91,37 +94,10 @@ class GpuStatus:
     xids: List[XidStatus] = field(default_factory=list)  # newest first
 
 
-@dataclass
-class ServerStatus:
-    pid: int
-    uid: Optional[int]
-    user: str
-    status: Optional[str]  # ACTIVE, INITIALIZING, FAULT; None where the daemon did not say
-    clients: Optional[float]
-    active_thread_ratio: Optional[float]
-    pinned_memory_limit_bytes: Dict[int, float]  # by GPU index
-    memory_used_bytes: Dict[int, float]  # the server process itself, by GPU index
-    start_time: Optional[float]
-
-
-@dataclass
-class ClientStatus:
-    pid: int
-    server_pid: Optional[int]
-    uid: Optional[int]
-    user: str
-    command: str
-    pid_namespace: str
-    container_id: str
-    pod_uid: str
-    namespace: str  # Kubernetes names of its container; "" outside a pod or where unknown
-    pod: str
-    container: str
-    memory_used_bytes: Dict[int, float]  # by GPU index
-    pinned_memory_limit_bytes: Dict[int, float]  # the limit in force, by GPU index
-    active_thread_ratio: Optional[float]
-    priority: Optional[float]  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal
-    start_time: Optional[float]
+# A server and a client are shown as their rows: every field of the row, the values in
+# force with their origins (join.py).
+ServerStatus = ServerRow
+ClientStatus = ClientRow
 
 
 @dataclass
@@ -207,54 +183,30 @@ class NodeStatus:
     daemons: List[DaemonStatus]
 
 
-# ---------------------------------------------------------------- samples
-class Samples:
-    """The samples of rendered families, by sample name."""
-
-    def __init__(self, families: Sequence[Any]) -> None:
-        self._by_name: Dict[str, List[Tuple[Labels, float]]] = defaultdict(list)
-        for family in families:
-            for s in family.samples:
-                self._by_name[s.name].append((s.labels, _number(s.value)))
-
-    def rows(self, name: str, **match: str) -> List[Tuple[Labels, float]]:
-        return [(labels, v) for labels, v in self._by_name.get(name, ())
-                if all(labels.get(k) == want for k, want in match.items())]
-
-    def value(self, name: str, **match: str) -> Optional[float]:
-        rows = self.rows(name, **match)
-        return rows[0][1] if rows else None
-
-    def by_gpu(self, name: str, **match: str) -> Dict[int, float]:
-        return {int(labels["gpu"]): v for labels, v in self.rows(name, **match)}
-
-
-def _number(v: float) -> float:
-    # Whole numbers (bytes, counts, PIDs) print and encode as integers.
-    return int(v) if float(v).is_integer() else v
-
-
-def _bool(v: Optional[float]) -> Optional[bool]:
-    return None if v is None else bool(v)
-
-
-def _int(text: Optional[str]) -> Optional[int]:
-    return int(text) if text else None
-
-
 # ---------------------------------------------------------------- the view
+N = TypeVar("N", int, float)
+
+
+def _number(v: Optional[N]) -> Optional[float]:
+    # Whole numbers (bytes, counts, PIDs) print and encode as integers, as they always have.
+    return None if v is None else (int(v) if float(v).is_integer() else v)
+
+
 def build(snap: Snapshot, origin: str, daemons: Sequence[str] = ()) -> NodeStatus:
-    """The view of one collection: its samples, as /metrics would publish them, plus the log state.
+    """The view of one collection: its rows, as /metrics publishes them, plus the log state.
     `daemons`: the configured names, listed even where no source said anything of them."""
-    m = Samples(render(snap, own_renders=own_renders()).families())
+    rows = join(snap)
     sources = [SourceStatus(name, o.success, o.error,
                             None if o.last_success_seconds is None else max(0.0, snap.now - o.last_success_seconds))
                for name, o in sorted(snap.outcomes.items())]
-    names = [labels["daemon"] for labels, _ in m.rows("mps_control_daemon_up")]
-    names += [n for n in [*snap.logs, *daemons] if n not in names]
+    by_name = {d.name: d for d in rows.daemons}
+    names = [*by_name] + [n for n in [*snap.logs, *daemons] if n not in by_name]
     failed = {s.name: s.error or "no reason given" for s in sources if not s.ok}
-    return NodeStatus(time=snap.now, origin=origin, sources=sources, gpus=_gpus(m),
-                      daemons=[_daemon(m, name, snap, failed) for name in dict.fromkeys(names)])
+    xid = snap.extra.get("xid")
+    xids = {(g.index, g.uuid): g for g in xid.gpus} if isinstance(xid, XidReading) else {}
+    return NodeStatus(time=snap.now, origin=origin, sources=sources,
+                      gpus=[_gpu(g, xids.get((g.index, g.uuid))) for g in rows.gpus],
+                      daemons=[_daemon(by_name.get(name), name, snap, failed) for name in dict.fromkeys(names)])
 
 
 def failed_sources(st: NodeStatus) -> List[str]:
@@ -262,84 +214,35 @@ def failed_sources(st: NodeStatus) -> List[str]:
     return [s.name for s in st.sources if not s.ok]
 
 
-def _gpus(m: Samples) -> List[GpuStatus]:
-    out = []
-    for labels, up in m.rows("mps_gpu_up"):
-        g = {"gpu": labels["gpu"], "uuid": labels["uuid"]}
-        info = next((lab for lab, _ in m.rows("mps_gpu_info", **g)), {})
-        mode = next((lab["mode"] for lab, _ in m.rows("mps_gpu_sharing_mode", **g)), None)
-        out.append(GpuStatus(
-            index=int(labels["gpu"]), uuid=labels["uuid"], up=bool(up), name=info.get("name", ""),
-            driver_version=info.get("driver_version", ""), compute_mode=info.get("compute_mode", ""),
-            mig_mode=info.get("mig_mode", ""), sharing_mode=mode,
-            memory_used_bytes=m.value("mps_gpu_memory_used_bytes", **g),
-            memory_total_bytes=m.value("mps_gpu_memory_total_bytes", **g),
-            utilization_ratio=m.value("mps_gpu_utilization_ratio", **g),
-            memory_utilization_ratio=m.value("mps_gpu_memory_utilization_ratio", **g),
-            sm_active_ratio=m.value("mps_gpu_sm_active_ratio", **g),
-            sm_occupancy_ratio=m.value("mps_gpu_sm_occupancy_ratio", **g),
-            tensor_active_ratio=m.value("mps_gpu_tensor_active_ratio", **g),
-            dram_active_ratio=m.value("mps_gpu_dram_active_ratio", **g),
-            power_watts=m.value("mps_gpu_power_watts", **g),
-            temperature_celsius=m.value("mps_gpu_temperature_celsius", **g),
-            compute_processes=m.value("mps_gpu_compute_processes", **g),
-            outside_mps=[OutsideProcess(int(lab["pid"]), lab["user"], lab["command"],
-                                        f"{lab['namespace']}/{lab['pod']}" if lab.get("pod") else "",
-                                        m.value("mps_process_outside_mps_memory_used_bytes", **g, pid=lab["pid"]))
-                         for lab, _ in m.rows("mps_process_outside_mps_info", **g)],
-            xid_events_registered=_bool(m.value("mps_gpu_xid_events_registered", **g)),
-            xids=sorted((XidStatus(lab["xid"], v, m.value("mps_gpu_xid_last_seen_timestamp_seconds", **g, xid=lab["xid"]))
-                         for lab, v in m.rows("mps_gpu_xid_errors_total", **g)),
-                        key=lambda x: -(x.last_seen or 0.0))))
-    return out
+def _gpu(g: GpuRow, xid: Optional[XidGpu]) -> GpuStatus:
+    return GpuStatus(
+        index=g.index, uuid=g.uuid, up=g.up, name=g.name, driver_version=g.driver_version,
+        compute_mode=g.compute_mode, mig_mode=g.mig_mode, sharing_mode=g.sharing_mode,
+        memory_used_bytes=g.memory_used_bytes, memory_total_bytes=g.memory_total_bytes,
+        utilization_ratio=g.utilization_ratio, memory_utilization_ratio=g.memory_utilization_ratio,
+        sm_active_ratio=g.sm_active_ratio, sm_occupancy_ratio=g.sm_occupancy_ratio,
+        tensor_active_ratio=g.tensor_active_ratio, dram_active_ratio=g.dram_active_ratio,
+        power_watts=g.power_watts, temperature_celsius=g.temperature_celsius, compute_processes=g.compute_processes,
+        outside_mps=[OutsideProcess(p.pid, p.user, p.command, f"{p.namespace}/{p.pod}" if p.pod else "",
+                                    p.memory_used_bytes) for p in g.outside_mps],
+        xid_events_registered=None if xid is None else xid.registered,
+        xids=[] if xid is None else sorted((XidStatus(code, seen.count, seen.last_seen) for code, seen in
+                                            sorted(xid.xids.items(), key=lambda kv: _code_order(kv[0]))),
+                                           key=lambda x: -(x.last_seen or 0.0)))
 
 
-def _daemon(m: Samples, name: str, snap: Snapshot, failed: Dict[str, str]) -> DaemonStatus:
-    d = {"daemon": name}
-    info = next((lab for lab, _ in m.rows("mps_control_daemon_info", **d)), {})
-    out = DaemonStatus(
-        name=name, up=_bool(m.value("mps_control_daemon_up", **d)), version=info.get("version", ""),
-        pipe_directory=info.get("pipe_directory", ""), log_directory=info.get("log_directory", ""),
-        claim_uid=info.get("claim_uid", ""), multiuser={"true": True, "false": False}.get(info.get("multiuser", "")),
-        default_active_thread_ratio=m.value("mps_default_active_thread_ratio", **d),
-        default_pinned_memory_limit_bytes=m.by_gpu("mps_default_pinned_memory_limit_bytes", **d),
-        queued_clients={lab["reason"]: v for lab, v in m.rows("mps_queued_clients", **d)},
-        oldest_queued_wait_seconds=m.value("mps_queued_client_oldest_wait_seconds", **d),
-        client_limit=m.value("mps_server_client_limit", **d))
-    servers: List[ServerStatus] = []
-    clients: List[ClientStatus] = []
-    for labels, _ in m.rows("mps_server_info", **d):
-        s = {**d, "server_pid": labels["server_pid"]}
-        servers.append(ServerStatus(
-            pid=int(labels["server_pid"]), uid=_int(labels["uid"]), user=labels["user"],
-            status=next((lab["status"] for lab, _ in m.rows("mps_server_status", **s)), None),
-            clients=m.value("mps_server_clients", **s),
-            active_thread_ratio=m.value("mps_server_active_thread_ratio", **s),
-            pinned_memory_limit_bytes=m.by_gpu("mps_server_pinned_memory_limit_bytes", **s),
-            memory_used_bytes=m.by_gpu("mps_server_memory_used_bytes", **s),
-            start_time=m.value("mps_server_start_time_seconds", **s)))
-    for labels, _ in m.rows("mps_client_info", **d):
-        c = {**d, "pid": labels["pid"]}
-        clients.append(ClientStatus(
-            pid=int(labels["pid"]), server_pid=_int(labels["server_pid"]), uid=_int(labels["uid"]),
-            user=labels["user"], command=labels["command"],
-            pid_namespace=labels["pid_namespace"],
-            container_id=labels["container_id"], pod_uid=labels["pod_uid"],
-            namespace=labels["namespace"], pod=labels["pod"], container=labels["container"],
-            memory_used_bytes=m.by_gpu("mps_client_memory_used_bytes", **c),
-            pinned_memory_limit_bytes=m.by_gpu("mps_client_pinned_memory_limit_bytes", **c),
-            active_thread_ratio=m.value("mps_client_active_thread_ratio", **c),
-            priority=m.value("mps_client_priority", **c),
-            start_time=m.value("mps_client_start_time_seconds", **c)))
-    out.servers, out.clients = servers, clients
-    out.counters = [Counter(metric, {k: v for k, v in lab.items() if k != "daemon"}, v)
-                    for metric in EVENT_COUNTERS for lab, v in m.rows(metric, **d)]
+def _daemon(row: Optional[DaemonRow], name: str, snap: Snapshot, failed: Dict[str, str]) -> DaemonStatus:
+    out = DaemonStatus(name=name, up=None)
+    if row is not None:
+        out = DaemonStatus(
+            name=name, up=row.up, version=row.version, pipe_directory=row.pipe_directory,
+            log_directory=row.log_directory, claim_uid=row.claim_uid, multiuser=row.multiuser,
+            default_active_thread_ratio=row.default_active_thread_ratio,
+            default_pinned_memory_limit_bytes=dict(row.default_pinned_memory_limit_bytes),
+            servers=list(row.servers), clients=list(row.clients))
     log = snap.logs.get(name)
-    if log is not None:  # what no metric carries: who waits since when, and what happened when
-        out.queued = [QueuedClient(p.pid, p.uid, p.reason, p.pushed_at, max(0.0, snap.now - p.pushed_at))
-                      for p in log.pending]
-        out.events = [Event(e.time, e.kind, e.server_pid, list(e.clients), e.detail)
-                      for e in sorted(log.recent_events, key=lambda e: e.time)]
+    if log is not None:
+        _logged(out, log, snap.now)
     if snap.edges is not None:
         out.edge_exits = [EdgeExitStatus(e.pid, e.gpu, e.reason, e.outcome, e.detail, e.used_bytes, e.limit_bytes,
                                          e.gpu_used_bytes, e.gpu_total_bytes, e.reading_time,
@@ -356,3 +259,28 @@ def _daemon(m: Samples, name: str, snap: Snapshot, failed: Dict[str, str]) -> Da
     if log_error is not None:
         out.log_error, out.queued, out.counters, out.events = log_error, None, None, None
     return out
+
+
+def _logged(out: DaemonStatus, log: LogSnapshot, now: float) -> None:
+    """What the daemon's logs tell: the queue, the counters, who waits since when, and what
+    happened when."""
+    out.queued_clients = {reason: log.queued.get(reason, 0) for reason in REASONS}
+    out.oldest_queued_wait_seconds = _number(log.oldest_queued_wait(now))
+    out.client_limit = log.client_limit
+    out.counters = _counters(out.name, log, now)
+    out.queued = [QueuedClient(p.pid, p.uid, p.reason, p.pushed_at, max(0.0, now - p.pushed_at))
+                  for p in log.pending]
+    out.events = [Event(e.time, e.kind, e.server_pid, list(e.clients), e.detail)
+                  for e in sorted(log.recent_events, key=lambda e: e.time)]
+
+
+def _counters(daemon: str, log: LogSnapshot, now: float) -> List[Counter]:
+    """The EVENT_COUNTERS as the log families count them (logs/render.py): their values as
+    objects, never text. (Until the log state holds its counters as one map by metric name.)"""
+    families = FamilyBuilder()
+    render_log_metrics(families, daemon, log, now)
+    samples: Mapping[str, List[Counter]] = {
+        name: [Counter(name, {k: v for k, v in s.labels.items() if k != "daemon"}, _number(s.value) or 0)
+               for s in part]
+        for name, part in families.parts() if name in EVENT_COUNTERS}
+    return [c for metric in EVENT_COUNTERS for c in samples.get(metric, [])]
