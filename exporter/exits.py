@@ -47,7 +47,7 @@ from typing import Callable, Deque, Dict, Optional, Protocol, Set, Tuple
 from .exitstatus import CLEAN, FAILED, UNKNOWN, ExitStatus
 from .limits import visible_devices
 from .model import CLIENT_LIMIT, DEVICE_FULL, EDGE_REASONS, EdgeExit, EdgeReport, Snapshot
-from .render import ClientMemory, client_memory
+from .join import ClientMemory, client_memory
 
 MAX_TRACKED = 4096  # clients with a last reading (a node runs at most 48 per GPU: 384 on 8 GPUs)
 MAX_RECENT = 32  # edge exits kept for `status`
