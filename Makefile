@@ -9,6 +9,7 @@ all: generate lint test
 generate:
 	$(PYTHON) -m alerts.generate
 	$(PYTHON) -m dashboards.generate
+	$(PYTHON) -m alerts.mixin
 	$(PYTHON) deploy/kubernetes/generate.py
 	$(PYTHON) docs/generate.py
 	$(PYTHON) -m tests.support.golden
@@ -16,6 +17,7 @@ generate:
 check-generated:
 	$(PYTHON) -m alerts.generate --check
 	$(PYTHON) -m dashboards.generate --check
+	$(PYTHON) -m alerts.mixin --check
 	$(PYTHON) deploy/kubernetes/generate.py --check
 	$(PYTHON) docs/generate.py --check
 	$(PYTHON) -m tests.support.golden --check

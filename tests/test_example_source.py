@@ -22,7 +22,8 @@ SUBSET = ["tests/test_cli.py", "tests/test_registry.py", "tests/test_catalog.py"
           "tests/test_bounds.py", "tests/test_collector.py", "tests/test_capture_replay.py", "tests/test_status.py",
           "tests/test_imports.py", "tests/test_readme.py", "tests/dashboards", "tests/alerts/test_rules.py"]
 GENERATED = {"README.md", "docs/labels.md", "tests/golden/busy.prom", "dashboards/json/exporter.json",
-             "deploy/helm/mps-exporter/files/dashboards/exporter.json", "deploy/kubernetes/dashboards.yaml"}
+             "deploy/helm/mps-exporter/files/dashboards/exporter.json", "mixin/dashboards/exporter.json",
+             "deploy/kubernetes/dashboards.yaml"}
 IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache",
                                  "*.egg-info", "build")
 
