@@ -90,8 +90,9 @@ def proc_status(pid: int) -> Dict[str, int]:
     return out
 
 
-def scrapes(port: int, setup: WebSetup, count: int = 20, interval: float = 0.1) -> List[Optional[float]]:
-    """Seconds each scrape took (a new connection each), None for a failure."""
+def scrapes(port: int, setup: WebSetup, count: int = 20, interval: float = 0.1,
+            errors: Optional[List[str]] = None) -> List[Optional[float]]:
+    """Seconds each scrape took (a new connection each), None for a failure (said in `errors`)."""
     took: List[Optional[float]] = []
     for _ in range(count):
         started = time.monotonic()
@@ -100,8 +101,12 @@ def scrapes(port: int, setup: WebSetup, count: int = 20, interval: float = 0.1) 
             status = fetch(conn, setup, "/metrics")
             conn.close()
             took.append(time.monotonic() - started if status == 200 else None)
-        except OSError:
+            if status != 200 and errors is not None:
+                errors.append(f"HTTP {status}")
+        except OSError as e:
             took.append(None)
+            if errors is not None:
+                errors.append(f"{type(e).__name__} after {time.monotonic() - started:.2f} s")
         time.sleep(interval)
     return took
 
@@ -285,7 +290,9 @@ def hello_flood(kind: str, setup: WebSetup, rate: int, seconds: float,
         cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
         pourer.start()
         time.sleep(1.0)
-        took = scrapes(port, setup, count=scrape_count, interval=max(0.0, (seconds - 2.0) / scrape_count))
+        errors: List[str] = []
+        took = scrapes(port, setup, count=scrape_count, interval=max(0.0, (seconds - 2.0) / scrape_count),
+                       errors=errors)
         pourer.join()
         cpu1, t1 = cpu_seconds(proc.pid), time.monotonic()
         during = proc_status(proc.pid)
@@ -303,6 +310,7 @@ def hello_flood(kind: str, setup: WebSetup, rate: int, seconds: float,
             "hanging connections opened": sent,
             "scrapes ok within 1 s": f"{sum(t <= 1.0 for t in ok)}/{len(took)}",
             "scrape p50 / max, ms": f"{pct(ok, 50) * 1000:.1f} / {max(ok) * 1000:.1f}" if ok else "-",
+            "failed scrapes": "; ".join(errors) or "none",
             "CPU during the flood, % of a core": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
             "threads before / during": f"{before['Threads']} / {during['Threads']}",
             "RSS before / peak / after, MB": f"{rss0:.0f} / {peak[0] / 1024:.0f} / {rss1:.0f}",

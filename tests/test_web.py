@@ -732,6 +732,30 @@ def test_a_tls_handshake_done_beside_hanging_ones_is_given_back(tls_dir):
         hs.close()
 
 
+def test_new_tls_connections_are_begun_a_few_at_a_time(tls_dir):
+    """A flood waiting to be taken in must not delay handshakes whose bytes are in: each
+    pass of the handshake thread begins at most TAKE_IN_BATCH new ones (driven here
+    without the thread)."""
+    _, files, _ = tls_dir
+    source = webconfig.TLSContextSource(webconfig.TLSSettings(cert_file=files.server_cert, key_file=files.server_key))
+    shaker = web._Handshakes(lambda: source, lambda conn, ok: None, limit=100)
+    pairs = [socket.socketpair() for _ in range(web.TAKE_IN_BATCH * 2 + 3)]
+    try:
+        for server_end, client_end in pairs:
+            server_end.setblocking(False)
+            client_end.sendall(client_hello())
+            shaker._incoming.append(web._Conn(server_end, ("test", 0), tls=True))
+        shaker._take_in()
+        assert shaker.in_progress == web.TAKE_IN_BATCH
+        shaker._take_in()
+        shaker._take_in()
+        assert shaker.in_progress == len(pairs)
+    finally:
+        shaker.close()
+        for _, client_end in pairs:
+            client_end.close()
+
+
 def test_hanging_client_hellos_past_the_limit_do_not_keep_out_a_scrape(tmp_path, tls_dir, monkeypatch):
     _, files, _ = tls_dir
     monkeypatch.setattr(web, "MAX_HANDSHAKES", 4)
