@@ -11,26 +11,35 @@ Cases (each against a fresh server of each kind, on loopback):
 - corners: malformed requests (HTTP/9.9, PRI *, HTTP/0.9, no Host, Content-Length -1,
   a header without a colon, ...): the status each server answers and how long it took;
 - password: the web config's only user is replaced by another while the server runs;
-  how long until the old password gets 401 and the new one 200 (TLS + basic auth).
+  how long until the old password gets 401 and the new one 200 (TLS + basic auth);
+- tls-hello: 200 connections a second (`--hello-rate`) for 12 s (`--hello-seconds`)
+  each send a whole TLS ClientHello and then nothing (the handshake hangs), while 20
+  scrapes over TLS are made beside them; the reference in the same run is the same
+  flood against plain HTTP, each connection sending an unfinished request head. It
+  prints side scrapes answered within 1 s, their p50/max, and the server's RSS before,
+  at its peak and after the flood (the flood's sockets closed, 3 s of quiet).
 
 For the flood cases it prints scrapes answered within 100 ms and their p50/max, the
 server's CPU use while the flood is held (a share of one core, over the scrape window
 and over 2 s of quiet), its threads and its RSS. Numbers, not a pass/fail; the load
 average is printed beside them (other work on the machine skews timings).
 
-    python3 bench/flood_bench.py [--silent 1100] [--idle 2000] [--hard-limit] [--cases silent idle corners password]
+    python3 bench/flood_bench.py [--silent 1100] [--idle 2000] [--hard-limit]
+        [--cases silent idle corners password tls-hello] [--hello-rate 200] [--hello-seconds 12]
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import os
 import resource
 import socket
 import ssl
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -81,8 +90,9 @@ def proc_status(pid: int) -> Dict[str, int]:
     return out
 
 
-def scrapes(port: int, setup: WebSetup, count: int = 20, interval: float = 0.1) -> List[Optional[float]]:
-    """Seconds each scrape took (a new connection each), None for a failure."""
+def scrapes(port: int, setup: WebSetup, count: int = 20, interval: float = 0.1,
+            errors: Optional[List[str]] = None) -> List[Optional[float]]:
+    """Seconds each scrape took (a new connection each), None for a failure (said in `errors`)."""
     took: List[Optional[float]] = []
     for _ in range(count):
         started = time.monotonic()
@@ -91,8 +101,12 @@ def scrapes(port: int, setup: WebSetup, count: int = 20, interval: float = 0.1) 
             status = fetch(conn, setup, "/metrics")
             conn.close()
             took.append(time.monotonic() - started if status == 200 else None)
-        except OSError:
+            if status != 200 and errors is not None:
+                errors.append(f"HTTP {status}")
+        except OSError as e:
             took.append(None)
+            if errors is not None:
+                errors.append(f"{type(e).__name__} after {time.monotonic() - started:.2f} s")
         time.sleep(interval)
     return took
 
@@ -212,6 +226,103 @@ def password_change(kind: str, tmp: str) -> Dict[str, object]:
         stop_process(proc)
 
 
+def client_hello() -> bytes:
+    """The first flight of a TLS client (a whole ClientHello), as a client sends it."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outgoing.read()
+
+
+# What a hanging plain-HTTP client sends: a request head without its blank line.
+UNFINISHED_HEAD = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+
+
+def hello_flood(kind: str, setup: WebSetup, rate: int, seconds: float,
+                scrape_count: int = 20) -> Dict[str, object]:
+    """`rate` connections a second for `seconds`, each sending one opening (a TLS
+    ClientHello, or an unfinished HTTP head) and then nothing, held until the end;
+    `scrape_count` scrapes spread over the flood on new connections."""
+    port = free_port()
+    proc = start(kind, port, setup, (SOFT_LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    held: List[socket.socket] = []
+    opening = client_hello() if setup.context is not None else UNFINISHED_HEAD
+    stop = threading.Event()
+    peak = [0]
+
+    def sample() -> None:
+        while not stop.wait(0.1):
+            with contextlib.suppress(OSError):
+                peak[0] = max(peak[0], proc_status(proc.pid)["VmRSS"])
+
+    def pour() -> None:
+        began = time.monotonic()
+        n = 0
+        while not stop.is_set() and n < rate * seconds:
+            wait = began + n / rate - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            n += 1
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=1)
+                s.sendall(opening)
+            except OSError:
+                continue
+            held.append(s)
+
+    try:
+        for _ in range(10):  # a few scrapes first: RSS "before" is a serving exporter's
+            conn = connection(port, setup, timeout=5)
+            fetch(conn, setup, "/metrics")
+            conn.close()
+        time.sleep(0.5)
+        before = proc_status(proc.pid)
+        peak[0] = before["VmRSS"]
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        pourer = threading.Thread(target=pour, daemon=True)
+        cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
+        pourer.start()
+        time.sleep(1.0)
+        errors: List[str] = []
+        took = scrapes(port, setup, count=scrape_count, interval=max(0.0, (seconds - 2.0) / scrape_count),
+                       errors=errors)
+        pourer.join()
+        cpu1, t1 = cpu_seconds(proc.pid), time.monotonic()
+        during = proc_status(proc.pid)
+        sent = len(held)
+        for s in held:
+            s.close()
+        held.clear()
+        time.sleep(3.0)
+        stop.set()
+        sampler.join()
+        after = proc_status(proc.pid)
+        ok = [t for t in took if t is not None]
+        rss0, rss1 = before["VmRSS"] / 1024, after["VmRSS"] / 1024
+        return {
+            "hanging connections opened": sent,
+            "scrapes ok within 1 s": f"{sum(t <= 1.0 for t in ok)}/{len(took)}",
+            "scrape p50 / max, ms": f"{pct(ok, 50) * 1000:.1f} / {max(ok) * 1000:.1f}" if ok else "-",
+            "failed scrapes": "; ".join(errors) or "none",
+            "CPU during the flood, % of a core": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+            "threads before / during": f"{before['Threads']} / {during['Threads']}",
+            "RSS before / peak / after, MB": f"{rss0:.0f} / {peak[0] / 1024:.0f} / {rss1:.0f}",
+            "RSS after vs before": f"{100 * (rss1 - rss0) / rss0:+.1f} %",
+        }
+    finally:
+        stop.set()
+        for s in held:
+            s.close()
+        stop_process(proc)
+
+
 def table(title: str, results: Dict[str, Dict[str, object]]) -> None:
     print(f"\n### {title}\n")
     print("| | " + " | ".join(results) + " |")
@@ -228,10 +339,12 @@ def main() -> None:
     ap.add_argument("--hard-limit", action="store_true", help="also pin the hard file limit at 1024")
     ap.add_argument("--tls", action="store_true", help="TLS for the flood cases (no auth)")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS + LIBRARIES)
-    ap.add_argument("--cases", nargs="+", default=["silent", "idle", "corners", "password"],
-                    choices=["silent", "idle", "corners", "password"])
+    ap.add_argument("--cases", nargs="+", default=["silent", "idle", "corners", "password", "tls-hello"],
+                    choices=["silent", "idle", "corners", "password", "tls-hello"])
+    ap.add_argument("--hello-rate", type=int, default=200, help="tls-hello: connections a second")
+    ap.add_argument("--hello-seconds", type=float, default=12.0, help="tls-hello: how long the flood lasts")
     args = ap.parse_args()
-    want = args.silent + args.idle + 200
+    want = args.silent + args.idle + int(args.hello_rate * args.hello_seconds) + 200
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
@@ -256,7 +369,24 @@ def main() -> None:
                   "corners": "HTTP corner cases: status (time to answer)",
                   "password": "web config: the only user replaced (TLS + basic auth, bcrypt cost 10)"}
         for case in args.cases:
+            if case == "tls-hello":
+                continue
             table(titles[case], {kind: cases[case](kind) for kind in args.kinds})
+        if "tls-hello" in args.cases:
+            files = make_tls_files(tmp, prefix="hello-")
+            tls_file = os.path.join(tmp, "web-hello.yml")
+            with open(tls_file, "w", encoding="utf-8") as f:
+                f.write(f"tls_server_config:\n  cert_file: {files.server_cert}\n  key_file: {files.server_key}\n")
+            tls = WebSetup("TLS", tls_file, ssl.create_default_context(cafile=files.ca_cert), {})
+            plain = WebSetup("plain HTTP", None, None, {})
+            results: Dict[str, Dict[str, object]] = {}
+            for kind in args.kinds:
+                results[f"{kind}, TLS: hanging ClientHellos"] = hello_flood(kind, tls, args.hello_rate,
+                                                                             args.hello_seconds)
+                results[f"{kind}, plain HTTP: hanging request heads"] = hello_flood(kind, plain, args.hello_rate,
+                                                                                     args.hello_seconds)
+            table(f"{args.hello_rate} hanging openings a second for {args.hello_seconds:g} s, "
+                  "20 scrapes beside them (the scrapes use the flood's protocol)", results)
     print(f"\nload average after: {load_average()}")
 
 

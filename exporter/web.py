@@ -22,7 +22,10 @@ this module serves it. Under load it behaves like node_exporter's Go server:
   cost, so neither a repeated wrong password nor a user name costs a full check
   or shows in the timing;
 - plain HTTP sent to the TLS port gets Go's 400 answer; no Server header, so
-  the version is shown only on the landing page, behind auth.
+  the version is shown only on the landing page, behind auth;
+- TLS handshakes run on their own thread, never on the connection-watching one: at
+  most MAX_HANDSHAKES at once (the oldest closed for a new one), each within
+  HANDSHAKE_TIMEOUT, and the C heap is given back once a flood of them is over.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import base64
 import binascii
 import collections
 import contextlib
+import ctypes
 import email.utils
 import errno
 import gzip
@@ -362,6 +366,15 @@ RESERVED_FDS = 128
 # After accept() fails for want of descriptors: wait this long before accepting again.
 ACCEPT_BACKOFF = 0.1
 MAX_WORKERS = 64  # threads answering requests at once, at most
+# TLS handshakes in progress at once, at most (each holds ~45 KB of OpenSSL's and
+# Python's); past it the oldest is closed for the new one, so a flood of hanging
+# ClientHellos costs bounded memory (~23 MB) and a scraper's handshake is never the
+# oldest: at 200 hanging hellos a second it has 2.5 s to finish.
+MAX_HANDSHAKES = 512
+# A TLS handshake must be done within this long of its first byte.
+HANDSHAKE_TIMEOUT = 5.0
+# New TLS connections begun between two looks at the handshakes under way.
+TAKE_IN_BATCH = 8
 
 
 def raise_open_file_limit() -> int:
@@ -395,6 +408,190 @@ class _Conn:
         self.since = time.monotonic()  # when the current wait (for a head, or idle) began
         self.tls_done = not tls
         self.served = 0
+
+
+def release_memory() -> bool:
+    """Return the C heap's free memory to the system (glibc's malloc_trim); False where
+    the C library has none (musl)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            _malloc_trim = False
+    if _malloc_trim is False:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+_malloc_trim: Any = None
+
+
+class _Handshakes:
+    """TLS handshakes on their own thread ("web-tls"), off the thread that watches the
+    connections: the watcher hands over a connection once its first byte has come (and is
+    not plain HTTP), this thread wraps it and steps its handshake as the client's bytes
+    arrive, and gives it back through `done(conn, True)` once the handshake is done (or
+    `done(conn, False)` once it has closed it). Bounded in number (at most `limit` at
+    once: the oldest is closed for a new one) and in time (`timeout` from the hand-over).
+    `clock` is injected so that tests decide when a handshake is late."""
+
+    def __init__(self, tls: Callable[[], Optional[TLSContextSource]], done: Callable[[_Conn, bool], None],
+                 limit: int = MAX_HANDSHAKES, timeout: float = HANDSHAKE_TIMEOUT,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._tls = tls
+        self._done = done
+        self.limit = max(1, limit)
+        self.timeout = timeout
+        self._clock = clock
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._incoming: "collections.deque[_Conn]" = collections.deque()
+        self._conns: "collections.OrderedDict[int, _Conn]" = collections.OrderedDict()  # oldest first
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+        self.evicted = 0  # closed to make room for a newer one
+        self.expired = 0  # closed for taking longer than `timeout`
+        self._since_release = 0  # handshakes begun since memory was last given back
+
+    @property
+    def in_progress(self) -> int:
+        return len(self._conns)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="web-tls", daemon=True)
+            self._thread.start()
+
+    def submit(self, conn: _Conn) -> None:
+        """From the watcher: the connection is this thread's until `done` is called."""
+        self._incoming.append(conn)
+        self.poke()
+
+    def poke(self) -> None:
+        """Wake the thread (a new connection, a clock moved in a test, stop)."""
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def close(self) -> None:
+        """Stop the thread and close every connection it holds."""
+        self._stop = True
+        self.poke()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        for conn in list(self._conns.values()) + list(self._incoming):
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+        self._conns.clear()
+        self._incoming.clear()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _run(self) -> None:
+        self._selector.register(self._wake_r.fileno(), selectors.EVENT_READ, None)
+        while not self._stop:
+            now = self._clock()
+            wait = 0.0 if self._incoming else 0.5  # more to take in: only look at what is ready
+            if self._conns:
+                wait = min(wait, max(0.0, next(iter(self._conns.values())).since + self.timeout - now))
+            for key, _ in self._selector.select(wait):
+                conn: Optional[_Conn] = key.data
+                if conn is None:
+                    with contextlib.suppress(OSError):
+                        while self._wake_r.recv(4096):
+                            pass
+                elif self._conns.get(key.fd) is conn:  # not finished earlier in this batch
+                    self._step(conn)
+            self._take_in()
+            self._expire(self._clock())
+            self._settle()
+
+    def _settle(self) -> None:
+        """Once a flood of handshakes is over (none in progress after more than `limit`
+        since the last time), give the freed memory back to the system: OpenSSL's
+        buffers are malloc'ed by this thread, and glibc keeps a thread's freed heap."""
+        if not self._conns and not self._incoming and self._since_release > self.limit:
+            self._since_release = 0
+            release_memory()
+
+    def _take_in(self) -> None:
+        """Begin the handshakes of a few new connections (not all that wait: a flood of
+        them must not delay the handshakes whose next bytes are in)."""
+        for _ in range(TAKE_IN_BATCH):
+            if not self._incoming or self._stop:
+                return
+            conn = self._incoming.popleft()
+            while len(self._conns) >= self.limit:
+                self.evicted += 1
+                oldest = next(iter(self._conns.values()))
+                log.debug("closing the TLS handshake with %s: %d in progress", oldest.peer[0], len(self._conns))
+                self._finish(oldest, False)
+            tls = self._tls()
+            if tls is None:
+                self._finish(conn, False)
+                continue
+            try:
+                conn.sock = tls.context().wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ssl.SSLError) as e:
+                log.debug("TLS with %s failed: %s", conn.peer[0], e)
+                self._finish(conn, False)
+                continue
+            conn.since = self._clock()
+            self._since_release += 1
+            self._conns[conn.fd] = conn
+            self._selector.register(conn.fd, selectors.EVENT_READ, conn)
+            self._step(conn)  # its first bytes are in already
+
+    def _step(self, conn: _Conn) -> None:
+        """Advance the handshake as far as the bytes in allow, without blocking."""
+        sock = conn.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        try:
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._want(conn, selectors.EVENT_READ)
+            return
+        except ssl.SSLWantWriteError:
+            self._want(conn, selectors.EVENT_WRITE)
+            return
+        except (OSError, ssl.SSLError) as e:
+            log.debug("TLS handshake with %s failed: %s", conn.peer[0], e)
+            self._finish(conn, False)
+            return
+        tls = self._tls()
+        sans = tls.settings.allowed_sans if tls is not None else ()
+        if sans and not set(peer_sans(sock.getpeercert())) & set(sans):
+            log.warning("client certificate of %s has none of the allowed SANs", conn.peer[0])
+            self._finish(conn, False)
+            return
+        conn.tls_done = True
+        self._finish(conn, True)
+
+    def _want(self, conn: _Conn, events: int) -> None:
+        if self._selector.get_key(conn.fd).events != events:
+            self._selector.modify(conn.fd, events, conn)
+
+    def _expire(self, now: float) -> None:
+        while self._conns:
+            conn = next(iter(self._conns.values()))
+            if conn.since + self.timeout > now:
+                break
+            self.expired += 1
+            log.debug("closing the TLS handshake with %s: not done in %.0f s", conn.peer[0], self.timeout)
+            self._finish(conn, False)
+
+    def _finish(self, conn: _Conn, ok: bool) -> None:
+        if self._conns.pop(conn.fd, None) is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.fd)
+        if not ok:
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+        self._done(conn, ok)
 
 
 class ExporterServer:
@@ -446,6 +643,11 @@ class ExporterServer:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._returned: "collections.deque[Tuple[_Conn, bool]]" = collections.deque()
+        # TLS handshakes run on their own thread (_Handshakes); the count is the watcher's.
+        self._handshakes = _Handshakes(lambda: self.tls, self._handshaken, MAX_HANDSHAKES, HANDSHAKE_TIMEOUT) \
+            if self.tls is not None else None
+        self._handshaking = 0
+        self._shaken: "collections.deque[Tuple[_Conn, bool]]" = collections.deque()
         self._jobs: "queue.SimpleQueue[Optional[Tuple[_Conn, Union[Request, ProtocolError]]]]" = queue.SimpleQueue()
         self._workers = 0
         self._idle_workers = 0
@@ -485,7 +687,7 @@ class ExporterServer:
 
     @property
     def open_connections(self) -> int:
-        return len(self._waiting) + len(self._idle) + len(self._closing) + self._busy
+        return len(self._waiting) + len(self._idle) + len(self._closing) + self._busy + self._handshaking
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         self._stop = False
@@ -493,6 +695,8 @@ class ExporterServer:
         self._running.set()
         self._selector.register(self.socket.fileno(), selectors.EVENT_READ, None)
         self._selector.register(self._wake_r.fileno(), selectors.EVENT_READ, self._wake_r)
+        if self._handshakes is not None:
+            self._handshakes.start()
         accepting = True
         try:
             while not self._stop:
@@ -531,6 +735,11 @@ class ExporterServer:
                 self._close(conn)
         for _ in range(self._workers):
             self._jobs.put(None)
+        if self._handshakes is not None:
+            self._handshakes.close()
+        while self._shaken:
+            with contextlib.suppress(OSError):
+                self._shaken.popleft()[0].sock.close()
         self.socket.close()
         self._selector.close()
         self._wake_r.close()
@@ -611,7 +820,8 @@ class ExporterServer:
         if conn.fd in self._closing:
             self._drain(conn)
             return
-        if not conn.tls_done and not self._handshake(conn):
+        if not conn.tls_done:
+            self._start_tls(conn)
             return
         try:
             while True:
@@ -635,50 +845,36 @@ class ExporterServer:
             return
         self._dispatch_if_complete(conn)
 
-    def _handshake(self, conn: _Conn) -> bool:
-        """Advance the TLS handshake without blocking; True once it is done."""
-        tls = self.tls
-        assert tls is not None
-        if not isinstance(conn.sock, ssl.SSLSocket):
-            try:
-                first = conn.sock.recv(1, socket.MSG_PEEK)
-            except (BlockingIOError, InterruptedError):
-                return False
-            except OSError:
-                self._close(conn)
-                return False
-            if not first:
-                self._close(conn)
-                return False
-            if first.isalpha():  # plain HTTP spoken to the TLS port
-                with contextlib.suppress(OSError):
-                    conn.sock.send(_PLAIN_HTTP_ON_TLS)
-                    conn.sock.shutdown(socket.SHUT_WR)
-                self._waiting.pop(conn.fd, None)
-                self._linger(conn)
-                return False
-            try:
-                conn.sock = tls.context().wrap_socket(conn.sock, server_side=True,
-                                                           do_handshake_on_connect=False)
-            except (OSError, ssl.SSLError) as e:
-                log.debug("TLS with %s failed: %s", conn.peer[0], e)
-                self._close(conn)
-                return False
+    def _start_tls(self, conn: _Conn) -> None:
+        """Its first byte has come: plain HTTP gets Go's 400, anything else goes to the
+        handshake thread (the watcher never runs a handshake)."""
+        assert self._handshakes is not None
         try:
-            conn.sock.do_handshake()
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            return False  # a handshake stalled on writing is rare; the head timeout ends it
-        except (OSError, ssl.SSLError) as e:
-            log.debug("TLS handshake with %s failed: %s", conn.peer[0], e)
+            first = conn.sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
             self._close(conn)
-            return False
-        sans = tls.settings.allowed_sans
-        if sans and not set(peer_sans(conn.sock.getpeercert())) & set(sans):
-            log.warning("client certificate of %s has none of the allowed SANs", conn.peer[0])
+            return
+        if not first:
             self._close(conn)
-            return False
-        conn.tls_done = True
-        return True
+            return
+        if first.isalpha():  # plain HTTP spoken to the TLS port
+            with contextlib.suppress(OSError):
+                conn.sock.send(_PLAIN_HTTP_ON_TLS)
+                conn.sock.shutdown(socket.SHUT_WR)
+            self._waiting.pop(conn.fd, None)
+            self._linger(conn)
+            return
+        self._waiting.pop(conn.fd, None)
+        self._selector.unregister(conn.fd)
+        self._handshaking += 1
+        self._handshakes.submit(conn)
+
+    def _handshaken(self, conn: _Conn, ok: bool) -> None:
+        """From the handshake thread: the connection is the watcher's again."""
+        self._shaken.append((conn, ok))
+        self._wake()
 
     def _dispatch_if_complete(self, conn: _Conn) -> None:
         request, used = parse_head(conn.buffer)
@@ -703,6 +899,19 @@ class ExporterServer:
         with contextlib.suppress(OSError):
             while self._wake_r.recv(4096):
                 pass
+        while self._shaken:
+            conn, ok = self._shaken.popleft()
+            self._handshaking -= 1
+            if not ok:
+                continue  # closed by the handshake thread
+            if self._stop:
+                with contextlib.suppress(OSError):
+                    conn.sock.close()
+                continue
+            conn.since = time.monotonic()  # the head timeout starts after the handshake
+            self._waiting[conn.fd] = conn
+            self._selector.register(conn.fd, selectors.EVENT_READ, conn)
+            self._readable(conn)  # the request may be read already, with the handshake's last bytes
         while self._returned:
             conn, keep = self._returned.popleft()
             self._busy -= 1

@@ -593,6 +593,183 @@ def test_rotated_certificate_is_picked_up(tmp_path, tls_dir):
         assert request(server, "/metrics", context=client_context(other.ca_cert))[0] == 200
 
 
+def client_hello() -> bytes:
+    """A TLS client's first flight (a whole ClientHello), as a hanging client sends it."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def hanging_hello(port: int) -> socket.socket:
+    """A connection that sent a ClientHello, once the server has answered it (so its
+    handshake is in progress there) and that sends nothing more."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(client_hello())
+    assert s.recv(65536)  # the ServerHello: the handshake is the server's now
+    return s
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """Read to the end; True when the peer closed (EOF or reset), never on a timeout."""
+    try:
+        while s.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+class Handshakes:
+    """A _Handshakes with a clock the test moves, fed server ends of socket pairs;
+    `outcomes` gets (client end, ok) as the handshake thread gives each back."""
+
+    def __init__(self, files, limit: int = 10, timeout: float = 5.0) -> None:
+        import queue
+
+        self.now = 0.0
+        self.outcomes: queue.Queue = queue.Queue()
+        self.clients: dict = {}
+        source = webconfig.TLSContextSource(webconfig.TLSSettings(cert_file=files.server_cert,
+                                                                  key_file=files.server_key))
+        self.shaker = web._Handshakes(lambda: source, lambda conn, ok: self.outcomes.put((self.clients[conn.fd], ok)),
+                                      limit=limit, timeout=timeout, clock=lambda: self.now)
+        self.shaker.start()
+
+    def hello(self) -> socket.socket:
+        """A client end that sent a ClientHello and got the ServerHello back."""
+        server_end, client_end = socket.socketpair()
+        server_end.setblocking(False)
+        client_end.settimeout(10)
+        conn = web._Conn(server_end, ("test", 0), tls=True)
+        self.clients[conn.fd] = client_end
+        client_end.sendall(client_hello())
+        self.shaker.submit(conn)
+        assert client_end.recv(65536)
+        return client_end
+
+    def outcome(self):
+        return self.outcomes.get(timeout=10)
+
+    def close(self) -> None:
+        self.shaker.close()
+        for c in self.clients.values():
+            c.close()
+
+
+def test_tls_handshakes_run_off_the_watcher_thread(tmp_path, tls_dir):
+    _, files, _ = tls_dir
+    with running(registry_with(GpuCollector()), tls_config(tmp_path, files)) as server:
+        source = server.tls
+        real = source.context
+        threads = []
+        source.context = lambda: threads.append(threading.current_thread().name) or real()
+        assert request(server, "/metrics", context=client_context(files.ca_cert))[0] == 200
+        assert threads == ["web-tls"]
+
+
+def test_tls_handshakes_past_the_limit_close_the_oldest(tls_dir, monkeypatch):
+    _, files, _ = tls_dir
+    released = threading.Event()
+    monkeypatch.setattr(web, "release_memory", released.set)
+    hs = Handshakes(files, limit=3)
+    try:
+        hanging = [hs.hello() for _ in range(3)]
+        assert hs.outcomes.empty()
+        newest = hs.hello()  # a fourth: the oldest makes room
+        assert hs.outcome() == (hanging[0], False)
+        assert closed_by_peer(hanging[0])
+        assert hs.shaker.evicted == 1 and hs.outcomes.empty()
+        for s in hanging[1:] + [newest]:  # the clients leave: their handshakes end
+            s.close()
+        assert sorted(ok for _, ok in (hs.outcome() for _ in range(3))) == [False] * 3
+        assert released.wait(10)  # more than `limit` handshakes, none left: memory given back
+    finally:
+        hs.close()
+
+
+def test_a_tls_handshake_is_closed_once_its_time_is_up(tls_dir):
+    _, files, _ = tls_dir
+    hs = Handshakes(files, timeout=5.0)
+    try:
+        first = hs.hello()  # handed over at 0.0
+        hs.now = 4.9
+        second = hs.hello()  # handed over at 4.9
+        hs.now = 5.1
+        hs.shaker.poke()
+        assert hs.outcome() == (first, False)
+        assert closed_by_peer(first)
+        assert hs.shaker.expired == 1 and hs.outcomes.empty()
+        hs.now = 9.9
+        hs.shaker.poke()
+        assert hs.outcome() == (second, False)
+    finally:
+        hs.close()
+
+
+def test_a_tls_handshake_done_beside_hanging_ones_is_given_back(tls_dir):
+    _, files, _ = tls_dir
+    hs = Handshakes(files, limit=3)
+    try:
+        hanging = [hs.hello() for _ in range(2)]
+        server_end, client_end = socket.socketpair()
+        server_end.setblocking(False)
+        conn = web._Conn(server_end, ("test", 0), tls=True)
+        hs.clients[conn.fd] = client_end
+        done = []
+        client = threading.Thread(target=lambda: done.append(
+            client_context(files.ca_cert).wrap_socket(client_end, server_hostname="localhost")))
+        client.start()
+        hs.shaker.submit(conn)
+        client.join(10)
+        assert hs.outcome() == (client_end, True) and conn.tls_done and done
+        assert hs.shaker.in_progress == 2 and not any(s.fileno() < 0 for s in hanging)
+    finally:
+        hs.close()
+
+
+def test_new_tls_connections_are_begun_a_few_at_a_time(tls_dir):
+    """A flood waiting to be taken in must not delay handshakes whose bytes are in: each
+    pass of the handshake thread begins at most TAKE_IN_BATCH new ones (driven here
+    without the thread)."""
+    _, files, _ = tls_dir
+    source = webconfig.TLSContextSource(webconfig.TLSSettings(cert_file=files.server_cert, key_file=files.server_key))
+    shaker = web._Handshakes(lambda: source, lambda conn, ok: None, limit=100)
+    pairs = [socket.socketpair() for _ in range(web.TAKE_IN_BATCH * 2 + 3)]
+    try:
+        for server_end, client_end in pairs:
+            server_end.setblocking(False)
+            client_end.sendall(client_hello())
+            shaker._incoming.append(web._Conn(server_end, ("test", 0), tls=True))
+        shaker._take_in()
+        assert shaker.in_progress == web.TAKE_IN_BATCH
+        shaker._take_in()
+        shaker._take_in()
+        assert shaker.in_progress == len(pairs)
+    finally:
+        shaker.close()
+        for _, client_end in pairs:
+            client_end.close()
+
+
+def test_hanging_client_hellos_past_the_limit_do_not_keep_out_a_scrape(tmp_path, tls_dir, monkeypatch):
+    _, files, _ = tls_dir
+    monkeypatch.setattr(web, "MAX_HANDSHAKES", 4)
+    with running(registry_with(GpuCollector()), tls_config(tmp_path, files)) as server:
+        hanging = [hanging_hello(server.server_port) for _ in range(10)]
+        try:
+            assert all(closed_by_peer(s) for s in hanging[:6])  # the oldest made room
+            assert request(server, "/metrics", context=client_context(files.ca_cert))[0] == 200
+            assert server._handshakes.evicted >= 7  # the scrape's handshake took one place too
+        finally:
+            for s in hanging:
+                s.close()
+
+
 # ---------------------------------------------------------------- listening and concurrency
 
 def test_dual_stack_listen_address():

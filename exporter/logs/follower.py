@@ -273,6 +273,15 @@ class FileFollower:
         return st.st_size
 
     def close(self) -> None:
+        """Close the file followed and the rotated files still read for late lines."""
+        self._close_current()
+        while self._draining:
+            try:
+                os.close(self._draining.pop().fd)
+            except OSError:
+                pass
+
+    def _close_current(self) -> None:
         if self._fd is not None:
             try:
                 os.close(self._fd)
@@ -417,7 +426,7 @@ class FileFollower:
             # Its unterminated last line was handed out as complete: later bytes start a new one.
             self._draining.append(_Draining(self._fd, self._offset, b"", time.monotonic() + DRAIN_SECONDS))
             self._fd = None
-        self.close()
+        self._close_current()
 
     def _open_next(self) -> None:
         """Open what follows the file finished last: a rotated file written after it and
@@ -428,7 +437,7 @@ class FileFollower:
         self._open()
         successor = self._next_rotated() if self._finished else None
         if successor is not None:
-            self.close()
+            self._close_current()
             self._open_at(*successor)
 
     def _drain(self, lines: List[str]) -> None:
@@ -530,7 +539,7 @@ class FileFollower:
                 os.close(fd)
                 continue
             live = self._identity
-            self.close()
+            self._close_current()
             self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)  # offset, partial line and head go on
             self._copy_of = live
             log.debug("%s was copied and truncated: reading the rest from %s", self.path, path)
@@ -611,7 +620,7 @@ class FileFollower:
     def _follow_copy(self, fd: int, fst: os.stat_result) -> None:
         """Read the copy of the current file from where the file was left (offset 0)."""
         live = self._identity
-        self.close()
+        self._close_current()
         self._fd, self._identity = fd, (fst.st_dev, fst.st_ino)
         self._head = self._read_head()
         self._copy_of = live

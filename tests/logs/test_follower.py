@@ -286,6 +286,30 @@ def test_lines_written_to_a_renamed_file_after_it_was_left_are_read(tmp_path):
     assert drain(f) == ["late"]
 
 
+def open_files() -> List[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def test_close_also_closes_the_rotated_files_still_drained(tmp_path):
+    path = tmp_path / "control.log"
+    write(path, "one\n")
+    f = FileFollower(str(path))
+    assert drain(f) == ["one"]
+    os.rename(path, tmp_path / "control.log.1")
+    write(path, "new\n")
+    assert drain(f) == ["new"]
+    rotated = str(tmp_path / "control.log.1")
+    assert rotated in open_files()  # read on for late lines
+    f.close()
+    assert rotated not in open_files() and str(path) not in open_files()
+
+
 def test_many_renames_between_two_polls_are_caught_up_at_once(tmp_path):
     path = tmp_path / "control.log"
     write(path, "start\n")
