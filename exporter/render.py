@@ -31,6 +31,7 @@ from . import limits as lim
 from .limits import Limits, VisibleDevice, client_limits, on_gpus, own_limits, visible_devices
 from .exitstatus import OUTCOMES
 from .logs.render import render_log_metrics
+from .runtime_metadata import CONTAINER, NAMES_SOURCE as _NAMES_SOURCE, NAMESPACE, OWNER, POD
 from .model import (
     EDGE_REASONS,
     EdgeReport,
@@ -67,11 +68,6 @@ LIMIT_SOURCES = tuple(Label(limit, FIXED, "the exporter's limit model (exporter/
                       for limit in lim.LIMITS)
 IGNORED_REASON = Label("reason", FIXED, "the exporter's limit model (exporter/limits.py)", ", ".join(lim.IGNORED_REASONS))
 # The collector names are the registry's (catalog.py writes them into the docs).
-# The Kubernetes names of a client's container (runtime_metadata.py); empty outside a pod.
-_NAMES_SOURCE = "annotations of the container runtime's OCI spec (containerd, CRI-O), else the kubelet's /pods"
-NAMESPACE = Label("namespace", INPUT, _NAMES_SOURCE, f"one per running client's pod (empty outside a pod); {CUT}")
-POD = Label("pod", INPUT, _NAMES_SOURCE, f"one per running client's pod (empty outside a pod); {CUT}")
-CONTAINER = Label("container", INPUT, _NAMES_SOURCE, f"one per running client's container (empty outside a pod); {CUT}")
 CLIENT = (CLIENT_PID, NAMESPACE, POD, CONTAINER)  # every per-client series
 COLLECTOR = Label("collector", FIXED, "the exporter's collectors", "{collectors}")
 
@@ -163,13 +159,13 @@ CLIENT_METRICS = table(
     "MPS clients",
     gauge("mps_client_info", "A connected MPS client process (value 1); pid_namespace is the PID namespace `ps` "
           "shows (not a Kubernetes namespace); container_id and pod_uid empty where the cgroup shows none. "
-          "namespace, pod and container (on every client series) are the Kubernetes names of its container, from "
-          "the container runtime's files or the kubelet; empty outside a pod.",
+          "namespace, pod and container (on every client series) name its pod, ECS task, Docker container or Slurm "
+          "job, owner says which (docs/labels.md#owners); empty where none does.",
           DAEMON, SERVER_PID, *CLIENT, UID, USER,
           Label("command", INPUT, "`ps` COMMAND column, else /proc/PID/comm", f"one per running client; {CUT}"),
           Label("pid_namespace", INPUT, "`ps` NAMESPACE column (a PID namespace)", f"one per running client; {CUT}"),
           Label("container_id", INPUT, "/proc/PID/cgroup (64 hex digits)", f"one per running client; {CUT}"),
-          Label("pod_uid", INPUT, "/proc/PID/cgroup (a UUID)", f"one per running client; {CUT}")),
+          Label("pod_uid", INPUT, "/proc/PID/cgroup (a UUID; a Slurm job), an ECS task's id", f"one per running client; {CUT}"), OWNER),
     gauge("mps_client_memory_used_bytes", "Device memory of the client, from NVML's MPS process list.",
           DAEMON, *CLIENT, GPU, UUID),
     gauge("mps_client_pinned_memory_limit_bytes", "Pinned memory limit that binds the client: its own "
@@ -623,7 +619,7 @@ def render_client(out: FamilyBuilder, d: DaemonReading, pid: int, row: Optional[
     out.add("mps_client_info", 1, **cp, server_pid="" if server_pid is None else str(server_pid),
             uid="" if proc.uid is None else str(proc.uid), user=proc.user,
             command=(row.command if row else "") or proc.command, pid_namespace=row.namespace if row else "",
-            container_id=proc.container_id, pod_uid=proc.pod_uid)
+            container_id=proc.container_id, pod_uid=proc.pod_uid, owner=proc.owner)
     c = _client_in_force(pid, row, proc, server_limits, d, joined, log_snap)
     for gpu, used in c.memory:
         out.add("mps_client_memory_used_bytes", used, **cp, gpu=str(gpu.index), uuid=gpu.uuid)
