@@ -396,7 +396,7 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
         Flag("--path.procfs", "procfs", "procfs mount point, /host/proc in a container (default %(default)s)",
              refuses=("", "/nonexistent/proc", "/dev/null"), check=directory),
         Flag("--path.runtime-root", "runtime_roots", "directory where the container runtime keeps each container's "
-             "OCI bundle (<dir>/<container id>/), whose annotations name a client's namespace, pod and container "
+             "OCI bundle or Docker's state (<dir>/<container id>/), which names a client's namespace, pod and container "
              f"(repeatable; default: {', '.join(DEFAULT_RUNTIME_ROOTS)}: containerd's, CRI-O's and Docker's, whose "
              "config.v2.json names a Docker container or ECS task)",
              refuses=("",), repeatable=True,
