@@ -127,7 +127,8 @@ class ProcessFacts:
     pod_uid: str = ""
     # Names of the container (runtime_metadata.py) or Slurm job (sources/proc.py) in the
     # Kubernetes columns: Kubernetes' namespace, pod, container; ECS's cluster, task id,
-    # container; a Docker container's name alone; Slurm's job (also pod_uid) and step.
+    # container; `docker` and a Docker container's name twice; `slurm`, the job (also
+    # pod_uid) and step.
     namespace: str = ""
     pod: str = ""
     container: str = ""

@@ -67,10 +67,10 @@ OWNERS = (KUBERNETES, ECS, DOCKER, SLURM)
 # The names' columns, on every client series (docs/labels.md#owners says what each owner puts there).
 NAMES_SOURCE = ("annotations of the container runtime's OCI spec (containerd, CRI-O), else the kubelet's /pods; "
                 "Docker's config.v2.json (Docker, ECS); the Slurm job's cgroup")
-NAMESPACE = Label("namespace", INPUT, NAMES_SOURCE, f"one per running client's pod or ECS cluster (empty for Docker, "
-                  f"Slurm and no owner); {CUT}")
-POD = Label("pod", INPUT, NAMES_SOURCE, f"one per running client's pod, ECS task or Slurm job (empty for Docker and no "
-            f"owner); {CUT}")
+NAMESPACE = Label("namespace", INPUT, NAMES_SOURCE, f"one per running client's pod or ECS cluster, `docker`, `slurm` "
+                  f"(empty for no owner); {CUT}")
+POD = Label("pod", INPUT, NAMES_SOURCE, f"one per running client's pod, ECS task, Docker container or Slurm job "
+            f"(empty for no owner); {CUT}")
 CONTAINER = Label("container", INPUT, NAMES_SOURCE, f"one per running client's container or Slurm step (empty for no "
                   f"owner); {CUT}")
 OWNER = Label("owner", FIXED, "who names the client's namespace, pod and container: the container runtime's files, "
@@ -80,7 +80,7 @@ OWNER = Label("owner", FIXED, "who names the client's namespace, pod and contain
 @dataclass(frozen=True)
 class PodNames:
     """A container's names in the namespace/pod/container columns: Kubernetes' own; an ECS
-    task's cluster, task id and container name; a Docker container's name alone."""
+    task's cluster, task id and container name; `docker` and a Docker container's name."""
 
     namespace: str = ""
     pod: str = ""
@@ -208,7 +208,10 @@ def parse_docker_config(text: str, container_id: str = "") -> PodNames:
     name = doc.get("Name")
     if not isinstance(name, str) or not name.strip("/"):
         return NO_NAMES
-    return PodNames("", "", name.lstrip("/"), "", DOCKER, pid)
+    # A Docker container is its own unit of scheduling: `docker` in the namespace column (so
+    # that dashboards select it as any namespace), its name as pod and container, its id as pod uid.
+    own_id = container_id or doc.get("ID")
+    return PodNames(DOCKER, name.lstrip("/"), name.lstrip("/"), own_id if isinstance(own_id, str) else "", DOCKER, pid)
 
 
 def parse_kubelet_pods(text: str) -> Dict[str, PodNames]:

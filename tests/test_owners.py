@@ -15,7 +15,7 @@ from tests.fakes.fake_runtime import (DOCKER_ID, DOCKER_INIT, DOCKER_ROOT, ECS_I
 from tests.support import scenarios
 
 # (namespace, pod, container, pod_uid, owner) of the fixtures' containers
-DOCKER_NAMES = ("", "", "trainer", "", "docker")
+DOCKER_NAMES = ("docker", "trainer", "trainer", DOCKER_ID, "docker")
 ECS_NAMES = ("gpu-cluster", ECS_TASK, "trainer", ECS_TASK, "ecs")
 NOTHING = ("", "", "", "", "")
 USER_SLICE = "/user.slice/user-1000.slice/user@1000.service/app.slice"  # a user's own systemd manager may make cgroups here
@@ -147,9 +147,9 @@ def test_an_ecs_client_under_cgroup_v1_task_cgroups(tmp_path):
 
 
 @pytest.mark.parametrize("fixture,expected", [
-    ("v2-jobid.cgroup", ("", "4242", "0", "4242", "slurm")),
-    ("v2-sluid.cgroup", ("", "sEKNKTV3WPV500", "batch", "sEKNKTV3WPV500", "slurm")),
-    ("v1-jobid.cgroup", ("", "4242", "0", "4242", "slurm")),
+    ("v2-jobid.cgroup", ("slurm", "4242", "0", "4242", "slurm")),
+    ("v2-sluid.cgroup", ("slurm", "sEKNKTV3WPV500", "batch", "sEKNKTV3WPV500", "slurm")),
+    ("v1-jobid.cgroup", ("slurm", "4242", "0", "4242", "slurm")),
 ])
 def test_a_slurm_client_is_named_by_its_job_and_step(tmp_path, fixture, expected):
     assert _attributed(tmp_path, (SLURM_CGROUPS / fixture).read_text()) == expected
@@ -177,7 +177,7 @@ def test_a_sub_cgroup_of_the_tenant_s_own_container_keeps_the_tenant_s_names(tmp
     write_docker_config(docker, forger, name="/miner", pid=777)
     cgroup = f"0::/system.slice/docker-{forger}.scope/" + below.format(victim=DOCKER_ID) + "\n"
     init = FakeProcess(777, cgroup=_v2(forger))
-    assert _attributed(tmp_path, cgroup, extra=[init], docker_root=docker) == ("", "", "miner", "", "docker")
+    assert _attributed(tmp_path, cgroup, extra=[init], docker_root=docker) == ("docker", "miner", "miner", forger, "docker")
 
 
 def test_a_cgroup_named_after_a_victim_ecs_task_container_gets_nothing(tmp_path):
@@ -207,7 +207,7 @@ def test_a_job_s_own_subtree_naming_another_job_keeps_its_own_job(tmp_path):
     """cgroup/v2 gives the job's user a subtree (`.../step_0/user/`): what it makes there is
     never read."""
     path = "/system.slice/slurmstepd.scope/job_99/step_0/user/task_0/job_4242/step_0"
-    assert _attributed(tmp_path, f"0::{path}\n") == ("", "99", "0", "99", "slurm")
+    assert _attributed(tmp_path, f"0::{path}\n") == ("slurm", "99", "0", "99", "slurm")
 
 
 def test_a_restarted_container_is_proven_by_its_new_init(tmp_path):
@@ -264,12 +264,12 @@ def test_owners_reach_every_client_series_and_mps_client_info(tmp_path):
             if f.name.startswith("mps_client_") and "pid" in s.labels:
                 by_pid.setdefault(s.labels["pid"], set()).add((s.labels["namespace"], s.labels["pod"],
                                                                s.labels["container"]))
-    assert by_pid["1647"] == {("", "", "trainer")}
+    assert by_pid["1647"] == {("docker", "trainer", "trainer")}
     assert by_pid["1648"] == {("gpu-cluster", ECS_TASK, "trainer")}
-    assert by_pid["1649"] == {("", "sEKNKTV3WPV500", "batch")}
+    assert by_pid["1649"] == {("slurm", "sEKNKTV3WPV500", "batch")}
     info = {s.labels["pid"]: (s.labels["owner"], s.labels["pod_uid"]) for f in families for s in f.samples
             if f.name == "mps_client_info"}
-    assert info == {"1647": ("docker", ""), "1648": ("ecs", ECS_TASK), "1649": ("slurm", "sEKNKTV3WPV500")}
+    assert info == {"1647": ("docker", DOCKER_ID), "1648": ("ecs", ECS_TASK), "1649": ("slurm", "sEKNKTV3WPV500")}
 
 
 def test_pod_granularity_groups_by_ecs_task_and_slurm_job(tmp_path):
@@ -285,4 +285,4 @@ def test_pod_granularity_groups_by_ecs_task_and_slurm_job(tmp_path):
     families = list(scen.collector().collect())
     pods = {(s.labels["pod_uid"], s.labels["namespace"], s.labels["pod"]): s.value for f in families
             for s in f.samples if f.name == "mps_pod_clients"}
-    assert pods == {("4242", "", "4242"): 2, (ECS_TASK, "gpu-cluster", ECS_TASK): 1}
+    assert pods == {("4242", "slurm", "4242"): 2, (ECS_TASK, "gpu-cluster", ECS_TASK): 1}

@@ -332,7 +332,8 @@ class ProcClient:
         if not (facts.container_id or facts.pod_uid):
             job, step = parse_slurm_cgroup(cgroup)
             if job:
-                facts.owner, facts.pod_uid, facts.pod, facts.container = SLURM, job, job, step
+                # `slurm` in the namespace column, so that dashboards select jobs as pods
+                facts.owner, facts.namespace, facts.pod_uid, facts.pod, facts.container = SLURM, SLURM, job, job, step
         try:
             with open(os.path.join(self.root, str(pid), "environ"), "rb") as f:
                 env = parse_environ(f.read())
