@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 RUNTIME_DATA = Path(__file__).resolve().parents[1] / "data" / "runtime"
 CONTAINERD_ROOT = RUNTIME_DATA / "containerd"
@@ -55,14 +55,14 @@ ECS_TASK = "0f9a4c2b7d3e4e1f8a6b5c4d3e2f1a0b"
 
 
 def write_docker_config(root: Path, container_id: str, name: str = "", pid: int = 0, running: bool = True,
-                        labels: Dict[str, str] = {}, like: str = DOCKER_ID) -> Path:
+                        labels: Optional[Dict[str, str]] = None, like: str = DOCKER_ID) -> Path:
     """Docker's config.v2.json of `like` (a fixture container) as `container_id`'s: renamed,
     its init `pid`, labels added: `<root>/<container_id>/config.v2.json`."""
     doc = json.loads((DOCKER_ROOT / like / "config.v2.json").read_text())
     doc["ID"] = container_id
     doc["Name"] = name or doc["Name"]
     doc["State"].update({"Running": running, "Pid": pid if running else 0})
-    doc["Config"]["Labels"].update(labels)
+    doc["Config"]["Labels"].update(labels or {})
     path = root / container_id / "config.v2.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, separators=(",", ":")))
