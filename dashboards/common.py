@@ -77,8 +77,11 @@ def kubernetes_variables() -> List[Template]:
     """Namespace (the first one by default) and pod (All of it), from the recorded memory of
     the pods with MPS clients (per client, or summed per pod by the exporter)."""
     return [
-        _query_variable("namespace", "Namespace", f"label_values({POD_MEMORY}, namespace)", all_by_default=False),
-        _query_variable("pod", "Pod", f'label_values({POD_MEMORY}{{namespace=~"$namespace"}}, pod)'),
+        # ECS clusters, `docker` and `slurm` are namespaces too, tasks, containers and jobs pods
+        # (docs/labels.md#owners).
+        _query_variable("namespace", "Namespace / cluster", f"label_values({POD_MEMORY}, namespace)",
+                        all_by_default=False),
+        _query_variable("pod", "Pod / task / job", f'label_values({POD_MEMORY}{{namespace=~"$namespace"}}, pod)'),
     ]
 
 

@@ -44,10 +44,12 @@ DEFAULT_DCGM_BINDINGS = (
 )
 
 # Where containerd (its CRI plugin's runtime v2 shims) and CRI-O keep each container's
-# OCI bundle, `<root>/<container id>/`: the pod names of a client's container
-# (runtime_metadata.py). The Helm chart mounts both read-only.
+# OCI bundle, and Docker each container's state (`config.v2.json`), `<root>/<container id>/`:
+# the names of a client's container (runtime_metadata.py). The Helm chart mounts the first
+# two read-only; a Docker or ECS host mounts the third.
 DEFAULT_RUNTIME_ROOTS = ("/run/containerd/io.containerd.runtime.v2.task/k8s.io",
-                         "/run/containers/storage/overlay-containers")
+                         "/run/containers/storage/overlay-containers",
+                         "/var/lib/docker/containers")
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 

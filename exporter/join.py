@@ -133,9 +133,10 @@ class ClientRow:
     pid_namespace: str  # `ps`' NAMESPACE column
     container_id: str
     pod_uid: str
-    namespace: str  # the Kubernetes names of its container; "" outside a pod
+    namespace: str  # its pod's, ECS task's, Docker container's or Slurm job's names (docs/labels.md#owners)
     pod: str
     container: str
+    owner: str  # who names it: kubernetes, ecs, docker, slurm or ""
     memory_used_bytes: Mapping[int, int] = field(metadata=READING)  # NVML's MPS list, by GPU index
     gpus: Tuple[int, ...] = ()  # the GPUs it is on: NVML's MPS list, else the device `ps` names
     gpus_source: str = UNKNOWN  # nvml, ps or none
@@ -424,7 +425,7 @@ def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemo
     return ClientRow(
         d.name, pid, server_pid, proc.uid, proc.user, (row.command if row else "") or proc.command,
         row.namespace if row else "", proc.container_id, proc.pod_uid, proc.namespace, proc.pod, proc.container,
-        memory_used_bytes={gpu.index: used for gpu, used in memory if used is not None},
+        proc.owner, memory_used_bytes={gpu.index: used for gpu, used in memory if used is not None},
         gpus=tuple(gpu.index for gpu in gpus), gpus_source=gpus_source,
         pinned_memory_limit_bytes={gpu.index: pinned[gpu.index] for gpu in gpus if pinned.get(gpu.index) is not None},
         active_thread_ratio=None if share is None else share / 100, priority=priority,

@@ -125,10 +125,14 @@ class ProcessFacts:
     start_time_seconds: Optional[float] = None
     container_id: str = ""
     pod_uid: str = ""
-    # Kubernetes names of the container (runtime_metadata.py); "" outside a pod.
+    # Names of the container (runtime_metadata.py) or Slurm job (sources/proc.py) in the
+    # Kubernetes columns: Kubernetes' namespace, pod, container; ECS's cluster, task id,
+    # container; `docker` and a Docker container's name twice; `slurm`, the job (also
+    # pod_uid) and step.
     namespace: str = ""
     pod: str = ""
     container: str = ""
+    owner: str = ""  # who named them: runtime_metadata.OWNERS, "" where nobody did
     # Only procfs.KEPT_ENV_VARS are ever kept from /proc/PID/environ, as written: how CUDA
     # reads them depends on the GPUs (limits.own_limits).
     environ: Dict[str, str] = field(default_factory=dict)

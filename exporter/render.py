@@ -23,6 +23,7 @@ from prometheus_client.samples import Sample
 from . import limits as lim
 from .exitstatus import OUTCOMES
 from .logs.render import render_log_metrics
+from .runtime_metadata import CONTAINER, NAMES_SOURCE as _NAMES_SOURCE, NAMESPACE, OWNER, POD
 from .join import (ClientMemory, ClientRow, DaemonRow, GpuRow, Rows, ServerRow, client_left_out, client_memory, join,
                    reading_fields, sharing_mode, sm_utilization)
 from .model import EDGE_REASONS, EdgeReport, Outcome, Snapshot
@@ -46,11 +47,6 @@ LIMIT_SOURCES = tuple(Label(limit, FIXED, "the exporter's limit model (exporter/
                       for limit in lim.LIMITS)
 IGNORED_REASON = Label("reason", FIXED, "the exporter's limit model (exporter/limits.py)", ", ".join(lim.IGNORED_REASONS))
 # The collector names are the registry's (catalog.py writes them into the docs).
-# The Kubernetes names of a client's container (runtime_metadata.py); empty outside a pod.
-_NAMES_SOURCE = "annotations of the container runtime's OCI spec (containerd, CRI-O), else the kubelet's /pods"
-NAMESPACE = Label("namespace", INPUT, _NAMES_SOURCE, f"one per running client's pod (empty outside a pod); {CUT}")
-POD = Label("pod", INPUT, _NAMES_SOURCE, f"one per running client's pod (empty outside a pod); {CUT}")
-CONTAINER = Label("container", INPUT, _NAMES_SOURCE, f"one per running client's container (empty outside a pod); {CUT}")
 CLIENT = (CLIENT_PID, NAMESPACE, POD, CONTAINER)  # every per-client series
 COLLECTOR = Label("collector", FIXED, "the exporter's collectors", "{collectors}")
 
@@ -142,13 +138,13 @@ CLIENT_METRICS = table(
     "MPS clients",
     gauge("mps_client_info", "A connected MPS client process (value 1); pid_namespace is the PID namespace `ps` "
           "shows (not a Kubernetes namespace); container_id and pod_uid empty where the cgroup shows none. "
-          "namespace, pod and container (on every client series) are the Kubernetes names of its container, from "
-          "the container runtime's files or the kubelet; empty outside a pod.",
+          "namespace, pod and container (on every client series) name its pod, ECS task, Docker container or Slurm "
+          "job, owner says which (docs/labels.md#owners); empty where none does.",
           DAEMON, SERVER_PID, *CLIENT, UID, USER,
           Label("command", INPUT, "`ps` COMMAND column, else /proc/PID/comm", f"one per running client; {CUT}"),
           Label("pid_namespace", INPUT, "`ps` NAMESPACE column (a PID namespace)", f"one per running client; {CUT}"),
           Label("container_id", INPUT, "/proc/PID/cgroup (64 hex digits)", f"one per running client; {CUT}"),
-          Label("pod_uid", INPUT, "/proc/PID/cgroup (a UUID)", f"one per running client; {CUT}")),
+          Label("pod_uid", INPUT, "/proc/PID/cgroup (a UUID; a Slurm job), an ECS task's id", f"one per running client; {CUT}"), OWNER),
     gauge("mps_client_memory_used_bytes", "Device memory of the client, from NVML's MPS process list.",
           DAEMON, *CLIENT, GPU, UUID),
     gauge("mps_client_pinned_memory_limit_bytes", "Pinned memory limit that binds the client: its own "
@@ -387,7 +383,7 @@ def client_labels(c: ClientRow) -> Dict[str, object]:
 def emit_client(out: FamilyBuilder, c: ClientRow, uuids: Mapping[int, str]) -> None:
     cp = client_labels(c)
     out.add("mps_client_info", 1, **cp, server_pid=c.server_pid, uid=c.uid, user=c.user, command=c.command,
-            pid_namespace=c.pid_namespace, container_id=c.container_id, pod_uid=c.pod_uid)
+            pid_namespace=c.pid_namespace, container_id=c.container_id, pod_uid=c.pod_uid, owner=c.owner)
     emit_client_readings(out, c, cp, uuids)
     for gpu, limit in c.pinned_memory_limit_bytes.items():
         out.add("mps_client_pinned_memory_limit_bytes", limit, **cp, gpu=gpu)

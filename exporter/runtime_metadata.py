@@ -25,6 +25,16 @@ Why not the Kubernetes API's pod watch: every node's exporter would hold a watch
 on the API server (load from every node), and it would need read access to every
 pod of the cluster. The node already knows its own containers.
 
+3. Docker's own state, outside Kubernetes: `/var/lib/docker/containers/<id>/config.v2.json`
+   (`ID`, `Name`, `Config.Labels`, `State.Pid`), read-only, no socket. A plain Docker
+   container is named by its Docker name; an Amazon ECS task's container by the labels the
+   ECS agent writes last, over any of the task definition's (`com.amazonaws.ecs.cluster`,
+   `...task-arn`, `...container-name`). Such names go to a process only where its
+   container cgroup is the one the daemon's recorded init process (`State.Pid`) is in
+   (proc.py checks): a cgroup a tenant names after another container is not that one.
+   A cri-dockerd pod's container (its `io.kubernetes.*` labels) is confirmed by pod uid
+   like containerd's and CRI-O's.
+
 Names are cached per container id (a container's names never change), up to
 MAX_ENTRIES ids, least recently used first out. An id found nowhere is asked again
 after MISS_RETRY_SECONDS (the kubelet reports a new container a few seconds late).
@@ -44,23 +54,51 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Sequence, Set, Tuple, TypeVar
 
 from .config import DEFAULT_RUNTIME_ROOTS, SERVICE_ACCOUNT
+from .contract import CUT, FIXED, INPUT, Label
 
 log = logging.getLogger(__name__)
 V = TypeVar("V")
 
 
+# Who runs a client: ProcessFacts.owner, the `owner` label of mps_client_info ("": nobody
+# the exporter can name). Slurm's jobs are read from the cgroup path alone (sources/proc.py).
+KUBERNETES, ECS, DOCKER, SLURM = "kubernetes", "ecs", "docker", "slurm"
+OWNERS = (KUBERNETES, ECS, DOCKER, SLURM)
+# The names' columns, on every client series (docs/labels.md#owners says what each owner puts there).
+NAMES_SOURCE = ("annotations of the container runtime's OCI spec (containerd, CRI-O), else the kubelet's /pods; "
+                "Docker's config.v2.json (Docker, ECS); the Slurm job's cgroup")
+NAMESPACE = Label("namespace", INPUT, NAMES_SOURCE, f"one per running client's pod or ECS cluster, `docker`, `slurm` "
+                  f"(empty for no owner); {CUT}")
+POD = Label("pod", INPUT, NAMES_SOURCE, f"one per running client's pod, ECS task, Docker container or Slurm job "
+            f"(empty for no owner); {CUT}")
+CONTAINER = Label("container", INPUT, NAMES_SOURCE, f"one per running client's container or Slurm step (empty for no "
+                  f"owner); {CUT}")
+OWNER = Label("owner", FIXED, "who names the client's namespace, pod and container: the container runtime's files, "
+              "the kubelet, Docker's state, Slurm's cgroup (docs/labels.md#owners)", ", ".join(OWNERS) + " or empty")
+
+
 @dataclass(frozen=True)
 class PodNames:
+    """A container's names in the namespace/pod/container columns: Kubernetes' own; an ECS
+    task's cluster, task id and container name; `docker` and a Docker container's name."""
+
     namespace: str = ""
     pod: str = ""
     container: str = ""
     # The pod the runtime (or the kubelet) puts the container in: what the cgroup's pod
-    # uid must equal for these names to be a process's (`confirms`). Not compared: the
-    # names are the value.
+    # uid must equal for these names to be a process's (`confirms`); an ECS task's id,
+    # which becomes the process's pod_uid. Not compared: the names are the value.
     pod_uid: str = field(default="", compare=False)
+    owner: str = field(default="", compare=False)
+    # Docker and ECS: the host PID the Docker daemon records for the container's init
+    # (`State.Pid`), whose container cgroup the process's must be (proc.py checks).
+    init_pid: int = field(default=0, compare=False)
 
     def confirms(self, pod_uid: str) -> bool:
-        """Whether these names may go to a process whose cgroup says `pod_uid`."""
+        """Whether these names may go to a process whose cgroup says `pod_uid`: in the pod
+        the runtime says (Kubernetes); in no pod (Docker, ECS: the init's cgroup decides)."""
+        if self.owner in (DOCKER, ECS):
+            return not pod_uid and self.init_pid > 0
         return bool(self.pod_uid) and self.pod_uid == pod_uid
 
 
@@ -70,6 +108,11 @@ NO_NAMES = PodNames()
 CONTAINERD_KEYS = ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri.sandbox-name",
                    "io.kubernetes.cri.container-name")
 CRIO_KEYS = ("io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.container.name")
+# The labels the ECS agent sets on every task container, after the task definition's own
+# dockerLabels, so that they win over any of the same name (amazon-ecs-agent,
+# agent/engine/docker_task_engine.go createContainer).
+ECS_CLUSTER, ECS_TASK_ARN, ECS_CONTAINER = ("com.amazonaws.ecs.cluster", "com.amazonaws.ecs.task-arn",
+                                            "com.amazonaws.ecs.container-name")
 
 
 @dataclass(frozen=True)
@@ -81,16 +124,19 @@ class Runtime:
     keys: Tuple[str, str, str]  # namespace, pod, container
     pod_uid_key: str
     id_key: str = ""  # where the spec records its own container id ("": nowhere)
+    docker: bool = False  # Docker's config.v2.json (its labels in `keys`), not an OCI spec
 
 
 CONTAINERD = Runtime("containerd", "config.json", CONTAINERD_KEYS, "io.kubernetes.cri.sandbox-uid")
 CRIO = Runtime("cri-o", "userdata/config.json", CRIO_KEYS, "io.kubernetes.pod.uid", "io.kubernetes.cri-o.ContainerID")
-RUNTIMES = (CONTAINERD, CRIO)
+# cri-dockerd (and dockershim before it) label a pod's containers as the kubelet names them.
+DOCKER_RUNTIME = Runtime("docker", "config.v2.json", CRIO_KEYS, "io.kubernetes.pod.uid", docker=True)
+RUNTIMES = (CONTAINERD, CRIO, DOCKER_RUNTIME)
 # The default roots' runtimes (config.DEFAULT_RUNTIME_ROOTS); another root is the runtime
 # whose layout is found there first.
 DEFAULT_ROOT_RUNTIMES = dict(zip(DEFAULT_RUNTIME_ROOTS, RUNTIMES))
 
-SPEC_FILES = tuple(r.spec for r in RUNTIMES)  # containerd, CRI-O
+SPEC_FILES = tuple(r.spec for r in RUNTIMES)  # containerd, CRI-O, Docker
 
 MAX_ENTRIES = 4096  # container ids remembered: 8 GPUs x 48 clients is 384 at most at once
 MISS_RETRY_SECONDS = 30.0
@@ -116,7 +162,8 @@ def parse_oci_spec(text: str, runtime: Optional[Runtime] = None, container_id: s
     if not isinstance(annotations, dict):
         return NO_NAMES
     if runtime is None:
-        found = [names for names in (_annotated(annotations, r, container_id) for r in RUNTIMES) if names != NO_NAMES]
+        found = [names for names in (_annotated(annotations, r, container_id) for r in (CONTAINERD, CRIO))
+                 if names != NO_NAMES]
         return found[0] if len(found) == 1 else NO_NAMES
     return _annotated(annotations, runtime, container_id)
 
@@ -129,7 +176,42 @@ def _annotated(annotations: Dict[str, object], runtime: Runtime, container_id: s
         return NO_NAMES  # not this container's spec
     uid = annotations.get(runtime.pod_uid_key)
     return PodNames(namespace, pod, container if isinstance(container, str) else "",
-                    uid if isinstance(uid, str) else "")
+                    uid if isinstance(uid, str) else "", KUBERNETES)
+
+
+def parse_docker_config(text: str, container_id: str = "") -> PodNames:
+    """The names of a running Docker container from the daemon's `config.v2.json`: a
+    cri-dockerd pod's (its `io.kubernetes.*` labels), an ECS task's (the agent's labels:
+    cluster's short name, the task ARN's last part as pod and pod uid, the task
+    definition's container name) or its Docker name; with the init's PID (`State.Pid`)
+    that proves a process is in it. NO_NAMES for a stopped container or one whose state
+    records another id than `container_id`. ValueError where the text is not a JSON object."""
+    doc = json.loads(text)
+    if not isinstance(doc, dict):
+        raise ValueError("a Docker config.v2.json is a JSON object")
+    state, config = doc.get("State"), doc.get("Config")
+    if (container_id and doc.get("ID") != container_id) or not isinstance(state, dict) or state.get("Running") is not True:
+        return NO_NAMES
+    pid = state.get("Pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return NO_NAMES
+    labels = config.get("Labels") if isinstance(config, dict) else None
+    labels = labels if isinstance(labels, dict) else {}
+    kubernetes = _annotated(labels, DOCKER_RUNTIME, "")
+    if kubernetes != NO_NAMES:
+        return kubernetes
+    task_arn, cluster, ecs_name = (labels.get(k) for k in (ECS_TASK_ARN, ECS_CLUSTER, ECS_CONTAINER))
+    if isinstance(task_arn, str) and task_arn.startswith("arn:") and "task/" in task_arn:
+        task = task_arn.rpartition("/")[2]  # task/<id> (old) or task/<cluster>/<id>
+        cluster = cluster.rpartition("cluster/")[2] if isinstance(cluster, str) else ""  # a name or its ARN
+        return PodNames(cluster, task, ecs_name if isinstance(ecs_name, str) else "", task, ECS, pid)
+    name = doc.get("Name")
+    if not isinstance(name, str) or not name.strip("/"):
+        return NO_NAMES
+    # A Docker container is its own unit of scheduling: `docker` in the namespace column (so
+    # that dashboards select it as any namespace), its name as pod and container, its id as pod uid.
+    own_id = container_id or doc.get("ID")
+    return PodNames(DOCKER, name.lstrip("/"), name.lstrip("/"), own_id if isinstance(own_id, str) else "", DOCKER, pid)
 
 
 def parse_kubelet_pods(text: str) -> Dict[str, PodNames]:
@@ -149,7 +231,7 @@ def parse_kubelet_pods(text: str) -> Dict[str, PodNames]:
             for c in status.get(kind) or ():
                 if isinstance(c, dict) and isinstance(c.get("containerID"), str):
                     bare = c["containerID"].rpartition("://")[2]
-                    names[bare] = PodNames(namespace, name, str(c.get("name", "")), uid)
+                    names[bare] = PodNames(namespace, name, str(c.get("name", "")), uid, KUBERNETES)
     return names
 
 
@@ -222,6 +304,12 @@ class PodNameLookup:
         self._remember(self._found, container_id, names)
         return names
 
+    def forget(self, container_id: str) -> None:
+        """Look this id up again next time: a restarted Docker container keeps its id but
+        its init, and so its names' proof, is another."""
+        self._found.pop(container_id, None)
+        self._missed.pop(container_id, None)
+
     def _remember(self, cache: "OrderedDict[str, V]", key: str, value: V) -> None:
         cache[key] = value
         cache.move_to_end(key)
@@ -243,7 +331,8 @@ class PodNameLookup:
                     continue
                 self._root_runtimes[root] = runtime  # a root is one runtime's: the other layout is never read
                 try:
-                    names = parse_oci_spec(text, runtime, container_id)
+                    names = (parse_docker_config(text, container_id) if runtime.docker
+                             else parse_oci_spec(text, runtime, container_id))
                 except ValueError as e:
                     self._complain(f"spec:{root}", "cannot read container names from %s: %s", path, e)
                     continue

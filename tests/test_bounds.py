@@ -71,7 +71,7 @@ def test_input_labels_are_cut_config_labels_are_not():
     out = FamilyBuilder()
     long = "x" * 10_000
     out.add("mps_client_info", 1, daemon="d" * 300, server_pid="1", pid="2", uid="0", user=long, command=long,
-            pid_namespace=long, container_id=long, pod_uid=long, namespace=long, pod=long, container=long)
+            pid_namespace=long, container_id=long, pod_uid=long, namespace=long, pod=long, container=long, owner="docker")
     out.add("mps_control_daemon_info", 1, daemon="default", version=long, pipe_directory="/p" * 200,
             log_directory="/l", claim_uid="", multiuser="")
     samples = {s.name: s.labels for fam in out.families() for s in fam.samples}

@@ -2,7 +2,8 @@
 
 Per PID: real uid and user name, command name, start time, container id and pod
 uid from the cgroup path (and the container's namespace, pod and container names
-from the runtime's files or the kubelet: runtime_metadata.py), and from the
+from the runtime's files or the kubelet: runtime_metadata.py; a Slurm job and step
+from where slurmstepd put it), and from the
 environment exactly four variables: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, CUDA_MPS_CLIENT_PRIORITY and CUDA_VISIBLE_DEVICES
 (the pinned limit's device keys count the client's visible devices). Limits a client
@@ -29,7 +30,7 @@ from typing import AbstractSet, Callable, Dict, Iterable, Optional, Set, Tuple
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
 from ..config import DEFAULT_RUNTIME_ROOTS
-from ..runtime_metadata import NO_NAMES, PodNameLookup, PodNames, kubelet_fetcher
+from ..runtime_metadata import NO_NAMES, SLURM, PodNameLookup, PodNames, kubelet_fetcher
 from .base import Backends, Flag, ReadContext, Reader, Source, not_empty
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,76 @@ def _cgroup_path_ids(path: str) -> Tuple[str, str]:
         if container:
             return container.group(1), ""
     return "", ""
+
+
+def _container_cgroup(path: str) -> str:
+    """The cgroup of the container `_cgroup_path_ids` names outside a pod: the path down to
+    the first container segment ("" where none)."""
+    segments = path.split("/")
+    for i, segment in enumerate(segments):
+        if _CONTAINER_SEGMENT.fullmatch(segment):
+            return "/".join(segments[:i + 1])
+    return ""
+
+
+def container_cgroups(text: str) -> Dict[str, str]:
+    """Hierarchy ("N:controllers") -> its container cgroup, of /proc/PID/cgroup: two
+    processes are in one container where these are equal and name one."""
+    found = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            found[parts[0] + ":" + parts[1]] = _container_cgroup(parts[2].strip())
+    return found
+
+
+# Slurm's job cgroups, made by slurmstepd where only root writes (cgroup/v2:
+# `/system.slice/[<node>_]slurmstepd.scope/<job>/step_<step>/...`; cgroup/v1, one tree per
+# controller: `/slurm[_<node>]/uid_<uid>/<job>/step_<step>/...`). The job directory is
+# `job_<id>`, or from Slurm 26.05 the job's SLUID (`s` and 13 base-32 digits) unless
+# cgroup.conf says CgroupJobIdPaths=yes. Anything below the step (the job's own `user/`
+# subtree) is never read; the same names anywhere else (a user's systemd manager can make
+# `.../user@1000.service/app.slice/slurmstepd.scope/job_<victim>`) name no job.
+_SLURM_V2_SCOPE = re.compile(r"(?:[A-Za-z0-9.-]+_)?slurmstepd\.scope")
+_SLURM_V1_ROOT = re.compile(r"slurm(?:_[A-Za-z0-9.-]+)?")
+_SLURM_UID = re.compile(r"uid_[0-9]+")
+_SLURM_JOB = re.compile(r"job_([0-9]{1,10})|(s[0-9A-Z]{13})")
+_SLURM_STEP = re.compile(r"step_([0-9]{1,10}|batch|extern|interactive)")
+
+
+def _slurm_path_ids(path: str) -> Tuple[str, str]:
+    """(job, step) of one cgroup path, "" where it is no Slurm job's. The leading `..` of a
+    path outside the exporter's own cgroup namespace are dropped: the tree below them is
+    the host's (run the exporter in the host's cgroup namespace, or one not inside
+    system.slice)."""
+    segments = [s for s in path.split("/") if s]
+    while segments and segments[0] == "..":
+        segments.pop(0)
+    if len(segments) >= 3 and segments[0] == "system.slice" and _SLURM_V2_SCOPE.fullmatch(segments[1]):
+        below = segments[2:]
+    elif len(segments) >= 3 and _SLURM_V1_ROOT.fullmatch(segments[0]) and _SLURM_UID.fullmatch(segments[1]):
+        below = segments[2:]
+    else:
+        return "", ""
+    job = _SLURM_JOB.fullmatch(below[0])
+    if not job:
+        return "", ""
+    step = _SLURM_STEP.fullmatch(below[1]) if len(below) > 1 else None
+    return job.group(1) or job.group(2), step.group(1) if step else ""
+
+
+def parse_slurm_cgroup(text: str) -> Tuple[str, str]:
+    """(job, step) from /proc/PID/cgroup: the job id (or SLUID) and step (a number, batch,
+    extern, interactive; "" in the job's own cgroup) where slurmstepd put the process,
+    ("", "") elsewhere or where v1 hierarchies disagree."""
+    found = set()
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            ids = _slurm_path_ids(parts[2].strip())
+            if ids != ("", ""):
+                found.add(ids)
+    return next(iter(found)) if len(found) == 1 else ("", "")
 
 
 def parse_cgroup(text: str) -> Tuple[str, str]:
@@ -190,31 +261,56 @@ class ProcClient:
                     raise
                 return None  # read() says what went wrong
             found = known[2]
-            # A container's names are asked every read (a cache hit), since a name the
-            # kubelet did not know yet at the process's first read may come later.
-            if found.container_id and not found.pod:
+            # A container's names are asked every read (a cache hit) until found, since a
+            # name the kubelet did not know yet at the process's first read may come later.
+            if found.container_id and not found.owner:
                 lookup = self.pod_names.names if read_new else self.pod_names.known
                 names = lookup(found.container_id)
-                if names is None:
-                    return None
-                if names != NO_NAMES and not names.confirms(found.pod_uid):
+                if names is None or (names.init_pid and not read_new):
+                    return None  # Docker's proof reads the init's cgroup: the source's thread does
+                if names != NO_NAMES and not self._confirmed(pid, found, names):
                     self._refuse(pid, found, names)
-                else:
+                elif names != NO_NAMES:
                     found.namespace, found.pod, found.container = names.namespace, names.pod, names.container
+                    found.pod_uid, found.owner = found.pod_uid or names.pod_uid, names.owner
             facts[pid] = found
         for pid in set(self._known) - set(facts) - keep:
             del self._known[pid]
         return facts
 
+    def _confirmed(self, pid: int, found: ProcessFacts, names: PodNames) -> bool:
+        """Whether `names` are the process's: the runtime's pod is the cgroup's (Kubernetes),
+        or the process's container cgroup is the one Docker's recorded init is in (Docker,
+        ECS). A failed Docker proof looks the id up once more: a restarted container keeps
+        its id with a new init."""
+        if not names.confirms(found.pod_uid):
+            return False
+        if not names.init_pid:
+            return True
+        if self._in_container_of(pid, names.init_pid):
+            return True
+        self.pod_names.forget(found.container_id)
+        again = self.pod_names.names(found.container_id)
+        return bool(again.init_pid) and again.init_pid != names.init_pid and self._in_container_of(pid, again.init_pid)
+
+    def _in_container_of(self, pid: int, init_pid: int) -> bool:
+        try:
+            own, init = (container_cgroups(self._read(p, "cgroup")) for p in (pid, init_pid))
+        except (OSError, ValueError):
+            return False
+        return own == init and any(own.values())
+
     def _refuse(self, pid: int, found: ProcessFacts, names: PodNames) -> None:
         """The runtime puts the container the cgroup names in another pod than the cgroup
-        does: not this process's container (a cgroup made to look like another's). It keeps
-        its own pod uid (the kubelet's segment) and no container."""
+        does, or Docker runs it in another cgroup: not this process's container (a cgroup
+        made to look like another's). It keeps its own pod uid (the kubelet's segment) and
+        no container."""
         level = logging.DEBUG if self._refusal_logged else logging.WARNING
         self._refusal_logged = True
-        log.log(level, "PID %d: its cgroup names container %s in pod %s, which the runtime puts in pod %s "
-                "(%s/%s): not attributed", pid, found.container_id, found.pod_uid or "(none)",
-                names.pod_uid or "(none)", names.namespace, names.pod)
+        where = (f"Docker runs in the cgroup of PID {names.init_pid}, not this one" if names.init_pid
+                 else f"the runtime puts in pod {names.pod_uid or '(none)'}")
+        log.log(level, "PID %d: its cgroup names container %s in pod %s, which %s (%s/%s/%s): not attributed",
+                pid, found.container_id, found.pod_uid or "(none)", where, names.namespace, names.pod, names.container)
         found.container_id = ""
 
     def read_pid(self, pid: int, ticks: Optional[int]) -> ProcessFacts:
@@ -229,9 +325,15 @@ class ProcClient:
         if ticks is not None and boot is not None:
             facts.start_time_seconds = boot + ticks / self.clock_ticks
         try:
-            facts.container_id, facts.pod_uid = parse_cgroup(self._read(pid, "cgroup"))
+            cgroup = self._read(pid, "cgroup")
         except PermissionError:
-            pass
+            cgroup = ""
+        facts.container_id, facts.pod_uid = parse_cgroup(cgroup)
+        if not (facts.container_id or facts.pod_uid):
+            job, step = parse_slurm_cgroup(cgroup)
+            if job:
+                # `slurm` in the namespace column, so that dashboards select jobs as pods
+                facts.owner, facts.namespace, facts.pod_uid, facts.pod, facts.container = SLURM, SLURM, job, job, step
         try:
             with open(os.path.join(self.root, str(pid), "environ"), "rb") as f:
                 env = parse_environ(f.read())
@@ -295,8 +397,9 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
         Flag("--path.procfs", "procfs", "procfs mount point, /host/proc in a container (default %(default)s)",
              refuses=("", "/nonexistent/proc", "/dev/null"), check=directory),
         Flag("--path.runtime-root", "runtime_roots", "directory where the container runtime keeps each container's "
-             "OCI bundle (<dir>/<container id>/), whose annotations name a client's namespace, pod and container "
-             f"(repeatable; default: {' and '.join(DEFAULT_RUNTIME_ROOTS)}, containerd's and CRI-O's)",
+             "OCI bundle or Docker's state (<dir>/<container id>/), which names a client's namespace, pod and container "
+             f"(repeatable; default: {', '.join(DEFAULT_RUNTIME_ROOTS)}: containerd's, CRI-O's and Docker's, whose "
+             "config.v2.json names a Docker container or ECS task)",
              refuses=("",), repeatable=True,
              check=lambda paths: tuple(not_empty(p) for p in paths)),
         Flag("--kubelet.url", "kubelet_url", "the node's kubelet (e.g. https://$NODE_IP:10250): its /pods names the "

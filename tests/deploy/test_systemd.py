@@ -232,3 +232,23 @@ def test_collapse_rotation_copies_then_removes_the_copied_blocks(tmp_path):
     else:
         n = len(lines) - len(lines) % block
         assert copy == lines and control.read_text() == lines[n:] + "after rotation\n"
+
+
+@pytest.mark.parametrize("platform,daemons,discover", [
+    ("ecs", [("default", "/run/mps-ecs", "/var/log/nvidia-mps")], []),
+    ("slurm", [], [("glob", "/run/mps-slurm/*")]),
+])
+def test_platform_flags_files_parse_as_documented(platform, daemons, discover):
+    """docs/deploy.md's ECS and Slurm variants of the flags file: the exporter's own parser
+    reads them, with the daemon directories those sections name (issue 41)."""
+    from mps_exporter import cli as exporter_config
+
+    with open(os.path.join(SYSTEMD, f"mps-exporter.{platform}.default"), encoding="utf-8") as f:
+        (line,) = [line for line in f if line.startswith("MPS_EXPORTER_ARGS=")]
+    command, cfg = exporter_config.parse_args(shlex.split(line.partition("=")[2])[0].split())
+    assert command == "serve" and cfg.discover_processes
+    assert [(d.name, d.pipe_directory, d.log_directory) for d in cfg.daemons] == daemons
+    assert [(r.layout, r.path) for r in cfg.discover] == discover
+    assert cfg.state_file.startswith("/var/lib/" + _unit("mps-exporter.service")["Service"]["StateDirectory"] + "/")
+    if platform == "ecs":
+        assert "/var/lib/docker/containers" in cfg.runtime_roots

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 RUNTIME_DATA = Path(__file__).resolve().parents[1] / "data" / "runtime"
 CONTAINERD_ROOT = RUNTIME_DATA / "containerd"
@@ -40,4 +40,30 @@ def write_crio_spec(root: Path, container_id: str, annotations: Dict[str, str]) 
     path = root / container_id / "userdata" / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
+    return path
+
+
+DOCKER_ROOT = RUNTIME_DATA / "docker"
+SLURM_CGROUPS = RUNTIME_DATA / "slurm"
+# The containers of tests/data/runtime/docker: a plain Docker container (`/trainer`) and an
+# ECS task's (cluster gpu-cluster, task 0f9a4c2b..., container trainer), and their inits.
+DOCKER_ID = "4e7c2a9b1d3f5e8a0c6b2d4f7a9e1c3b5d8f0a2c4e6b9d1f3a5c7e0b2d4f6a8c"
+DOCKER_INIT = 41876
+ECS_ID = "9b1d3f5a7c0e2b4d6f8a1c3e5b7d9f2a4c6e8b0d1f3a5c7e9b2d4f6a8c0e1b3d"
+ECS_INIT = 52311
+ECS_TASK = "0f9a4c2b7d3e4e1f8a6b5c4d3e2f1a0b"
+
+
+def write_docker_config(root: Path, container_id: str, name: str = "", pid: int = 0, running: bool = True,
+                        labels: Optional[Dict[str, str]] = None, like: str = DOCKER_ID) -> Path:
+    """Docker's config.v2.json of `like` (a fixture container) as `container_id`'s: renamed,
+    its init `pid`, labels added: `<root>/<container_id>/config.v2.json`."""
+    doc = json.loads((DOCKER_ROOT / like / "config.v2.json").read_text())
+    doc["ID"] = container_id
+    doc["Name"] = name or doc["Name"]
+    doc["State"].update({"Running": running, "Pid": pid if running else 0})
+    doc["Config"]["Labels"].update(labels or {})
+    path = root / container_id / "config.v2.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, separators=(",", ":")))
     return path
