@@ -503,7 +503,7 @@ class FileFollower:
         return list(found.values())
 
     def _next_rotated(self) -> Optional[Tuple[str, int]]:
-        """(path, fd) of the oldest rotated file written after the one just finished and
+        """(path, fd) of the oldest rotated file created after the one just finished and
         never read (rename rotation, several times between two polls); None: go on with
         the file the name means (open). That file may itself have been rotated since it
         was opened: it is then a candidate like the others, in its turn. Names shift
@@ -513,7 +513,7 @@ class FileFollower:
         for dev, ino, born_then in self._finished:
             finished.setdefault((dev, ino), []).append(born_then)
         for _ in range(5):
-            candidates = []
+            candidates: List[Tuple[int, int, int, str, int, Optional[int]]] = []
             for path, est in self._rotated_siblings(listings=2):
                 born = birth.path_birth_ns(path) if after is not None else None
                 # Read to its end already: the same inode, and the same birth time where both
