@@ -27,10 +27,22 @@ log's front with fallocate --collapse-range; the log directory is in the system'
 temporary directory, so that must be on ext4 or XFS: `truncate fallbacks` counts the
 rotations where the script fell back to truncating); `rename` is create-style rotation (`create`, no compression), which tools
 that reopen their logs use. In rename mode the writer reopens the name after each
-rotation, as such a program does on its signal. `none` rotates nothing: the reader's
-CPU at that rate alone.
+rotation, as such a program does on its signal. `delete` is `rename` keeping 3 rotated
+files (`rotate 3`): older ones are deleted, and ext4 gives their inode numbers to new
+files. `none` rotates nothing: the reader's CPU at that rate alone.
 
-    python3 bench/rotation_bench.py [--seconds 60] [--rate 500] [--modes copytruncate:1 rename:0.1 ...]
+Writers (`--writers`): `keep` as above; `reopen` reopens the log when logrotate's
+postrotate sends it SIGHUP (as MPS would be made to); `split` reopens on SIGHUP too and
+writes each line in two write() calls, the second half at the start of its next burst
+(every 2 ms), so the file ends mid-line most of the time, as with stdio flushing a full
+buffer; it finishes its line in the old file before it reopens (fclose flushes). `lost`
+counts every line never read whole (in rename and collapse modes all of them are the
+follower's), `cut` the lines handed out that are not a whole line as written (half a
+line, or two halves run together). `--rate` and `--writers` take several values: each
+mode runs with each in turn, one row each, the load average before it in the row.
+
+    python3 bench/rotation_bench.py [--seconds 60] [--rate 500 5000] [--writers reopen split] \
+        [--modes copytruncate:1 rename:0.1 delete:0.1 collapse:0.1 ...]
 
 Numbers, not a pass/fail; the load average is printed beside them.
 """
