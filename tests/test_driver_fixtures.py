@@ -11,12 +11,15 @@ pipeline: every line is recognized or counted unrecognized, with the right count
 from __future__ import annotations
 
 import re
+import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, List, Sequence, Tuple
 
 import pytest
 
+from mps_exporter import cli
 from mps_exporter.config import Config, DaemonConfig
 from mps_exporter.logs import events as ev
 from mps_exporter.logs.parser import parse_line
@@ -187,3 +190,75 @@ def test_the_580_server_log_carries_its_limits():
     assert [(e.pid, e.limit_bytes) for e in pinned] == [(4428, 0x140000000)]  # 5 GiB
     assert [e.priority for e in priority] == [0]
     assert not any(isinstance(e, ev.Unrecognized) for e in events)
+
+
+REPLAY_PROGRAM = '''\
+import sys
+answers = {}
+cmd = None
+for line in open(sys.argv[1], encoding="utf-8").read().splitlines():
+    if line.startswith("> "):
+        cmd = line[2:].strip()
+        answers[cmd] = ""
+    elif cmd is not None:
+        answers[cmd] += line + "\\n"
+if sys.argv[3:] == ["-v"]:  # replay.py ANSWERS VERSION [-v]
+    print("CUDA MPS Control for Linux/Unix/QNX. Binary version: " + sys.argv[2])
+    sys.exit(0)
+line = sys.stdin.read().strip()
+out = answers.get(line)
+if out is None and answers.get(line.split()[0], "").startswith("Unknown command"):
+    out = answers[line.split()[0]]
+if out is None:
+    sys.stdout.write("not recorded: " + line + "\\n")
+    sys.exit(3)
+sys.stdout.write(out)
+'''
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dump_serves_each_familys_recorded_daemon(tmp_path, monkeypatch, family):
+    """`mps-exporter dump` with the recorded answers behind a real control program (a
+    subprocess answering from answers.txt): the control collector up, the servers and
+    clients served, what the family does not know counted per command."""
+    unknown, version = FAMILIES[family]
+    program = tmp_path / "replay.py"
+    program.write_text(REPLAY_PROGRAM)
+    binary = tmp_path / "nvidia-cuda-mps-control"
+    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {program} {DRIVERS / family / 'answers.txt'} {version} \"$@\"\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    rc = cli.main(["dump", "--mps.pipe-directory", str(pipe), "--mps.log-directory", str(tmp_path / "log"),
+                   "--mps.control-binary", str(binary), "--no-mps.discover-processes",
+                   "--no-collector.nvml", "--no-collector.dcgm", "--no-collector.proc", "--no-collector.logs",
+                   "--textfile", str(tmp_path / "dump.prom")])
+    text = (tmp_path / "dump.prom").read_text()
+    assert rc == 0
+    d = {"daemon": "default"}
+    assert value(text, "mps_exporter_collector_success", collector="control") == 1
+    assert value(text, "mps_control_daemon_up", **d) == 1
+    assert value(text, "mps_server_clients", **d, server_pid="1589") == 2
+    assert len(series(text, "mps_client_info", **d)) == 2
+    assert bool(series(text, "mps_default_client_priority", **d)) == ("get_default_client_priority" not in unknown)
+    counted = {line.split('command="')[1].split('"')[0]
+               for line in series(text, "mps_exporter_control_commands_unknown_total", **d)}
+    assert counted == unknown  # one dump asks each verb once: every unknown one answered so
+
+
+def test_no_recorded_line_breaks_the_parser_even_with_its_numbers_made_huge():
+    """Every line of every family's logs, and each with one number made 5,000 digits long:
+    an event or an Unrecognized with a reason, never the parser's own error."""
+    from mps_exporter.logs.parser import PARSER_ERROR
+
+    huge, checked = "9" * 5000, 0
+    for path in sorted(DRIVERS.rglob("*.log")):
+        file = "control" if path.name.startswith("control") else "server"
+        for line in path.read_text(encoding="utf-8").splitlines():
+            variants = [line] + [line[:m.start()] + huge + line[m.end():] for m in re.finditer(r"\d+", line)]
+            for text in variants:
+                result = parse_line(text, file)
+                assert not (isinstance(result, ev.Unrecognized) and result.reason == PARSER_ERROR), text[:200]
+                checked += 1
+    assert checked > 400  # 425 with the fixtures of 2026-11
