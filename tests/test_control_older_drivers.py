@@ -68,7 +68,7 @@ def test_each_driver_family_serves_its_servers_and_clients(tmp_path, family):
     cfg.procfs = str(write_proc(tmp_path / "proc", []))
     cfg.collectors.update(dcgm=False, logs=False, proc=False)
     cfg.runtime_roots = ()
-    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=FakeDaemons({str(pipe): fake})))
+    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=FakeDaemons({str(pipe): fake}), nvml_wait_for_every_answer=True))
     collector = build_collector(cfg, readers)
     try:
         exposition(collector)

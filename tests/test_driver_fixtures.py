@@ -113,7 +113,7 @@ def test_recorded_answers_serve_servers_and_clients(tmp_path, family):
     cfg.procfs = str(write_proc(tmp_path / "proc", []))
     cfg.collectors.update(dcgm=False, logs=False, proc=False)
     cfg.runtime_roots = ()
-    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=recorded))
+    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=recorded, nvml_wait_for_every_answer=True))
     collector = build_collector(cfg, readers)
     try:
         exposition(collector)
