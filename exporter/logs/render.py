@@ -183,6 +183,10 @@ _EMIT: Dict[str, Emit] = {
 
 def _counted_events(specs: Iterable[MetricSpec]) -> Tuple[str, ...]:
     """The declarations _EMIT does not name: each must be a counter of one daemon's events."""
+    specs = tuple(specs)
+    unknown = set(_EMIT) - {spec.name for spec in specs}
+    if unknown:
+        raise ValueError(f"emitters of families not declared here: {sorted(unknown)}")
     counted = tuple(spec.name for spec in specs if spec.name not in _EMIT)
     odd = [DECLARED[n] for n in counted if DECLARED[n].type != COUNTER or DECLARED[n].labels != (DAEMON.name,)]
     if odd:

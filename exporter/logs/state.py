@@ -74,6 +74,7 @@ MAX_ORPHAN_FACTS = 64  # server.log facts of servers control.log has not announc
 MAX_RECENT_EVENTS = 64  # the last events `mps-exporter status` lists with their times
 MAX_PENDING_EXITS = 4096
 MAX_ATTACHED = 4096  # clients per server remembered for the exits-with-clients check
+MAX_COUNTED_EVENTS = 1024  # names in a saved map of counted events (the exporter declares a dozen)
 # A line dated further ahead of the clock than this is not believed: its time moves no
 # exported time (one line dated 9999 once pinned the last-line time there for good).
 MAX_CLOCK_AHEAD = 86400.0
@@ -742,7 +743,10 @@ def _counts(value: Any) -> Dict[str, int]:
 
 
 def _load_counts(st: "LogState", value: Any) -> None:
-    st.s.counts = _counts(value)
+    counts = _counts(value)
+    if len(counts) > MAX_COUNTED_EVENTS or any(len(name) > 200 for name in counts):
+        raise ValueError(f"{len(counts)} counted events, or a name longer than 200 characters")
+    st.s.counts = counts
 
 
 def _load_signals(st: "LogState", value: Any) -> None:

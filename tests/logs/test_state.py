@@ -650,3 +650,12 @@ def test_every_event_the_state_machine_counts_is_a_declared_counted_event():
     names = {n.value for n in ast.walk(ast.parse(inspect.getsource(state)))
              if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("mps_")}
     assert len(names) >= 10 and names <= set(COUNTED_EVENTS)
+
+
+def test_a_saved_map_of_counted_events_is_bounded():
+    saved = LogState().to_dict()
+    saved["counts"] = {f"mps_x{i}_total": 1 for i in range(st.MAX_COUNTED_EVENTS + 1)}
+    with pytest.raises(ValueError):
+        LogState.from_dict(json.loads(json.dumps(saved)))
+    saved["counts"] = {"mps_counted_by_a_newer_exporter_total": 2, "mps_server_starts_total": 0}
+    assert LogState.from_dict(saved).snapshot().counts == {"mps_counted_by_a_newer_exporter_total": 2}
