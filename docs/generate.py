@@ -22,12 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def blocks() -> Dict[str, Tuple[str, Callable[[], str]]]:
     """Block name -> (file relative to the repository, the block's text)."""
+    if str(ROOT) not in sys.path:  # run as a script: dashboards/ (the useful queries) beside docs/
+        sys.path.insert(0, str(ROOT))
+    from dashboards import useful_queries
     from mps_exporter import catalog
 
     return {
         "metrics": ("README.md", catalog.metrics_markdown),
         "labels": ("docs/labels.md", catalog.labels_markdown),
         "collector-flags": ("README.md", catalog.collector_flags_markdown),
+        "useful-queries": ("README.md", useful_queries.markdown),
     }
 
 

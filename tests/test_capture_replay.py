@@ -662,3 +662,24 @@ def test_replay_command_serves_until_terminated(tmp_path):
         proc.terminate()
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
+
+
+def test_capture_keeps_a_failing_sources_error_in_every_reading(tmp_path):
+    """Issue 43: control, not read again while its last reading is fresh, had its error in
+    the bundle's first reading only; the others said nothing of it, and a replay of them
+    failed with "not read at this moment" instead of the recorded error."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    out = tmp_path / "b.jsonl.gz"
+    res = subprocess.run([sys.executable, "-m", "mps_exporter.cli", "capture", "--out", str(out), "--duration", "1",
+                          "--interval", "0.1", "--mps.control-binary", str(tmp_path / "no-such-control"),
+                          "--mps.log-directory", str(logs), "--no-collector.dcgm"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    with gzip.open(out, "rt") as f:
+        scrapes = [r for r in map(json.loads, f) if r["kind"] == "scrape"]
+    assert len(scrapes) >= 5
+    for r in scrapes:
+        (daemon,) = r["sources"]["control"]
+        assert "no-such-control not found" in daemon["value"]["error"], r["sources"]["control"]
+        assert "NvmlUnavailable" in r["sources"]["nvml"]["error"]
