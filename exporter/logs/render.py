@@ -47,6 +47,8 @@ QUEUE_METRICS = table(
             "(killed or cancelled while waiting): the logs never say so, the exporter asks /proc where it shares "
             "the daemon's PID namespace.", DAEMON),
     counter("mps_server_handoffs_total", "Servers shut down so that another user's server could start.", DAEMON),
+    counter("mps_control_accept_failures_total", "Connections the control daemon could not accept (control.log "
+            "'Unable to accept connection'): a client or control command that connected then got no answer.", DAEMON),
     counter("mps_server_shutdown_deferrals_total", "'Server will not shutdown' answers while another user waits.",
             DAEMON),
     counter("mps_client_rejections_total", "Client connections a server refused (server.log); reason client_limit: "

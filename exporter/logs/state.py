@@ -58,7 +58,7 @@ from ..model import (REASONS, SERVER_STARTING, THREADS, USER_SWITCH, ClientLimit
                      LogServer, LogSnapshot, PendingClient, queue_wait_histogram)
 from ..units import ascii_digits, parse_decimal, parse_size
 from .events import (
-    ClientAccepted, ClientContextActive, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    AcceptFailed, ClientAccepted, ClientContextActive, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
     ClientPushed, ClientRejected, ClientTerminated, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
     ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
     ServerPinnedLimit, ServerPriority, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
@@ -241,6 +241,7 @@ class LogState:
             ServerPriority: self._server_priority, ClientTerminated: self._client_terminated,
             # Events that are only counted: one line each, the metric's name (logs/render.py declares it).
             ShutdownDeferred: self._counter("mps_server_shutdown_deferrals_total"),
+            AcceptFailed: self._counter("mps_control_accept_failures_total"),
         }
 
     # --------------------------------------------------------------- input

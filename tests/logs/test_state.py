@@ -659,3 +659,17 @@ def test_a_saved_map_of_counted_events_is_bounded():
         LogState.from_dict(json.loads(json.dumps(saved)))
     saved["counts"] = {"mps_counted_by_a_newer_exporter_total": 2, "mps_server_starts_total": 0}
     assert LogState.from_dict(saved).snapshot().counts == {"mps_counted_by_a_newer_exporter_total": 2}
+
+
+def test_connections_the_control_daemon_could_not_accept_are_counted_not_unrecognized():
+    # control.log as 208 clients arrived at once on 4 x H200 (driver 580): accept() failed
+    # between the accepted clients (reports/2026-11-28-h200x4, run 3).
+    log = ctl(*START,
+              "00:00:01.000 Accepting connection...",
+              "00:00:01.000 NEW CLIENT 1226 from user 0: Server already exists",
+              "00:00:01.000 Accepting connection...", "00:00:01.000 Unable to accept connection",
+              "00:00:01.000 Accepting connection...", "00:00:01.000 Unable to accept connection",
+              "00:00:01.000 Accepting connection...", "00:00:01.000 NEW UI")
+    snap = replay({"control": log}).snapshot()
+    assert snap.count("mps_control_accept_failures_total") == 2
+    assert snap.unrecognized["control"] == 0
