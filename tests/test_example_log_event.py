@@ -28,7 +28,7 @@ GENERATED = {"README.md", "docs/labels.md", "tests/golden/busy.prom", "alerts/RE
              "alerts/kubernetes/prometheusrule.yaml", "deploy/helm/mps-exporter/files/rules/mps-exporter.rules.yml",
              "deploy/kubernetes/prometheusrule.yaml", "exporter/data/runbook.md",
              "dashboards/json/contention.json", "deploy/helm/mps-exporter/files/dashboards/contention.json",
-             "deploy/kubernetes/dashboards.yaml"}
+             "deploy/kubernetes/dashboards.yaml", "mixin/alerts.libsonnet", "mixin/dashboards/contention.json"}
 PROGRAM = f'''
 import json, sys
 from mps_exporter.logs.pipeline import LogPipeline
