@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import _jsonnet  # PyPI's `jsonnet` (pip install -e ".[test]")
+import pytest
 import yaml
 
 from alerts import generate, mixin
@@ -58,6 +59,7 @@ def test_jsonnet_builds_the_shipped_dashboards():
     assert len(shipped) == 7 and dashboards == shipped
 
 
+@pytest.mark.slow
 def test_the_build_files_print_the_rules_as_yaml():
     for name, field in (("alerts.jsonnet", "alerts"), ("rules.jsonnet", "rules")):
         text = json.loads(_jsonnet.evaluate_file(str(MIXIN / name)))  # -S: a string
