@@ -33,7 +33,10 @@ test:
 	$(PYTHON) -m pytest -q
 
 # The inner loop (CONTRIBUTING.md: at most 150 s on a 2-core machine): the tests not marked
-# slow, spread over TEST_WORKERS pytest-xdist workers (auto: one per core).
+# slow, spread over TEST_WORKERS pytest-xdist workers (auto: one per core). Bytecode is kept
+# in __pycache__ (git ignores it) even where PYTHONDONTWRITEBYTECODE is set: without it each
+# worker rewrites every test module's asserts again (7 s of CPU) and each CLI test's process
+# compiles the package again.
 TEST_WORKERS ?= auto
 test-fast:
-	$(PYTHON) -m pytest -q -m "not slow" -n $(TEST_WORKERS) -p no:cacheprovider
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -q -m "not slow" -n $(TEST_WORKERS) -p no:cacheprovider
