@@ -202,7 +202,11 @@ ALERTS: Tuple[Alert, ...] = (
     # OOM -----------------------------------------------------------------
     Alert(
         "ClientNearMemoryLimit", "oom",
-        f"{CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}\nor\n{FULLEST_CLIENT} > {C.CLIENT_MEMORY_LIMIT_RATIO}",
+        # The client's user and command joined to the few series over the line, not to every
+        # client's in the heavy group (issue 44); without mps_client_info it alerts all the same.
+        f"({CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}) {client_info_join(job)}\n"
+        f"or on({T}, daemon, pid, gpu)\n{CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}\n"
+        f"or\n{FULLEST_CLIENT} > {C.CLIENT_MEMORY_LIMIT_RATIO}",
         C.CLIENT_MEMORY_FOR, "warning",
         "An MPS client is close to its pinned device memory limit.",
         f"{CLIENTS} of server {lbl('server_pid')} "

@@ -43,12 +43,6 @@ def gpu_memory_ratio(sel: Selector) -> str:
     return f"{sel('mps_gpu_memory_used_bytes')} / {sel('mps_gpu_memory_total_bytes')}"
 
 
-def client_memory_ratio(sel: Selector) -> str:
-    """Each client's device memory over the pinned limit in force for it, per GPU."""
-    return (f"{sel('mps_client_memory_used_bytes')}\n  / on({TARGET}, daemon, pid, gpu) group_left\n"
-            f"  {sel('mps_client_pinned_memory_limit_bytes')}")
-
-
 def memory_fill_prediction(sel: Selector) -> str:
     """Used memory MEMORY_FILL_HORIZON_SECONDS ahead, from the trend over MEMORY_FILL_WINDOW."""
     return (f"predict_linear({sel('mps_gpu_memory_used_bytes')}[{C.MEMORY_FILL_WINDOW}], "

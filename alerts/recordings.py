@@ -26,7 +26,7 @@ from typing import Optional, Set, Tuple
 
 from . import config as C
 from .expressions import TARGET as T
-from .expressions import CLIENT_INFO_LABELS, client_memory_ratio, gpu_memory_ratio, job
+from .expressions import gpu_memory_ratio, job
 from .expressions import queue_wait_quantile
 
 RULES, HEAVY, FLEET, FLEET_TOTALS = "rules", "heavy", "fleet", "fleet-totals"
@@ -78,7 +78,6 @@ EXPORTERS = "job:mps_exporters:count"
 EXPORTERS_UP = "job:mps_exporters_up:sum"
 
 # ------------------------------------------------------- building blocks
-_client_ratio = client_memory_ratio(job)
 
 
 def _per_pod(metric: str, by: str, summed: str = "") -> str:
@@ -114,16 +113,10 @@ RECORDINGS: Tuple[Recording, ...] = (
               HEAVY),
     Recording(
         CLIENT_MEMORY_USAGE,
-        f"(\n  {_client_ratio}\n)\n"
-        f"* on({T}, daemon, pid) group_left({CLIENT_INFO_LABELS}) (\n"
-        f"  {job('mps_client_info')}\n"
-        f"  or on({T}, daemon, pid) group by ({T}, daemon, pid) ({job('mps_client_pinned_memory_limit_bytes')})\n"
-        f")\n"
-        f"or\n  {_pod_ratio}",
-        "each client's memory against its pinned limit, with its namespace, pod and container (the exporter's "
-        "labels) and its user and command (kept without them when mps_client_info is missing: the info side "
-        "falls back to a bare 1 per client, so the ratio is computed once); from exporters with "
-        "--mps.client-granularity pod, per server, pod and GPU",
+        f"{job('mps_client_pinned_memory_usage_ratio')}\nor\n  {_pod_ratio}",
+        "each client's memory against the pinned limit that binds it, as the exporter serves it (no join: it "
+        "knows both), with its namespace, pod and container; from exporters with --mps.client-granularity pod, per "
+        "server, pod and GPU",
         HEAVY),
     Recording(POD_MEMORY, _per_pod("mps_client_memory_used_bytes", "namespace, pod, gpu",
                                    "mps_pod_client_memory_used_bytes"),

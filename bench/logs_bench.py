@@ -181,7 +181,7 @@ def child(directory: str) -> Dict[str, float]:
             "core_lines": len(batch), "core_lps": len(batch) / core, "peak_rss_mib": rss_pipeline_kib / 1024,
             "start_rss_mib": rss_start_kib / 1024,
             "state_json_bytes": len(json.dumps(pipe.state_entry())),
-            "server_starts": snap.server_starts, "unrecognized": sum(snap.unrecognized.values())}
+            "server_starts": snap.count("mps_server_starts_total"), "unrecognized": sum(snap.unrecognized.values())}
 
 
 def main() -> None:

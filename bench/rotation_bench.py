@@ -27,10 +27,22 @@ log's front with fallocate --collapse-range; the log directory is in the system'
 temporary directory, so that must be on ext4 or XFS: `truncate fallbacks` counts the
 rotations where the script fell back to truncating); `rename` is create-style rotation (`create`, no compression), which tools
 that reopen their logs use. In rename mode the writer reopens the name after each
-rotation, as such a program does on its signal. `none` rotates nothing: the reader's
-CPU at that rate alone.
+rotation, as such a program does on its signal. `delete` is `rename` keeping 3 rotated
+files (`rotate 3`): older ones are deleted, and ext4 gives their inode numbers to new
+files. `none` rotates nothing: the reader's CPU at that rate alone.
 
-    python3 bench/rotation_bench.py [--seconds 60] [--rate 500] [--modes copytruncate:1 rename:0.1 ...]
+Writers (`--writers`): `keep` as above; `reopen` reopens the log when logrotate's
+postrotate sends it SIGHUP (as MPS would be made to); `split` reopens on SIGHUP too and
+writes each line in two write() calls, the second half at the start of its next burst
+(every 2 ms), so the file ends mid-line most of the time, as with stdio flushing a full
+buffer; it finishes its line in the old file before it reopens (fclose flushes). `lost`
+counts every line never read whole (in rename and collapse modes all of them are the
+follower's), `cut` the lines handed out that are not a whole line as written (half a
+line, or two halves run together). `--rate` and `--writers` take several values: each
+mode runs with each in turn, one row each, the load average before it in the row.
+
+    python3 bench/rotation_bench.py [--seconds 60] [--rate 500 5000] [--writers reopen split] \
+        [--modes copytruncate:1 rename:0.1 delete:0.1 collapse:0.1 ...]
 
 Numbers, not a pass/fail; the load average is printed beside them.
 """
@@ -45,6 +57,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,13 +80,31 @@ from report import load_average, print_rows  # noqa: E402
 
 RENAME_CONFIG = """{path} {{
     size 1
-    rotate 1000
+    rotate {keep}
     missingok
     create
-    nocompress
+    nocompress{hup}
 }}
 """
+# A writer that reopens its log on SIGHUP is sent one by logrotate, after the rotation,
+# as MPS would be made to (the writer puts its pid in place of WRITER_PID).
+HUP = "\n    postrotate\n        kill -HUP WRITER_PID\n    endscript"
+HUP_LINE = "        kill -HUP WRITER_PID\n"
+DELETE_KEEP = 3  # `delete` mode: rename rotation that keeps 3 rotated files, deleting older ones
 LINE = re.compile(r"NEW UI (\d+)$")
+WHOLE = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.000 Control  1419\] NEW UI \d+$")
+WRITERS = ("keep", "reopen", "split")
+
+
+def rotate_config(mode: str, log_dir: str, path: str, writer: str) -> str:
+    """The logrotate configuration of a mode; a reopening writer is sent SIGHUP after each rotation."""
+    hup = writer != "keep"
+    if mode == "copytruncate":
+        return shipped_config(log_dir)
+    if mode == "collapse":
+        config = shipped_config(log_dir, "nvidia-mps-collapse.logrotate")
+        return config.replace("    endscript", HUP_LINE + "    endscript", 1) if hup else config
+    return RENAME_CONFIG.format(path=path, keep=DELETE_KEEP if mode == "delete" else 10000, hup=HUP if hup else "")
 
 
 def shipped_config(log_dir: str, name: str = "nvidia-mps.logrotate") -> str:
@@ -86,14 +117,28 @@ def shipped_config(log_dir: str, name: str = "nvidia-mps.logrotate") -> str:
     return config
 
 
-def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: float, rate: int) -> None:
+def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: float, rate: int,
+                     writer: str = "keep") -> None:
     """The writer process (MPS and logrotate stand-ins): prints {"written", "rotations",
     "at", "spans"}, `at` the time.monotonic_ns() of each line's write (one clock for both
-    processes), `spans` when each logrotate run began and ended."""
+    processes), `spans` when each logrotate run began and ended.
+
+    Writers: `keep` keeps one O_APPEND descriptor (in rename and delete modes it reopens
+    the name after each rotation, told by the rotating thread); `reopen` reopens the name
+    when logrotate's postrotate sends it SIGHUP; `split` does the same and writes each
+    line in two write() calls, the second half at the start of the next burst (a line cut
+    by a stdio buffer's flush: the file ends mid-line most of the time), completing its
+    line in the old file before it reopens (fclose flushes)."""
     logrotate = shutil.which("logrotate") or "/usr/sbin/logrotate"
     state = os.path.join(os.path.dirname(conf), "state")
+    with open(conf, encoding="utf-8") as f:
+        config = f.read().replace("WRITER_PID", str(os.getpid()))
+    with open(conf, "w", encoding="utf-8") as f:
+        f.write(config)
     stop = threading.Event()
     reopen = threading.Event()
+    if writer != "keep":
+        signal.signal(signal.SIGHUP, lambda *_: reopen.set())
     rotations = [0]
     fallbacks = [0]  # collapse mode: rotations where the script fell back to truncating
 
@@ -106,7 +151,7 @@ def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: fl
             fallbacks[0] += b"collapse-range failed" in done.stderr
             spans.append((began, time.monotonic_ns()))
             rotations[0] += 1
-            if mode == "rename":
+            if writer == "keep" and mode in ("rename", "delete"):
                 reopen.set()
 
     rotating = threading.Thread(target=rotator)
@@ -116,18 +161,40 @@ def write_and_rotate(path: str, conf: str, mode: str, period: float, seconds: fl
     start = time.monotonic()
     n = 0
     at: List[int] = []
+    pending = b""  # the split writer's second half of its last line, not written yet
     while time.monotonic() - start < seconds:
         due = int((time.monotonic() - start) * rate)
+        if pending:
+            os.write(fd, pending)
+            at.append(time.monotonic_ns())
+            pending = b""
         while n < due:
-            if reopen.is_set():  # rename mode: the program reopens its log
+            if reopen.is_set():  # the program reopens its log
                 reopen.clear()
                 os.close(fd)
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            os.write(fd, f"[{stamp}.000 Control  1419] NEW UI {n}\n".encode())
-            at.append(time.monotonic_ns())
+            line = f"[{stamp}.000 Control  1419] NEW UI {n}\n".encode()
             n += 1
+            if writer == "split":
+                cut = len(line) // 2  # neither half looks like a whole line
+                os.write(fd, line[:cut])
+                if n < due:
+                    os.write(fd, line[cut:])
+                    at.append(time.monotonic_ns())
+                else:
+                    pending = line[cut:]
+            else:
+                os.write(fd, line)
+                at.append(time.monotonic_ns())
+        if pending and reopen.is_set():
+            os.write(fd, pending)  # fclose flushes the line into the old file
+            at.append(time.monotonic_ns())
+            pending = b""
         time.sleep(0.002)
+    if pending:
+        os.write(fd, pending)
+        at.append(time.monotonic_ns())
     stop.set()
     if rotating.is_alive():
         rotating.join()
@@ -142,19 +209,23 @@ class RecordingFollower(FileFollower):
         super().__init__(path)
         self.seen: List[int] = []
         self.read_at: List[int] = []  # time.monotonic_ns() when each line of `seen` was handed out
+        self.cut: List[str] = []  # lines handed out that are not a whole line the writer wrote
 
     def poll(self, max_bytes: int = 1 << 20) -> Tuple[List[str], int]:
         lines, truncated = super().poll(max_bytes)
         now = time.monotonic_ns()
         for line in lines:
-            m = LINE.search(line)
+            m = LINE.search(line) if WHOLE.match(line) else None
             if m:
                 self.seen.append(int(m.group(1)))
                 self.read_at.append(now)
+            else:
+                self.cut.append(line)
         return lines, truncated
 
 
-def run(mode: str, period: float, seconds: float, rate: int, scrape_probe: bool = False) -> Dict[str, object]:
+def run(mode: str, period: float, seconds: float, rate: int, scrape_probe: bool = False,
+        writer: str = "keep") -> Dict[str, object]:
     if not (shutil.which("logrotate") or os.path.exists("/usr/sbin/logrotate")):
         sys.exit("logrotate is not installed: apt-get install logrotate")
     with tempfile.TemporaryDirectory(prefix="mps-rotation-") as tmp:
@@ -164,9 +235,8 @@ def run(mode: str, period: float, seconds: float, rate: int, scrape_probe: bool 
         open(path, "a").close()
         conf = os.path.join(tmp, "rotate.conf")
         with open(conf, "w", encoding="utf-8") as f:
-            f.write(shipped_config(log_dir) if mode == "copytruncate" else
-                    shipped_config(log_dir, "nvidia-mps-collapse.logrotate") if mode == "collapse" else
-                    RENAME_CONFIG.format(path=path))
+            f.write(rotate_config(mode, log_dir, path, writer))
+        load = load_average()
         pipe = LogPipeline("bench", log_dir)
         follower = RecordingFollower(path)
         pipe._followers["control"] = follower  # the bench's one intrusion: which lines came out
@@ -178,9 +248,9 @@ def run(mode: str, period: float, seconds: float, rate: int, scrape_probe: bool 
         if scrape_probe:
             probe.start()
         cpu0 = time.clock_gettime(clock)
-        writer = subprocess.run([sys.executable, __file__, "--write", path, conf, mode, str(period), str(seconds),
-                                 str(rate)], capture_output=True, text=True, check=True)
-        done = json.loads(writer.stdout)
+        process = subprocess.run([sys.executable, __file__, "--write", path, conf, mode, str(period), str(seconds),
+                                 str(rate), writer], capture_output=True, text=True, check=True)
+        done = json.loads(process.stdout)
         time.sleep(4 * POLL_SECONDS)  # the last lines, read by the next look at the files
         cpu = time.clock_gettime(clock) - cpu0
         inotify = pipe._watch is not None and pipe._watch.watching
@@ -197,8 +267,11 @@ def run(mode: str, period: float, seconds: float, rate: int, scrape_probe: bool 
                           if _within(done["at"][n], spans))
         saved = sorted((t - done["at"][n]) / 1e3 for n, t in zip(follower.seen, follower.read_at) if n not in in_files)
         scrapes = sorted(late for at, late in probe.samples if _within(at, spans))
-        row: Dict[str, object] = {"mode": mode, "rotate every, s": period, "rotations": done["rotations"], "lines written": written,
-                "lines read": len(follower.seen), "read twice": twice,
+        row: Dict[str, object] = {
+                "mode": mode, "writer": writer, "lines/s": rate, "rotate every, s": period, "load before": load,
+                "rotations": done["rotations"], "lines written": written,
+                "lines read": len(follower.seen), "lost": written - len(counts), "read twice": twice,
+                "cut": len(follower.cut),
                 "lost by the follower": len(in_files - set(counts)),
                 "lost by the rotation (in no file)": len(set(range(written)) - in_files - set(counts)),
                 "read, in no file now": len(set(counts) - in_files),
@@ -279,14 +352,18 @@ def numbers_in_files(log_dir: str) -> Set[int]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--write"]:  # the writer process
-        path, conf, mode, period, seconds, rate = sys.argv[2:8]
-        write_and_rotate(path, conf, mode, float(period), float(seconds), int(rate))
+        path, conf, mode, period, seconds, rate, writer = sys.argv[2:9]
+        write_and_rotate(path, conf, mode, float(period), float(seconds), int(rate), writer)
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=60)
-    ap.add_argument("--rate", type=int, default=500, help="lines written per second")
+    ap.add_argument("--rate", type=int, nargs="+", default=[500], help="lines written per second (each in turn)")
+    ap.add_argument("--writers", nargs="+", choices=WRITERS, default=["keep"],
+                    help="keep: one descriptor (rename/delete: reopened after each rotation); reopen: reopens on "
+                         "SIGHUP from logrotate's postrotate; split: reopens on SIGHUP, each line in two write() calls")
     ap.add_argument("--modes", nargs="+", default=["copytruncate:1", "copytruncate:0.1", "rename:1", "rename:0.1"],
-                    help="MODE:PERIOD, MODE copytruncate, collapse, rename or none, PERIOD seconds between rotations")
+                    help="MODE:PERIOD, MODE copytruncate, collapse, rename, delete (rename keeping "
+                         f"{DELETE_KEEP} rotated files) or none, PERIOD seconds between rotations")
     ap.add_argument("--poll-only", action="store_true",
                     help="no inotify: the pipeline looks at the files every POLL_SECONDS only (as before issue 26)")
     ap.add_argument("--scrape-probe", action="store_true",
@@ -296,13 +373,17 @@ def main() -> None:
     if args.poll_only:
         wake._libc = lambda: None  # what the pipeline does where inotify cannot be had
     print(f"load average before: {load_average()}; cores: {os.cpu_count()}; "
-          f"{args.rate} lines/s for {args.seconds:g} s; the log pipeline reads on each write (inotify), "
+          f"{'/'.join(map(str, args.rate))} lines/s for {args.seconds:g} s; the log pipeline reads on each write (inotify), "
           f"else every {POLL_SECONDS} s{'; scrape probe every 5 ms' if args.scrape_probe else ''}; "
           f"log directory in {tempfile.gettempdir()} ({_fs_type(tempfile.gettempdir())})\n")
     rows = []
     for spec in args.modes:
         mode, _, period = spec.partition(":")
-        rows.append(run(mode, float(period or 1), args.seconds, args.rate, args.scrape_probe))
+        for rate in args.rate:
+            for writer in args.writers:
+                rows.append(run(mode, float(period or 1), args.seconds, rate, args.scrape_probe, writer))
+                print("done: " + json.dumps(rows[-1]), flush=True)  # a long matrix shows its progress
+    print()
     print_rows(rows)
     print(f"\nload average after: {load_average()}")
 

@@ -51,6 +51,11 @@ dashboard = build(
                    "user waited.",
                    "cps", [target(f"rate({m('mps_server_shutdown_deferrals_total')}[$__rate_interval])",
                                   DAEMON_LEGEND)]),
+        timeseries("Connections the control daemon could not accept",
+                   "control.log 'Unable to accept connection' per second: a client or control command that "
+                   "connected got no answer (seen as 208 clients arrived at once on four GPUs).",
+                   "cps", [target(f"rate({m('mps_control_accept_failures_total')}[$__rate_interval])",
+                                  DAEMON_LEGEND)]),
         row("Refusals and deaths"),
         timeseries("Refused clients",
                    "Clients an MPS server refused, per interval, by reason (client_limit: 'Maximum number of "

@@ -33,7 +33,7 @@ dashboard = build(
                    "the series the MpsClientNearMemoryLimit alert reads; from exporters with "
                    "--mps.client-granularity pod, one line per server, pod and GPU.",
                    "percentunit", [target(node_rec(R.CLIENT_MEMORY_USAGE, "gpu", "daemon"),
-                                          CLIENT_LEGEND + " {{namespace}} {{pod}}")],
+                                          "{{instance}} GPU {{gpu}} pid {{pid}} {{namespace}} {{pod}}")],
                    max_one=True),
         # topk before the join: the join then matches ten clients, not all of the node's.
         timeseries("Largest clients", "The ten MPS clients holding the most device memory.", "bytes",

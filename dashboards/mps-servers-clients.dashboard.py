@@ -1,6 +1,6 @@
 """MPS servers and clients: who runs what, with which limits."""
 
-from alerts.expressions import client_info_join, client_memory_ratio
+from alerts.expressions import client_info_join
 from dashboards.common import (CLIENT_INFO_JOIN, SERVER_INFO_JOIN, build, m, row, row_query, stat, table, target,
                                timeseries)
 
@@ -63,7 +63,7 @@ dashboard = build(
               [row_query(m("mps_client_info")),
                row_query(m("mps_client_memory_used_bytes")),
                row_query(m("mps_client_pinned_memory_limit_bytes")),
-               row_query(client_memory_ratio(m)),
+               row_query(m("mps_client_pinned_memory_usage_ratio")),
                row_query(m("mps_client_active_thread_ratio")),
                row_query(f"time() - {m('mps_client_start_time_seconds')}"),
                row_query(m("mps_client_priority"))],

@@ -8,8 +8,9 @@ Each block sits between `<!-- NAME:begin -->` and `<!-- NAME:end -->` lines and
 is replaced whole: README's metric tables (`metrics`) and docs/labels.md's label
 table (`labels`), both from mps_exporter.catalog (every declared metric and
 label), README's table of the collectors and their flags (`collector-flags`, from
-the sources) and of the global flags (`flags`, from the parser of `serve` and the
-`Config` defaults it reads). Edit the declarations, not the blocks. `make generate`
+the sources), of the global flags (`flags`, from the parser of `serve` and the
+`Config` defaults it reads) and README's useful queries (`useful-queries`, from
+dashboards/useful_queries.py). Edit the declarations, not the blocks. `make generate`
 runs this.
 """
 
@@ -26,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def blocks() -> Dict[str, Tuple[str, Callable[[], str]]]:
     """Block name -> (file relative to the repository, the block's text)."""
+    if str(ROOT) not in sys.path:  # run as a script: dashboards/ (the useful queries) beside docs/
+        sys.path.insert(0, str(ROOT))
+    from dashboards import useful_queries
     from mps_exporter import catalog
 
     return {
@@ -33,6 +37,7 @@ def blocks() -> Dict[str, Tuple[str, Callable[[], str]]]:
         "labels": ("docs/labels.md", catalog.labels_markdown),
         "collector-flags": ("README.md", catalog.collector_flags_markdown),
         "flags": ("README.md", global_flags_markdown),
+        "useful-queries": ("README.md", useful_queries.markdown),
     }
 
 

@@ -141,6 +141,7 @@ class Recorder:
         self._monotonic = monotonic
         self._start = monotonic()
         self._results: Dict[str, Any] = {}
+        self._served: Dict[str, Any] = {}  # source -> its last recorded entry
         wrapped = {name: recording(name, reader, self._results) if SOURCES[name].recorded else reader
                    for name, reader in readers.items()}
         self.collector = build_collector(cfg, wrapped, clock=clock)
@@ -179,6 +180,14 @@ class Recorder:
         self._results.clear()
         t = self.elapsed()
         snap = self.collector.snapshot()
+        # A source not read for this scrape (its last reading still fresh: control between
+        # refresh rounds) served its last reading: recorded again, its error included, so that
+        # every reading of the bundle says what the exporter served, not only the first.
+        for name in snap.outcomes:
+            if name in self._results:
+                self._served[name] = self._results[name]
+            elif name in self._served:
+                self._results[name] = self._served[name]
         self.writer.write({"kind": "scrape", "t": t, "now": snap.now, "sources": dict(self._results),
                            "durations": {k: round(o.duration_seconds, 6) for k, o in snap.outcomes.items()}})
         self.scrapes += 1

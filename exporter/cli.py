@@ -352,17 +352,27 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
         _check_textfile(ns.textfile)
         cfg.textfile = ns.textfile
     if command == "capture":
-        if ns.duration <= 0 or ns.interval <= 0:
-            raise ConfigError("--duration and --interval must be positive")
-        history = parse_size(ns.log_history)
-        if history is None:
-            raise ConfigError(f"--log-history: not a size: {ns.log_history!r} (e.g. 0, 512K, 16M)")
-        out_dir = ns.out if os.path.isdir(ns.out) else os.path.dirname(os.path.abspath(ns.out))
-        if not ns.out or not os.path.isdir(out_dir):
-            raise ConfigError(f"--out {ns.out!r}: neither a directory nor a file in an existing directory")
-        cfg.capture = CaptureOptions(ns.out, ns.duration, ns.interval, history)
+        cfg.capture = _capture_options(ns)
     if command == "status":
         cfg.status = _status_options(ns)
+    _daemon_flags(cfg, ns)
+    return cfg
+
+
+def _capture_options(ns: argparse.Namespace) -> CaptureOptions:
+    if ns.duration <= 0 or ns.interval <= 0:
+        raise ConfigError("--duration and --interval must be positive")
+    history = parse_size(ns.log_history)
+    if history is None:
+        raise ConfigError(f"--log-history: not a size: {ns.log_history!r} (e.g. 0, 512K, 16M)")
+    out_dir = ns.out if os.path.isdir(ns.out) else os.path.dirname(os.path.abspath(ns.out))
+    if not ns.out or not os.path.isdir(out_dir):
+        raise ConfigError(f"--out {ns.out!r}: neither a directory nor a file in an existing directory")
+    return CaptureOptions(ns.out, ns.duration, ns.interval, history)
+
+
+def _daemon_flags(cfg: Config, ns: argparse.Namespace) -> None:
+    """The daemons to watch: discovery, the config file, else the flags' (or MPS's) directories."""
     cfg.discover = _discover_flags(ns)
     cfg.discovery_interval = ns.discovery_interval
     cfg.discover_processes = ns.discover_processes
@@ -376,7 +386,6 @@ def _config(command: str, ns: argparse.Namespace) -> Config:
     if not ns.config_file and (pipe or not cfg.discover):
         log_dir = ns.log_directory or os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIRECTORY
         cfg.daemons = [DaemonConfig(DEFAULT_DAEMON_NAME, pipe or DEFAULT_PIPE_DIRECTORY, log_dir)]
-    return cfg
 
 
 def _source_flags(cfg: Config, ns: argparse.Namespace) -> None:

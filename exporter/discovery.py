@@ -314,6 +314,10 @@ def daemon_environ(proc_root: str, pid: int, key: str) -> Optional[str]:
     return _environ(os.path.join(proc_root, str(pid)), key)
 
 
+MULTIUSER_FLAGS = frozenset({"-M", "--multiuser-server"})  # the ECS GPU AMI's unit spells it long
+
+
 def is_multiuser(argv: Sequence[str]) -> bool:
-    """`-M`: one server for every user; clients of different users never queue for each other."""
-    return "-M" in argv[1:]
+    """`-M` or `--multiuser-server`: one server for every user; clients of different users
+    never queue for each other."""
+    return any(a in MULTIUSER_FLAGS for a in argv[1:])

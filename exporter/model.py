@@ -262,22 +262,14 @@ class LogSnapshot:
     oldest_queued_since: Optional[float] = None  # unix time of the oldest push still waiting
     queue_wait: Dict[str, Histogram] = field(default_factory=lambda: {r: queue_wait_histogram() for r in REASONS})
     pushes: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in REASONS})
-    handoffs: int = 0
-    shutdown_deferrals: int = 0
+    # The counted log events, keyed by the name of the metric that publishes them
+    # (exporter/logs/render.py declares it; a name absent here counts 0). Persisted as
+    # this map: a new counted event adds no field, no list, no keyword anywhere.
+    counts: Dict[str, int] = field(default_factory=dict)
     rejections: Dict[str, int] = field(default_factory=dict)  # reason -> count
     client_limit: Optional[int] = None  # "Maximum number of clients (N)" of the last refusal
-    exits_with_clients: int = 0
-    client_connections: int = 0
-    client_disconnections: int = 0
-    server_starts: int = 0
     server_exits: Dict[str, int] = field(default_factory=dict)  # exit status -> count
-    server_start_failures: int = 0
-    fatal_gpu_errors: int = 0
-    clients_terminated: int = 0  # terminate_client
     commands: Dict[str, int] = field(default_factory=dict)
-    # Queued clients whose process was gone before they were served (liveness.py): the logs
-    # never say that they left.
-    queued_gone: int = 0
     # `Cmd:set_*` lines seen: when it grows, the control source reads the limits again at
     # once instead of serving its cached ones for up to a minute.
     limit_commands: int = 0
@@ -301,6 +293,10 @@ class LogSnapshot:
     # still climbing through history, so the logs are not served (sources/logs.py).
     caught_up: bool = True
     backlog_bytes: int = 0  # bytes of the files not read yet (as of the last publish)
+
+    def count(self, metric: str) -> int:
+        """The count of a counted log event, by the name of its metric."""
+        return self.counts.get(metric, 0)
 
     def oldest_queued_wait(self, now: float) -> float:
         """Age of the oldest pending client, among waits of 0 s to MAX_PLAUSIBLE_QUEUE_WAIT:

@@ -151,6 +151,9 @@ CLIENT_METRICS = table(
           "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, else its server's limit as it was when the client connected (MPS logs; "
           "the server's limit now where the logs do not show the connection); absent where none applies.",
           DAEMON, *CLIENT, GPU),
+    gauge("mps_client_pinned_memory_usage_ratio", "Device memory of the client over the pinned memory limit that "
+          "binds it on that GPU (mps_client_memory_used_bytes / mps_client_pinned_memory_limit_bytes, from the same "
+          "reading); absent where no limit applies.", DAEMON, *CLIENT, GPU, UUID),
     gauge("mps_client_active_thread_ratio", "Active thread limit that binds the client / 100: the smaller of its "
           "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and its server's percentage when it connected (MPS logs; the server's "
           "now where the logs do not show the connection).", DAEMON, *CLIENT),
@@ -400,6 +403,9 @@ def emit_client_readings(out: FamilyBuilder, c: ClientRow, cp: Mapping[str, obje
     of its row stands still."""
     for gpu, used in c.memory_used_bytes.items():
         out.add("mps_client_memory_used_bytes", used, **cp, gpu=gpu, uuid=uuids[gpu])
+        limit = c.pinned_memory_limit_bytes.get(gpu)
+        if limit:  # the rules' and alerts' ratio, without a join in Prometheus (issue 44)
+            out.add("mps_client_pinned_memory_usage_ratio", used / limit, **cp, gpu=gpu, uuid=uuids[gpu])
 
 
 ClientParts = List[Tuple[str, List[Sample]]]

@@ -26,15 +26,7 @@
           {
             record: "mps:client_pinned_memory_usage:ratio",
             expr: |||-
-              (
-                mps_client_memory_used_bytes{%(jobSelector)s}
-                / on(job, instance, daemon, pid, gpu) group_left
-                mps_client_pinned_memory_limit_bytes{%(jobSelector)s}
-              )
-              * on(job, instance, daemon, pid) group_left(server_pid, uid, user, command, container_id, pod_uid) (
-                mps_client_info{%(jobSelector)s}
-                or on(job, instance, daemon, pid) group by (job, instance, daemon, pid) (mps_client_pinned_memory_limit_bytes{%(jobSelector)s})
-              )
+              mps_client_pinned_memory_usage_ratio{%(jobSelector)s}
               or
                 mps_pod_client_memory_used_bytes{%(jobSelector)s}
                 / on(job, instance, daemon, server_pid, pod_uid, gpu) group_left

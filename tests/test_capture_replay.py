@@ -159,14 +159,12 @@ def test_replay_reproduces_live_exposition_at_every_recorded_moment(tmp_path):
     assert re.search(r'^mps_gpu_up\{[^}]*\} 0\.0$', live[3], re.M)
     assert 'mps_exporter_collector_success{collector="nvml"} 0.0' in live[4]
     assert 'mps_exporter_collector_success{collector="nvml"} 1.0' in live[5]
-    # Every byte of both logs went through the bundle, across the rotation. The follower
-    # reads an unterminated last line of a rotated file as a line: the rotation came
-    # after piece 2 of 4 of control.log, and a line that straddles it counts twice.
-    control = full["control.log"]
-    straddles = not control[: len(control) * 2 // 4].endswith(b"\n")
+    # Every byte of both logs went through the bundle, across the rotation, and every line
+    # counts once: the rotation came after piece 2 of 4 of control.log, and a line that
+    # straddles it waits in the rotated file for its rest (it counted twice before issue 42).
     for file, data in full.items():
         name = file.split(".")[0]
-        lines = float(data.count(b"\n") + (straddles and name == "control"))
+        lines = float(data.count(b"\n"))
         assert f'mps_log_lines_total{{daemon="default",file="{name}"}} {lines}' in replayed[-1]
     rotated = tmp_path / "replay" / "0"
     assert (rotated / "control.log.1").read_bytes() + (rotated / "control.log").read_bytes() == full["control.log"]
@@ -674,3 +672,24 @@ def test_replay_command_serves_until_terminated(tmp_path):
         proc.terminate()
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
+
+
+def test_capture_keeps_a_failing_sources_error_in_every_reading(tmp_path):
+    """Issue 43: control, not read again while its last reading is fresh, had its error in
+    the bundle's first reading only; the others said nothing of it, and a replay of them
+    failed with "not read at this moment" instead of the recorded error."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    out = tmp_path / "b.jsonl.gz"
+    res = subprocess.run([sys.executable, "-m", "mps_exporter.cli", "capture", "--out", str(out), "--duration", "1",
+                          "--interval", "0.1", "--mps.control-binary", str(tmp_path / "no-such-control"),
+                          "--mps.log-directory", str(logs), "--no-collector.dcgm"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    with gzip.open(out, "rt") as f:
+        scrapes = [r for r in map(json.loads, f) if r["kind"] == "scrape"]
+    assert len(scrapes) >= 5
+    for r in scrapes:
+        (daemon,) = r["sources"]["control"]
+        assert "no-such-control not found" in daemon["value"]["error"], r["sources"]["control"]
+        assert "NvmlUnavailable" in r["sources"]["nvml"]["error"]

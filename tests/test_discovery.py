@@ -319,7 +319,7 @@ def test_live_daemons_logs_read_whole(daemon):
 
     snap = LogPipeline(daemon, str(LIVE / daemon), timezone="UTC").read_once()
     assert snap.unrecognized == {"control": 0, "server": 0}
-    assert (snap.server_starts, snap.client_connections) == (1, 1)
+    assert (snap.count("mps_server_starts_total"), snap.count("mps_client_connections_total")) == (1, 1)
     assert snap.pushes["user_switch"] == 0
 
 

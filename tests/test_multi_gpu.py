@@ -177,7 +177,7 @@ def test_one_daemon_per_gpu_under_the_device_plugin_48_clients_each_the_49th_ref
     cfg.runtime_roots = ()
     cfg.collectors["dcgm"] = False
     cfg.log_timezone = "UTC"
-    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=fakes))
+    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=fakes, nvml_wait_for_every_answer=True))
     readers["logs"].catch_up()
     text = exposition(build_collector(cfg, readers))
 
@@ -248,7 +248,7 @@ def per_gpu_daemons(tmp_path, visible: dict, daemons: dict, environs: dict, serv
     cfg.runtime_roots = ()
     cfg.collectors["dcgm"] = False
     cfg.log_timezone = "UTC"
-    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=fakes))
+    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=fakes, nvml_wait_for_every_answer=True))
     readers["logs"].catch_up()
     return nvml, exposition(build_collector(cfg, readers))
 

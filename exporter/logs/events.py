@@ -103,6 +103,15 @@ class UiOpened(NamedTuple):
     pid: int
 
 
+class AcceptFailed(NamedTuple):
+    """`Unable to accept connection`: the control daemon's accept() failed; the client or
+    control command connecting got no answer (5 times as 208 clients arrived at once on
+    4 x H200, driver 580)."""
+
+    ts: float
+    pid: int
+
+
 class UiClosed(NamedTuple):
     """`UI closed`: the end of a command's output."""
 
@@ -280,7 +289,7 @@ class Unrecognized(NamedTuple):
 
 Event = Union[
     DaemonStarted, DaemonVersion, DaemonExited, ClientPushed, ClientAccepted, ServerStarting,
-    ServerReady, ServerExited, ShutdownAttempt, ShutdownDeferred, UiOpened, UiClosed, Command,
+    ServerReady, ServerExited, ShutdownAttempt, ShutdownDeferred, AcceptFailed, UiOpened, UiClosed, Command,
     CommandOutput, ServerActiveThreads, ServerPinnedLimit, ClientContextConnected, ClientContextActive,
     ClientProcessConnected, ClientProcessDisconnected, FatalGpuError, ReportHeading, ReportItem,
     ClientRejected, ServerExiting, ServerStartFailed, ServerPriority, ClientTerminated, Noise,

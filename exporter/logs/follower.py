@@ -6,10 +6,18 @@ complete lines; a partial last line waits for its newline. It survives:
   device plugin deletes the MPS log directory when its daemon stops): it keeps
   reading the open file while the name is gone, and starts the new file from its
   beginning when the name comes back;
-- rotation by rename: the old file is read to its end (its unterminated last line
-  included), then any rotated file written after it that was never read (several
-  rotations between two polls, or a poll that found no file under the name while
-  logrotate was between its rename and its create), then the new one from its beginning;
+- rotation by rename: the old file is read to its end, then any rotated file created
+  after it that was never read (several rotations between two polls, or a poll that
+  found no file under the name while logrotate was between its rename and its create),
+  then the new one from its beginning. "Created after" is the birth time (statx), not
+  the mtime (a new log still empty is older by mtime than the last lines written to the
+  file before it); a file read to its end is known by inode and birth time (ext4 gives a
+  deleted file's inode number to the next new one); the rotated files are listed twice
+  (a listing taken while logrotate renames `.N` to `.N+1` can miss one), and a file born
+  before the log is never taken for its copy. The old file is read on for late lines
+  (DRAIN_SECONDS after its last write): its unterminated last line waits there for its
+  newline (a writer that writes a line in pieces finishes it in the old file before it
+  reopens), handed out without it only once the file has been quiet that long;
 - copytruncate: a file shorter than the read offset, or whose first bytes changed,
   was copied and truncated. What had not been read yet is in the copy (logrotate's
   `.1`, a dated name, any name that starts with the log's), found by content, not by
@@ -48,7 +56,7 @@ import logging
 import os
 import stat
 import time
-from typing import AbstractSet, Any, Deque, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Deque, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Tuple
 
 # The read error reasons, declared with the other plain log data (events.py); named here too.
 from .events import INTERNAL_ERROR as INTERNAL_ERROR
@@ -59,6 +67,7 @@ from .events import NOT_REGULAR_FILE as NOT_REGULAR_FILE
 from .events import PERMISSION_DENIED as PERMISSION_DENIED
 from .events import READ_ERROR_REASONS as READ_ERROR_REASONS
 from ..units import ascii_digits
+from . import birth
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +187,10 @@ def missing_file_error(path: str) -> Optional[ReadError]:
 
 
 class FileFollower:
-    def __init__(self, path: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+    def __init__(self, path: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
+        self._clock = clock  # when a rotated file read on for late lines has been quiet long enough
         self.max_line_bytes = max_line_bytes
         self._fd: Optional[int] = None
         self._identity: Optional[Tuple[int, int]] = None  # (st_dev, st_ino) of the open file
@@ -196,8 +207,11 @@ class FileFollower:
         # read (no head to compare): a copy that appears later is checked against the log.
         self._siblings_while_empty: Optional[FrozenSet[Tuple[int, int]]] = None
         self._copy_of: Optional[Tuple[int, int]] = None  # reading a rotated copy of this file (identity)
-        self._finished: Deque[Tuple[int, int]] = collections.deque(maxlen=FINISHED_FILES)
+        # Rotated files read to their end: (st_dev, st_ino, birth time or None). An inode
+        # number alone is no identity: ext4 gives a deleted file's inode to the next new one.
+        self._finished: Deque[Tuple[int, int, Optional[int]]] = collections.deque(maxlen=FINISHED_FILES)
         self._finished_mtime = 0  # st_mtime_ns of the rotated file read to its end last
+        self._finished_birth: Optional[int] = None  # and its birth time (None: unknown)
         self.rotations = 0
         self.truncations = 0
         self.rotation_gaps = 0  # rotations whose unread part was in no readable rotated file
@@ -331,12 +345,17 @@ class FileFollower:
                 else:
                     chain = self._copy_of
                     left = (self._offset, self._recent, self._partial, self._dropping, self._line_start)
-                    self._finish_file()
+                    # A renamed log's unterminated last line goes on in it (its writer has not
+                    # reopened yet): it waits for its newline there, never handed out cut.
+                    self._finish_file(b"" if chain is not None or left[3] else left[2])
                     self._open_next()
-                    if not (chain is not None and self._chained_copy(chain, *left)):
-                        if left[2]:
+                    if chain is not None and not self._chained_copy(chain, *left):
+                        if left[2]:  # the end of a copy: the rest of the line is in no file we read
                             lines.append(self._decode(left[2]))
                             truncated += left[3]
+                    elif chain is None and left[3]:  # a line cut to the cap: its rest is dropped
+                        lines.append(self._decode(left[2]))
+                        truncated += 1
                 if self._fd is None:
                     break
                 truncated += self._read(lines, max_bytes)
@@ -412,19 +431,21 @@ class FileFollower:
             os.close(fd)
 
     # --------------------------------------------------------- rotation
-    def _finish_file(self) -> None:
+    def _finish_file(self, partial: bytes = b"") -> None:
         """The current file is read to its end and the name means another file: it is
-        read on for late lines (DRAIN_SECONDS) while the next one is followed."""
+        read on for late lines (DRAIN_SECONDS) while the next one is followed. `partial`:
+        its unterminated last line, completed by the bytes written to it later (a writer
+        that writes a line in pieces finishes it in the old file before it reopens)."""
         if self._fd is not None and self._identity is not None:
             try:
                 self._finished_mtime = os.fstat(self._fd).st_mtime_ns
             except OSError:
                 pass
-            self._finished.append(self._identity)
+            self._finished_birth = birth.fd_birth_ns(self._fd)
+            self._finished.append((*self._identity, self._finished_birth))
             if len(self._draining) >= MAX_DRAINING:
                 self._end_drain(self._draining.pop(0), [])
-            # Its unterminated last line was handed out as complete: later bytes start a new one.
-            self._draining.append(_Draining(self._fd, self._offset, b"", time.monotonic() + DRAIN_SECONDS))
+            self._draining.append(_Draining(self._fd, self._offset, partial, self._clock() + DRAIN_SECONDS))
             self._fd = None
         self._close_current()
 
@@ -443,7 +464,7 @@ class FileFollower:
     def _drain(self, lines: List[str]) -> None:
         """Complete lines appended to rotated files since they were left; a file quiet
         for DRAIN_SECONDS is closed, an unterminated last line handed out."""
-        now = time.monotonic()
+        now = self._clock()
         for d in list(self._draining):
             try:
                 data = os.pread(d.fd, READ_SIZE, d.offset)
@@ -466,46 +487,64 @@ class FileFollower:
         except OSError:
             pass
 
-    def _rotated_siblings(self) -> List[Tuple[str, os.stat_result]]:
-        """Regular, uncompressed files beside the log whose name starts with its name."""
+    def _rotated_siblings(self, listings: int = 1) -> List[Tuple[str, os.stat_result]]:
+        """Regular, uncompressed files beside the log whose name starts with its name.
+        A listing taken while logrotate renames `.N` to `.N+1` can miss a file (listed
+        under neither name, or its name stat'ed after it moved): `listings` > 1 takes the
+        union of that many listings, one file once (by inode), under its last name seen."""
         directory, base = os.path.split(self.path)
-        out = []
-        try:
-            with os.scandir(directory or ".") as entries:
-                for entry in entries:
-                    if entry.name == base or not entry.name.startswith(base) \
-                            or entry.name.endswith(COMPRESSED_SUFFIXES):
-                        continue
-                    try:
-                        est = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if stat.S_ISREG(est.st_mode):
-                        out.append((entry.path, est))
-        except OSError:
-            pass
-        return out
+        found: Dict[Tuple[int, int], Tuple[str, os.stat_result]] = {}
+        for _ in range(listings):
+            try:
+                with os.scandir(directory or ".") as entries:
+                    for entry in entries:
+                        if entry.name == base or not entry.name.startswith(base) \
+                                or entry.name.endswith(COMPRESSED_SUFFIXES):
+                            continue
+                        try:
+                            est = entry.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        if stat.S_ISREG(est.st_mode):
+                            found[(est.st_dev, est.st_ino)] = (entry.path, est)
+            except OSError:
+                pass
+        return list(found.values())
 
     def _next_rotated(self) -> Optional[Tuple[str, int]]:
-        """(path, fd) of the oldest rotated file written after the one just finished and
+        """(path, fd) of the oldest rotated file created after the one just finished and
         never read (rename rotation, several times between two polls); None: go on with
         the file the name means (open). That file may itself have been rotated since it
         was opened: it is then a candidate like the others, in its turn. Names shift
         while logrotate runs, so the file opened must be the one chosen (else: again)."""
+        after = self._finished_birth
+        finished: Dict[Tuple[int, int], List[Optional[int]]] = {}
+        for dev, ino, born_then in self._finished:
+            finished.setdefault((dev, ino), []).append(born_then)
         for _ in range(5):
-            candidates = []
-            for path, est in self._rotated_siblings():
-                identity = (est.st_dev, est.st_ino)
-                if identity not in self._finished and est.st_mtime_ns >= self._finished_mtime:
-                    candidates.append((est.st_mtime_ns, -_rotation_number(path), path, identity))
+            candidates: List[Tuple[int, int, int, str, int, Optional[int]]] = []
+            for path, est in self._rotated_siblings(listings=2):
+                born = birth.path_birth_ns(path) if after is not None else None
+                # Read to its end already: the same inode, and the same birth time where both
+                # are known (else a new file that got a deleted one's inode number).
+                if any(b is None or born is None or b == born for b in finished.get((est.st_dev, est.st_ino), ())):
+                    continue
+                if born is not None and after is not None:
+                    # Created after the file finished (logrotate creates them in turn), whatever
+                    # was written when: a new log still empty is older by mtime than the last
+                    # lines of the one before it.
+                    if born >= after:
+                        candidates.append((born, -_rotation_number(path), est.st_mtime_ns, path, est.st_ino, born))
+                elif est.st_mtime_ns >= self._finished_mtime:  # no birth times here: by mtime
+                    candidates.append((est.st_mtime_ns, -_rotation_number(path), 0, path, est.st_ino, born))
             if not candidates:
                 return None
-            _, _, path, identity = min(candidates)
+            *_, path, ino, born = min(candidates)
             try:
                 fd, fst = open_regular(path)
             except OSError:
                 continue  # renamed away meanwhile: look again
-            if (fst.st_dev, fst.st_ino) == identity:
+            if fst.st_ino == ino and (born is None or birth.fd_birth_ns(fd) == born):
                 return path, fd
             os.close(fd)
         return None
@@ -589,7 +628,14 @@ class FileFollower:
         if before is None:
             return None
         head = self._read_head()
+        live_birth = birth.fd_birth_ns(self._fd)
         for path, fd, fst in self._open_copies(skip=before):
+            born = birth.fd_birth_ns(fd) if live_birth is not None else None
+            if born is not None and live_birth is not None and born < live_birth:
+                # Older than the log: not its copy, a rotated file that a listing taken while
+                # logrotate renamed files (`.N` to `.N+1`) missed when the log was seen empty.
+                os.close(fd)
+                continue
             try:
                 first = os.pread(fd, HEAD_BYTES, 0)
             except OSError:

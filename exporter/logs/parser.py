@@ -42,7 +42,7 @@ from datetime import datetime, timezone, tzinfo
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from .events import (
-    ClientAccepted, ClientContextActive, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    AcceptFailed, ClientAccepted, ClientContextActive, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
     ClientPushed, ClientRejected, ClientTerminated, Command, CommandOutput, DaemonExited, DaemonStarted, DaemonVersion,
     FatalGpuError,
     Noise, ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
@@ -129,6 +129,7 @@ _CONTROL_EXACT: Dict[str, Union[str, Callable[[float, int], ParseResult]]] = {
     "UI closed": UiClosed,
     "Start": DaemonStarted,  # 11.x
     "Unable to read new connection type information": "bad_connection",
+    "Unable to accept connection": AcceptFailed,
     "Server encountered a fatal exception. Shutting down": "server_fatal_exception",
     "No default pinned memory limit set for the device!": lambda ts, pid: CommandOutput(ts, pid, "no_default_pinned_limit"),
 }

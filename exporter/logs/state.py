@@ -50,14 +50,15 @@ import heapq
 import math
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protocol, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optional, Protocol, Set, Tuple
 
+from ..codec import expect
 from ..contract import OTHER, QUEUE_WAIT_BUCKETS, command_verb, exit_status
 from ..model import (REASONS, SERVER_STARTING, THREADS, USER_SWITCH, ClientLimits, LogEvent,
                      LogServer, LogSnapshot, PendingClient, queue_wait_histogram)
 from ..units import ascii_digits, parse_decimal, parse_size
 from .events import (
-    ClientAccepted, ClientContextActive, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
+    AcceptFailed, ClientAccepted, ClientContextActive, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
     ClientPushed, ClientRejected, ClientTerminated, Command, DaemonExited, DaemonStarted, DaemonVersion, FILES, FatalGpuError, Noise,
     ParseResult, ReportHeading, ReportItem, ServerActiveThreads, ServerExited, ServerExiting,
     ServerPinnedLimit, ServerPriority, ServerReady, ServerStartFailed, ServerStarting, ShutdownAttempt, ShutdownDeferred,
@@ -73,6 +74,7 @@ MAX_ORPHAN_FACTS = 64  # server.log facts of servers control.log has not announc
 MAX_RECENT_EVENTS = 64  # the last events `mps-exporter status` lists with their times
 MAX_PENDING_EXITS = 4096
 MAX_ATTACHED = 4096  # clients per server remembered for the exits-with-clients check
+MAX_COUNTED_EVENTS = 1024  # names in a saved map of counted events (the exporter declares a dozen)
 # A line dated further ahead of the clock than this is not believed: its time moves no
 # exported time (one line dated 9999 once pinned the last-line time there for good).
 MAX_CLOCK_AHEAD = 86400.0
@@ -227,7 +229,7 @@ class LogState:
             DaemonVersion: _recognized, ClientPushed: self._client_pushed,
             ClientAccepted: self._client_accepted, ServerStarting: self._server_starting,
             ServerReady: self._server_ready, ServerExited: self._server_exited,
-            ShutdownAttempt: self._shutdown_attempt, ShutdownDeferred: self._shutdown_deferred,
+            ShutdownAttempt: self._shutdown_attempt,
             Command: self._command, UiOpened: self._end_command, UiClosed: self._end_command,
             ServerActiveThreads: self._active_threads, ServerPinnedLimit: self._pinned_limit,
             ClientContextConnected: self._context_connected, ClientContextActive: self._context_active,
@@ -237,6 +239,9 @@ class LogState:
             ReportItem: self._report_item, ServerExiting: self._server_exiting,
             ServerStartFailed: self._start_failed, ClientRejected: self._client_rejected,
             ServerPriority: self._server_priority, ClientTerminated: self._client_terminated,
+            # Events that are only counted: one line each, the metric's name (logs/render.py declares it).
+            ShutdownDeferred: self._counter("mps_server_shutdown_deferrals_total"),
+            AcceptFailed: self._counter("mps_control_accept_failures_total"),
         }
 
     # --------------------------------------------------------------- input
@@ -270,6 +275,15 @@ class LogState:
             handler(result)
             if type(result) in _CONTROL_CHANGES:
                 s.control_changes += 1
+
+    def _count(self, metric: str) -> None:
+        """One more of a counted event, by the name of the metric that publishes it."""
+        counts = self.s.counts
+        counts[metric] = counts.get(metric, 0) + 1
+
+    def _counter(self, metric: str) -> Callable[[Any], None]:
+        """The handler of an event that is only counted."""
+        return lambda ev: self._count(metric)
 
     @property
     def in_command(self) -> bool:
@@ -314,7 +328,7 @@ class LogState:
         clients = self._attached.pop(server, None)
         self._active.pop(server, None)
         if clients:
-            self.s.exits_with_clients += 1
+            self._count("mps_server_exits_with_clients_total")
             self._note(LogEvent(exited_at, "exit_with_clients", server, sorted(c for c in clients if c >= 0)[:64]))
 
     # ------------------------------------------------------- control.log
@@ -357,7 +371,7 @@ class LogState:
         gone = [(key, p) for key, p in self._pending.items() if p.served_at is None and liveness.gone(p.pid)]
         for key, p in gone:
             self._pending.remove(key)
-            self.s.queued_gone += 1
+            self._count("mps_queued_clients_gone_total")
             self._note(LogEvent(now, "left_queue", None, [p.pid],
                                 f"uid {p.uid}, {p.reason}, queued {now - p.pushed_at:.0f} s: its process is gone"))
         return len(gone)
@@ -381,9 +395,6 @@ class LogState:
         self.s.pushes[SERVER_STARTING] -= switched
         self.s.pushes[USER_SWITCH] += switched
 
-    def _shutdown_deferred(self, ev: ShutdownDeferred) -> None:
-        self.s.shutdown_deferrals += 1
-
     def _server_starting(self, ev: ServerStarting) -> None:
         srv = self._server(ev.server_pid, create=True)
         if srv is not None:
@@ -392,7 +403,7 @@ class LogState:
             self._count_uid(srv.uid, 1)
 
     def _server_ready(self, ev: ServerReady) -> None:
-        self.s.server_starts += 1
+        self._count("mps_server_starts_total")
         srv = self._server(ev.server_pid, create=True)
         if srv is None:
             return
@@ -409,10 +420,10 @@ class LogState:
         srv = self._servers.get(ev.server_pid)
         if srv is not None:
             if srv.start_time is None and ev.server_pid not in self._failures_counted:
-                s.server_start_failures += 1
+                self._count("mps_server_start_failures_total")
                 self._note(LogEvent(ev.ts, "start_failure", ev.server_pid, detail=srv.start_failure or ""))
             elif srv.daemon_shutdown:
-                s.handoffs += 1
+                self._count("mps_server_handoffs_total")
                 self._note(LogEvent(ev.ts, "handoff", ev.server_pid,
                                     detail="" if srv.uid is None else f"uid {srv.uid}"))
             # Clients it was handed but that never logged `Server already exists`.
@@ -554,7 +565,7 @@ class LogState:
         known = self._clients.get(ev.client_pid)
         if known is not None and known[0] == ev.pid:
             return  # another context of a process already counted
-        self.s.client_connections += 1
+        self._count("mps_client_connections_total")
         self._attach(ev.pid, ev.client_pid)
         self._set_client(ev.client_pid, ev.pid, ev.ts)
 
@@ -568,7 +579,7 @@ class LogState:
             active.add(ev.client_pid)
 
     def _process_connected(self, ev: ClientProcessConnected) -> None:
-        self.s.client_connections += 1
+        self._count("mps_client_connections_total")
         self._unnamed -= 1
         self._attach(ev.pid, self._unnamed)
 
@@ -582,7 +593,7 @@ class LogState:
             attached.discard(ev.client_pid)
         elif attached:  # 11.x names no PID: one of its unnamed clients left
             attached.discard(min(attached))
-        self.s.client_disconnections += 1
+        self._count("mps_client_disconnections_total")
 
     def _client_rejected(self, ev: ClientRejected) -> None:
         s = self.s
@@ -604,14 +615,14 @@ class LogState:
         last = next((e for e in reversed(self._recent) if e.kind == "client_terminated"), None)
         if last is not None and last.server_pid == ev.pid and last.clients == [ev.client_pid]:
             return  # the same client's next context
-        self.s.clients_terminated += 1
+        self._count("mps_clients_terminated_total")
         self._note(LogEvent(ev.ts, "client_terminated", ev.pid, [ev.client_pid]))
 
     def _fatal_error(self, ev: FatalGpuError) -> None:
         if ev.pid in self._open_reports:
             return  # the same report's second line
         self._open_reports[ev.pid] = ""
-        self.s.fatal_gpu_errors += 1
+        self._count("mps_fatal_gpu_errors_total")
         self._note(LogEvent(ev.ts, "fatal_gpu_error", ev.pid, [] if ev.client_pid is None else [ev.client_pid]))
 
     def _report_heading(self, ev: ReportHeading) -> None:
@@ -640,7 +651,7 @@ class LogState:
         if ev.pid not in self._servers and ev.pid not in self._failures_counted:
             # No `Starting new server` for it (control.log lost, cut, or elsewhere): the
             # failure is counted here, and not again if control.log announces it later.
-            self.s.server_start_failures += 1
+            self._count("mps_server_start_failures_total")
             self._note(LogEvent(ev.ts, "start_failure", ev.pid, detail=srv.start_failure))
             self._failures_counted[ev.pid] = None
             if len(self._failures_counted) > MAX_SERVERS:
@@ -663,14 +674,9 @@ class LogState:
             queued=queued,
             oldest_queued_since=min((p.pushed_at for p in waiting), default=None),
             queue_wait={r: h.copy() for r, h in s.queue_wait.items()},
-            pushes=dict(s.pushes), handoffs=s.handoffs, shutdown_deferrals=s.shutdown_deferrals,
-            rejections=dict(s.rejections), client_limit=s.client_limit, exits_with_clients=s.exits_with_clients,
-            client_connections=s.client_connections, client_disconnections=s.client_disconnections,
-            server_starts=s.server_starts, server_exits=dict(s.server_exits),
-            server_start_failures=s.server_start_failures, fatal_gpu_errors=s.fatal_gpu_errors,
-            clients_terminated=s.clients_terminated,
-            commands=dict(s.commands), limit_commands=s.limit_commands, queued_gone=s.queued_gone,
-            control_changes=s.control_changes,
+            pushes=dict(s.pushes), counts=dict(s.counts),
+            rejections=dict(s.rejections), client_limit=s.client_limit, server_exits=dict(s.server_exits),
+            commands=dict(s.commands), limit_commands=s.limit_commands, control_changes=s.control_changes,
             lines=dict(s.lines), unrecognized=dict(s.unrecognized),
             truncated=dict(s.truncated), daemon_pid=s.daemon_pid,
             last_line_times=dict(self._last_ts),
@@ -688,102 +694,187 @@ class LogState:
         return out
 
     # ------------------------------------------------------ persistence
-    _COUNTERS = ("handoffs", "shutdown_deferrals", "client_connections", "client_disconnections",
-                 "server_starts", "server_start_failures", "fatal_gpu_errors", "exits_with_clients", "limit_commands",
-                 "queued_gone", "control_changes", "clients_terminated")
-    _COUNTER_MAPS = ("pushes", "server_exits", "commands", "lines", "unrecognized", "truncated", "rejections")
-    _ADDED_LATER = ("exits_with_clients", "rejections", "limit_commands", "queued_gone", "control_changes",
-                    "clients_terminated")  # absent from older files
-
     def to_dict(self) -> Dict[str, Any]:
-        """Everything needed to resume: JSON-safe."""
-        s = self.s
-        return {
-            "counters": {k: getattr(s, k) for k in self._COUNTERS},
-            "maps": {k: dict(getattr(s, k)) for k in self._COUNTER_MAPS},
-            "queue_wait": {r: {"counts": h.counts, "sum": h.total, "implausible": h.implausible}
-                           for r, h in s.queue_wait.items()},
-            "daemon": {"pid": s.daemon_pid,
-                       "last_line_times": dict(self._last_ts)},
-            "servers": [_server_dict(srv) for srv in self._servers.values()],
-            "orphans": [_server_dict(srv) for srv in self._orphans.values()],
-            "pending": [[p.pid, p.uid, p.reason, p.pushed_at, p.served_at] for p in self._pending],
-            "clients": [[pid, server, since] for pid, (server, since) in self._clients.items()],
-            "exited": list(self._exited),
-            "in_command": self._in_command,
-            "open_reports": [[pid, topic] for pid, topic in self._open_reports.items()],
-            "recent": [[e.time, e.kind, e.server_pid, e.clients, e.detail] for e in self._recent],
-            "client_limit": s.client_limit,
-            "attached": [[server, sorted(clients)] for server, clients in self._attached.items()],
-            "active": [[server, sorted(clients)] for server, clients in self._active.items()],
-            "pending_exits": [[ts, server] for ts, server in self._pending_exits],
-            "unnamed": self._unnamed,
-        }
+        """Everything needed to resume: JSON-safe (the parts and their layout: _PARTS)."""
+        return {key: part.save(self) for key, part in _PARTS.items()}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any], clock: Callable[[], float] = time.time) -> "LogState":
-        """Rebuild from to_dict(). Raises (KeyError, TypeError, ValueError) on a malformed dict,
-        NegativeCounter on a counter that went below zero; drops times from the future."""
+        """Rebuild from to_dict(), or from what the exporter wrote before the counted events
+        were one map (state file version 1). Raises (KeyError, TypeError, ValueError) on a
+        malformed dict, NegativeCounter on a counter that went below zero; drops times from
+        the future."""
         st = cls(clock)
-        s = st.s
-        for k in cls._COUNTERS:
-            setattr(s, k, int(d["counters"][k] if k not in cls._ADDED_LATER else d["counters"].get(k, 0)))
-        for k in cls._COUNTER_MAPS:
-            counts = d["maps"][k] if k not in cls._ADDED_LATER else d["maps"].get(k, {})
-            getattr(s, k).update({str(name): int(n) for name, n in counts.items()})
-        exits: Dict[str, int] = {}  # a file from before the statuses were bounded
-        for status, n in s.server_exits.items():
-            label = exit_status(int(status)) if status.lstrip("-").isdigit() and len(status) < 12 else OTHER
-            exits[label] = exits.get(label, 0) + n
-        s.server_exits = exits
-        for r in REASONS:
-            h = d["queue_wait"][r]
-            counts = [int(n) for n in h["counts"]]
-            if len(counts) != len(QUEUE_WAIT_BUCKETS) + 1:
-                raise ValueError("queue_wait buckets changed")
-            s.queue_wait[r] = queue_wait_histogram(counts, float(h["sum"]), int(h.get("implausible", 0)))
-        daemon = d["daemon"]
-        s.daemon_pid = daemon["pid"]  # older files also hold the version and running: nothing reads them
-        # A file from before the times were kept per file has one for both: not worth keeping.
-        # One from a line dated in the future (before such lines were refused) neither.
-        believed = clock() + MAX_CLOCK_AHEAD
-        st._last_ts = {str(f): float(t) for f, t in (daemon.get("last_line_times") or {}).items()
-                       if f in FILES and float(t) <= believed}
-        st._servers = {int(x["pid"]): _server_from(x) for x in d["servers"]}
-        for srv in st._servers.values():
-            st._count_uid(srv.uid, 1)
-        st._orphans = OrderedDict((int(x["pid"]), _server_from(x)) for x in d["orphans"])
-        for a, b, c, e, f in d["pending"]:
-            if c in REASONS:
-                st._pending.push(PendingClient(int(a), int(b), str(c), float(e), None if f is None else float(f)))
-        for a, b, c in d["clients"]:
-            st._set_client(int(a), int(b), float(c))
-        st._exited = deque(int(x) for x in d["exited"])
-        st._exited_set = set(st._exited)
-        st._in_command = bool(d["in_command"])
-        st._open_reports = {int(a): str(b) for a, b in d["open_reports"]}
-        # absent from state files written before events were kept
-        st._recent.extend(LogEvent(float(t), str(k), None if p is None else int(p), [int(c) for c in cs], str(x))
-                          for t, k, p, cs, x in d.get("recent", []))
-        limit = d.get("client_limit")
-        s.client_limit = None if limit is None else int(limit)
-        st._attached = {int(a): {int(c) for c in b} for a, b in d.get("attached", [])}
-        st._active = {int(a): {int(c) for c in b} for a, b in d.get("active", [])}
-        st._pending_exits = sorted((float(a), int(b)) for a, b in d.get("pending_exits", []))
-        st._unnamed = int(d.get("unnamed", 0))
+        d = _upgrade(expect(d, dict, "the saved state"))
+        for key, part in _PARTS.items():
+            part.load(st, d[key] if part.default is _REQUIRED else d.get(key, part.default))
         st._check_counters()
         return st
 
     def _check_counters(self) -> None:
         s = self.s
-        values: List[float] = [getattr(s, k) for k in self._COUNTERS]
-        for k in self._COUNTER_MAPS:
+        values: List[float] = [*s.counts.values(), s.limit_commands, s.control_changes]
+        for k in _COUNTER_MAPS:
             values.extend(getattr(s, k).values())
         for h in s.queue_wait.values():
             values.extend([*h.counts, h.total, h.implausible])
         bad = [v for v in values if not (math.isfinite(v) and v >= 0)]
         if bad:
             raise NegativeCounter(f"{len(bad)} saved counter(s) below zero or not finite, e.g. {bad[0]!r}")
+
+
+# ---------------------------------------------------------------- the state file's codec
+# One part of the saved state per key: how it is written and read back, and what a file
+# written before the part existed means (_REQUIRED: such a file is malformed). The counted
+# events are one of them, the map `counts`: a new counted event needs nothing here.
+_REQUIRED: Any = object()
+_COUNTER_MAPS = ("pushes", "server_exits", "commands", "lines", "unrecognized", "truncated", "rejections")
+_SIGNALS = ("limit_commands", "control_changes")  # counted lines nothing exports (LogSnapshot says why)
+
+
+class _Part(NamedTuple):
+    save: Callable[["LogState"], Any]
+    load: Callable[["LogState", Any], None]
+    default: Any = _REQUIRED
+
+
+def _counts(value: Any) -> Dict[str, int]:
+    """A saved map of counts (metric or label value -> count), its zeros left out."""
+    return {str(name): n for name, n in ((name, int(n)) for name, n in expect(value, dict, "counts").items()) if n}
+
+
+def _load_counts(st: "LogState", value: Any) -> None:
+    counts = _counts(value)
+    if len(counts) > MAX_COUNTED_EVENTS or any(len(name) > 200 for name in counts):
+        raise ValueError(f"{len(counts)} counted events, or a name longer than 200 characters")
+    st.s.counts = counts
+
+
+def _load_signals(st: "LogState", value: Any) -> None:
+    value = expect(value, dict, "signals")
+    for k in _SIGNALS:
+        setattr(st.s, k, int(value.get(k, 0)))
+
+
+def _load_maps(st: "LogState", value: Any) -> None:
+    s, value = st.s, expect(value, dict, "maps")
+    for k in _COUNTER_MAPS:
+        getattr(s, k).update(_counts(value.get(k, {}) if k == "rejections" else value[k]))
+    exits: Dict[str, int] = {}  # a file from before the statuses were bounded
+    for status, n in s.server_exits.items():
+        label = exit_status(int(status)) if status.lstrip("-").isdigit() and len(status) < 12 else OTHER
+        exits[label] = exits.get(label, 0) + n
+    s.server_exits = exits
+
+
+def _load_queue_wait(st: "LogState", value: Any) -> None:
+    for r in REASONS:
+        h = value[r]
+        counts = [int(n) for n in h["counts"]]
+        if len(counts) != len(QUEUE_WAIT_BUCKETS) + 1:
+            raise ValueError("queue_wait buckets changed")
+        st.s.queue_wait[r] = queue_wait_histogram(counts, float(h["sum"]), int(h.get("implausible", 0)))
+
+
+def _load_daemon(st: "LogState", value: Any) -> None:
+    st.s.daemon_pid = value["pid"]  # older files also hold the version and running: nothing reads them
+    # A file from before the times were kept per file has one for both: not worth keeping.
+    # One from a line dated in the future (before such lines were refused) neither.
+    believed = st.clock() + MAX_CLOCK_AHEAD
+    st._last_ts = {str(f): float(t) for f, t in (value.get("last_line_times") or {}).items()
+                   if f in FILES and float(t) <= believed}
+
+
+def _load_servers(st: "LogState", value: Any) -> None:
+    st._servers = {int(x["pid"]): _server_from(x) for x in value}
+    for srv in st._servers.values():
+        st._count_uid(srv.uid, 1)
+
+
+def _load_pending(st: "LogState", value: Any) -> None:
+    for a, b, c, e, f in value:
+        if c in REASONS:
+            st._pending.push(PendingClient(int(a), int(b), str(c), float(e), None if f is None else float(f)))
+
+
+def _load_clients(st: "LogState", value: Any) -> None:
+    for a, b, c in value:
+        st._set_client(int(a), int(b), float(c))
+
+
+def _load_exited(st: "LogState", value: Any) -> None:
+    st._exited = deque(int(x) for x in value)
+    st._exited_set = set(st._exited)
+
+
+def _load_recent(st: "LogState", value: Any) -> None:
+    st._recent.extend(LogEvent(float(t), str(k), None if p is None else int(p), [int(c) for c in cs], str(x))
+                      for t, k, p, cs, x in value)
+
+
+def _load_client_limit(st: "LogState", value: Any) -> None:
+    st.s.client_limit = None if value is None else int(value)
+
+
+def _by_server(value: Any) -> Dict[int, Set[int]]:
+    return {int(a): {int(c) for c in b} for a, b in value}
+
+
+def _set(attr: str, convert: Callable[[Any], Any]) -> Callable[["LogState", Any], None]:
+    """The load of a part kept whole in one attribute of the state machine."""
+    return lambda st, value: setattr(st, attr, convert(value))
+
+
+_PARTS: Dict[str, _Part] = {
+    "counts": _Part(lambda st: dict(st.s.counts), _load_counts),
+    "signals": _Part(lambda st: {k: getattr(st.s, k) for k in _SIGNALS}, _load_signals),
+    "maps": _Part(lambda st: {k: dict(getattr(st.s, k)) for k in _COUNTER_MAPS}, _load_maps),
+    "queue_wait": _Part(lambda st: {r: {"counts": h.counts, "sum": h.total, "implausible": h.implausible}
+                                    for r, h in st.s.queue_wait.items()}, _load_queue_wait),
+    "daemon": _Part(lambda st: {"pid": st.s.daemon_pid, "last_line_times": dict(st._last_ts)}, _load_daemon),
+    "servers": _Part(lambda st: [_server_dict(srv) for srv in st._servers.values()], _load_servers),
+    "orphans": _Part(lambda st: [_server_dict(srv) for srv in st._orphans.values()],
+                     _set("_orphans", lambda v: OrderedDict((int(x["pid"]), _server_from(x)) for x in v))),
+    "pending": _Part(lambda st: [[p.pid, p.uid, p.reason, p.pushed_at, p.served_at] for p in st._pending],
+                     _load_pending),
+    "clients": _Part(lambda st: [[pid, server, since] for pid, (server, since) in st._clients.items()],
+                     _load_clients),
+    "exited": _Part(lambda st: list(st._exited), _load_exited),
+    "in_command": _Part(lambda st: st._in_command, _set("_in_command", bool)),
+    "open_reports": _Part(lambda st: [[pid, topic] for pid, topic in st._open_reports.items()],
+                          _set("_open_reports", lambda v: {int(a): str(b) for a, b in v})),
+    # The parts below are absent from files written before they were kept.
+    "recent": _Part(lambda st: [[e.time, e.kind, e.server_pid, e.clients, e.detail] for e in st._recent],
+                    _load_recent, []),
+    "client_limit": _Part(lambda st: st.s.client_limit, _load_client_limit, None),
+    "attached": _Part(lambda st: [[server, sorted(clients)] for server, clients in st._attached.items()],
+                      _set("_attached", _by_server), []),
+    "active": _Part(lambda st: [[server, sorted(clients)] for server, clients in st._active.items()],
+                    _set("_active", _by_server), []),
+    "pending_exits": _Part(lambda st: [[ts, server] for ts, server in st._pending_exits],
+                           _set("_pending_exits", lambda v: sorted((float(a), int(b)) for a, b in v)), []),
+    "unnamed": _Part(lambda st: st._unnamed, _set("_unnamed", int), 0),
+}
+
+# Version 1 of the state file kept the counted events as named fields, "counters": these
+# are their metrics. Fixed for good: a counter added since is saved in "counts" only.
+_V1_COUNTERS = {
+    "handoffs": "mps_server_handoffs_total", "shutdown_deferrals": "mps_server_shutdown_deferrals_total",
+    "client_connections": "mps_client_connections_total",
+    "client_disconnections": "mps_client_disconnections_total", "server_starts": "mps_server_starts_total",
+    "server_start_failures": "mps_server_start_failures_total", "fatal_gpu_errors": "mps_fatal_gpu_errors_total",
+    "exits_with_clients": "mps_server_exits_with_clients_total", "queued_gone": "mps_queued_clients_gone_total",
+    "clients_terminated": "mps_clients_terminated_total",
+}
+
+
+def _upgrade(d: Dict[str, Any]) -> Dict[str, Any]:
+    """A version 1 state (tests/logs/fixtures/statefile-v1) as version 2 writes it."""
+    if "counts" in d:
+        return d
+    old = expect(d["counters"], dict, "counters")
+    return {**d, "counts": {_V1_COUNTERS[k]: n for k, n in old.items() if k in _V1_COUNTERS},
+            "signals": {k: old.get(k, 0) for k in _SIGNALS}}
 
 
 _REPORT_EVENTS = (FatalGpuError, ReportHeading, ReportItem)

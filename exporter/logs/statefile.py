@@ -30,7 +30,10 @@ from .events import UNREADABLE as UNREADABLE
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# Version 2 keeps the counted log events as one map keyed by metric name (logs/state.py);
+# version 1 entries (the exporter before it) still load, converted as they are read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 
@@ -55,9 +58,9 @@ class StateStore:
             entry = self._read().get(daemon)
         if entry is None:
             return None
-        if not isinstance(entry, dict) or entry.get("version") != FORMAT_VERSION:
-            self.count_error(SHAPE, f"the entry of daemon {daemon} is not a version {FORMAT_VERSION} entry; "
-                                    "starting from the logs")
+        if not isinstance(entry, dict) or entry.get("version") not in READABLE_VERSIONS:
+            self.count_error(SHAPE, f"the entry of daemon {daemon} is not a version "
+                                    f"{' or '.join(map(str, READABLE_VERSIONS))} entry; starting from the logs")
             return None
         return entry
 

@@ -208,7 +208,7 @@ class GpmSampler(_WorkInFlight[Dict[str, float]]):
     (one interval older) and the work's result is taken by its next read. So a slow GPU
     delays the others' GPM figures, never their readings."""
 
-    def __init__(self, wait_seconds: float = GPM_WAIT_SECONDS) -> None:
+    def __init__(self, wait_seconds: Optional[float] = GPM_WAIT_SECONDS) -> None:
         super().__init__()  # 0 -> the one thread, started at the first GPM work
         self.wait_seconds = wait_seconds
         self._start = threading.Lock()  # GPUs' reads ask at once: one thread, not one each
@@ -342,8 +342,11 @@ class DirectLists:
 class NvmlClient:
     """Reads the GPU table, processes, per-process SM utilization and GPM."""
 
-    def __init__(self, nvml: Any = None) -> None:
+    def __init__(self, nvml: Any = None, wait_for_every_answer: bool = False) -> None:
         self._nvml = nvml
+        # Fakes and recordings answer at once: a late answer there is the scheduler's, not
+        # the GPU's, and a stand-in would make a test depend on the machine's load.
+        self._waits = (None, None) if wait_for_every_answer else (GPU_WAIT_SECONDS, GPM_WAIT_SECONDS)
         self._initialised = False
         self._identity: Dict[int, Tuple[str, str]] = {}  # index -> (name, uuid)
         self._last_seen_us: Dict[int, int] = {}  # index -> newest process-utilization sample
@@ -353,8 +356,8 @@ class NvmlClient:
         # index -> (time.monotonic() of the read, compute mode, MIG enabled): see MODES_SECONDS
         self._modes: Dict[int, Tuple[float, str, bool]] = {}
         self._direct: Optional[DirectLists] = None  # None: pynvml's public list functions
-        self.gpm = GpmSampler()  # the only caller of GPM while NVML is initialised
-        self.gpus = PerGpuReads()
+        self.gpm = GpmSampler(self._waits[1])  # the only caller of GPM while NVML is initialised
+        self.gpus = PerGpuReads(self._waits[0])
 
     # ------------------------------------------------------------ lifecycle
     def _module(self) -> Any:
@@ -395,8 +398,8 @@ class NvmlClient:
         self.gpus.close()  # first: a hung read is left behind, not waited for
         self.gpm.close()
         self._forget_state(nvml)
-        self.gpm = GpmSampler()  # a thread only once a read asks again
-        self.gpus = PerGpuReads()
+        self.gpm = GpmSampler(self._waits[1])  # a thread only once a read asks again
+        self.gpus = PerGpuReads(self._waits[0])
         self._initialised = False
         try:
             nvml.nvmlShutdown()
@@ -611,7 +614,7 @@ class NvmlSourceSpec(Source[NvmlReading]):
     background = True
 
     def build(self, cfg: Config, backends: Backends) -> Optional[Reader[NvmlReading]]:
-        source = NvmlClient(backends.nvml_module)
+        source = NvmlClient(backends.nvml_module, wait_for_every_answer=backends.nvml_wait_for_every_answer)
         return Reader(lambda ctx: source.read(), close=source.close, source=source)
 
     def store(self, snap: Snapshot, reading: NvmlReading) -> None:

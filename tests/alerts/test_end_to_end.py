@@ -199,7 +199,7 @@ class RecordedNode:
         self._stop, self._ready = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=serve, daemon=True, kwargs=dict(
             cfg=self.cfg, stop=self._stop, ready=self._ready,
-            readers=build_readers(self.cfg, Backends(nvml_module=self.nvml, control_runner=self.daemon))))
+            readers=build_readers(self.cfg, Backends(nvml_module=self.nvml, control_runner=self.daemon, nvml_wait_for_every_answer=True))))
         # The daemon as the capture's run 2 began: uid 0's server 1589 serving the busy clients.
         self.control("Starting control daemon using socket /tmp/mps/pipe/control",
                      "CUDA MPS Control binary version: 13000",

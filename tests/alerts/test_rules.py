@@ -128,9 +128,36 @@ def test_the_exporter_serves_the_runbook_of_its_version():
     page = runbook.served_page().decode()
     for a in definitions.ALERTS:
         assert f'<h2 id="{a.anchor}">{a.alertname}</h2>' in page
-    assert runbook.page("## A <b>\nx < y\n") == (
-        b'<!DOCTYPE html>\n<html>\n<head><meta charset="utf-8"><title>MPS Exporter runbook</title></head>\n'
-        b'<body>\n<h2 id="a-b">A &lt;b&gt;</h2>\n<pre style="white-space: pre-wrap">x &lt; y</pre>\n</body>\n</html>\n')
+    body = runbook.page("## A <b>\nx < y\n").decode()
+    assert '<h2 id="a-b">A &lt;b&gt;</h2>\n<p>x &lt; y</p>\n</body>' in body
+
+
+def test_the_served_runbook_is_html_not_markdown():
+    """Issue 43: /runbook showed the Markdown as it is (`**Meaning.**`, backticks, list
+    dashes) in preformatted blocks."""
+    from mps_exporter import runbook
+
+    page = runbook.served_page().decode()
+    text = re.sub(r"<pre><code>.*?</code></pre>", "", page, flags=re.S)
+    assert "**" not in text and "`" not in text and "\n- " not in text
+    assert "<p><strong>Meaning.</strong> " in page
+    assert "<pre><code>mps-exporter status --watch" in page
+    assert "<li><code>client_limit</code>: server.log says" in page
+    md = runbook.page("Text with `a*b` and **bold *em* part**, [a link](https://x.example/?a=1&b=2).\n\n"
+                      "- one\n  goes on\n- two\n\n    code <x>\n\n```\nfenced\n```\n").decode()
+    assert ("<p>Text with <code>a*b</code> and <strong>bold <em>em</em> part</strong>, "
+            '<a href="https://x.example/?a=1&amp;b=2">a link</a>.</p>') in md
+    assert "<ul>\n<li>one goes on</li>\n<li>two</li>\n</ul>\n<pre><code>code &lt;x&gt;</code></pre>\n" in md
+    assert "<pre><code>fenced</code></pre>" in md
+
+
+def test_the_runbook_names_every_dashboard():
+    """Issue 43: the runbook's list of dashboards named 5 of the 7."""
+    titles = {json.loads(p.read_text())["title"].removeprefix("MPS / ")
+              for p in (ROOT / "dashboards" / "json").glob("*.json")}
+    text = (ROOT / "alerts" / "runbook.md").read_text()
+    (listed,) = re.findall(r"^Dashboards \(folder \"MPS\"\): (.*?)\.\n\n", text, flags=re.M | re.S)
+    assert set(re.findall(r"\*\*(.+?)\*\*", listed)) == titles
 
 
 def test_every_raw_series_is_read_with_the_job_selector():

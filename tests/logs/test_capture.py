@@ -38,9 +38,9 @@ def test_servers_started_and_exited(final):
     # 2662, 2736 = 10. Each exits with status 0 (`Server N exited with status 0` x10),
     # none before being ready, so no start failure. Both runs end with `quit`, so no
     # server is left running.
-    assert final.server_starts == 10
+    assert final.count("mps_server_starts_total") == 10
     assert final.server_exits == {"0": 10}
-    assert final.server_start_failures == 0
+    assert final.count("mps_server_start_failures_total") == 0
     assert final.servers == {}
     assert final.daemon_pid == 1419
 
@@ -50,10 +50,10 @@ def test_handoffs_and_deferrals(final):
     # "server 2521 is shut down, server 2563 starts for uid 0"; run 1 did the same):
     # 654(uid 0)->934(uid 1500), 934->976(uid 0), 1589(uid 0)->2521(uid 1500), 2521->2563(uid 0) = 4.
     # shutdown_server 976/1075/2563/2662 and quit are commands, not handoffs.
-    assert final.handoffs == 4
+    assert final.count("mps_server_handoffs_total") == 4
     # "refuses to shut down while it has clients (backoff 200 ms .. 6400 ms)": 200, 400,
     # 800, 1600, 3200, 6400 -> 6 refusals for 654 in run 1 and 6 for 1589 in run 2.
-    assert final.shutdown_deferrals == 12
+    assert final.count("mps_server_shutdown_deferrals_total") == 12
 
 
 def test_pending_pushes_by_reason(final):
@@ -109,7 +109,7 @@ def test_fatal_gpu_error_counts_once(final):
     # README 04:23:06 fault: one client (2755) hits `encountered a fatal GPU error` and
     # the server logs `Server is handling a fatal GPU error.`: one error, two lines.
     # The second client's device-side assert (`Worker is in reset`) is no fatal error.
-    assert final.fatal_gpu_errors == 1
+    assert final.count("mps_fatal_gpu_errors_total") == 1
 
 
 def test_fatal_report_lists_are_read(capture_lines):
@@ -126,8 +126,8 @@ def test_client_processes_count_once(final, capture_lines):
     pids = set(re.findall(r"Client \{PID: (\d+), Context ID: 0\} connected", "\n".join(capture_lines["server"])))
     disconnects = re.findall(r"Client process (\d+) disconnected", "\n".join(capture_lines["server"]))
     assert len(pids) == 64 and len(disconnects) == 64
-    assert final.client_connections == 64
-    assert final.client_disconnections == 64
+    assert final.count("mps_client_connections_total") == 64
+    assert final.count("mps_client_disconnections_total") == 64
     assert final.client_start_times == {}
 
 
@@ -167,5 +167,5 @@ def test_client_start_times_while_running(capture_lines):
 
 def test_pipeline_read_once_on_the_capture(capture_dir):
     snap = LogPipeline("default", str(capture_dir), timezone="UTC").read_once()
-    assert snap.server_starts == 10 and snap.handoffs == 4 and snap.client_connections == 64
+    assert snap.count("mps_server_starts_total") == 10 and snap.count("mps_server_handoffs_total") == 4 and snap.count("mps_client_connections_total") == 64
     assert snap.queue_wait["user_switch"].count == 4

@@ -14,7 +14,7 @@ from typing import Iterator, List
 import pytest
 
 from mps_exporter.logs.follower import FileFollower
-from tests.logs.test_rotation_interleavings import ROTATED, World, interleave
+from tests.logs.test_rotation_interleavings import ROTATED, World, inject_births, interleave
 
 
 class CollapseWorld(World):
@@ -25,6 +25,7 @@ class CollapseWorld(World):
             yield
         src = os.open(self.path, os.O_RDONLY)
         dst = os.open(self.path + ".1", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.births[os.fstat(dst).st_ino] = self.clock
         try:
             while True:  # logrotate copies until read() returns 0: appends meanwhile are copied too
                 chunk = os.read(src, self.rng.choice([50, 400, 5000]))
@@ -61,6 +62,7 @@ class CollapseWorld(World):
 def follow(tmp_path, monkeypatch, seed: int, chance: float) -> Counter:
     rng = random.Random(seed)
     world = CollapseWorld(str(tmp_path), rng, 1)
+    inject_births(world, monkeypatch)
     f = FileFollower(world.path)
     seen: List[int] = []
 

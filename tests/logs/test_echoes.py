@@ -50,7 +50,7 @@ def test_a_steady_state_log_ends_in_the_same_state(tmp_path):
     write_steady_logs(tmp_path, 60_000, gpus=2, clients_per_gpu=10, churn_every=3)
     snap = through_the_pipeline(tmp_path)
     assert snap == parsed_line_by_line(tmp_path)
-    assert snap.commands["ps"] > 1000 and snap.client_connections > 100 and sum(snap.unrecognized.values()) == 0
+    assert snap.commands["ps"] > 1000 and snap.count("mps_client_connections_total") > 100 and sum(snap.unrecognized.values()) == 0
 
 
 def test_events_and_odd_lines_among_echoes_are_still_parsed(tmp_path):
@@ -73,7 +73,7 @@ def test_events_and_odd_lines_among_echoes_are_still_parsed(tmp_path):
     snap = through_the_pipeline(tmp_path)
     reference = parsed_line_by_line(tmp_path)
     assert snap == reference
-    assert snap.pushes["server_starting"] == 1 and snap.server_starts == 1 and snap.unrecognized["control"] >= 2
+    assert snap.pushes["server_starting"] == 1 and snap.count("mps_server_starts_total") == 1 and snap.unrecognized["control"] >= 2
     assert snap.commands == {"ps": 1, "get_server_status": 1, "get_server_list": 1,
                              "set_default_active_thread_percentage": 1}
 

@@ -9,7 +9,7 @@ from typing import List
 
 import pytest
 
-from mps_exporter.logs.follower import NOT_REGULAR_FILE, FileFollower
+from mps_exporter.logs.follower import DRAIN_SECONDS, NOT_REGULAR_FILE, FileFollower
 
 
 def lines(n: int, tag: str = "a") -> List[str]:
@@ -64,14 +64,17 @@ def test_partial_line_waits_for_its_newline(tmp_path):
 def test_rename_rotation_finishes_the_old_file_first(tmp_path):
     path = tmp_path / "control.log"
     write(path, text(lines(5, "old")))
-    f = FileFollower(str(path))
+    now = [0.0]
+    f = FileFollower(str(path), clock=lambda: now[0])
     assert drain(f) == lines(5, "old")
     os.rename(path, tmp_path / "control.log.1")
     write(tmp_path / "control.log.1", "old tail\nold unterminated")  # written after the rename
     write(path, text(lines(3, "new")))
-    assert drain(f) == ["old tail", "old unterminated"] + lines(3, "new")
+    assert drain(f) == ["old tail"] + lines(3, "new")  # the unterminated line waits for its newline
     write(path, "more\n")
     assert drain(f) == ["more"]
+    now[0] += DRAIN_SECONDS  # its writer is gone: the old file's last bytes are its last line
+    assert drain(f) == ["old unterminated"]
     assert f.rotations == 1
 
 

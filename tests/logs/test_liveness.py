@@ -55,7 +55,7 @@ def test_a_queued_client_whose_process_is_gone_stops_counting():
     assert state.forget_gone(liveness, now) == 1 and liveness.asked == [KILLED]
     snap = state.snapshot()
     assert snap.queued == {"server_starting": 0, "user_switch": 0} and snap.oldest_queued_wait(now) == 0
-    assert snap.queued_gone == 1
+    assert snap.count("mps_queued_clients_gone_total") == 1
     assert snap.queue_wait["user_switch"].counts == waits_before  # never admitted: no wait observed
     event = snap.recent_events[-1]
     assert (event.kind, event.clients, event.time) == ("left_queue", [KILLED], now)
@@ -95,7 +95,7 @@ def test_the_queued_client_survives_the_state_file():
     state = replay({"control": CONTROL, "server": SERVER}, until=WHILE_QUEUED)
     state.forget_gone(FakeLiveness(), at(WHILE_QUEUED))
     again = type(state).from_dict(state.to_dict())
-    assert again.snapshot() == state.snapshot() and again.snapshot().queued_gone == 1
+    assert again.snapshot() == state.snapshot() and again.snapshot().count("mps_queued_clients_gone_total") == 1
 
 
 # --------------------------------------------------------------- real processes
@@ -165,7 +165,7 @@ def test_the_pipeline_thread_drops_a_queued_client_that_was_killed(processes, tm
         while sum(watched.snapshot().queued.values()) != 0:
             assert time.monotonic() < deadline, "the killed client still counts as queued"
             time.sleep(0.1)
-        assert watched.snapshot().queued_gone == 1
+        assert watched.snapshot().count("mps_queued_clients_gone_total") == 1
     finally:
         watched.stop()
     assert sum(blind.read_once().queued.values()) == 1

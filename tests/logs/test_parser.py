@@ -120,11 +120,11 @@ def test_pre_volta_and_legacy_formats():
 def test_old_format_directories_replay(directory, expect):
     snap = LogPipeline("default", str(FIXTURES / directory), timezone="UTC").read_once()
     assert snap.unrecognized == {"control": 0, "server": 0}
-    assert snap.server_starts == expect["starts"]
+    assert snap.count("mps_server_starts_total") == expect["starts"]
     assert snap.server_exits == expect["exits"]
-    assert snap.server_start_failures == expect["failures"]
-    assert snap.client_connections == expect["connections"]
-    assert snap.client_disconnections == expect["disconnections"]
+    assert snap.count("mps_server_start_failures_total") == expect["failures"]
+    assert snap.count("mps_client_connections_total") == expect["connections"]
+    assert snap.count("mps_client_disconnections_total") == expect["disconnections"]
     hist = snap.queue_wait["server_starting"]
     assert (hist.count, round(hist.total, 3)) == expect["waits"]
     assert snap.queued["server_starting"] == expect["queued"]

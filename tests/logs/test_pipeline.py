@@ -164,8 +164,7 @@ def test_restart_with_state_file_neither_loses_nor_double_counts(tmp_path, captu
     whole = replay(capture_lines).snapshot()
     assert second.lines == whole.lines == {"control": 1071, "server": 935}
     assert second == whole  # every counter, the histogram (the 12.98 s wait spans the restart) and the state
-    for name in ("handoffs", "shutdown_deferrals", "client_connections", "server_starts"):
-        assert getattr(second, name) >= getattr(first, name)  # counters never go backwards
+    assert first.counts and all(second.count(name) >= n for name, n in first.counts.items())  # never backwards
     third = LogPipeline("default", str(logs), "UTC", StateStore(str(store_path))).read_once()
     assert third == whole  # nothing new: nothing counted again
 
@@ -175,23 +174,25 @@ def test_state_file_is_shared_by_daemons_and_written_atomically(tmp_path, captur
     LogPipeline("a", str(capture_dir), "UTC", store).read_once()
     LogPipeline("b", str(tmp_path / "nowhere"), "UTC", store).read_once()
     doc = json.loads((tmp_path / "state.json").read_text())
-    assert set(doc) == {"a", "b"} and doc["a"]["state"]["counters"]["server_starts"] == 10
+    assert set(doc) == {"a", "b"} and doc["a"]["state"]["counts"]["mps_server_starts_total"] == 10
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temporary file left behind
 
 
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"default": {"version": 1, "state": {"x": 1}}}',
                                      '{"default": "text"}',
-                                     '{"default": {"version": 1, "files": [], "state": {"counters": [], "maps": []}}}'])
+                                     '{"default": {"version": 1, "files": [], "state": {"counters": [], "maps": []}}}',
+                                     '{"default": {"version": 2, "files": {}, "state": {"counts": [], "maps": []}}}',
+                                     '{"default": {"version": 3, "files": {}, "state": {}}}'])
 def test_broken_state_file_means_starting_fresh(tmp_path, capture_dir, content):
     (tmp_path / "state.json").write_text(content)
     snap = LogPipeline("default", str(capture_dir), "UTC", StateStore(str(tmp_path / "state.json"))).read_once()
-    assert snap.server_starts == 10
-    assert json.loads((tmp_path / "state.json").read_text())["default"]["state"]["counters"]["server_starts"] == 10
+    assert snap.count("mps_server_starts_total") == 10
+    assert json.loads((tmp_path / "state.json").read_text())["default"]["state"]["counts"]["mps_server_starts_total"] == 10
 
 
 def test_unwritable_state_file_is_not_fatal(tmp_path, capture_dir):
     store = StateStore(str(tmp_path / "missing-dir" / "state.json"))
-    assert LogPipeline("default", str(capture_dir), "UTC", store).read_once().server_starts == 10
+    assert LogPipeline("default", str(capture_dir), "UTC", store).read_once().count("mps_server_starts_total") == 10
 
 
 def test_missing_directory_gives_zeros_not_errors(tmp_path):
@@ -244,7 +245,7 @@ def test_restart_while_the_log_directory_is_gone_keeps_the_counters(tmp_path, ca
         p.unlink()
     logs.rmdir()  # the device plugin deleted the directory with the daemon
     second = LogPipeline("default", str(logs), "UTC", store).read_once()
-    assert second.server_starts == first.server_starts == 10 and second.lines == first.lines
+    assert second.count("mps_server_starts_total") == first.count("mps_server_starts_total") == 10 and second.lines == first.lines
     logs.mkdir()  # a new daemon writes a new file (its first bytes are not the old one's): counted on top
     append(logs / "control.log", ["[2026-11-22 00:00:00.000 Control  9999] NEW UI"] + capture_lines["control"][:3])
     third = LogPipeline("default", str(logs), "UTC", store).read_once()
@@ -270,7 +271,7 @@ def edit_state(store_path, change) -> None:
 
 
 @pytest.mark.parametrize("reason, change", [
-    ("negative_counter", lambda e: e["state"]["counters"].update(server_starts=-1e308)),
+    ("negative_counter", lambda e: e["state"]["counts"].update(mps_server_starts_total=-1e308)),
     ("negative_counter", lambda e: e["state"]["maps"]["lines"].update(control=-5)),
     ("shape", lambda e: e.update(files=["not", "a", "mapping"])),
     ("shape", lambda e: e["files"]["control"].update(offset="far")),
@@ -284,7 +285,7 @@ def test_a_state_file_in_doubt_starts_from_the_logs_counted_never_doubled(tmp_pa
     store = StateStore(str(store_path))
     second = LogPipeline("default", str(logs), "UTC", store).read_once()
     assert second.lines == first.lines == {"control": 1071, "server": 935}  # read once from the logs, not doubled
-    assert second.server_starts == first.server_starts == 10
+    assert second.count("mps_server_starts_total") == first.count("mps_server_starts_total") == 10
     assert store.errors == {reason: 1}
     text = render(registry_snapshot(second, store))
     assert f'mps_exporter_state_file_errors_total{{reason="{reason}"}} 1.0' in text

@@ -13,10 +13,11 @@ import os
 import random
 import re
 from collections import Counter
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 
+from mps_exporter.logs import birth as birth_module
 from mps_exporter.logs import follower as follower_module
 from mps_exporter.logs.follower import FileFollower
 
@@ -24,11 +25,15 @@ ROTATED = re.compile(r"control\.log\.(\d+)$")
 
 
 class World:
-    def __init__(self, directory: str, rng: random.Random, mtime_tick_ns: int) -> None:
+    def __init__(self, directory: str, rng: random.Random, mtime_tick_ns: int, split: bool = False) -> None:
+        self.split = split  # write each line in two write() calls, steps apart (stdio flushing a full buffer)
+        self.pending = b""  # the rest of a split line, not written yet
         self.directory, self.rng, self.tick = directory, rng, mtime_tick_ns
         self.path = os.path.join(directory, "control.log")
-        self.clock = 10**18  # mtimes set by hand: the follower orders rotated files by them
+        self.clock = 10**18  # mtimes and birth times set by hand: the follower orders rotated files by them
+        self.births: Dict[int, int] = {}  # inode -> birth time (statx's stx_btime), by this clock
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.births[os.fstat(self.fd).st_ino] = self.clock
         self._touch(self.fd)
         self.written = 0
         self.rotation: Optional[Iterator[None]] = None
@@ -49,6 +54,7 @@ class World:
         os.rename(self.path, self.path + ".1")
         yield
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.births[os.fstat(fd).st_ino] = self.clock
         self._touch(fd)
         os.close(fd)
         self.reopen = True
@@ -61,18 +67,32 @@ class World:
             if next(self.rotation, StopIteration) is StopIteration:
                 self.rotation = None
         elif self.reopen and self.rotation is None and r < 0.7:
+            self._write(self.pending)  # fclose flushes the line into the old file
+            self.pending = b""
             os.close(self.fd)
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             self.reopen = False
         elif self.rotation is None and r > 0.93 and self.writing:
             self.rotation = self._logrotate()
+        elif self.writing and self.pending:
+            self._write(self.pending)
+            self.pending = b""
         elif self.writing:
-            os.write(self.fd, f"NEW UI {self.written}\n".encode())
-            self._touch(self.fd)
+            line = f"NEW UI {self.written}\n".encode()
+            cut = self.rng.randint(1, len(line) - 1) if self.split else len(line)
+            self._write(line[:cut])
+            self.pending = line[cut:]
             self.written += 1
+
+    def _write(self, data: bytes) -> None:
+        if data:
+            os.write(self.fd, data)
+            self._touch(self.fd)
 
     def settle(self) -> None:
         self.writing = False
+        self._write(self.pending)
+        self.pending = b""
         while self.rotation is not None or self.reopen:
             self.step()
 
@@ -95,16 +115,19 @@ class StepsInsideCalls:
         return moved_first
 
 
-def follow(tmp_path, monkeypatch, seed: int, chance: float, mtime_tick_ns: int) -> Counter:
+def follow(tmp_path, monkeypatch, seed: int, chance: float, mtime_tick_ns: int, split: bool = False) -> Counter:
     rng = random.Random(seed)
-    world = World(str(tmp_path), rng, mtime_tick_ns)
+    world = World(str(tmp_path), rng, mtime_tick_ns, split)
+    inject_births(world, monkeypatch)
     f = FileFollower(world.path)
     seen: List[int] = []
 
     def poll_all() -> None:
         while True:
             lines, _ = f.poll()
-            seen.extend(int(line.rsplit(" ", 1)[1]) for line in lines)
+            for line in lines:
+                assert re.fullmatch(r"NEW UI \d+", line), f"seed {seed}: a cut line {line!r}"
+                seen.append(int(line.rsplit(" ", 1)[1]))
             if not lines and not f.more:
                 return
 
@@ -112,6 +135,18 @@ def follow(tmp_path, monkeypatch, seed: int, chance: float, mtime_tick_ns: int) 
     counts = Counter(seen)
     assert set(counts) == set(range(world.written)), f"seed {seed}: lines lost"
     return counts
+
+
+def inject_births(world: World, monkeypatch: Any) -> None:
+    """The follower's birth times are the world's (a file system clock would tie them)."""
+    def of_path(path: str) -> Optional[int]:
+        try:
+            return world.births.get(os.lstat(path).st_ino)
+        except OSError:
+            return None
+
+    monkeypatch.setattr(birth_module, "path_birth_ns", of_path)
+    monkeypatch.setattr(birth_module, "fd_birth_ns", lambda fd: world.births.get(os.fstat(fd).st_ino))
 
 
 def interleave(world: World, rng: random.Random, chance: float, monkeypatch: Any, poll_all: Callable[[], None]) -> None:
@@ -127,7 +162,7 @@ def interleave(world: World, rng: random.Random, chance: float, monkeypatch: Any
             poll_all()
         world.settle()
     finally:
-        monkeypatch.undo()
+        monkeypatch.setattr(follower_module, "os", os)
         os.close(world.fd)
     poll_all()
 
@@ -137,4 +172,13 @@ def interleave(world: World, rng: random.Random, chance: float, monkeypatch: Any
                          ids=["4ms-mtimes", "fine-mtimes", "1s-mtimes"])
 def test_every_line_read_once_whatever_the_order(tmp_path, monkeypatch, seed, chance, mtime_tick_ns):
     counts = follow(tmp_path, monkeypatch, seed, chance, mtime_tick_ns)
+    assert max(counts.values()) == 1, f"seed {seed}: lines read twice"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_writer_that_splits_its_lines_never_has_them_cut(tmp_path, monkeypatch, seed):
+    """Each line in two write() calls, steps apart, the second always into the file of the
+    first (a writer finishes its line before it reopens): whatever the order, every line
+    is handed out once and whole."""
+    counts = follow(tmp_path, monkeypatch, seed, 0.3, 4_000_000, split=True)
     assert max(counts.values()) == 1, f"seed {seed}: lines read twice"

@@ -80,7 +80,7 @@ def test_handoff_only_when_the_daemon_itself_shuts_a_server_down():
                       "00:00:05.301 Starting new server 21 for user 7", "00:00:05.500 NEW SERVER 21: Ready",
                       "00:00:05.600 NEW CLIENT 11 from user 7: Server already exists")
     snap = replay({"control": user_switch}).snapshot()
-    assert (snap.handoffs, snap.shutdown_deferrals) == (1, 1)
+    assert (snap.count("mps_server_handoffs_total"), snap.count("mps_server_shutdown_deferrals_total")) == (1, 1)
     assert snap.pushes == {"user_switch": 1, "server_starting": 0}
     assert snap.queue_wait["user_switch"].total == pytest.approx(0.6)
     command = ctl(*START,
@@ -88,7 +88,7 @@ def test_handoff_only_when_the_daemon_itself_shuts_a_server_down():
                   "00:00:02.000 NEW UI", "00:00:02.000 Cmd:shutdown_server 20",
                   "00:00:02.000 Try shutting down server 20, backoff is disabled", "00:00:02.000 UI closed",
                   "00:00:02.100 Server 20 exited with status 0")
-    assert replay({"control": command}).snapshot().handoffs == 0
+    assert replay({"control": command}).snapshot().count("mps_server_handoffs_total") == 0
 
 
 def test_quit_block_still_carries_the_exits():
@@ -98,7 +98,7 @@ def test_quit_block_still_carries_the_exits():
               "00:00:03.000 Try shutting down server 20, backoff is disabled",
               "00:00:03.100 Server 20 exited with status 0", "00:00:03.101 Exit with status 0")
     snap = replay({"control": log}).snapshot()
-    assert snap.server_exits == {"0": 1} and snap.handoffs == 0
+    assert snap.server_exits == {"0": 1} and snap.count("mps_server_handoffs_total") == 0
 
 
 def test_unknown_lines_inside_a_command_are_output_not_unrecognized():
@@ -139,7 +139,7 @@ def test_start_failure_and_exit_status():
               "00:00:01.010 Server encountered a fatal exception. Shutting down",
               "00:00:01.020 Server 20 exited with status 1")
     snap = replay({"control": log}).snapshot()
-    assert snap.server_start_failures == 1 and snap.server_exits == {"1": 1} and snap.server_starts == 0
+    assert snap.count("mps_server_start_failures_total") == 1 and snap.server_exits == {"1": 1} and snap.count("mps_server_starts_total") == 0
 
 
 def test_daemon_restart_forgets_the_old_daemons_servers_and_queue():
@@ -160,7 +160,7 @@ def test_client_process_counts_once_and_late_server_lines_do_not_revive_servers(
                          "00:00:02.200 Client {PID: 30, Context ID: 2} connected",
                          "00:00:03.000 Client process 30 disconnected")}
     snap = replay(log).snapshot()  # control first: 20 has exited before its server.log is read
-    assert (snap.client_connections, snap.client_disconnections) == (1, 1)
+    assert (snap.count("mps_client_connections_total"), snap.count("mps_client_disconnections_total")) == (1, 1)
     assert snap.servers == {} and snap.client_start_times == {}
 
 
@@ -183,7 +183,7 @@ def test_fatal_error_report_counts_once_per_report():
     log = {"control": ctl(*START, "00:00:01.000 Starting new server 20 for user 0", "00:00:01.200 NEW SERVER 20: Ready"),
            "server": srv(20, *rows)}
     snap = replay(log).snapshot()
-    assert snap.fatal_gpu_errors == 2
+    assert snap.count("mps_fatal_gpu_errors_total") == 2
     assert [e.clients for e in snap.recent_events if e.kind == "fatal_gpu_error"] == [[30], [30]]
 
 
@@ -218,7 +218,7 @@ def test_recent_events_are_capped():
         rows += [f"00:01:{i // 10:02d}.{i % 10}00 Client {{PID: {i}, Context: 1}} encountered a fatal GPU error.",
                  f"00:01:{i // 10:02d}.{i % 10}00 Client process {i} disconnected"]
     snap = replay({"server": srv(20, *rows)}).snapshot()
-    assert snap.fatal_gpu_errors == 100 and len(snap.recent_events) == st.MAX_RECENT_EVENTS
+    assert snap.count("mps_fatal_gpu_errors_total") == 100 and len(snap.recent_events) == st.MAX_RECENT_EVENTS
     assert [e.clients for e in snap.recent_events[-2:]] == [[98], [99]]
 
 
@@ -258,7 +258,7 @@ def test_to_dict_round_trip_on_the_capture(capture_lines):
 
 def test_from_dict_rejects_malformed():
     good = LogState().to_dict()
-    for broken in ({}, {**good, "counters": None}, {**good, "queue_wait": {"user_switch": {"counts": [1], "sum": 0},
+    for broken in ({}, {**good, "counts": None}, {**good, "counts": {"mps_server_starts_total": "x"}}, {**good, "queue_wait": {"user_switch": {"counts": [1], "sum": 0},
                                                                            "server_starting": {"counts": [1], "sum": 0}}}):
         with pytest.raises((KeyError, TypeError, ValueError)):
             LogState.from_dict(broken)
@@ -301,7 +301,7 @@ def test_a_saved_time_from_the_future_is_dropped_and_negative_counters_refused()
     saved["daemon"]["last_line_times"] = {"control": at("9999-12-31 23:59:59.000"), "server": now - 5}
     restored = LogState.from_dict(json.loads(json.dumps(saved)), clock=lambda: now)
     assert restored.snapshot().last_line_times == {"server": now - 5}
-    for path in (("counters", "server_starts"), ("maps", "lines", "control")):
+    for path in (("counts", "mps_server_starts_total"), ("maps", "lines", "control")):
         broken = json.loads(json.dumps(LogState().to_dict()))
         broken[path[0]][path[1]] = -1e308 if len(path) == 2 else {path[2]: -1}
         with pytest.raises(NegativeCounter):
@@ -342,7 +342,7 @@ def test_a_refused_client_is_named_and_its_two_disconnect_lines_count_once():
     snap = replay({"server": lines}).snapshot()
     assert snap.rejections == {"client_limit": 1}
     assert [(e.kind, e.clients) for e in snap.recent_events] == [("client_rejected", [2786])]
-    assert (snap.client_connections, snap.client_disconnections) == (1, 1)
+    assert (snap.count("mps_client_connections_total"), snap.count("mps_client_disconnections_total")) == (1, 1)
 
 
 def _two_exits(killed_first: bool) -> dict:
@@ -363,7 +363,7 @@ def test_a_server_that_exits_with_a_client_attached_is_told_from_a_clean_exit():
     files = _two_exits(True)
     # As `dump` reads them: all of control.log, then all of server.log, then settle().
     snap = replay(files).snapshot()
-    assert snap.exits_with_clients == 1 and snap.server_exits == {"0": 2}
+    assert snap.count("mps_server_exits_with_clients_total") == 1 and snap.server_exits == {"0": 2}
     assert [(e.kind, e.server_pid, e.clients) for e in snap.recent_events if e.kind == "exit_with_clients"] == [
         ("exit_with_clients", 20, [30])]
     # As the live reader meets them: both files in time order, settled after each line.
@@ -372,18 +372,18 @@ def test_a_server_that_exits_with_a_client_attached_is_told_from_a_clean_exit():
     for _, file, line in lines:
         state.apply(st_parse(line, file), file)
         state.settle()
-    assert state.snapshot().exits_with_clients == 1
+    assert state.snapshot().count("mps_server_exits_with_clients_total") == 1
 
 
 def test_an_exit_is_decided_only_once_server_log_is_read_past_it():
     files = _two_exits(True)
     state = replay({"control": files["control"][:4]}, settle=False)  # server 20's exit, server.log not read yet ...
-    assert state.snapshot().exits_with_clients == 0
+    assert state.snapshot().count("mps_server_exits_with_clients_total") == 0
     for line in files["server"]:  # ... decided at the first server.log line after the exit
         state.apply(st_parse(line, "server"), "server")
         if line_ts(line) > "00:00:05.000":
             break
-    assert state.snapshot().exits_with_clients == 1
+    assert state.snapshot().count("mps_server_exits_with_clients_total") == 1
 
 
 def test_client_limits_are_those_in_force_when_it_connected():
@@ -425,18 +425,22 @@ def test_edge_state_survives_the_state_file_and_older_files_load():
     files = _two_exits(True)
     state = replay({"control": files["control"][:4], "server": files["server"][:3] + srv(20, f"00:00:02.000 {REFUSAL}")},
                    settle=False)
-    state.s.exits_with_clients = 0
     restored = LogState.from_dict(json.loads(json.dumps(state.to_dict())))
     for line in files["server"][3:]:
         restored.apply(st_parse(line, "server"), "server")
     restored.settle()
     snap = restored.snapshot()
     assert (snap.rejections, snap.client_limit) == ({"client_limit": 1}, 48)
+    # A version 1 file written before the exits with clients and the refusals were kept.
     old = state.to_dict()
-    for key in ("attached", "pending_exits", "client_limit", "unnamed"):
+    for key in ("attached", "pending_exits", "client_limit", "unnamed", "counts", "signals"):
         del old[key]
-    del old["counters"]["exits_with_clients"], old["maps"]["rejections"]
-    assert LogState.from_dict(json.loads(json.dumps(old))).snapshot().exits_with_clients == 0
+    del old["maps"]["rejections"]
+    old["counters"] = {"handoffs": 0, "shutdown_deferrals": 0, "client_connections": 1, "client_disconnections": 0,
+                       "server_starts": 1, "server_start_failures": 0, "fatal_gpu_errors": 0}
+    loaded = LogState.from_dict(json.loads(json.dumps(old))).snapshot()
+    assert loaded.counts == {"mps_client_connections_total": 1, "mps_server_starts_total": 1}
+    assert (loaded.rejections, loaded.client_limit, loaded.limit_commands) == ({}, None, 0)
 
 
 def st_parse(line: str, file: str):
@@ -472,17 +476,17 @@ def test_start_failures_server_log_alone_shows_are_counted_once():
     legacy = Path(__file__).parent / "fixtures" / "legacy"
     files = {f: (legacy / f"{f}.log").read_text().splitlines() for f in ("control", "server")}
     alone = replay({"server": files["server"]}).snapshot()
-    assert alone.server_start_failures == 2 and alone.unrecognized["server"] == 0
+    assert alone.count("mps_server_start_failures_total") == 2 and alone.unrecognized["server"] == 0
     assert [(e.kind, e.server_pid, e.detail) for e in alone.recent_events] == [
         ("start_failure", 95, "Failed to start : invalid argument"), ("start_failure", 98, "Failed to start : invalid argument")]
     both = replay(files).snapshot()
-    assert both.server_start_failures == 2
+    assert both.count("mps_server_start_failures_total") == 2
     # server.log read first (a live reader between two polls), then control.log: still once each
     state = LogState()
     for file in ("server", "control"):
         for line in files[file]:
             state.apply(st_parse(line, file), file)
-    assert state.snapshot().server_start_failures == 2
+    assert state.snapshot().count("mps_server_start_failures_total") == 2
 
 
 def test_terminate_client_counts_each_process_once_and_is_an_event():
@@ -494,11 +498,11 @@ def test_terminate_client_counts_each_process_once_and_is_an_event():
               "00:00:07.010 Client termination succeeded.")
     state = replay({"control": ctl(*START, "00:00:01.000 Starting new server 20 for user 0"), "server": log})
     snap = state.snapshot()
-    assert snap.clients_terminated == 2 and snap.unrecognized == {"control": 0, "server": 0}
+    assert snap.count("mps_clients_terminated_total") == 2 and snap.unrecognized == {"control": 0, "server": 0}
     assert [(e.kind, e.server_pid, e.clients) for e in snap.recent_events] == \
         [("client_terminated", 20, [10]), ("client_terminated", 20, [11])]
     again = LogState.from_dict(json.loads(json.dumps(state.to_dict()))).snapshot()
-    assert again.clients_terminated == 2
+    assert again.count("mps_clients_terminated_total") == 2
 
 
 def test_server_priority_is_kept_per_server_and_survives_a_restart():
@@ -519,7 +523,7 @@ def test_the_issue_24_run_server_priority_and_terminated_client():
     snap = replay(files, until="2026-11-25 13:26:18.000").snapshot()
     assert snap.servers[1332].priority == 1
     snap = replay(files).snapshot()
-    assert snap.clients_terminated == 1 and snap.unrecognized == {"control": 0, "server": 0}
+    assert snap.count("mps_clients_terminated_total") == 1 and snap.unrecognized == {"control": 0, "server": 0}
     assert [(e.server_pid, e.clients) for e in snap.recent_events if e.kind == "client_terminated"] == [(1515, [1478])]
 
 
@@ -532,7 +536,7 @@ def test_a_state_file_with_the_state_nothing_read_still_loads():
     for server in d["servers"]:
         server.update(fatal_errors=1, sticky=[30], reset=[0])
     resumed = LogState.from_dict(json.loads(json.dumps(d))).snapshot()
-    assert resumed.server_starts == 1 and set(resumed.servers) == {20}
+    assert resumed.count("mps_server_starts_total") == 1 and set(resumed.servers) == {20}
     assert "version" not in LogState.from_dict(d).to_dict()["daemon"]
 
 
@@ -634,3 +638,38 @@ def test_a_shutdown_for_a_waiting_client_switches_only_other_users_waits():
     snap = state.snapshot()
     assert snap.pushes == {"server_starting": 1, "user_switch": 2}
     assert {p.pid: p.reason for p in snap.pending} == {10: "server_starting", 11: "user_switch", 12: "user_switch"}
+
+
+def test_every_event_the_state_machine_counts_is_a_declared_counted_event():
+    """A misspelt name in a handler would count into a key no metric publishes."""
+    import ast
+    import inspect
+
+    from mps_exporter.logs import state
+    from mps_exporter.logs.render import COUNTED_EVENTS
+    names = {n.value for n in ast.walk(ast.parse(inspect.getsource(state)))
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("mps_")}
+    assert len(names) >= 10 and names <= set(COUNTED_EVENTS)
+
+
+def test_a_saved_map_of_counted_events_is_bounded():
+    saved = LogState().to_dict()
+    saved["counts"] = {f"mps_x{i}_total": 1 for i in range(st.MAX_COUNTED_EVENTS + 1)}
+    with pytest.raises(ValueError):
+        LogState.from_dict(json.loads(json.dumps(saved)))
+    saved["counts"] = {"mps_counted_by_a_newer_exporter_total": 2, "mps_server_starts_total": 0}
+    assert LogState.from_dict(saved).snapshot().counts == {"mps_counted_by_a_newer_exporter_total": 2}
+
+
+def test_connections_the_control_daemon_could_not_accept_are_counted_not_unrecognized():
+    # control.log as 208 clients arrived at once on 4 x H200 (driver 580): accept() failed
+    # between the accepted clients (reports/2026-11-28-h200x4, run 3).
+    log = ctl(*START,
+              "00:00:01.000 Accepting connection...",
+              "00:00:01.000 NEW CLIENT 1226 from user 0: Server already exists",
+              "00:00:01.000 Accepting connection...", "00:00:01.000 Unable to accept connection",
+              "00:00:01.000 Accepting connection...", "00:00:01.000 Unable to accept connection",
+              "00:00:01.000 Accepting connection...", "00:00:01.000 NEW UI")
+    snap = replay({"control": log}).snapshot()
+    assert snap.count("mps_control_accept_failures_total") == 2
+    assert snap.unrecognized["control"] == 0

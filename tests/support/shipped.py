@@ -63,7 +63,7 @@ def moments() -> Moments:
                 queued.append(scrape.t)
             clients = {c.pid for d in snap.daemons for c in d.clients}
             for name, seen in (("fault", any(s.status == "FAULT" for d in snap.daemons for s in d.servers)),
-                               ("fatal", any(log.fatal_gpu_errors for log in snap.logs.values())),
+                               ("fatal", any(log.count("mps_fatal_gpu_errors_total") for log in snap.logs.values())),
                                ("priority", any("CUDA_MPS_CLIENT_PRIORITY" in snap.processes[pid].environ
                                                 for pid in clients if pid in snap.processes))):
                 if seen:
