@@ -173,10 +173,10 @@ def test_recorded_logs_are_recognized_or_counted(directory):
     snap = LogPipeline("default", str(DRIVERS / directory), timezone="UTC").read_once()
     assert snap.lines == expect["lines"]
     assert snap.unrecognized == expect["unrecognized"]
-    assert snap.server_starts == expect["starts"]
+    assert snap.count("mps_server_starts_total") == expect["starts"]
     assert snap.server_exits == expect["exits"]
-    assert snap.server_start_failures == expect["failures"]
-    assert snap.client_connections == expect["connections"]
+    assert snap.count("mps_server_start_failures_total") == expect["failures"]
+    assert snap.count("mps_client_connections_total") == expect["connections"]
     assert sum(snap.queued.values()) == expect["queued"]
 
 
