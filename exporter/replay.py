@@ -326,6 +326,9 @@ def replay_config(cfg: Config, bundle: Bundle, log_dirs: Dict[str, str]) -> Conf
     play.exit_status = False  # nor are its clients' exits this kernel's
     play.discover_processes = False  # a bundle's daemons are another machine's, this one's /proc is not
     play.refresh_interval = 0.0  # a recorded reading belongs to its moment: read it at the scrape's
+    # Likewise the control daemon's: a scrape that did not wait for its recorded answer served
+    # the previous moment's (a loaded machine missed the 10 ms wait and shifted a row by one).
+    play.control_wait = 0.0
     try:
         resolve_timezone(play.log_timezone)
     except ValueError as e:

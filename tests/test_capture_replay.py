@@ -275,6 +275,16 @@ def samples(text: str) -> dict:
     return out
 
 
+def test_replay_serves_each_scrape_the_control_answer_of_its_own_moment(tmp_path):
+    """The flags' 10 ms control wait is for a live daemon: a replay waits for the recorded
+    answer, or a loaded machine serves a scrape the previous moment's servers and clients."""
+    path, _, _ = record_session(tmp_path)
+    bundle = load(str(path))
+    cfg = replay_config(parse_args(["replay", str(path)])[1], bundle, Player(bundle, str(tmp_path / "l")).log_dirs)
+    assert Config().control_wait > 0 and cfg.control_wait == 0.0
+    assert build_collector(cfg, {}).control_wait == 0.0
+
+
 def test_replay_on_the_present_clock_moves_every_recorded_time(tmp_path):
     """Issue 43: replay served the recording's own clock, so the readings looked days stale."""
     path, _, _ = record_session(tmp_path)

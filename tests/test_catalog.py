@@ -7,11 +7,13 @@ import importlib.util
 import shutil
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Dict, Tuple
 
 import pytest
 
 from mps_exporter import catalog, contract
 from mps_exporter.contract import FIXED, INPUT, Label, counter, gauge
+from mps_exporter.sources.registry import SOURCES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,3 +80,57 @@ def test_the_collector_label_names_the_registered_sources():
 
     row = next(line for line in catalog.labels_markdown().splitlines() if line.startswith("| collector |"))
     assert row.endswith(f"| {', '.join(SOURCES)} |")
+
+
+def _flag_rows(markdown: str) -> Dict[str, Tuple[str, str]]:
+    """The table's first flag of each row -> (default, meaning)."""
+    rows = {}
+    for line in markdown.splitlines()[2:]:
+        flags, default, meaning = line[2:-2].split(" | ", 2)
+        rows[flags.split(", ")[0].strip("`")] = (default, meaning)
+    return rows
+
+
+def test_readme_global_flags_are_the_parsers_with_the_config_defaults():
+    from mps_exporter.cli import DEFAULTS, build_parser
+
+    rows = _flag_rows(docs_generator().global_flags_markdown())
+    serve = build_parser().serve_parser
+    assert serve is not None
+    by_flag = {action.option_strings[0]: action for action in serve._actions if action.option_strings}
+    # Every global flag of serve has its row, and no source's flag (the table below has those).
+    assert "--web.listen-address" in rows and "--log.level" in rows and "--collector.control-wait" in rows
+    assert "--mps.command-timeout" not in rows and "--collector.nvml" not in rows and "--help" not in rows
+    assert {f for f in by_flag if not f.startswith("--no-") and f != "-h"} - set(rows) <= {
+        flag.name for source in SOURCES.values() for flag in source.flags} | {f"--collector.{n}" for n in SOURCES}
+    assert rows["--web.listen-address"][0] == f"`{DEFAULTS.listen_address}`"
+    assert rows["--collector.control-wait"][0] == f"`{DEFAULTS.control_wait:g}`"
+    assert rows["--mps.exit-status"][0] == ("on" if DEFAULTS.exit_status else "off")
+    assert rows["--web.systemd-socket"][0] == "off" and rows["--config.file"][0] == "none"
+    assert rows["--log.level"][1] == "`debug`, `info`, `warn`, `error`"  # the parser's choices
+
+
+def test_a_new_global_flag_and_a_changed_default_reach_the_readme(monkeypatch: pytest.MonkeyPatch):
+    import dataclasses
+
+    from mps_exporter import cli
+
+    add_web = cli._add_web
+
+    def with_example(p: Any) -> None:
+        add_web(p)
+        p.add_argument("--web.example-limit", dest="example_limit", type=int, default=3,
+                       help="an example's limit (0: none; default %(default)s)")
+
+    monkeypatch.setattr(cli, "_add_web", with_example)
+    monkeypatch.setattr(cli, "DEFAULTS", dataclasses.replace(cli.DEFAULTS, max_requests=7))
+    rows = _flag_rows(docs_generator().global_flags_markdown())
+    assert rows["--web.example-limit"] == ("`3`", "an example's limit (0: none)")
+    assert rows["--web.max-requests"][0] == "`7`"
+
+
+def test_readme_text_for_a_flag_that_is_gone_fails_the_generator(monkeypatch: pytest.MonkeyPatch):
+    generate = docs_generator()
+    monkeypatch.setitem(generate.FLAG_DOCS, "--web.gone", "a flag that was removed")
+    with pytest.raises(SystemExit, match="no such flag of serve: --web.gone"):
+        generate.global_flags_markdown()

@@ -141,11 +141,24 @@ def test_dump_counts_refusals_and_a_server_killed_under_its_client():
     (["--path.procfs", "/nonexistent/proc"], "--path.procfs '/nonexistent/proc': no such directory"),
     (["dump", "--path.procfs", "/dev/null"], "--path.procfs '/dev/null': not a directory"),
 ])
-def test_bad_flags_give_one_line_and_exit_2(args, message):
-    res = subprocess.run(EXE + args, capture_output=True, text=True, timeout=30)
-    assert res.returncode == 2
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], res.stderr
+def test_bad_flags_give_one_line_and_exit_2(args, message, capsys):
+    code, lines = parse_error(args, capsys)
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def parse_error(args, capsys):
+    """(exit code, stderr lines) of the command line's parse, in this process (a process of
+    its own costs a second of imports; the next test checks the real process once)."""
+    from mps_exporter.cli import parse_args
+
+    with pytest.raises(SystemExit) as exit:
+        parse_args(args)
+    return exit.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_bad_flag_ends_the_process_with_one_line_and_exit_2():
+    res = subprocess.run(EXE + ["dump", "--log.level", "loud"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "invalid choice" in res.stderr
 
 
 @pytest.mark.parametrize("content,message", [
@@ -155,11 +168,11 @@ def test_bad_flags_give_one_line_and_exit_2(args, message):
     ("daemons:\n  - {name: a, pipe_directory: /p}\n  - {name: a, pipe_directory: /q}\n", "appears twice"),
     ("daemons:\n  - {name: a, pipe_directory: /p, colour: red}\n", "unknown keys"),
 ])
-def test_bad_config_file(tmp_path, content, message):
+def test_bad_config_file(tmp_path, content, message, capsys):
     f = tmp_path / "mps.yml"
     f.write_text(content)
-    res = subprocess.run(EXE + ["dump", "--config.file", str(f)], capture_output=True, text=True, timeout=30)
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and message in res.stderr, res.stderr
+    code, lines = parse_error(["dump", "--config.file", str(f)], capsys)
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
 @pytest.mark.parametrize("content,where", [
@@ -171,12 +184,11 @@ def test_bad_config_file(tmp_path, content, message):
     ("daemons:\n  - {name: a, pipe_directory: /p}\n   bad: 1\n", "line 3, column 4: expected <block end>, but found "
                                                                    "'<block mapping start>'"),
 ])
-def test_a_yaml_error_names_its_line_and_column(tmp_path, content, where):
+def test_a_yaml_error_names_its_line_and_column(tmp_path, content, where, capsys):
     f = tmp_path / "mps.yml"
     f.write_text(content)
-    res = subprocess.run(EXE + ["dump", "--config.file", str(f)], capture_output=True, text=True, timeout=30)
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    code, lines = parse_error(["dump", "--config.file", str(f)], capsys)
+    assert code == 2 and len(lines) == 1, lines
     assert f"config file {f} is not valid YAML: {where}" in lines[0], lines[0]
 
 

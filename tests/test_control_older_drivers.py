@@ -68,6 +68,9 @@ def test_each_driver_family_serves_its_servers_and_clients(tmp_path, family):
     cfg.procfs = str(write_proc(tmp_path / "proc", []))
     cfg.collectors.update(dcgm=False, logs=False, proc=False)
     cfg.runtime_roots = ()
+    # Each scrape waits for its own control read: with the default 10 ms wait, a loaded machine
+    # serves the second scrape the first one's reading (tests/support/scenarios.py does the same).
+    cfg.control_wait = 0.0
     readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=FakeDaemons({str(pipe): fake}), nvml_wait_for_every_answer=True))
     collector = build_collector(cfg, readers)
     try:

@@ -223,6 +223,7 @@ def test_both_layouts_come_and_go_while_serving(tmp_path):
             r.close()
 
 
+@pytest.mark.slow
 def test_200_claims_appear_and_leave_leaving_nothing_behind(tmp_path):
     """Done-when 1: 200 DRA claims' daemons appear within one re-scan and leave within one
     after their directories are removed; memory and the state file return to their size."""

@@ -175,6 +175,7 @@ def get(url: str) -> "tuple[int, str]":
         return r.status, r.read().decode()
 
 
+@pytest.mark.slow
 def test_metrics_prints_the_readme_table(installed):
     res = run(installed, "metrics")
     assert res.returncode == 0, res.stderr
@@ -182,11 +183,13 @@ def test_metrics_prints_the_readme_table(installed):
     assert res.stdout == table
 
 
+@pytest.mark.slow
 def test_version(installed):
     res = run(installed, "--version")
     assert res.returncode == 0 and res.stdout.startswith("mps-exporter "), res
 
 
+@pytest.mark.slow
 def test_dump_runs_every_collector_once_and_exits(installed, tmp_path):
     # README's node command, its two directories made private; no GPU here, so NVML fails
     # (its own series only) and the exposition still comes out.
@@ -200,6 +203,7 @@ def test_dump_runs_every_collector_once_and_exits(installed, tmp_path):
     assert "mps_exporter_build_info{" in res.stdout
 
 
+@pytest.mark.slow
 def test_replay_serves_the_shipped_session_and_its_counters_go_on(installed):
     assert readme_command("pip install . && mps-exporter replay") == "pip install . && mps-exporter replay"
     port = free_port()
@@ -232,6 +236,7 @@ def test_replay_serves_the_shipped_session_and_its_counters_go_on(installed):
     assert len(listening) == 1 and f"127.0.0.1:{port}" in listening[0], err
 
 
+@pytest.mark.slow
 def test_status_reads_the_shipped_session_as_readme_shows(installed):
     # README's bundle command, on the session inside the installed package: the wheel ships
     # the status package, and its first sample is what it prints.
@@ -247,6 +252,7 @@ def test_status_reads_the_shipped_session_as_readme_shows(installed):
     assert res.stdout == sample
 
 
+@pytest.mark.slow
 def test_the_package_names_its_license_and_where_its_docs_are(installed):
     # SPDX license expression (a license table stops building in 2027), project URLs, and
     # --help pointing at them: a pip install has no docs/ to read.

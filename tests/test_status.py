@@ -342,6 +342,7 @@ def test_status_exits_0_when_every_source_answered(tmp_path):
     assert res.returncode == 0 and "sources: control ok, logs ok, nvml ok, proc ok" in res.stdout, res.stderr
 
 
+@pytest.mark.slow
 def test_a_hung_source_shows_as_failed_after_a_scrape_s_wait(tmp_path):
     # A control program that never answers (as a wedged daemon): status waits as long as a
     # scrape would (--scrape.max-duration's default, 5 s), then prints what it has.

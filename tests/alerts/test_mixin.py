@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import _jsonnet  # PyPI's `jsonnet` (pip install -e ".[test]")
+import pytest
 import yaml
 
 from alerts import generate, mixin
@@ -39,6 +40,7 @@ def test_the_committed_mixin_is_what_the_generator_writes():
     assert generate.write_or_check(mixin.outputs(), check_only=True) == []
 
 
+@pytest.mark.slow
 def test_jsonnet_builds_the_shipped_rule_groups():
     built = build()
     assert built["rules"]["groups"] + built["alerts"]["groups"] == shipped_groups()
@@ -49,6 +51,7 @@ def test_jsonnet_builds_the_shipped_rule_groups():
     assert all("alert" in r for g in built["alerts"]["groups"] for r in g["rules"])
 
 
+@pytest.mark.slow
 def test_jsonnet_builds_the_shipped_dashboards():
     dashboards = build()["dashboards"]
     shipped = {}
@@ -58,12 +61,14 @@ def test_jsonnet_builds_the_shipped_dashboards():
     assert len(shipped) == 7 and dashboards == shipped
 
 
+@pytest.mark.slow
 def test_the_build_files_print_the_rules_as_yaml():
     for name, field in (("alerts.jsonnet", "alerts"), ("rules.jsonnet", "rules")):
         text = json.loads(_jsonnet.evaluate_file(str(MIXIN / name)))  # -S: a string
         assert yaml.safe_load(text) == build()[field]
 
 
+@pytest.mark.slow
 def test_config_reselects_every_rule_and_dashboard():
     default = build()
     other = build(f"jobSelector: {json.dumps(OTHER_JOB)}, runbookURLPattern: 'https://wiki.example/mps#%s'")

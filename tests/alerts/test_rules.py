@@ -45,6 +45,7 @@ def test_promtool_check_rules():
     assert f"SUCCESS: {n} rules found" in out.stdout
 
 
+@pytest.mark.slow
 def test_promtool_unit_tests():
     out = subprocess.run([require("promtool"), "test", "rules", *map(str, TEST_FILES)],
                          capture_output=True, text=True, timeout=120)

@@ -82,6 +82,7 @@ def test_compose_file_matches_the_compose_schema():
     assert any("profile" in e.message for e in validator.iter_errors(document))
 
 
+@pytest.mark.slow
 def test_debian_docker_compose_loads_the_file(tmp_path):
     """Issue 43: Debian 12's own docker-compose (1.29.2) rejected the file's top-level
     `name:`. Its `config` parses and validates the file with no Docker daemon, both

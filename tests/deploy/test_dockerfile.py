@@ -11,6 +11,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from tests.deploy.helpers import ROOT
 
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
@@ -129,6 +131,7 @@ def test_every_copy_source_is_in_the_context():
             assert in_context(source.rstrip("/")), f"{source} is excluded by .dockerignore"
 
 
+@pytest.mark.slow
 def test_the_context_builds_the_package(tmp_path):
     """What the build stage runs (pip wheel ., build deps fetched from PyPI as in
     the image build), on exactly the files Docker would send."""

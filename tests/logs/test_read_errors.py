@@ -338,6 +338,7 @@ def wait_for_metrics(port: int, proc: subprocess.Popen, want: str, limit: float 
 
 
 @pytest.mark.parametrize("make", ["fifo", "device", "directory", "unreadable"])
+@pytest.mark.slow
 def test_serve_with_a_bad_control_log_reads_server_log_and_ends_on_sigterm(work_dir, make):
     logs = work_dir / "mps-log"
     logs.mkdir()
