@@ -530,6 +530,52 @@ def phase_ceiling(tc: "TruthCheck") -> None:
         s.shutdown_servers()
 
 
+# ====================================================================== procdisc
+def phase_procdisc(tc: "TruthCheck") -> None:
+    """Issue 41: an exporter with its default flags (only its address and state file given)
+    finds a daemon whose pipe directory no flag, file or layout names, by its process, within
+    one re-scan (--mps.discover-interval, 5 s) of the daemon's start, and serves its client
+    with nvidia-smi's memory."""
+    import discovery_phase as dp
+    from truth_check import free_port
+    s, r = tc.s, tc.r
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    d = dp.Daemon("unnamed", ROOT / "unnamed")  # under ROOT: run_x2/x4.sh and the finish quit it
+    shutil.rmtree(d.directory, ignore_errors=True)
+    name = str(d.pipe)  # discovery names a daemon found by process by its pipe directory
+    argv = [sys.executable, "-X", "faulthandler", "-m", "mps_exporter.cli", "serve",
+            "--web.listen-address", f"127.0.0.1:{port}", "--mps.state-file", str(s.work / "procdisc-state.json")]
+    env = {k: v for k, v in s.env.items() if not k.startswith("CUDA_MPS_")}
+    exporter = subprocess.Popen(argv, stdout=open(s.work / "exporter-procdisc.log", "w"), stderr=subprocess.STDOUT,
+                                env=env, cwd="/tmp")
+    clients: List["Client"] = []
+    try:
+        before = dp.wait_scrape(url, lambda e: True, 30)
+        r.check("procdisc: before its start, the daemon is not watched", [],
+                [] if before is None else sorted(x for x in before.label_set("mps_control_daemon_up", "daemon")
+                                                 if x == name))
+        started = time.time()
+        r.facts["procdisc: start"] = d.start()
+        found = dp.wait_scrape(url, lambda e: e.value("mps_control_daemon_up", daemon=name) == 1, 30)
+        r.facts["procdisc: seconds from the daemon's start to daemon_up 1"] = round(time.time() - started, 2)
+        r.check_true("procdisc: found by its process within one re-scan (5 s; 1 s for the scrape)", "<= 6 s",
+                     r.facts["procdisc: seconds from the daemon's start to daemon_up 1"],
+                     found is not None and time.time() - started <= 6.0)
+        c = s.client("pd_a", 0.5, env=daemon_env(d), idle=True)
+        clients.append(c)
+        r.check("procdisc: client ready", [], [x.tag for x in s.wait_ready(clients, 120)])
+        e = dp.wait_scrape(url, lambda e: str(c.pid) in e.label_set("mps_client_info", "pid", daemon=name), 30)
+        apps = s.smi_apps()
+        smi = next((mib for (_, pid), mib in apps.items() if pid == c.pid), None)
+        ours = None if e is None else next((x.value / oracles.MIB for x in e.series("mps_client_memory_used_bytes", daemon=name)
+                                            if x.labels["pid"] == str(c.pid)), None)
+        r.check("procdisc: its client served, memory = nvidia-smi (MiB)", smi, ours)
+    finally:
+        finish(tc, "procdisc", clients, [d], exporter)
+
+
 PHASES: Dict[str, Callable[["TruthCheck"], None]] = {
     name: _guarded(fn, name) for name, fn in (("starts", phase_starts), ("cvdlimits", phase_cvdlimits),
                                               ("killdaemon", phase_killdaemon), ("ceiling", phase_ceiling))}
+PHASES["procdisc"] = lambda tc: (tc.phase("procdisc"), phase_procdisc(tc))[1]  # any node: one GPU is enough

@@ -19,7 +19,7 @@ CUDA clients (workloads/); it quits MPS at the end whatever failed. Phases:
   discovery daemons in the device plugin's and DRA driver's layouts, found by a
             second exporter as they come and go (discovery_phase.py)
   remapped, percap, daemonpergpu, storm2   two or more GPUs (multi_gpu_phase.py)
-  starts, cvdlimits, killdaemon, ceiling   nodes with several GPUs (node_phases.py)
+  starts, cvdlimits, killdaemon, ceiling, procdisc   nodes with several GPUs; procdisc: any node (node_phases.py)
   oomlimit, oomfull, nearclean, xid        out of memory at a limit and on a full GPU, a
             normal exit near a limit, an Xid from a fatal error (oom_phase.py)
 
