@@ -565,12 +565,15 @@ def phase_procdisc(tc: "TruthCheck") -> None:
         c = s.client("pd_a", 0.5, env=daemon_env(d), idle=True)
         clients.append(c)
         r.check("procdisc: client ready", [], [x.tag for x in s.wait_ready(clients, 120)])
-        e = dp.wait_scrape(url, lambda e: str(c.pid) in e.label_set("mps_client_info", "pid", daemon=name), 30)
-        apps = s.smi_apps()
-        smi = next((mib for (_, pid), mib in apps.items() if pid == c.pid), None)
-        ours = None if e is None else next((x.value / oracles.MIB for x in e.series("mps_client_memory_used_bytes", daemon=name)
-                                            if x.labels["pid"] == str(c.pid)), None)
-        r.check("procdisc: its client served, memory = nvidia-smi (MiB)", smi, ours)
+        smi = next((mib for (_, pid), mib in s.smi_apps().items() if pid == c.pid), None)
+
+        def served(e: Any) -> Optional[float]:
+            return next((x.value / oracles.MIB for x in e.series("mps_client_memory_used_bytes", daemon=name)
+                         if x.labels["pid"] == str(c.pid)), None)
+
+        # Settled: the background NVML reading trails the client's last allocation by a refresh.
+        e = dp.wait_scrape(url, lambda e: smi is not None and served(e) == smi, 15)
+        r.check("procdisc: its client served, memory = nvidia-smi (MiB)", smi, None if e is None else served(e))
     finally:
         finish(tc, "procdisc", clients, [d], exporter)
 
