@@ -48,7 +48,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool) -> None:
+def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool, exit_status: bool) -> None:
     """The child: the synthetic 8 x 48 node behind `serve`; NVML's clock (utilization
     samples, GPM) advancing each second, and with `moving` every client's memory too."""
     import logging
@@ -70,6 +70,7 @@ def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool) -> N
     cfg = scen.cfg
     cfg.listen_address = f"127.0.0.1:{port}"
     cfg.control_wait = type(cfg)().control_wait  # the flag's default (scenarios set 0)
+    cfg.exit_status = exit_status  # --mps.exit-status: on by default
     stop = threading.Event()
     collectors: List[MpsCollector] = []
     real_start = MpsCollector.start
@@ -167,13 +168,15 @@ def rounds(proc: subprocess.Popen, rounds_file: str) -> int:
     return -1
 
 
-def measure(interval: float, seconds: float, node_exporter: str, readings: str, pacing: str) -> Dict[str, float]:
+def measure(interval: float, seconds: float, node_exporter: str, readings: str, pacing: str,
+            exit_status: bool) -> Dict[str, float]:
     timeout = "10" if interval >= 15 else f"{min(interval, 10):g}"  # Prometheus' default timeout
     with tempfile.TemporaryDirectory() as tmp:
         rounds_file = os.path.join(tmp, "rounds")
         mps_port, node_port = free_port(), free_port()
         mps = subprocess.Popen([sys.executable, __file__, "--serve", str(mps_port), "--rounds-file", rounds_file,
-                                "--readings", readings, "--pacing", pacing],
+                                "--readings", readings, "--pacing", pacing]
+                               + ([] if exit_status else ["--no-exit-status"]),
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         node = subprocess.Popen([node_exporter, f"--web.listen-address=127.0.0.1:{node_port}", "--log.level=warn"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -210,15 +213,19 @@ def main() -> None:
     ap.add_argument("--pacing", default="fixed,paced",
                     help="fixed (the reference: a background round every --collector.refresh-interval, as before "
                          "issue 44), paced (no faster than scrapes come), or both")
+    ap.add_argument("--no-exit-status", action="store_true",
+                    help="serve with --no-mps.exit-status: without the proc connector's listener, whose cost "
+                         "follows how many processes the whole machine starts and ends")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rounds-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        serve_synthetic(args.serve, args.rounds_file, args.readings == "moving", args.pacing == "paced")
+        serve_synthetic(args.serve, args.rounds_file, args.readings == "moving", args.pacing == "paced",
+                        not args.no_exit_status)
         return
     if not args.node_exporter:
         sys.exit("node_exporter not found: apt-get download prometheus-node-exporter, dpkg -x it, --node-exporter PATH")
-    print(f"CPU of mps-exporter (synthetic 8 GPU x 48 clients) and node_exporter (default "
+    print(f"CPU of mps-exporter (synthetic 8 GPU x 48 clients{', --no-mps.exit-status' if args.no_exit_status else ''}) and node_exporter (default "
           f"collectors), scraped side by side, {args.seconds:g} s each after three scrapes and {WARM_UP_SECONDS:g} s ({os.cpu_count()} CPUs)\n")
     print("| readings | scrape interval | background rounds | mps-exporter CPU ms/s | node_exporter CPU ms/s | ratio | mps rounds | "
           "scrapes | mps scrape p50 ms | failures | load |")
@@ -226,7 +233,7 @@ def main() -> None:
     for readings in args.readings.split(","):
         for interval in [float(x) for x in args.intervals.split(",")]:
             for pacing in args.pacing.split(","):
-                r = measure(interval, args.seconds, args.node_exporter, readings, pacing)
+                r = measure(interval, args.seconds, args.node_exporter, readings, pacing, not args.no_exit_status)
                 print(f"| {readings} | {interval:g} s | {pacing} | {r['mps']:.2f} | {r['node']:.2f} | {r['ratio']:.2f} | "
                       f"{r['rounds']} | {r['scrapes']} | {r['p50']:.1f} | {r['failures']} | "
                       "load average %.2f %.2f %.2f |" % os.getloadavg(), flush=True)

@@ -241,7 +241,8 @@ def _add_refresh(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collector.refresh-interval", dest="refresh_interval", type=float,
                    default=DEFAULTS.refresh_interval,
                    help="seconds between background reads of the sources that are slow or slow down in a client "
-                        "storm (NVML, DCGM); a scrape serves their latest reading, at most two intervals old. 0: "
+                        "storm (NVML, DCGM); a scrape serves their latest reading, at most two intervals old. Scraped "
+                        "less often, they are read once per scrape, just before the next is due. 0: "
                         "read them in every scrape (default %(default)s)")
     p.add_argument("--collector.pause-after", dest="pause_after", type=float, default=DEFAULTS.pause_after,
                    help="seconds without a scrape after which the background reads pause; the next scrape reads "
