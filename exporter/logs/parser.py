@@ -372,10 +372,11 @@ _HEADER = re.compile(HEADER_PATTERN).match
 
 # The hot path (issue 44). The commonest verbs that carry numbers are matched in the same
 # regex call as the header, each as the one rule that its first word keys would try first
-# (no exact message, `Volta MPS: ` report line or bare number can be one of them), up to
-# the message's end less what rstrip() removes; the group named after the verb (its last
-# one) says which matched, and holds what the event takes. Any other line: the header
-# alone (the verbs are optional), then the rules below.
+# (no exact message, `Volta MPS: ` report line or bare number can be one of them), where
+# only what rstrip() removes follows the match (checked after it: `\s*\Z` in the pattern
+# backtracks quadratically over a long line that fails it); the group named after the
+# verb (its last one) says which matched, and holds what the event takes. Any other line:
+# the header alone (the verbs are optional), then the rules below.
 _VERBS: Dict[str, type] = {"connected": ClientContextConnected, "active": ClientContextActive,
                            "disconnected": ClientProcessDisconnected}
 _NOISE_VERBS = frozenset(("client_request", "client_context_exit"))
@@ -385,12 +386,12 @@ _SERVER_LINE = re.compile(HEADER_PATTERN + r"(?:(?:"
                           r"|Client process (?P<disconnected>-?\d{1,10}) disconnected"
                           r"|(?P<client_request>Received new client request|Creating worker thread).*"
                           r"|(?P<client_context_exit>Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting).*"
-                          r")\s*\Z)?").match
+                          r"))?").match
 _CONTROL_LINE = re.compile(HEADER_PATTERN + r"(?:(?:"
                            r"NEW CLIENT (-?\d{1,10}) from user (\d{1,10}): (?P<new_client>.*)"
-                           r"|Cmd:\s*(?P<command_verb>\S*)\s*(?P<command>.*?)"
-                           r"|(?P<output>-?\d+(?:\.\d+)?[KMGTP]?|\d+\s+\d+\s+\d+\s+\S+.*)"  # a PID, a ps row
-                           r")\s*\Z)?").match
+                           r"|Cmd:\s*(?P<command_verb>\S*)\s*(?P<command>.*)"
+                           r"|(?P<output>\d+\s+\d+\s+\d+\s+\S+.*|-?\d+(?:\.\d+)?[KMGTP]?)"  # a ps row, a PID
+                           r"))?").match
 
 # Most other messages recur word for word (`Accepting connection...`, `Volta MPS Server:
 # Received new client request`), and each is taken apart once. _MESSAGES: per file, a
@@ -423,9 +424,10 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
     except (ValueError, OverflowError, OSError):  # odd digits, year 0, out-of-range dates
         return Unrecognized(None, None, "bad header")
     verb = m.lastgroup
-    if verb is not None:  # a common verb, matched with the header
+    end = m.end()
+    if verb is not None and (end == len(line) or line[end:].isspace()):  # a common verb, with the header
         if verb == "command":
-            return _new(Command, (ts, pid, m.group("command_verb"), m.group("command")))
+            return _new(Command, (ts, pid, m.group("command_verb"), m.group("command").rstrip()))
         if verb == "new_client":
             return _new_client(ts, pid, m)
         if verb == "output":  # no first word keys a rule: the output shapes, as _parse_control tries them
@@ -433,7 +435,8 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
         if verb in _NOISE_VERBS:  # a Noise event of that kind
             return _new(Noise, (ts, pid, verb))
         return _new(_VERBS[verb], (ts, pid, int(m.group(verb))))
-    msg = line[m.end():].rstrip()
+    end = m.end(3) + 1  # the header's: `]` and the space after it, where there is one
+    msg = (line[end + 1:] if line[end:end + 1] == " " else line[end:]).rstrip()
     known = _MESSAGES.get(file)
     if known is not None:
         made = known.get(msg)
