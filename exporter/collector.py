@@ -218,19 +218,23 @@ CONTROL_CALM_SECONDS = 10.0
 # VM, bench/cost_bench.py).
 PACE_GAPS = 8
 LEAD_SECONDS = 0.25
+# Scrapes that come less often than this many refresh intervals pace the refresher; more
+# often (a 1 s scrape at the 1 s default, whose gaps wander a few ms either side) the
+# refresher keeps its interval, as in a client storm it always did.
+PACE_FROM = 1.5
 
 
 def next_refresh(started: float, last_collection: float, scrape_interval: Optional[float],
                  refresh_interval: float, lead: float) -> float:
     """When the refresher's next round starts (the collector's monotonic clock), the last
-    one having started at `started`: `refresh_interval` later where scrapes come at least
-    that often or their interval is not known yet (None); else `lead` seconds before the
+    one having started at `started`: `refresh_interval` later where scrapes come less than
+    PACE_FROM intervals apart or their interval is not known yet (None); else `lead` seconds before the
     first scrape expected (`last_collection` plus whole scrape intervals) that a round
     starting at `started` was not already for, never sooner than `refresh_interval` later;
     and there, not before a collection has come since `started` (math.inf: not until
     then): a round nobody has been served is not followed by another."""
     floor = started + refresh_interval
-    if scrape_interval is None or scrape_interval <= refresh_interval:
+    if scrape_interval is None or scrape_interval < PACE_FROM * refresh_interval:
         return floor
     if last_collection < started:
         return math.inf
@@ -453,9 +457,9 @@ class MpsCollector(Collector):
 
     def pace(self) -> float:
         """Seconds between the background rounds now: the refresh interval, or the scrape
-        interval where scrapes come less often."""
+        interval where scrapes come at least PACE_FROM intervals apart."""
         interval = self.scrape_interval()
-        return self.refresh_interval if interval is None else max(self.refresh_interval, interval)
+        return self.refresh_interval if interval is None or interval < PACE_FROM * self.refresh_interval else interval
 
     def refresh(self) -> None:
         """One background round: read the background sources, each claimed as a
