@@ -442,14 +442,17 @@ class MpsCollector(Collector):
             started = self.timing.monotonic()
             self.refresh()
             lead = min(self.refresh_interval, max(LEAD_SECONDS, 2 * (self.timing.monotonic() - started)))
-            while not self._stopped.is_set():  # a scrape may move the next round: woken, look again
+            while not self._stopped.is_set():
                 self._wake.clear()
-                due = next_refresh(started, self._last_collection, self.scrape_interval(), self.refresh_interval,
-                                   lead)
+                interval = self.scrape_interval()
+                due = next_refresh(started, self._last_collection, interval, self.refresh_interval, lead)
                 left = due - self.timing.monotonic()
                 if left <= 0:
                     break
-                self._wake.wait(None if left == math.inf else left)
+                if due == started + self.refresh_interval:  # its own cadence: no scrape moves it
+                    self._stopped.wait(left)
+                    break
+                self._wake.wait(None if left == math.inf else left)  # a scrape moves it: woken, look again
 
     def scrape_interval(self) -> Optional[float]:
         """Seconds between scrapes as their spacing shows (None: not known yet)."""
