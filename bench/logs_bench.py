@@ -14,6 +14,7 @@ measures in a fresh process for each size:
 
     python3 bench/logs_bench.py                # 250k, 500k, 1M, 2M lines
     python3 bench/logs_bench.py --sizes 1000000
+    python3 bench/logs_bench.py --catch-up --sizes 1000000   # beside one compiled regex per line
 
 `--pids 100,100000` (issue 42): the per-line cost of the state as the number of PIDs
 and users it has seen grows. A synthetic multi-tenant churn (`churn_lines`: each round
@@ -184,6 +185,62 @@ def child(directory: str) -> Dict[str, float]:
             "server_starts": snap.count("mps_server_starts_total"), "unrecognized": sum(snap.unrecognized.values())}
 
 
+def catch_up_child(directory: str) -> Dict[str, float]:
+    """Run in a fresh process: catch-up (read_once, no state file) and parse_line alone, each
+    beside the reference, one compiled regex per line (the parser's header pattern and the
+    message) over the same lines, in the same process, interleaved three times; the best of each."""
+    from mps_exporter.logs.parser import HEADER_PATTERN, parse_line
+    from mps_exporter.logs.pipeline import LogPipeline
+
+    one_regex = re.compile(HEADER_PATTERN + r"(.*)").match
+    held: List[Tuple[str, str]] = []
+    for f in ("control", "server"):
+        with open(os.path.join(directory, f"{f}.log"), encoding="utf-8") as fh:
+            held += [(line.rstrip("\n"), f) for line in fh]
+    best: Dict[str, float] = {}
+
+    def keep(name: str, seconds: float) -> None:
+        best[name] = min(best.get(name, float("inf")), seconds)
+
+    for _ in range(3):
+        start = time.perf_counter()
+        for f in ("control", "server"):  # the reference of the catch-up: from the files
+            with open(os.path.join(directory, f"{f}.log"), encoding="utf-8") as fh:
+                for line in fh:
+                    one_regex(line)
+        keep("file_regex_s", time.perf_counter() - start)
+        start = time.perf_counter()
+        LogPipeline("bench", directory, timezone="UTC").read_once()
+        keep("catch_up_s", time.perf_counter() - start)
+        start = time.perf_counter()
+        for line, _ in held:
+            one_regex(line)
+        keep("held_regex_s", time.perf_counter() - start)
+        start = time.perf_counter()
+        for line, f in held:
+            parse_line(line, f)
+        keep("parse_s", time.perf_counter() - start)
+    return {"lines": len(held), **best}
+
+
+def run_catch_up(sizes: List[int], capture: Path) -> None:
+    print(f"{'lines':>10} {'catch-up s':>10} {'one regex/line s':>16} {'ratio':>6} {'parse_line s':>12} "
+          f"{'one regex/line s':>16} {'ratio':>6}")
+    for size in sizes:
+        with tempfile.TemporaryDirectory(prefix="mps-logs-bench-") as d:
+            build(capture, Path(d), size)
+            out = subprocess.run([sys.executable, __file__, "--catch-up-child", d], check=True, capture_output=True,
+                                 text=True)
+        r = json.loads(out.stdout)
+        print(f"{r['lines']:>10,} {r['catch_up_s']:>10.2f} {r['file_regex_s']:>16.2f} "
+              f"{r['file_regex_s'] / r['catch_up_s']:>6.2f} {r['parse_s']:>12.2f} {r['held_regex_s']:>16.2f} "
+              f"{r['held_regex_s'] / r['parse_s']:>6.2f}")
+    print(f"python {sys.version.split()[0]}, one thread, fresh process per row, best of 3 interleaved runs. catch-up: "
+          "LogPipeline.read_once() without a state file, against reading the same files and matching one compiled "
+          "regex (the parser's header and the message) per line; parse_line: over the lines held in memory, against "
+          "that regex over them; ratio: the regex's time over the exporter's (1.0: as fast)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="250000,500000,1000000,2000000", help="comma-separated line counts")
@@ -192,11 +249,17 @@ def main() -> None:
                     "number of PIDs and users seen (e.g. 100,100000; the first is the reference)")
     ap.add_argument("--pid-lines", type=int, default=450_000, help="lines per --pids run (default: %(default)s)")
     ap.add_argument("--repeat", type=int, default=3, help="--pids runs per pool, the best kept (default: %(default)s)")
+    ap.add_argument("--catch-up", action="store_true",
+                    help="catch-up and parse_line beside one compiled regex per line, same run (issue 44)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--catch-up-child", help=argparse.SUPPRESS)
     ap.add_argument("--pids-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child)))
+        return
+    if args.catch_up_child:
+        print(json.dumps(catch_up_child(args.catch_up_child)))
         return
     if args.pids_child:
         total, pids = (int(x) for x in args.pids_child.split(","))
@@ -208,6 +271,9 @@ def main() -> None:
     capture = Path(args.capture)
     if not (capture / "control.log").is_file():
         sys.exit(f"capture not found: {capture}")
+    if args.catch_up:
+        run_catch_up([int(s) for s in args.sizes.split(",")], capture)
+        return
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix="mps-logs-bench-") as d:

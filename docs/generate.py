@@ -74,7 +74,10 @@ FLAG_DOCS: Dict[str, str] = {
         'table, process lists, utilization, GPM; DCGM). A scrape serves their latest reading while it is at most '
         'two intervals old, plus the time the next read has taken (its time in '
         '`mps_exporter_collector_last_success_timestamp_seconds`) and reads like any other source when it is '
-        'older. `0`: read them in every scrape. Control-daemon commands are never sent on a timer'),
+        'older. Scraped 1.5 intervals apart or more (a 15 s scrape), they are read once per scrape, shortly '
+        'before the scrape the spacing of the last ones says comes next '
+        '(`mps_exporter_collector_refresh_interval_seconds` shows that pace). `0`: read them in every scrape. '
+        'Control-daemon commands are never sent on a timer'),
     '--collector.control-wait': (
         "seconds a scrape waits for the control daemon's answers (`get_server_list`, `ps`, ...). Not there by "
         'then (while MPS admits a storm of clients `ps` takes up to 0.5 s), the scrape serves their last reading,'

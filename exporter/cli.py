@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -19,7 +20,6 @@ import sys
 import tempfile
 import textwrap
 import time
-from importlib.metadata import PackageNotFoundError, metadata
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from . import __version__
@@ -83,13 +83,21 @@ PROG = "mps-exporter"
 def doc(name: str) -> str:
     """Where a user finds docs/NAME: a pip install has no docs/ beside it, so the
     package's Documentation URL (pyproject.toml) when the package is installed."""
+    base = _documentation_url()
+    return f"{base}/{name}" if base else f"docs/{name} in the source repository"
+
+
+@functools.lru_cache(maxsize=1)
+def _documentation_url() -> Optional[str]:
+    """Looked up once: each lookup scans the installed distributions (start-up, issue 44)."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
     try:
         urls = metadata(PROG).get_all("Project-URL") or []
     except PackageNotFoundError:  # run from a source tree that was never installed
         urls = []
-    base = next((url.split(",", 1)[1].strip() for url in urls if url.split(",", 1)[0].strip() == "Documentation"),
+    return next((url.split(",", 1)[1].strip() for url in urls if url.split(",", 1)[0].strip() == "Documentation"),
                 None)
-    return f"{base}/{name}" if base else f"docs/{name} in the source repository"
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -233,7 +241,8 @@ def _add_refresh(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collector.refresh-interval", dest="refresh_interval", type=float,
                    default=DEFAULTS.refresh_interval,
                    help="seconds between background reads of the sources that are slow or slow down in a client "
-                        "storm (NVML, DCGM); a scrape serves their latest reading, at most two intervals old. 0: "
+                        "storm (NVML, DCGM); a scrape serves their latest reading, at most two intervals old. Scraped "
+                        "less often, they are read once per scrape, just before the next is due. 0: "
                         "read them in every scrape (default %(default)s)")
     p.add_argument("--collector.pause-after", dest="pause_after", type=float, default=DEFAULTS.pause_after,
                    help="seconds without a scrape after which the background reads pause; the next scrape reads "
@@ -505,12 +514,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
     if command == "capture":
         return capture(cfg)
+    if command == "status":
+        from .status.command import status  # replay, for bundles; not imported by serve and replay (start-up)
+
+        return status(cfg)
     from .replay import replay  # PyYAML (see the top)
     from .service import serve
-    from .status.command import status  # replay, for bundles
-
-    if command == "status":
-        return status(cfg)
 
     try:
         if command == "replay":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Dict, Union
+from typing import Any, Callable, Dict, Union
 
 
 class RecordedFailure(Exception):
@@ -26,48 +26,90 @@ def encode(value: Any) -> Any:
     return value
 
 
-_hints: Dict[type, Dict[str, Any]] = {}
-
-
 def decode(tp: Any, value: Any) -> Any:
     """JSON data back into `tp` (a model dataclass, Optional, List, Dict or a scalar).
 
     Unknown keys are ignored (a newer exporter may add fields); a missing
     required field or a wrong type raises ValueError."""
+    return _decoder(tp)(value)
+
+
+# Type -> the function that decodes a value of it, built once per type: a replay decodes
+# its whole bundle before it serves, and working the type hints out again for every value
+# was most of the time of that (the shipped session: 0.09 of 0.12 s, issue 44).
+_decoders: Dict[Any, Callable[[Any], Any]] = {}
+
+
+def _decoder(tp: Any) -> Callable[[Any], Any]:
+    found = _decoders.get(tp)
+    if found is None:
+        found = _decoders[tp] = _build(tp)
+    return found
+
+
+def _build(tp: Any) -> Callable[[Any], Any]:
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        hints = _hints.get(tp)
-        if hints is None:
-            hints = _hints[tp] = typing.get_type_hints(tp)
-        obj = expect(value, dict, tp.__name__)
-        try:
-            return tp(**{k: decode(hints[k], v) for k, v in obj.items() if k in hints})
-        except TypeError as e:  # a required field is missing
-            raise ValueError(f"{tp.__name__}: {e}") from e
+        return _dataclass_decoder(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Union:
-        if value is None and type(None) in args:
-            return None
-        return decode(next(a for a in args if a is not type(None)), value)
+        optional = type(None) in args
+        inner = _decoder(next(a for a in args if a is not type(None)))
+
+        def union(value: Any) -> Any:
+            return None if value is None and optional else inner(value)
+        return union
     if origin is list:
-        return [decode(args[0], v) for v in expect(value, list, "list")]
+        item = _decoder(args[0])
+        return lambda value: [item(v) for v in expect(value, list, "list")]
     if origin is tuple:
-        items = expect(value, list, "list")
-        if len(items) != len(args):
-            raise ValueError(f"expected {len(args)} items, got {len(items)}")
-        return tuple(decode(a, v) for a, v in zip(args, items))
+        items = [_decoder(a) for a in args]
+
+        def fixed(value: Any) -> Any:
+            got = expect(value, list, "list")
+            if len(got) != len(items):
+                raise ValueError(f"expected {len(items)} items, got {len(got)}")
+            return tuple(d(v) for d, v in zip(items, got))
+        return fixed
     if origin is dict:
-        return {decode(args[0], k): decode(args[1], v) for k, v in expect(value, dict, "object").items()}
+        key, val = _decoder(args[0]), _decoder(args[1])
+        return lambda value: {key(k): val(v) for k, v in expect(value, dict, "object").items()}
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"expected an integer, got {value!r}")
-        return int(value)  # dict keys arrive as strings
+        return _int
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"expected a number, got {value!r}")
-        return float(value)
-    if tp in (str, bool) and not isinstance(value, tp):
-        raise ValueError(f"expected {tp.__name__}, got {value!r}")
-    return value
+        return _float
+    if tp in (str, bool):
+        def scalar(value: Any) -> Any:
+            if not isinstance(value, tp):
+                raise ValueError(f"expected {tp.__name__}, got {value!r}")
+            return value
+        return scalar
+    return lambda value: value
+
+
+def _dataclass_decoder(tp: type) -> Callable[[Any], Any]:
+    fields: Dict[str, Callable[[Any], Any]] = {}  # filled at the first value: a type may name itself
+
+    def dataclass_value(value: Any) -> Any:
+        if not fields:
+            fields.update({k: _decoder(h) for k, h in typing.get_type_hints(tp).items()})
+        obj = expect(value, dict, tp.__name__)
+        try:
+            return tp(**{k: fields[k](v) for k, v in obj.items() if k in fields})
+        except TypeError as e:  # a required field is missing
+            raise ValueError(f"{tp.__name__}: {e}") from e
+    return dataclass_value
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return int(value)  # dict keys arrive as strings
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
 
 
 def expect(value: Any, kind: type, what: str) -> Any:

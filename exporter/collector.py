@@ -18,8 +18,11 @@ its own thread, and join the results (render.py) into fresh families.
   every `refresh_interval` seconds (--collector.refresh-interval) instead: a scrape
   serves their latest reading while it is at most two intervals old (plus the time
   the read in flight has taken: a slow read in a storm is not waited for), and reads
-  (or joins the read in flight) like any other source when it is older. With no
-  scrape for `pause_after` seconds the refresher stops reading until the next one.
+  (or joins the read in flight) like any other source when it is older. The refresher
+  reads no faster than scrapes come: where they come less often than the interval (a
+  15 s scrape), it reads once per scrape, shortly before the scrape it expects from
+  their spacing (`next_refresh`). With no scrape for `pause_after` seconds the
+  refresher stops reading until the next one.
 - Sources that declare `served_while_reading` (control: its commands are sent by
   scrapes only, never on a timer) are waited for at most `control_wait` seconds
   (--collector.control-wait): a read not done by then goes on for the next scrape,
@@ -41,10 +44,11 @@ import queue
 import threading
 import time
 import zlib
+from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar
+from typing import Any, Callable, Deque, Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
@@ -203,6 +207,49 @@ class _Collection(ReadContext):
 # In the storm's first seconds of run q1 (H200, 2026-11-27) answers took about the wait,
 # and the scrapes that waited spent the whole 10 ms of it for nothing.
 CONTROL_CALM_SECONDS = 10.0
+
+# The refresher paces itself by the gaps between the last PACE_GAPS + 1 collections (the
+# lower median: a scrape by hand between two of Prometheus' does not count, two Prometheus
+# servers scraping at different offsets are both served), and starts a round at least
+# LEAD_SECONDS before the scrape it expects (twice the last round's time where that is
+# more, at most one refresh interval): its reading is then that much old when the scrape
+# comes. On the synthetic 8 GPU x 48 node scraped every 15 s,
+# 15 rounds a scrape cost the exporter 3x node_exporter's CPU, one round 0.3x (the 2-core
+# VM, bench/cost_bench.py).
+PACE_GAPS = 8
+LEAD_SECONDS = 0.25
+# Scrapes that come less often than this many refresh intervals pace the refresher; more
+# often (a 1 s scrape at the 1 s default, whose gaps wander a few ms either side) the
+# refresher keeps its interval, as in a client storm it always did.
+PACE_FROM = 1.5
+
+
+def next_refresh(started: float, last_collection: float, scrape_interval: Optional[float],
+                 refresh_interval: float, lead: float) -> float:
+    """When the refresher's next round starts (the collector's monotonic clock), the last
+    one having started at `started`: `refresh_interval` later where scrapes come less than
+    PACE_FROM intervals apart or their interval is not known yet (None); else `lead` seconds before the
+    first scrape expected (`last_collection` plus whole scrape intervals) that a round
+    starting at `started` was not already for, never sooner than `refresh_interval` later;
+    and there, not before a collection has come since `started` (math.inf: not until
+    then): a round nobody has been served is not followed by another."""
+    floor = started + refresh_interval
+    if scrape_interval is None or scrape_interval < PACE_FROM * refresh_interval:
+        return floor
+    if last_collection < started:
+        return math.inf
+    due = last_collection + scrape_interval
+    if due - lead <= started:
+        due += (math.floor((started - (due - lead)) / scrape_interval) + 1) * scrape_interval
+    return max(floor, due - lead)
+
+
+def scrape_interval(starts: Sequence[float], pause_after: float) -> Optional[float]:
+    """The spacing of scrapes from the start times of the last collections: the lower
+    median of the gaps between them that are no pause (over `pause_after`); None: too few."""
+    gaps = sorted(b - a for a, b in zip(starts, starts[1:]) if 0 < b - a <= pause_after)
+    return gaps[(len(gaps) - 1) // 2] if gaps else None
+
 
 # Seconds a source's read thread waits for the next read before it ends: scraped every
 # second (a storm dashboard) it stays; scraped every 15 s or paused, it comes and goes.
@@ -363,6 +410,7 @@ class MpsCollector(Collector):
         self._collect_once = SingleFlight(self._collect)
         self._refreshed = [run for run in self._runs.values() if run.source.background] if refresh_interval > 0 else []
         self._last_collection = self.timing.monotonic()
+        self._collection_starts: Deque[float] = deque(maxlen=PACE_GAPS + 1)  # timing.monotonic()
         self._wake = threading.Event()  # a collection after a pause, or close()
         self._stopped = threading.Event()
         self._refresher: Optional[threading.Thread] = None
@@ -393,7 +441,28 @@ class MpsCollector(Collector):
                 continue
             started = self.timing.monotonic()
             self.refresh()
-            self._stopped.wait(max(0.0, started + self.refresh_interval - self.timing.monotonic()))
+            lead = min(self.refresh_interval, max(LEAD_SECONDS, 2 * (self.timing.monotonic() - started)))
+            while not self._stopped.is_set():
+                self._wake.clear()
+                interval = self.scrape_interval()
+                due = next_refresh(started, self._last_collection, interval, self.refresh_interval, lead)
+                left = due - self.timing.monotonic()
+                if left <= 0:
+                    break
+                if due == started + self.refresh_interval:  # its own cadence: no scrape moves it
+                    self._stopped.wait(left)
+                    break
+                self._wake.wait(None if left == math.inf else left)  # a scrape moves it: woken, look again
+
+    def scrape_interval(self) -> Optional[float]:
+        """Seconds between scrapes as their spacing shows (None: not known yet)."""
+        return scrape_interval(list(self._collection_starts), self.pause_after)
+
+    def pace(self) -> float:
+        """Seconds between the background rounds now: the refresh interval, or the scrape
+        interval where scrapes come at least PACE_FROM intervals apart."""
+        interval = self.scrape_interval()
+        return self.refresh_interval if interval is None or interval < PACE_FROM * self.refresh_interval else interval
 
     def refresh(self) -> None:
         """One background round: read the background sources, each claimed as a
@@ -521,7 +590,7 @@ class MpsCollector(Collector):
                 last = result.taken_at if result.ok else (run.last.taken_at if run.last else None)
                 snap.outcomes[name] = Outcome(result.ok, result.duration_seconds, last, result.error or None)
             if self._refresher is not None and run in self._refreshed:
-                snap.outcomes[name].refresh_interval_seconds = self.refresh_interval
+                snap.outcomes[name].refresh_interval_seconds = self.pace()
             if served is not None:
                 run.source.store(snap, served.reading)
             with run._lock:
@@ -547,6 +616,7 @@ class MpsCollector(Collector):
 
     def _note_collection(self) -> None:
         self._last_collection = self.timing.monotonic()
+        self._collection_starts.append(self._last_collection)
         self._wake.set()  # after the time: a refresher about to pause sees it, or is woken
 
     # Logged as collections see them (not as reads end: a late read that ends well

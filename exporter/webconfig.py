@@ -42,7 +42,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
-import yaml
 
 from .errors import ConfigError, yaml_error_line
 
@@ -326,6 +325,8 @@ class WebConfigWatch:
 def load_web_config(path: str) -> WebConfig:
     """Read and fully validate a web config file (certificates are loaded once
     here, so a bad file fails at start-up, not at the first scrape)."""
+    import yaml  # here: an exporter without a web config file starts without it (issue 44)
+
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)

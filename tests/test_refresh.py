@@ -9,6 +9,7 @@ round counter, with generous timeouts, never on a measured duration."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -184,6 +185,55 @@ def test_the_flags_reach_the_collector():
     collector = build_collector(cfg, {})
     collector.start()  # nothing to refresh in the background: no thread
     assert collector.refreshes == 0
+
+
+def test_scraped_about_as_often_as_the_interval_the_refresher_keeps_the_interval():
+    for interval in (None, 0.5, 1.0, 1.02, 1.49):  # 1 s scrapes wander a few ms either side
+        assert collector_module.next_refresh(10.0, 10.1, interval, 1.0, 0.25) == 11.0
+
+
+def test_scraped_less_often_the_refresher_reads_once_per_scrape_just_before_it():
+    # Scrapes every 15 s, the last at 100 (the round before it at 99.75): the round for the
+    # scrape at 115 starts at 114.75.
+    assert collector_module.next_refresh(99.75, 100.0, 15.0, 1.0, 0.25) == 114.75
+    # That round started: the next waits for the scrape at 115, then is for the one at 130.
+    assert collector_module.next_refresh(114.75, 100.0, 15.0, 1.0, 0.25) == math.inf
+    assert collector_module.next_refresh(114.75, 115.01, 15.0, 1.0, 0.25) == 129.76
+    # No scrape since the last round started (the expected one did not come, or the round
+    # came after it): none until one does.
+    assert collector_module.next_refresh(116.0, 100.0, 15.0, 1.0, 0.25) == math.inf
+    assert collector_module.next_refresh(116.0, 115.5, 15.0, 1.0, 0.25) == math.inf
+    # Scraped by hand a second after that round: never sooner than the interval.
+    assert collector_module.next_refresh(116.0, 116.5, 15.0, 1.0, 0.25) == 131.25
+    assert collector_module.next_refresh(116.0, 116.5, 1.6, 1.0, 0.25) == 117.85
+
+
+def test_the_scrape_interval_is_the_lower_median_gap_between_scrapes_that_are_no_pause():
+    assert collector_module.scrape_interval([], 300.0) is None
+    assert collector_module.scrape_interval([5.0], 300.0) is None
+    assert collector_module.scrape_interval([0.0, 15.0, 30.0, 45.01], 300.0) == 15.0
+    # A scrape by hand at 31 between Prometheus' every 15 s does not count.
+    assert collector_module.scrape_interval([0.0, 15.0, 30.0, 31.0, 45.0, 60.0], 300.0) == 15.0
+    # Two Prometheus servers, 5 s apart, each every 15 s: both are served.
+    assert collector_module.scrape_interval([0.0, 5.0, 15.0, 20.0, 30.0], 300.0) == 5.0
+    assert collector_module.scrape_interval([0.0, 400.0], 300.0) is None  # a pause
+
+
+def test_the_refresh_interval_series_shows_the_pace_of_the_background_reads(tmp_path):
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
+    time_ = VirtualTime()
+    collector = MpsCollector(scen.readers(), clock=Clock(), max_seconds=5.0, refresh_interval=1.0,
+                             pause_after=1e9, timing=time_.timing())
+    collector.start()
+    series = 'mps_exporter_collector_refresh_interval_seconds{collector="nvml"}'
+    try:
+        assert value(text_of(collector), series) == 1.0  # one scrape: its spacing not known yet
+        time_.advance(15.0)
+        assert value(text_of(collector), series) == 15.0
+        time_.advance(0.5)  # gaps of 15 and 0.5 s: the lower one
+        assert value(text_of(collector), series) == 1.0
+    finally:
+        collector.close()
 
 
 def test_status_shows_the_age_of_each_reading(gated):  # noqa: F811 (the fixture)

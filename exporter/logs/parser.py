@@ -86,39 +86,34 @@ def resolve_timezone(name: str) -> Optional[tzinfo]:
 # --------------------------------------------------------------- helpers
 _new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (hot path)
 
-# A rule: (pattern, build). A pattern without regex syntax is a plain prefix
-# (str.startswith: cheaper than a regex); a build that is a str is the kind of a
-# Noise event, else build(ts, pid, match) makes the event.
-_Rule = Tuple[Union[str, "re.Pattern[str]"], Union[str, Callable[..., ParseResult]]]
+# A rule: (prefix, match, build, kind). A pattern without regex syntax is a plain prefix
+# (str.startswith: cheaper than a regex; match None), else match is its compiled match
+# (prefix None); a build that is a str is the kind of a Noise event (kind), else
+# build(ts, pid, match) makes the event (kind None; match None for a prefix).
+_Rule = Tuple[Optional[str], Optional[Callable[[str], Optional["re.Match[str]"]]],
+              Union[str, Callable[..., ParseResult]], Optional[str]]
 
 
 _REGEX_SYNTAX = set(".^$*+?{}[]\\|()")
 
 
 def _rules(*pairs: Tuple[str, Union[str, Callable[..., ParseResult]]]) -> List[_Rule]:
-    return [(re.compile(p) if _REGEX_SYNTAX & set(p) else p, build) for p, build in pairs]
+    return [(None, re.compile(p).match, build, build if isinstance(build, str) else None) if _REGEX_SYNTAX & set(p)
+            else (p, None, build, build if isinstance(build, str) else None) for p, build in pairs]
 
 
 def _apply_rules(rules: List[_Rule], ts: float, pid: int, msg: str) -> Optional[ParseResult]:
-    for pattern, build in rules:
-        if isinstance(pattern, str):
-            if not msg.startswith(pattern):
+    for prefix, match, build, kind in rules:
+        if match is None:
+            if not msg.startswith(prefix):  # type: ignore[arg-type]
                 continue
             m = None
         else:
-            m = pattern.match(msg)
+            m = match(msg)
             if m is None:
                 continue
-        return _new(Noise, (ts, pid, build)) if isinstance(build, str) else build(ts, pid, m)
+        return _new(Noise, (ts, pid, kind)) if kind is not None else build(ts, pid, m)  # type: ignore[operator]
     return None
-
-
-def _exact(kinds: Dict[str, Union[str, Callable[[float, int], ParseResult]]], ts: float, pid: int,
-           msg: str) -> Optional[ParseResult]:
-    build = kinds.get(msg)
-    if build is None:
-        return None
-    return _new(Noise, (ts, pid, build)) if isinstance(build, str) else build(ts, pid)
 
 
 # ---------------------------------------------------------- control.log
@@ -131,12 +126,15 @@ _CONTROL_EXACT: Dict[str, Union[str, Callable[[float, int], ParseResult]]] = {
     "Unable to read new connection type information": "bad_connection",
     "Unable to accept connection": AcceptFailed,
     "Server encountered a fatal exception. Shutting down": "server_fatal_exception",
-    "No default pinned memory limit set for the device!": lambda ts, pid: CommandOutput(ts, pid, "no_default_pinned_limit"),
+    "No default pinned memory limit set for the device!": lambda ts, pid: _new(CommandOutput, (ts, pid, "no_default_pinned_limit")),
 }
 
 
 def _new_client(ts: float, pid: int, m: "re.Match[str]") -> ParseResult:
-    client, uid, tail = int(m.group(1)), int(m.group(2)), m.group(3)
+    """`NEW CLIENT`'s event from its rule's match, or from the line's (_CONTROL_LINE: the
+    same three groups, last)."""
+    last = m.lastindex or 0
+    client, uid, tail = int(m.group(last - 2)), int(m.group(last - 1)), m.group(last)
     if tail.startswith("Server already exists"):
         return ClientAccepted(ts, pid, client, uid)
     if tail.startswith("Server is not ready"):
@@ -148,22 +146,22 @@ def _new_client(ts: float, pid: int, m: "re.Match[str]") -> ParseResult:
 _CONTROL_RULES: Dict[str, List[_Rule]] = {
     "NEW": _rules(
         (r"NEW CLIENT (-?\d{1,10}) from user (\d{1,10}): (.*)$", _new_client),
-        (r"NEW SERVER (\d{1,10}): Ready$", lambda ts, pid, m: ServerReady(ts, pid, int(m.group(1)))),
+        (r"NEW SERVER (\d{1,10}): Ready$", lambda ts, pid, m: _new(ServerReady, (ts, pid, int(m.group(1))))),
     ),
     "Starting": _rules(
         (r"Starting new server (\d{1,10}) for user (\d{1,10})$",
          lambda ts, pid, m: ServerStarting(ts, pid, int(m.group(1)), int(m.group(2)))),
-        (r"Starting control daemon", lambda ts, pid, m: DaemonStarted(ts, pid)),
+        (r"Starting control daemon", lambda ts, pid, m: _new(DaemonStarted, (ts, pid))),
     ),
     "Server": _rules(
         (r"Server (\d{1,10}) exited with status (-?\d{1,10})$",
          lambda ts, pid, m: ServerExited(ts, pid, int(m.group(1)), int(m.group(2)))),
         (r"Server (\d{1,10}) has (\d{1,10}) active worker threads?\. Server will not shutdown\.?$",
          lambda ts, pid, m: ShutdownDeferred(ts, pid, int(m.group(1)), int(m.group(2)))),
-        (r"Server -?\d+ not found$", lambda ts, pid, m: CommandOutput(ts, pid, m.group(0))),
+        (r"Server -?\d+ not found$", lambda ts, pid, m: _new(CommandOutput, (ts, pid, m.group(0)))),
     ),
     "Try": _rules(
-        (r"Try shutting down server (\d{1,10})(?!\d)", lambda ts, pid, m: ShutdownAttempt(ts, pid, int(m.group(1)))),
+        (r"Try shutting down server (\d{1,10})(?!\d)", lambda ts, pid, m: _new(ShutdownAttempt, (ts, pid, int(m.group(1))))),
     ),
     "Control": _rules(
         ("Control will try shutting down server ", "shutdown_retry"),
@@ -172,16 +170,16 @@ _CONTROL_RULES: Dict[str, List[_Rule]] = {
         (r"To connect CUDA applications to this daemon", "pipe_hint"),
     ),
     "CUDA": _rules(
-        (r"CUDA MPS Control binary version: (\S+)$", lambda ts, pid, m: DaemonVersion(ts, pid, m.group(1))),
+        (r"CUDA MPS Control binary version: (\S+)$", lambda ts, pid, m: _new(DaemonVersion, (ts, pid, m.group(1)))),
     ),
     "Exit": _rules(
-        (r"Exit with status (-?\d{1,10})$", lambda ts, pid, m: DaemonExited(ts, pid, int(m.group(1)))),
+        (r"Exit with status (-?\d{1,10})$", lambda ts, pid, m: _new(DaemonExited, (ts, pid, int(m.group(1))))),
     ),
     "Unknown": _rules(
-        (r'Unknown command "', lambda ts, pid, m: CommandOutput(ts, pid, "unknown_command")),
+        (r'Unknown command "', lambda ts, pid, m: _new(CommandOutput, (ts, pid, "unknown_command"))),
     ),
     "PID": _rules(  # the ps table's heading
-        (r"PID\s+ID\s+SERVER\b", lambda ts, pid, m: CommandOutput(ts, pid, "ps_heading")),
+        (r"PID\s+ID\s+SERVER\b", lambda ts, pid, m: _new(CommandOutput, (ts, pid, "ps_heading"))),
     ),
 }
 
@@ -198,9 +196,9 @@ _COMMAND = re.compile(r"Cmd:\s*(\S*)\s*(.*)$")
 
 
 def _parse_control(ts: float, pid: int, msg: str) -> ParseResult:
-    event = _exact(_CONTROL_EXACT, ts, pid, msg)
-    if event is not None:
-        return event
+    build = _CONTROL_EXACT.get(msg)
+    if build is not None:
+        return _new(Noise, (ts, pid, build)) if isinstance(build, str) else build(ts, pid)
     if msg.startswith("Cmd:"):
         m = _COMMAND.match(msg)
         return Command(ts, pid, m.group(1), m.group(2)) if m else Unrecognized(ts, pid, "bad Cmd line")
@@ -228,16 +226,16 @@ for _kind, _texts in {
         _SERVER_EXACT[_text] = _kind
 # The fatal error report: bare on 13.x, behind `Volta MPS: ` on 11.x/12.x (_VOLTA).
 _REPORT_EXACT: Dict[str, Callable[[float, int], ParseResult]] = {
-    "Server is handling a fatal GPU error.": lambda ts, pid: FatalGpuError(ts, pid, None),
-    "The following devices will be reset:": lambda ts, pid: ReportHeading(ts, pid, "reset_devices"),
-    "The following client process have a sticky error set:": lambda ts, pid: ReportHeading(ts, pid, "sticky_clients"),
+    "Server is handling a fatal GPU error.": lambda ts, pid: _new(FatalGpuError, (ts, pid, None)),
+    "The following devices will be reset:": lambda ts, pid: _new(ReportHeading, (ts, pid, "reset_devices")),
+    "The following client process have a sticky error set:": lambda ts, pid: _new(ReportHeading, (ts, pid, "sticky_clients")),
 }
 _SERVER_EXACT.update(_REPORT_EXACT)
 _SERVER_EXACT.update({
     "Exiting": ServerExiting,
     "Client termination succeeded.": "client_terminated",
-    "Volta MPS: Client process disconnected": lambda ts, pid: ClientProcessDisconnected(ts, pid, None),
-    "MPS server failed to start": lambda ts, pid: ServerStartFailed(ts, pid, "failed to start"),
+    "Volta MPS: Client process disconnected": lambda ts, pid: _new(ClientProcessDisconnected, (ts, pid, None)),
+    "MPS server failed to start": lambda ts, pid: _new(ServerStartFailed, (ts, pid, "failed to start")),
 })
 
 
@@ -256,28 +254,28 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     # A server refusing a connection the daemon handed it: on driver 580, that of a client
     # that was killed while it waited on the pending list (tests/gpu/reports/h100-queuedeath.md).
     "User": _rules(("User did not send valid credentials",
-                    lambda ts, pid, m: ClientRejected(ts, pid, "invalid_credentials", None)),),
+                    lambda ts, pid, m: _new(ClientRejected, (ts, pid, "invalid_credentials", None))),),
     "Client": _rules(
         (r"Client \{PID: (-?\d{1,10}), Context ID: \d+\} connected$",
-         lambda ts, pid, m: ClientContextConnected(ts, pid, int(m.group(1)))),
+         lambda ts, pid, m: _new(ClientContextConnected, (ts, pid, int(m.group(1))))),
         (r"Client process (-?\d{1,10}) disconnected$",
-         lambda ts, pid, m: ClientProcessDisconnected(ts, pid, int(m.group(1)))),
-        (_CLIENT_FATAL, lambda ts, pid, m: FatalGpuError(ts, pid, int(m.group(1)))),
+         lambda ts, pid, m: _new(ClientProcessDisconnected, (ts, pid, int(m.group(1))))),
+        (_CLIENT_FATAL, lambda ts, pid, m: _new(FatalGpuError, (ts, pid, int(m.group(1))))),
         (r"Client \{PID: -?\d+, Context ID: \d+\} exiting", "client_context_exit"),
         (r"Client \{PID: -?\d+, Context ID: \d+\} on .* to be torn down", "fatal_report"),
         (r"Client (\d{1,10}) disconnected$",  # pre-Volta
-         lambda ts, pid, m: ClientProcessDisconnected(ts, pid, int(m.group(1)))),
+         lambda ts, pid, m: _new(ClientProcessDisconnected, (ts, pid, int(m.group(1))))),
     ),
     "New": _rules(
-        (r"New client (\d{1,10}) connected$", lambda ts, pid, m: ClientContextConnected(ts, pid, int(m.group(1)))),
+        (r"New client (\d{1,10}) connected$", lambda ts, pid, m: _new(ClientContextConnected, (ts, pid, int(m.group(1))))),
     ),
     "Active": _rules(
         (r"Active Threads Percentage set to (\d{1,3}(?:\.\d{1,9})?)$",
-         lambda ts, pid, m: ServerActiveThreads(ts, pid, float(m.group(1)))),
+         lambda ts, pid, m: _new(ServerActiveThreads, (ts, pid, float(m.group(1))))),
     ),
     "activeThreadsPercentage": _rules(
         (r"activeThreadsPercentage set to (\d{1,3}(?:\.\d{1,9})?)$",
-         lambda ts, pid, m: ServerActiveThreads(ts, pid, float(m.group(1)))),
+         lambda ts, pid, m: _new(ServerActiveThreads, (ts, pid, float(m.group(1))))),
     ),
     "Device": _rules(
         (r"Device pinned memory limit for device ([0-9]{1,10}|GPU-[0-9a-fA-F-]{1,40}) set to "
@@ -287,14 +285,14 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     ),
     "Volta": _rules(
         # 11.x/12.x: logged once per client process, the only place its connection shows.
-        (r"Volta MPS: Device .* is associated$", lambda ts, pid, m: ClientProcessConnected(ts, pid)),
+        (r"Volta MPS: Device .* is associated$", lambda ts, pid, m: _new(ClientProcessConnected, (ts, pid))),
         (r"Volta MPS: Client disconnected\.", "client_context_exit"),
         (r"Volta MPS: (?:Creating|Destroy) server context", "server_context"),
     ),
     "Server": _rules(
         ("Server failed to rece", "client_context_exit"),
         ("Server was unable to shutdown due to ", "shutdown_refused"),
-        (r"Server Priority set to (-?\d{1,10})$", lambda ts, pid, m: ServerPriority(ts, pid, int(m.group(1)))),
+        (r"Server Priority set to (-?\d{1,10})$", lambda ts, pid, m: _new(ServerPriority, (ts, pid, int(m.group(1))))),
     ),
     "Received": _rules((r"Received new client request", "client_request"),),
     "Creating": _rules(
@@ -305,7 +303,7 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     "Destroy": _rules((r"Destroy server context", "server_context"),),
     "Status": _rules(
         (r"Status of client \{PID: (-?\d{1,10}), Context(?: ID)?: \d+\} is ACTIVE$",
-         lambda ts, pid, m: ClientContextActive(ts, pid, int(m.group(1)))),
+         lambda ts, pid, m: _new(ClientContextActive, (ts, pid, int(m.group(1))))),
         (r"Status of client .* is \w+$", "client_status"),
     ),
     "CUDA": _rules((r"CUDA MPS Server for Linux/Unix", "server_version"),),
@@ -314,20 +312,20 @@ _SERVER_RULES: Dict[str, List[_Rule]] = {
     "MPS": _rules(
         # terminate_client <server> <client> (tests/data/captures/h100-limits24, server.log 13:26:26)
         (r"MPS server requesting client \{PID: (-?\d{1,10}), Context ID: \d+\} to exit$",
-         lambda ts, pid, m: ClientTerminated(ts, pid, int(m.group(1)))),
+         lambda ts, pid, m: _new(ClientTerminated, (ts, pid, int(m.group(1))))),
         (r"MPS Server connecting to control daemon", "server_startup"),
-        (r"MPS is only supported on .*", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
+        (r"MPS is only supported on .*", lambda ts, pid, m: _new(ServerStartFailed, (ts, pid, m.string))),
     ),
     "All": _rules((r"All clients belonging to error trigg?ing process", "fatal_report"),),
     "Failed": _rules(
-        (r"Failed to start\b", lambda ts, pid, m: ServerStartFailed(ts, pid, m.string)),
+        (r"Failed to start\b", lambda ts, pid, m: _new(ServerStartFailed, (ts, pid, m.string))),
         (r"Failed to accept new client\. Maximum number of clients \((\d{1,10})\) reached",
-         lambda ts, pid, m: ClientRejected(ts, pid, "client_limit", int(m.group(1)))),
+         lambda ts, pid, m: _new(ClientRejected, (ts, pid, "client_limit", int(m.group(1))))),
         # Clients that raise CUDA_DEVICE_MAX_CONNECTIONS fill a device sooner: with 8, MPS
         # admitted 15 and refused the rest so (2 x H100, issue 38). The same ceiling, no number.
         (r"Failed to accept new client\. Reached maximum number of device connections",
-         lambda ts, pid, m: ClientRejected(ts, pid, "client_limit", None)),
-        ("Failed to accept new client", lambda ts, pid, m: ClientRejected(ts, pid, "other", None)),
+         lambda ts, pid, m: _new(ClientRejected, (ts, pid, "client_limit", None))),
+        ("Failed to accept new client", lambda ts, pid, m: _new(ClientRejected, (ts, pid, "other", None))),
     ),
 }
 
@@ -348,9 +346,9 @@ def _volta_report(ts: float, pid: int, msg: str) -> Optional[ParseResult]:
 
 
 def _parse_server(ts: float, pid: int, msg: str) -> ParseResult:
-    event = _exact(_SERVER_EXACT, ts, pid, msg)
-    if event is not None:
-        return event
+    build = _SERVER_EXACT.get(msg)
+    if build is not None:
+        return _new(Noise, (ts, pid, build)) if isinstance(build, str) else build(ts, pid)
     if msg.startswith(_VOLTA):
         event = _volta_report(ts, pid, msg[len(_VOLTA):])
         if event is not None:
@@ -373,16 +371,51 @@ HEADER_PATTERN = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) +[A-Za-z ]*[A-Za-
 _HEADER = re.compile(HEADER_PATTERN).match
 
 
+# The hot path (issue 44). The commonest verbs that carry numbers are matched in the same
+# regex call as the header, each as the one rule that its first word keys would try first
+# (no exact message, `Volta MPS: ` report line or bare number can be one of them), where
+# only what rstrip() removes follows the match (checked after it: `\s*\Z` in the pattern
+# backtracks quadratically over a long line that fails it); the group named after the
+# verb (its last one) says which matched, and holds what the event takes. Any other line:
+# the header alone (the verbs are optional), then the rules below.
+_VERBS: Dict[str, type] = {"connected": ClientContextConnected, "active": ClientContextActive,
+                           "disconnected": ClientProcessDisconnected}
+_NOISE_VERBS = frozenset(("client_request", "client_context_exit"))
+_SERVER_LINE = re.compile(HEADER_PATTERN + r"(?:(?:"
+                          r"Client \{PID: (?P<connected>-?\d{1,10}), Context ID: \d+\} connected"
+                          r"|Status of client \{PID: (?P<active>-?\d{1,10}), Context(?: ID)?: \d+\} is ACTIVE"
+                          r"|Client process (?P<disconnected>-?\d{1,10}) disconnected"
+                          r"|(?P<client_request>Received new client request|Creating worker thread).*"
+                          r"|(?P<client_context_exit>Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting).*"
+                          r"))?").match
+_CONTROL_LINE = re.compile(HEADER_PATTERN + r"(?:(?:"
+                           r"NEW CLIENT (-?\d{1,10}) from user (\d{1,10}): (?P<new_client>.*)"
+                           r"|Cmd:\s*(?P<command_verb>\S*)\s*(?P<command>.*)"
+                           r"|(?P<output>\d+\s+\d+\s+\d+\s+\S+.*|-?\d+(?:\.\d+)?[KMGTP]?)"  # a ps row, a PID
+                           r"))?").match
+
+# Most other messages recur word for word (`Accepting connection...`, `Volta MPS Server:
+# Received new client request`), and each is taken apart once. _MESSAGES: per file, a
+# message -> the type and the fields after (ts, pid) of the event it made, the same for
+# every line with that message (rules read the message alone); not where a field is an
+# int (a PID, a status) or the message itself (_UNIQUE: command output, unrecognized
+# lines): such messages hardly recur. Full, it takes no more: bounded, and invisible but
+# for the time it saves.
+_MESSAGES: Dict[str, Dict[str, Tuple[type, Tuple[object, ...]]]] = {"control": {}, "server": {}}
+_MESSAGES_MAX = 4096
+_UNIQUE = (CommandOutput, Unrecognized)
+
+
 def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult:
     """Parse one line (without its newline) of `file` ("control" or "server").
 
     Never raises: anything unexpected is Unrecognized. Every number a rule converts is
     matched with a bounded digit count (int() refuses more than 4300 digits), so no
     line can make a rule raise; the last resort is Unrecognized(reason=PARSER_ERROR)."""
-    m = _HEADER(line)
+    m = (_CONTROL_LINE if file == "control" else _SERVER_LINE)(line)
     if m is None:
         return Unrecognized(None, None, "no header")
-    second, millis, pid_text = m.groups()
+    second, millis, pid_text = m.group(1, 2, 3)
     try:
         pid = int(pid_text)
         if second == _cached_second and tz is _cached_tz:
@@ -391,8 +424,33 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
             ts = _second_epoch(second, tz) + int(millis) * 0.001
     except (ValueError, OverflowError, OSError):  # odd digits, year 0, out-of-range dates
         return Unrecognized(None, None, "bad header")
-    msg = line[m.end():].rstrip()
+    verb = m.lastgroup
+    end = m.end()
+    if verb is not None and (end == len(line) or line[end:].isspace()):  # a common verb, with the header
+        if verb == "command":
+            return _new(Command, (ts, pid, m.group("command_verb"), m.group("command").rstrip()))
+        if verb == "new_client":
+            return _new_client(ts, pid, m)
+        if verb == "output":  # no first word keys a rule: the output shapes, as _parse_control tries them
+            return _new(CommandOutput, (ts, pid, m.group(verb).rstrip()))
+        if verb in _NOISE_VERBS:  # a Noise event of that kind
+            return _new(Noise, (ts, pid, verb))
+        return _new(_VERBS[verb], (ts, pid, int(m.group(verb))))
+    end = m.end(3) + 1  # the header's: `]` and the space after it, where there is one
+    msg = (line[end + 1:] if line[end:end + 1] == " " else line[end:]).rstrip()
+    known = _MESSAGES.get(file)
+    if known is not None:
+        made = known.get(msg)
+        if made is not None:
+            return _new(made[0], (ts, pid) + made[1])
     try:
-        return _parse_control(ts, pid, msg) if file == "control" else _parse_server(ts, pid, msg)
+        event = _parse_control(ts, pid, msg) if file == "control" else _parse_server(ts, pid, msg)
     except Exception:  # a rule's bug: the line stays one line (the tests require this never happens)
         return Unrecognized(ts, pid, PARSER_ERROR)
+    if known is not None and len(known) < _MESSAGES_MAX and type(event) not in _UNIQUE:
+        rest = event[2:]
+        for field in rest:  # a number from the message (a PID): the message hardly recurs
+            if type(field) is int:
+                return event
+        known[msg] = (type(event), rest)
+    return event

@@ -1,0 +1,243 @@
+"""What a node pays: mps-exporter's CPU beside node_exporter's, scraped alike, same run.
+
+mps-exporter serves the synthetic node (8 GPUs x 48 MPS clients each, tests/support/
+scenarios.synthetic with NVML and the control daemon slowed as measured, as in
+bench/scrape_bench.py) through the real `serve` (web server, collector, background
+refresh at its defaults), its client memory and utilization samples moving every second
+(a busy node: every scrape sees changed readings). node_exporter serves its default
+collectors (Debian's `prometheus-node-exporter`: on PATH, or `--node-exporter PATH`, e.g.
+from `apt-get download prometheus-node-exporter && dpkg -x ...deb DIR`).
+
+Both are scraped side by side as Prometheus scrapes them (its Accept header, gzip,
+`X-Prometheus-Scrape-Timeout-Seconds`: 10 at a 15 s interval, 1 at 1 s; one keep-alive
+connection), at each interval for `--seconds`; CPU is each process's utime + stime from
+/proc over that time, after a warm-up of three scrapes and WARM_UP_SECONDS. Prints one Markdown row per interval: CPU ms per
+second of each, their ratio, mps-exporter's background rounds and the load average.
+
+    python3 bench/cost_bench.py [--intervals 15,1] [--seconds 60] [--readings still,moving] [--pacing fixed,paced] [--node-exporter PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.support.prometheus import free_port, stop_process  # noqa: E402
+
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.6,application/openmetrics-text;"
+                     "version=0.0.1;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
+WARM_UP_SECONDS = 5.0
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool, exit_status: bool) -> None:
+    """The child: the synthetic 8 x 48 node behind `serve`; NVML's clock (utilization
+    samples, GPM) advancing each second, and with `moving` every client's memory too."""
+    import logging
+
+    from mps_exporter import service
+    from mps_exporter.collector import MpsCollector
+    from mps_exporter.wiring import build_readers
+    from tests.support import scenarios
+    from bench.scrape_bench import SETTLED_48_US
+
+    logging.disable(logging.WARNING)
+    if not paced:  # the reference: a round every refresh interval, however seldom scrapes come
+        from mps_exporter import collector as collector_module
+
+        collector_module.next_refresh = lambda started, *_: started + cfg.refresh_interval  # type: ignore[assignment]
+    tmp = Path(tempfile.mkdtemp(prefix="cost-bench-"))
+    scen = scenarios.synthetic(tmp, gpus=8, clients_per_gpu=48, latency=True)
+    scen.nvml.latency_us.update(SETTLED_48_US)
+    cfg = scen.cfg
+    cfg.listen_address = f"127.0.0.1:{port}"
+    cfg.control_wait = type(cfg)().control_wait  # the flag's default (scenarios set 0)
+    cfg.exit_status = exit_status  # --mps.exit-status: on by default
+    stop = threading.Event()
+    collectors: List[MpsCollector] = []
+    real_start = MpsCollector.start
+
+    def start(self: MpsCollector) -> None:  # keep a handle on it for the round count
+        collectors.append(self)
+        real_start(self)
+
+    MpsCollector.start = start  # type: ignore[method-assign]
+
+    def move() -> None:
+        step = 0
+        while not stop.wait(1.0):
+            step += 1
+            scen.nvml.advance(1.0)
+            if not moving:
+                continue
+            for gpu in scen.nvml.gpus:
+                for k, (mps, compute) in enumerate(zip(gpu.mps_processes, gpu.compute_processes[1:])):
+                    used = (k + 1) * (64 << 20) + ((step + k) % 16) * (1 << 20)
+                    mps.usedGpuMemory = compute.usedGpuMemory = used
+
+    def report(*_: object) -> None:
+        with open(rounds_file, "w", encoding="ascii") as f:
+            f.write(str(collectors[0].refreshes if collectors else -1))
+
+    signal.signal(signal.SIGUSR1, report)
+    threading.Thread(target=move, daemon=True).start()
+    service.serve(cfg, stop=stop, readers=build_readers(cfg, scen.backends()))
+
+
+class Scraper:
+    """Prometheus' scrapes of one target: every `interval` s on one keep-alive connection."""
+
+    def __init__(self, port: int, interval: float, timeout: str) -> None:
+        self.port, self.interval, self.timeout = port, interval, timeout
+        self.latencies: List[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        headers = {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip",
+                   "X-Prometheus-Scrape-Timeout-Seconds": self.timeout}
+        tick = time.monotonic()
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                conn.request("GET", "/metrics", headers=headers)
+                resp = conn.getresponse()
+                resp.read()
+                self.latencies.append(time.perf_counter() - t0)
+                self.failures += resp.status != 200
+            except OSError:
+                self.failures += 1
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+            tick += self.interval
+            self._stop.wait(max(0.0, tick - time.monotonic()))
+        conn.close()
+
+    def start(self) -> "Scraper":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def wait_up(port: int, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/metrics")
+            conn.getresponse().read()
+            conn.close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop_process(proc)
+                sys.exit(f"{what} did not start")
+            time.sleep(0.2)
+
+
+def rounds(proc: subprocess.Popen, rounds_file: str) -> int:
+    os.unlink(rounds_file) if os.path.exists(rounds_file) else None
+    proc.send_signal(signal.SIGUSR1)
+    for _ in range(100):
+        if os.path.exists(rounds_file) and os.path.getsize(rounds_file):
+            return int(Path(rounds_file).read_text())
+        time.sleep(0.05)
+    return -1
+
+
+def measure(interval: float, seconds: float, node_exporter: str, readings: str, pacing: str,
+            exit_status: bool) -> Dict[str, float]:
+    timeout = "10" if interval >= 15 else f"{min(interval, 10):g}"  # Prometheus' default timeout
+    with tempfile.TemporaryDirectory() as tmp:
+        rounds_file = os.path.join(tmp, "rounds")
+        mps_port, node_port = free_port(), free_port()
+        mps = subprocess.Popen([sys.executable, __file__, "--serve", str(mps_port), "--rounds-file", rounds_file,
+                                "--readings", readings, "--pacing", pacing]
+                               + ([] if exit_status else ["--no-exit-status"]),
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        node = subprocess.Popen([node_exporter, f"--web.listen-address=127.0.0.1:{node_port}", "--log.level=warn"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_up(mps_port, mps, "mps-exporter")
+            wait_up(node_port, node, "node_exporter")
+            scrapers = [Scraper(mps_port, interval, timeout).start(), Scraper(node_port, interval, timeout).start()]
+            time.sleep(WARM_UP_SECONDS + 3 * interval)  # the refresher knows the spacing after three scrapes
+            c_mps, c_node, r0, t0 = cpu_seconds(mps.pid), cpu_seconds(node.pid), rounds(mps, rounds_file), time.monotonic()
+            time.sleep(seconds)
+            c_mps, c_node = cpu_seconds(mps.pid) - c_mps, cpu_seconds(node.pid) - c_node
+            elapsed = time.monotonic() - t0
+            r1 = rounds(mps, rounds_file)
+            for s in scrapers:
+                s.stop()
+        finally:
+            stop_process(mps)
+            stop_process(node)
+    mps_ms, node_ms = c_mps / elapsed * 1000, c_node / elapsed * 1000
+    lat = sorted(scrapers[0].latencies)
+    return {"mps": mps_ms, "node": node_ms, "ratio": mps_ms / node_ms if node_ms else float("inf"),
+            "rounds": r1 - r0, "scrapes": len(scrapers[0].latencies),
+            "p50": lat[len(lat) // 2] * 1000 if lat else float("nan"),
+            "failures": scrapers[0].failures + scrapers[1].failures, "elapsed": elapsed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--intervals", default="15,1", help="scrape intervals in seconds, comma-separated")
+    ap.add_argument("--seconds", type=float, default=60.0, help="measured seconds per interval (default 60; CPU is counted in 10 ms ticks)")
+    ap.add_argument("--node-exporter", default=shutil.which("prometheus-node-exporter") or shutil.which("node_exporter"))
+    ap.add_argument("--readings", default="still",
+                    help="still (memory steady), moving (every client's memory changes each second), or both")
+    ap.add_argument("--pacing", default="fixed,paced",
+                    help="fixed (the reference: a background round every --collector.refresh-interval, as before "
+                         "issue 44), paced (no faster than scrapes come), or both")
+    ap.add_argument("--no-exit-status", action="store_true",
+                    help="serve with --no-mps.exit-status: without the proc connector's listener, whose cost "
+                         "follows how many processes the whole machine starts and ends")
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--rounds-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        serve_synthetic(args.serve, args.rounds_file, args.readings == "moving", args.pacing == "paced",
+                        not args.no_exit_status)
+        return
+    if not args.node_exporter:
+        sys.exit("node_exporter not found: apt-get download prometheus-node-exporter, dpkg -x it, --node-exporter PATH")
+    print(f"CPU of mps-exporter (synthetic 8 GPU x 48 clients{', --no-mps.exit-status' if args.no_exit_status else ''}) and node_exporter (default "
+          f"collectors), scraped side by side, {args.seconds:g} s each after three scrapes and {WARM_UP_SECONDS:g} s ({os.cpu_count()} CPUs)\n")
+    print("| readings | scrape interval | background rounds | mps-exporter CPU ms/s | node_exporter CPU ms/s | ratio | mps rounds | "
+          "scrapes | mps scrape p50 ms | failures | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for readings in args.readings.split(","):
+        for interval in [float(x) for x in args.intervals.split(",")]:
+            for pacing in args.pacing.split(","):
+                r = measure(interval, args.seconds, args.node_exporter, readings, pacing, not args.no_exit_status)
+                print(f"| {readings} | {interval:g} s | {pacing} | {r['mps']:.2f} | {r['node']:.2f} | {r['ratio']:.2f} | "
+                      f"{r['rounds']} | {r['scrapes']} | {r['p50']:.1f} | {r['failures']} | "
+                      "load average %.2f %.2f %.2f |" % os.getloadavg(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
