@@ -442,7 +442,7 @@ def _status_options(ns: argparse.Namespace) -> StatusOptions:
 
 
 def _web_flags(cfg: Config, ns: argparse.Namespace, check_address: bool) -> None:
-    from .webconfig import load_web_config, resolve_listen_address  # PyYAML: not needed by `capture`
+    from .httpd.webconfig import load_web_config, resolve_listen_address  # PyYAML: not needed by `capture`
 
     cfg.listen_address, cfg.telemetry_path = ns.listen_address, ns.telemetry_path
     cfg.scrape_max_seconds, cfg.scrape_timeout_offset = ns.scrape_max_seconds, ns.scrape_timeout_offset
@@ -455,7 +455,7 @@ def _web_flags(cfg: Config, ns: argparse.Namespace, check_address: bool) -> None
     if cfg.max_requests < 0:
         raise ConfigError(f"--web.max-requests must be 0 (no limit) or more, not {cfg.max_requests}")
     if ns.systemd_socket and check_address:
-        from .systemd import listening_socket
+        from .httpd.systemd import listening_socket
 
         cfg.listen_socket = listening_socket()
     elif check_address:

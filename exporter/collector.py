@@ -56,7 +56,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from .config import DEFAULT_PAUSE_AFTER, Config
+from .config import DEFAULT_PAUSE_AFTER, GZIP_LEVEL, Config
 from .contract import READ_DURATION_BUCKETS
 from .model import Histogram, Outcome, Snapshot
 from .catalog import METRICS
@@ -787,11 +787,6 @@ class _Encoded:
     body: bytes
     compressor: Any = None
 
-
-# gzip level of the scrape bodies. 1, not 6: 48 clients' 53 KB compress to 5.7 KB in
-# 0.05 ms instead of 5.0 KB in 0.18 ms (this machine); the body is re-compressed in
-# every scrape whose readings changed, and 0.7 KB is nothing to a scrape.
-GZIP_LEVEL = 1
 
 
 class Exposition(CollectorRegistry):

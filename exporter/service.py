@@ -11,7 +11,7 @@ from .collector import build_registry
 from .config import Config
 from .exitstatus import ExitWatcher
 from .sources.base import Reader
-from .web import serve as serve_http
+from .httpd.web import serve as serve_http
 from .wiring import build_collector, build_readers, stop_on_signals
 
 

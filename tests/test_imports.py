@@ -135,3 +135,18 @@ def test_importing_render_loads_no_source_and_no_log_io():
     assert f"{PACKAGE}.render" in loaded
     assert [n for n in loaded if io_module(n)] == []
     assert "pynvml" not in loaded
+
+
+def test_the_http_package_imports_nothing_of_the_collector():
+    """The HTTP stack knows the collector only as a registry that encodes itself
+    (httpd.web.SelfEncoding), not by importing it, at any depth (issue 39)."""
+    edges = graph()
+    reached: Set[str] = set()
+    todo = [n for n in edges if n.startswith(f"{PACKAGE}.httpd")]
+    while todo:
+        node = todo.pop()
+        for nxt in edges[node] - reached:
+            reached.add(nxt)
+            todo.append(nxt)
+    assert f"{PACKAGE}.collector" not in reached
+    assert not {n for n in reached if n.startswith((f"{PACKAGE}.render", f"{PACKAGE}.join", f"{PACKAGE}.sources"))}

@@ -20,7 +20,7 @@ import bcrypt
 import pytest
 from prometheus_client import CollectorRegistry
 
-from mps_exporter import web, webconfig
+from mps_exporter.httpd import web, webconfig
 from mps_exporter.cli import parse_args
 from mps_exporter.config import ConfigError
 from mps_exporter.contract import DECLARED
@@ -944,7 +944,7 @@ def test_no_server_header_and_no_version_before_auth(auth_server):
 
 
 def test_listening_is_logged_once_after_binding_with_the_real_port(caplog):
-    caplog.set_level(logging.INFO, logger="mps_exporter.web")
+    caplog.set_level(logging.INFO, logger="mps_exporter.httpd.web")
     ready, stop = threading.Event(), threading.Event()
     thread = threading.Thread(target=web.serve, args=(registry_with(GpuCollector()), "127.0.0.1:0", "/metrics", None),
                               kwargs={"ready": ready, "stop": stop}, daemon=True)
@@ -970,7 +970,7 @@ def test_dual_stack_listening_line_names_every_address():
 
 
 def test_taken_port_logs_no_listening_line(caplog):
-    caplog.set_level(logging.INFO, logger="mps_exporter.web")
+    caplog.set_level(logging.INFO, logger="mps_exporter.httpd.web")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -1113,7 +1113,7 @@ _FD_STARVED_SERVER = """
 import resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
 from prometheus_client import CollectorRegistry
-from mps_exporter import web
+from mps_exporter.httpd import web
 server = web.make_server(CollectorRegistry(), "127.0.0.1:0", max_connections=10_000)  # the cap above the limit
 print(server.server_port, flush=True)
 server.serve_forever(0.05)
@@ -1156,7 +1156,7 @@ def test_the_soft_file_limit_is_raised_to_the_hard_one():
 
     code = ("import resource; s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
             "resource.setrlimit(resource.RLIMIT_NOFILE, (256, h)); "
-            "from mps_exporter import web; print(web.raise_open_file_limit() == h, "
+            "from mps_exporter.httpd import web; print(web.raise_open_file_limit() == h, "
             "resource.getrlimit(resource.RLIMIT_NOFILE)[0] == h)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == ["True", "True"]
@@ -1182,7 +1182,7 @@ def first_time(condition, seconds: float = 5.0) -> float:
 
 
 def test_a_removed_password_is_refused_within_a_second(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="mps_exporter.webconfig")
+    caplog.set_level(logging.INFO, logger="mps_exporter.httpd.webconfig")
     path = write_config(tmp_path, f"basic_auth_users:\n  alice: '{ALICE_HASH}'\n")
     with running(registry_with(GpuCollector()), webconfig.load_web_config(path)) as server:
         assert request(server, "/metrics", basic("alice", ALICE_PASSWORD))[0] == 200  # cached as right

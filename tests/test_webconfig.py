@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from mps_exporter.config import ConfigError
-from mps_exporter.webconfig import load_web_config
+from mps_exporter.httpd.webconfig import load_web_config
 from tests.support.certs import make_tls_files
 
 FIXTURES = Path(__file__).parent / "data" / "web-config"

@@ -286,7 +286,7 @@ def test_hostdriver_variant_mounts_only_the_driver_files():
 
 
 def test_web_config_variant(tmp_path):
-    from mps_exporter.webconfig import parse_web_config
+    from mps_exporter.httpd.webconfig import parse_web_config
     from tests.support.certs import make_tls_files
 
     objects = render(load_yaml(os.path.join(CHART, "ci", "webconfig-values.yaml")))

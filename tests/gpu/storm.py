@@ -122,7 +122,7 @@ def timed_serve(argv: List[str], calls_out: str) -> int:
     pynvml._nvmlGetFunctionPointer = timed_lookup
     import mps_exporter.collector as collector_module
     import mps_exporter.logs.pipeline as pipeline_module
-    import mps_exporter.web as web_module
+    import mps_exporter.httpd.web as web_module
     from mps_exporter.cli import main
 
     # Each source read's wall: (monotonic start, source, seconds, "here" for a quick read in

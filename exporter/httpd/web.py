@@ -53,20 +53,27 @@ import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Tuple, Union, runtime_checkable
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from . import __version__, runbook
-from .collector import GZIP_LEVEL, Exposition
-from .config import Config
-from .scrape_timeout import scrape_timeout
+from .. import __version__, runbook
+from ..config import GZIP_LEVEL, Config
+from ..scrape_timeout import scrape_timeout
 from .webconfig import (RateLimit, TLSContextSource, WebConfig, WebConfigWatch, bcrypt_cost, peer_sans,
                         resolve_listen_address)
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class SelfEncoding(Protocol):
+    """A registry that encodes a scrape's body itself (collector.Exposition: it reuses what
+    did not change); the server knows it by this method alone, not by the collector."""
+
+    def encode(self, encoder: Callable[[Any], bytes], content_type: str, gzip: bool) -> bytes: ...
 
 HEALTH_PATH = "/-/healthy"
 READY_PATH = "/-/ready"  # 503 while a source is not ready to serve the truth (the logs catching up)
@@ -1060,7 +1067,7 @@ class _Exchange:
             registry = registry.restricted_registry(params["name[]"])
         try:
             with scrape_timeout(self.headers.get("x-prometheus-scrape-timeout-seconds")):
-                if isinstance(registry, Exposition):  # reuses the readings' encoded part
+                if isinstance(registry, SelfEncoding):  # the collector's: reuses the readings' encoded part
                     body = registry.encode(encoder, content_type, zipped)
                 else:
                     body = encoder(registry)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 
-from .errors import ConfigError, yaml_error_line
+from ..errors import ConfigError, yaml_error_line
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 FIRST_FD = 3  # SD_LISTEN_FDS_START
 
