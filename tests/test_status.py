@@ -388,3 +388,13 @@ def test_a_process_outside_mps_is_an_alert_line_under_its_gpu(tmp_path):
     assert "sharing mixed" in text, text
     assert re.search(r"^  ! process 6000 \(train\.py, user 1500\) runs outside MPS: 1\.37 GiB, no MPS limit binds it$",
                      text, re.M), text
+
+
+def test_every_counter_status_lists_is_a_declared_log_counter():
+    from mps_exporter.catalog import METRICS
+    from mps_exporter.logs.render import LOG_METRICS, QUEUE_METRICS
+    from mps_exporter.status.view import EVENT_COUNTERS
+
+    log_counters = {spec.name for spec in (*LOG_METRICS, *QUEUE_METRICS) if spec.name.endswith("_total")}
+    assert set(EVENT_COUNTERS) <= log_counters <= set(METRICS)
+    assert "mps_control_accept_failures_total" in EVENT_COUNTERS  # found live on 4 x H200 (issue 45)

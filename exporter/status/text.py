@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .view import ClientStatus, DaemonStatus, EdgeExitStatus, Event, GpuStatus, NodeStatus, ServerStatus, XidStatus
+from .view import EVENT_COUNTERS, ClientStatus, DaemonStatus, EdgeExitStatus, Event, GpuStatus, NodeStatus, ServerStatus, XidStatus
 
 Line = Tuple[str, str]  # (text, style)
 TITLE, HEADING, ALERT, PLAIN = "title", "heading", "alert", ""
@@ -21,17 +21,6 @@ XID_NEAR_SECONDS = 60.0
 _EVENT_NAMES = {"fatal_gpu_error": "fatal GPU error", "handoff": "handoff", "start_failure": "start failure",
                 "exit_with_clients": "server died", "client_rejected": "client refused",
                 "left_queue": "left the queue", "client_terminated": "client ended"}
-_COUNTER_NAMES = {
-    "mps_client_rejections_total": "refused clients",
-    "mps_server_exits_with_clients_total": "servers exited with clients",
-    "mps_server_handoffs_total": "handoffs",
-    "mps_server_shutdown_deferrals_total": "shutdown deferrals",
-    "mps_fatal_gpu_errors_total": "fatal GPU errors",
-    "mps_clients_terminated_total": "clients ended by terminate_client",
-    "mps_server_start_failures_total": "start failures",
-    "mps_server_exits_total": "server exits",
-    "mps_log_unrecognized_lines_total": "unrecognized log lines",
-}
 
 
 def report(st: NodeStatus) -> List[Line]:
@@ -174,7 +163,7 @@ def _totals(d: DaemonStatus) -> List[str]:
         by_metric.setdefault(c.metric, []).append((" ".join(f"{k} {v}" for k, v in sorted(c.labels.items())), c.value))
     out = []
     for metric, parts in by_metric.items():
-        entry = f"{_COUNTER_NAMES.get(metric, metric)} {sum(v for _, v in parts):g}"
+        entry = f"{EVENT_COUNTERS.get(metric, metric)} {sum(v for _, v in parts):g}"
         labelled = [f"{k}: {v:g}" for k, v in parts if k and v]
         out.append(entry + (f" ({', '.join(labelled)})" if labelled else ""))
     return out

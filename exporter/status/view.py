@@ -24,17 +24,19 @@ from ..sources.xid import XidGpu, XidReading, _code_order
 Labels = Dict[str, str]
 
 # Per-daemon counters worth a line in a status report (what went wrong, what changed hands).
-EVENT_COUNTERS = (
-    "mps_client_rejections_total",
-    "mps_server_exits_with_clients_total",
-    "mps_server_handoffs_total",
-    "mps_server_shutdown_deferrals_total",
-    "mps_fatal_gpu_errors_total",
-    "mps_clients_terminated_total",
-    "mps_server_start_failures_total",
-    "mps_server_exits_total",
-    "mps_log_unrecognized_lines_total",
-)
+# The log counters `status` lists, in its order, each with the words the report shows it by.
+EVENT_COUNTERS: Dict[str, str] = {
+    "mps_client_rejections_total": "refused clients",
+    "mps_server_exits_with_clients_total": "servers exited with clients",
+    "mps_server_handoffs_total": "handoffs",
+    "mps_server_shutdown_deferrals_total": "shutdown deferrals",
+    "mps_fatal_gpu_errors_total": "fatal GPU errors",
+    "mps_clients_terminated_total": "clients ended by terminate_client",
+    "mps_server_start_failures_total": "start failures",
+    "mps_server_exits_total": "server exits",
+    "mps_log_unrecognized_lines_total": "unrecognized log lines",
+    "mps_control_accept_failures_total": "connections the control daemon could not accept",
+}
 
 
 @dataclass
