@@ -7,15 +7,12 @@ edited."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_example_source import IGNORED, ROOT, files
+from tests.support.repo_copy import RepoCopy, files
 
 # (file, a line already there, what goes after it): the whole change.
 EDITS = [
@@ -53,22 +50,15 @@ print(json.dumps({"served": served, "shown": shown}))
 
 @pytest.mark.slow
 def test_a_joined_client_metric_is_a_row_field_a_declaration_and_an_emit_line(tmp_path: Path):
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=IGNORED, symlinks=True)
+    copy = RepoCopy(tmp_path)
+    repo = copy.repo
     before = files(repo)
     for rel, anchor, added in EDITS:
         path = repo / rel
         text = path.read_text()
         assert text.count(anchor) == 1, (rel, anchor)
         path.write_text(text.replace(anchor, anchor + added))
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "mps_exporter").symlink_to(repo / "exporter")
-    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{repo}"}
-    res = subprocess.run([sys.executable, "-c", PROBE], cwd=repo, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
-    found = json.loads(res.stdout.strip().splitlines()[-1])
+    found = json.loads(copy.run(sys.executable, "-c", PROBE, timeout=300).strip().splitlines()[-1])
     changed = {rel for rel, content in files(repo).items() if before.get(rel) != content}
     assert changed == {"exporter/join.py", "exporter/render.py"}
     assert found["served"] == {"1647": 1.0, "1648": 1.0, "1649": 1.0}  # the busy capture's clients, one GPU

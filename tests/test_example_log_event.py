@@ -7,18 +7,14 @@ dashboards and alerts pass."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.example_log_event import ELSEWHERE, LINE, METRIC, PRODUCT
-from tests.test_example_source import IGNORED, files
+from tests.support.repo_copy import RepoCopy, files
 
-ROOT = Path(__file__).resolve().parents[1]
 SUBSET = ["tests/logs/test_state.py", "tests/logs/test_statefile_v1.py", "tests/logs/test_parser.py",
           "tests/test_contract.py", "tests/test_catalog.py", "tests/test_versioning.py", "tests/test_status.py",
           "tests/test_capture_replay.py", "tests/dashboards", "tests/alerts/test_rules.py"]
@@ -57,25 +53,15 @@ def edit(repo: Path, path: str, anchor: str, text: str) -> None:
 
 @pytest.mark.slow
 def test_a_counted_log_event_with_an_alert_is_four_product_modules(tmp_path: Path):
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=IGNORED, symlinks=True)
+    copy = RepoCopy(tmp_path)
+    repo, run = copy.repo, copy.run
     before = files(repo)
     for path, anchor, text in PRODUCT + ELSEWHERE:
         edit(repo, path, anchor, text)
     by_hand = {path for path, _, _ in PRODUCT + ELSEWHERE}
     product = {path for path in by_hand if path.startswith("exporter/")}
     assert len(product) <= 4, f"{len(product)} product modules edited by hand: {sorted(product)}"
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "mps_exporter").symlink_to(repo / "exporter")
-    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{repo}"}
-
-    def run(*args: str, timeout: float = 600) -> str:
-        res = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
-        assert res.returncode == 0, f"{' '.join(args)}:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
-        return res.stdout
-
-    assert run(sys.executable, "-c", "import mps_exporter; print(mps_exporter.__file__)").startswith(str(site))
+    assert run(sys.executable, "-c", "import mps_exporter; print(mps_exporter.__file__)").startswith(str(copy.site))
     run("make", "generate", f"PYTHON={sys.executable}")
     run("make", "check-generated", f"PYTHON={sys.executable}")
     after = files(repo)

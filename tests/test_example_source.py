@@ -6,17 +6,14 @@ golden exposition pass there, with no other file edited."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.example_source import MODULE
+from tests.support.repo_copy import RepoCopy, files
 
-ROOT = Path(__file__).resolve().parents[1]
 # Everything in the suite that enumerates sources, metrics, labels, flags or dashboards.
 SUBSET = ["tests/test_cli.py", "tests/test_registry.py", "tests/test_catalog.py", "tests/test_contract.py",
           "tests/test_bounds.py", "tests/test_collector.py", "tests/test_capture_replay.py", "tests/test_status.py",
@@ -24,34 +21,15 @@ SUBSET = ["tests/test_cli.py", "tests/test_registry.py", "tests/test_catalog.py"
 GENERATED = {"README.md", "docs/labels.md", "tests/golden/busy.prom", "dashboards/json/exporter.json",
              "deploy/helm/mps-exporter/files/dashboards/exporter.json", "mixin/dashboards/exporter.json",
              "deploy/kubernetes/dashboards.yaml"}
-IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache",
-                                 "*.egg-info", "build")
-
-
-def files(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts}
 
 
 @pytest.mark.slow
 def test_an_example_source_is_one_module(tmp_path: Path):
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=IGNORED, symlinks=True)
+    copy = RepoCopy(tmp_path)
+    repo, run = copy.repo, copy.run
     before = files(repo)
     (repo / "exporter" / "sources" / "fans.py").write_text(MODULE)
-    # `mps_exporter` from the copy: its exporter/ under the package's name, ahead of the
-    # editable install on the path.
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "mps_exporter").symlink_to(repo / "exporter")
-    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{repo}"}
-
-    def run(*args: str, timeout: float = 600) -> str:
-        res = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
-        assert res.returncode == 0, f"{' '.join(args)}:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
-        return res.stdout
-
-    assert run(sys.executable, "-c", "import mps_exporter; print(mps_exporter.__file__)").startswith(str(site))
+    assert run(sys.executable, "-c", "import mps_exporter; print(mps_exporter.__file__)").startswith(str(copy.site))
     run("make", "generate", f"PYTHON={sys.executable}")
     run("make", "check-generated", f"PYTHON={sys.executable}")
     after = files(repo)
