@@ -28,6 +28,7 @@ import yaml
 
 from alerts import generate
 from alerts.definitions import ALERTS
+from tests.support.promtool import run_rule_tests
 from tests.support.replay_series import promtool_values, scrapes
 from tests.support.tools import require
 
@@ -93,7 +94,6 @@ def test_the_session_records_each_event_in_the_first_lap():
 
 def test_fifteen_minutes_of_the_demo_fire_only_the_recorded_events(tmp_path):
     times, series = replayed()
-    (tmp_path / "rules.yml").write_text(generate.prometheus_rules())
     checks = []
     for t in times:
         checks.append({
@@ -101,14 +101,11 @@ def test_fifteen_minutes_of_the_demo_fire_only_the_recorded_events(tmp_path):
             "eval_time": f"{int(t)}s",
             "exp_samples": [{"labels": f'{{alertname="{name}"}}', "value": 1} for name in expected_firing(t)],
         })
-    test = {"rule_files": ["rules.yml"], "evaluation_interval": f"{INTERVAL}s", "tests": [{
+    res = run_rule_tests(tmp_path, generate.prometheus_rules(), {"evaluation_interval": f"{INTERVAL}s", "tests": [{
         "interval": f"{INTERVAL}s",
         "input_series": [{"series": key, "values": promtool_values(values)} for key, values in series.items()],
         "promql_expr_test": checks,
-    }]}
-    (tmp_path / "replay.test.yml").write_text(yaml.safe_dump(test, width=1_000_000))
-    res = subprocess.run([require("promtool"), "test", "rules", "replay.test.yml"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+    }]}, name="replay.test.yml")
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     # The test asserted something: each event alert is expected from its recorded moment on.
     firing = {name for t in times for name in expected_firing(t)}

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from alerts import definitions, generate
+from tests.support.promtool import group_order
 from tests.support.tools import require
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +51,14 @@ def test_promtool_unit_tests():
     out = subprocess.run([require("promtool"), "test", "rules", *map(str, TEST_FILES)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_unit_test_files_evaluate_groups_in_the_rule_files_order():
+    """Without group_eval_order promtool runs a step's groups in random order, and a record
+    that reads another group's record is a step late in some runs (tests/support/promtool.py)."""
+    order = group_order(generate.prometheus_rules())
+    assert {p.name: yaml.safe_load(p.read_text()).get("group_eval_order") for p in TEST_FILES} == \
+        {p.name: order for p in TEST_FILES}
 
 
 def test_every_alert_has_a_firing_and_a_quiet_case():

@@ -40,6 +40,7 @@ import yaml
 from alerts import generate
 from alerts.recordings import RECORDINGS
 from tests.support import fleet_series
+from tests.support.promtool import run_rule_tests
 from tests.support.tools import require
 from tests.support.victoria import running_victoria_metrics
 
@@ -122,14 +123,13 @@ def test_vmalert_and_prometheus_agree_on_every_fleet_record(tmp_path):
                        "exp_samples": [{"labels": f'{{__name__="{n}"}}', "value": c} for n, c in counts.items()]})
 
     _, series = fleet_series.scrapes(WARMUP + COMPARED)
-    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": rule_groups()}))
-    test = {"rule_files": ["rules.yml"], "evaluation_interval": f"{STEP}s", "tests": [{
-        "interval": "1s",
-        "input_series": [{"series": key, "values": fleet_series.promtool_values(values)} for key, values in series.items()],
-        "promql_expr_test": checks}]}
-    (tmp_path / "equality.test.yml").write_text(yaml.safe_dump(test, width=1_000_000))
-    res = subprocess.run([require("promtool"), "test", "rules", "equality.test.yml"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+    # vmalert ran the groups one after another; promtool evaluates them in the same order.
+    res = run_rule_tests(tmp_path, yaml.safe_dump({"groups": rule_groups()}), {
+        "evaluation_interval": f"{STEP}s", "tests": [{
+            "interval": "1s",
+            "input_series": [{"series": key, "values": fleet_series.promtool_values(values)}
+                             for key, values in series.items()],
+            "promql_expr_test": checks}]}, name="equality.test.yml")
     assert res.returncode == 0, (res.stdout + res.stderr)[-8000:]
     # Every fleet record had series at every step: nothing compared empty against empty.
     steps = len(vm)

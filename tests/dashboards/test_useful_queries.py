@@ -15,6 +15,7 @@ from alerts.recordings import RECORDINGS
 from dashboards.useful_queries import QUERIES
 from mps_exporter.catalog import METRICS
 from tests.support.replay_series import promtool_values, scrapes
+from tests.support.promtool import run_rule_tests
 from tests.support.tools import require
 
 FUNCTIONS_AND_WORDS = {"topk", "sort_desc", "sum", "by", "on", "group_left", "max_over_time", "increase",
@@ -48,14 +49,10 @@ def test_every_useful_query_has_data_over_the_demo_replay(tmp_path):
     """At the end of 15 minutes of the demo, each query answered with at least one series
     at some minute of them (a 15 s subquery over the whole run)."""
     _, series = scrapes(MINUTES * 60, INTERVAL)
-    (tmp_path / "rules.yml").write_text(generate.prometheus_rules())
     checks = [{"expr": f"count(count_over_time(({q.expr})[{MINUTES}m:{INTERVAL}s])) >= bool 1",
                "eval_time": f"{MINUTES}m", "exp_samples": [{"labels": "{}", "value": 1}]} for q in QUERIES]
-    test = {"rule_files": ["rules.yml"], "evaluation_interval": "15s", "tests": [{
+    res = run_rule_tests(tmp_path, generate.prometheus_rules(), {"evaluation_interval": "15s", "tests": [{
         "interval": f"{INTERVAL}s",
         "input_series": [{"series": key, "values": promtool_values(values)} for key, values in series.items()],
-        "promql_expr_test": checks}]}
-    (tmp_path / "useful.test.yml").write_text(yaml.safe_dump(test, width=1_000_000))
-    res = subprocess.run([require("promtool"), "test", "rules", "useful.test.yml"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+        "promql_expr_test": checks}]}, name="useful.test.yml")
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
