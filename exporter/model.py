@@ -64,12 +64,14 @@ DcgmReading = Dict[int, Dict[str, float]]
 # ------------------------------------------------------------- control daemon
 @dataclass
 class PsEntry:
-    """One row of the control daemon's `ps`."""
+    """One row of the control daemon's `ps`, or, from a daemon without `ps` (R470), one
+    client of `get_client_list` with its device from `get_device_client_list`: then
+    `client_id` is None and `namespace` and `command` are "" (only `ps` prints them)."""
 
     pid: int
-    client_id: int
+    client_id: Optional[int]  # None: not known (no `ps`)
     server_pid: int
-    device: str  # UUID prefix as `ps` prints it, e.g. GPU-a20825ef-ef8f-4f37
+    device: str  # UUID prefix as `ps` prints it, e.g. GPU-a20825ef-ef8f-4f37; a whole UUID or "" without `ps`
     namespace: str
     command: str
 

@@ -30,54 +30,86 @@ from mps_exporter.wiring import build_collector, build_readers
 from tests.fakes.fake_control import transcript_outputs
 from tests.fakes.fake_procfs import write_proc
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
-from tests.fakes.fake_pynvml import FakeProcess as NvmlProcess
 from tests.support.data import DATA
 from tests.support.golden import exposition
 
 DRIVERS = DATA / "drivers"
+SERVER_ANSWERS = DRIVERS / "server-answers.txt"  # written: one server, two clients, every verb
 UUID = "GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"
 PINNED = frozenset({"get_device_pinned_mem_limit", "get_default_device_pinned_mem_limit"})
 PRIORITY = frozenset({"get_default_client_priority"})
+STATUS = frozenset({"get_server_status"})
+PS = frozenset({"ps"})
+# The families whose answers.txt record_debian.py recorded from Debian's packages.
+DEBIAN = ("470", "535", "550", "555")
+# family -> the verbs its recorded daemon answered `Unknown command` (what the recordings
+# showed, written here so that a re-recording that differs fails).
+FAMILIES: Dict[str, FrozenSet[str]] = {
+    "470": PS | STATUS | PINNED | PRIORITY,
+    "535": STATUS,
+    "550": frozenset(),
+    "555": frozenset(),
+    "580": frozenset(),
+}
+# What `-v` printed with the daemon up, where the family has no version.txt (580: the
+# fake's answer in the capture's format, written).
+VERSION_580 = "CUDA MPS Control for Linux/Unix/QNX. Binary version: 13000\n"
+
+
+def version_output(family: str) -> str:
+    path = DRIVERS / family / "version.txt"
+    return path.read_text() if family in DEBIAN else VERSION_580
 
 
 @dataclass
 class Recorded:
-    """`ControlClient.runner` answering from a family's answers.txt: a command line
-    recorded there gets its recorded answer; a verb recorded without arguments answers
-    `Unknown command` whatever its arguments. Anything else is a miss (the test fails)."""
+    """`ControlClient.runner` answering from an answers file ("> command", its answer,
+    `rc=N`): a command line recorded there gets its recorded answer; a verb recorded
+    answering `Unknown command` answers so whatever its arguments. Anything else is a miss
+    (the test fails)."""
 
     path: Path
-    version: str = "11040"
+    version: str = VERSION_580
     answers: Dict[str, str] = field(default_factory=dict)
     misses: List[str] = field(default_factory=list)
     received: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.answers = dict(transcript_outputs(self.path))
+        self.answers = dict(transcript_outputs(self.path))  # a missing file fails here: never skipped
         assert self.answers, f"{self.path}: no recorded answers"
 
     def __call__(self, argv: Sequence[str], stdin_text: str, env: Dict[str, str], timeout: float) -> Tuple[int, str]:
         if list(argv[1:]) == ["-v"]:
-            return 0, f"CUDA MPS Control for Linux/Unix/QNX. Binary version: {self.version}\n"
+            return 0, self.version
         line = stdin_text.strip()
         self.received.append(line)
         if line in self.answers:
             return 0, self.answers[line]
         verb = line.split()[0]
-        if self.answers.get(verb, "").startswith(mc.UNKNOWN_COMMAND):
-            return 0, self.answers[verb]
+        unknown = self.unknown_answers()
+        if verb in unknown:
+            return 0, unknown[verb]
         self.misses.append(line)
         return 1, f"not recorded: {line}\n"
 
+    def unknown_answers(self) -> Dict[str, str]:
+        return {cmd.split()[0]: out for cmd, out in self.answers.items() if out.startswith(mc.UNKNOWN_COMMAND)}
+
     def unknown_verbs(self) -> FrozenSet[str]:
-        return frozenset(cmd for cmd, out in self.answers.items() if out.startswith(mc.UNKNOWN_COMMAND))
+        """The exporter's verbs the daemon did not know (`help` is none of them)."""
+        return frozenset(self.unknown_answers()) & frozenset(mc.READ_ONLY_COMMANDS)
 
 
-# family -> (the verbs its daemon answers `Unknown command`, the version its -v prints)
-FAMILIES: Dict[str, Tuple[FrozenSet[str], str]] = {
-    "470": (PINNED | PRIORITY, "11040"),
-    "580": (frozenset(), "13000"),
-}
+def server_answers(family: str, into: Path) -> Path:
+    """The written answers of a daemon with server 1589 and clients 2457, 2483, restricted
+    to what `family` knows: each verb its recording answered `Unknown command` answers
+    that recorded line instead."""
+    unknown = Recorded(DRIVERS / family / "answers.txt").unknown_answers()
+    lines = []
+    for cmd, out in transcript_outputs(SERVER_ANSWERS):
+        lines += [f"> {cmd}", *unknown.get(cmd.split()[0], out).splitlines()]
+    into.write_text("\n".join(lines) + "\n")
+    return into
 
 
 def series(text: str, name: str, **labels: str) -> List[str]:
@@ -91,9 +123,15 @@ def value(text: str, name: str, **labels: str) -> float:
     return float(found[0].rsplit(" ", 1)[1])
 
 
+def counted_unknown(text: str, daemon: str) -> Dict[str, float]:
+    return {line.split('command="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in series(text, "mps_exporter_control_commands_unknown_total", daemon=daemon)}
+
+
 def test_every_family_directory_names_its_source():
     dirs = sorted(p for p in DRIVERS.iterdir() if p.is_dir())
-    assert {p.name for p in dirs} >= {"470", "535", "580", "580-bottlerocket", "580-dra", "580-k8s-device-plugin"}
+    assert {p.name for p in dirs} >= {"470", "535", "550", "555", "580", "580-bottlerocket", "580-dra",
+                                      "580-k8s-device-plugin"}
     for d in dirs:
         source = (d / "SOURCE").read_text()
         assert "https://" in source, d
@@ -101,48 +139,135 @@ def test_every_family_directory_names_its_source():
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_recorded_answers_serve_servers_and_clients(tmp_path, family):
-    unknown, version = FAMILIES[family]
-    recorded = Recorded(DRIVERS / family / "answers.txt", version=version)
-    assert recorded.unknown_verbs() == unknown  # the fixture says what the family lacks
+def test_each_familys_recording_says_what_it_does_not_know(family):
+    """The recorded answers.txt of each family: which of the exporter's verbs it answered
+    `Unknown command`; from Debian's packages every verb of the allowlist was asked (with
+    the exporter's arguments), `help` too, and every server-less answer is one of the
+    shapes the parsers take."""
+    recorded = Recorded(DRIVERS / family / "answers.txt")
+    assert recorded.unknown_verbs() == FAMILIES[family]
+    assert recorded.answers["help"] == 'Unknown command "help"\n'  # no driver knows `help`
+    if family not in DEBIAN:
+        return
+    assert {cmd.split()[0] for cmd in recorded.answers} >= set(mc.READ_ONLY_COMMANDS)
+    source = (DRIVERS / family / "SOURCE").read_text()
+    assert "recorded from the real binary without a gpu" in source.lower()
+    for cmd, out in recorded.answers.items():
+        verb, args = cmd.split()[0], cmd.split()[1:]
+        if verb in FAMILIES[family] or verb == "help":
+            assert out == f'Unknown command "{verb}"\n', cmd
+        elif args and args[0] == "1" and verb != "get_default_device_pinned_mem_limit":
+            assert out == "Server 1 not found\n", cmd  # no server runs without a GPU
+        else:
+            assert out in ("", "Server not found\n", "100.0\n", "0\n"), cmd
+
+
+def read_with(tmp_path: Path, name: str, runner: Recorded, nvml: FakeNvml) -> str:
+    """Two scrapes of the collector (control, NVML) with `runner` behind the control
+    reader; the second's exposition."""
     pipe = tmp_path / "pipe"
     pipe.mkdir()
-    nvml = FakeNvml([FakeGpu(uuid=UUID, mps_processes=[NvmlProcess(2457, 1 << 30), NvmlProcess(2483, 1 << 30)])])
     cfg = Config()
-    cfg.daemons = [DaemonConfig(family, str(pipe), str(tmp_path / "log"))]
+    cfg.daemons = [DaemonConfig(name, str(pipe), str(tmp_path / "log"))]
     cfg.procfs = str(write_proc(tmp_path / "proc", []))
     cfg.collectors.update(dcgm=False, logs=False, proc=False)
     cfg.runtime_roots = ()
-    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=recorded, nvml_wait_for_every_answer=True))
+    cfg.control_wait = 0.0  # each scrape waits for its own control read
+    readers = build_readers(cfg, Backends(nvml_module=nvml, control_runner=runner, nvml_wait_for_every_answer=True))
     collector = build_collector(cfg, readers)
     try:
         exposition(collector)
-        text = exposition(collector)  # the second scrape: what was learned is not asked again
+        return exposition(collector)  # the second scrape: what was learned is not asked again
     finally:
         for r in readers.values():
             r.close()
 
+
+# family -> the verbs a daemon without servers is sent and does not know (literal)
+SERVER_LESS_UNKNOWN: Dict[str, FrozenSet[str]] = {
+    "470": PS | PRIORITY | {"get_default_device_pinned_mem_limit"},
+    "535": frozenset(), "550": frozenset(), "555": frozenset(), "580": frozenset(),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_server_less_daemon_of_each_family_keeps_the_collector_up(tmp_path, family):
+    """Each family's recorded daemon as it answered (no server, one GPU on the node): the
+    control collector up, the daemon up, its defaults served where it knows them, and the
+    verbs it answered `Unknown command` counted per command, each sent once."""
+    recorded = Recorded(DRIVERS / family / "answers.txt", version=version_output(family))
+    text = read_with(tmp_path, family, recorded, FakeNvml([FakeGpu(uuid=UUID)]))
+    d = {"daemon": family}
     assert recorded.misses == []  # every command sent has a recorded answer
+    assert value(text, "mps_exporter_collector_success", collector="control") == 1
+    assert value(text, "mps_control_daemon_up", **d) == 1
+    assert series(text, "mps_server_info", **d) == []
+    assert value(text, "mps_default_active_thread_ratio", **d) == 1.0
+    assert bool(series(text, "mps_default_client_priority", **d)) == ("get_default_client_priority" not in FAMILIES[family])
+    counted = counted_unknown(text, family)
+    assert set(counted) == SERVER_LESS_UNKNOWN[family] == FAMILIES[family] & {line.split()[0] for line in recorded.received}
+    for verb in counted:  # answered Unknown command once, never sent again
+        assert sum(line.split()[0] == verb for line in recorded.received) == 1, verb
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_recorded_answers_serve_servers_and_clients(tmp_path, family):
+    """A daemon with one server and two clients, answering in the capture's formats only
+    what its family knows: the server and both clients served with the fields the family
+    could read (R470: its clients from get_client_list and get_device_client_list, with
+    no command nor PID namespace), the rest counted per command."""
+    unknown = FAMILIES[family]
+    recorded = Recorded(server_answers(family, tmp_path / "answers.txt"), version=version_output(family))
+    # NVML lists no MPS process: a client's GPU can come from the daemon alone
+    text = read_with(tmp_path, family, recorded, FakeNvml([FakeGpu(uuid=UUID)]))
+
+    assert recorded.misses == []  # every command sent has an answer
     d = {"daemon": family}
     assert value(text, "mps_exporter_collector_success", collector="control") == 1
     assert value(text, "mps_control_daemon_up", **d) == 1
     assert len(series(text, "mps_server_info", **d, server_pid="1589")) == 1
     assert value(text, "mps_server_clients", **d, server_pid="1589") == 2
-    assert {re.search(r'[{,]pid="(\d+)"', line).group(1)  # type: ignore[union-attr]
-            for line in series(text, "mps_client_info", **d)} == {"2457", "2483"}
+    clients = series(text, "mps_client_info", **d)
+    assert {re.search(r'[{,]pid="(\d+)"', line).group(1) for line in clients} == {"2457", "2483"}  # type: ignore[union-attr]
+    ps_known = "ps" not in unknown  # the command and PID namespace only ps prints
+    assert all(('command="python3"' in line) == ps_known for line in clients), clients
+    assert all(('pid_namespace="4026531836"' in line) == ps_known for line in clients), clients
     assert value(text, "mps_server_active_thread_ratio", **d, server_pid="1589") == 0.5
     fields = {
+        "get_server_status": series(text, "mps_server_status", **d, server_pid="1589", status="ACTIVE"),
         "get_default_client_priority": series(text, "mps_default_client_priority", **d),
-        "get_default_device_pinned_mem_limit": series(text, "mps_default_pinned_memory_limit_bytes", **d),
+        "get_default_device_pinned_mem_limit": series(text, "mps_default_pinned_memory_limit_bytes", **d, gpu="0"),
+        "get_device_pinned_mem_limit": series(text, "mps_server_pinned_memory_limit_bytes", **d, gpu="0"),
     }
     for verb, found in fields.items():
         assert bool(found) == (verb not in unknown), verb  # an unknown verb costs its field alone
-    counted = {line.split('command="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-               for line in series(text, "mps_exporter_control_commands_unknown_total", **d)}
+    if "get_device_pinned_mem_limit" not in unknown:  # 1G on device 0: the clients' GPU is known (ps's)
+        assert len(series(text, "mps_client_pinned_memory_limit_bytes", **d, gpu="0")) == 2
+    counted = counted_unknown(text, family)
     assert set(counted) == unknown
     for verb in unknown:  # answered `Unknown command` once, never sent again
         assert sum(line.split()[0] == verb for line in recorded.received) == 1, verb
         assert counted[verb] >= 1
+
+
+def test_a_470_daemon_names_its_clients_devices_without_ps(tmp_path):
+    """R470 (no `ps`): each client's server from get_client_list, its device from
+    get_device_client_list (the daemon's ordinal 0, named by the node's GPU of that
+    ordinal); client ID, PID namespace and command unknown."""
+    recorded = Recorded(server_answers("470", tmp_path / "answers.txt"))
+    reader = mc.DaemonReader(DaemonConfig("470", "/nonexistent", "/nonexistent"), mc.ControlClient("/nonexistent",
+                             runner=recorded))
+    reading = reader.read([0], uuids={0: UUID})
+    assert reading.error is None and recorded.misses == []
+    assert [(c.pid, c.client_id, c.server_pid, c.device, c.namespace, c.command) for c in reading.clients] == [
+        (2457, None, 1589, UUID, "", ""), (2483, None, 1589, UUID, "", "")]
+    assert [(s.pid, s.status, s.active_thread_percentage, s.pinned_limits) for s in reading.servers] == [
+        (1589, None, 50.0, {})]
+    # a pinned limit asked by ordinal then by UUID: the first answered `Unknown command`,
+    # the second not sent, both counted
+    assert reading.commands_unknown == {"ps": 1, "get_server_status": 1, "get_device_pinned_mem_limit": 2,
+                                        "get_default_device_pinned_mem_limit": 2, "get_default_client_priority": 1}
+    assert [line.split()[0] for line in recorded.received].count("get_device_pinned_mem_limit") == 1
 
 
 # directory -> what the pipeline must count (lines, unrecognized, and the state it builds)
@@ -180,6 +305,19 @@ def test_recorded_logs_are_recognized_or_counted(directory):
     assert sum(snap.queued.values()) == expect["queued"]
 
 
+@pytest.mark.parametrize("family", DEBIAN)
+def test_each_recorded_control_log_is_recognized_line_by_line(family):
+    """The control.log of each recording (its commands echoed, `Unknown command` answers,
+    `Server not found` for `ps` without a server): no line unrecognized, one command
+    event per command of answers.txt and the closing `quit`."""
+    events = [parse_line(line, "control") for line in
+              (DRIVERS / family / "control.recorded.log").read_text().splitlines()]
+    assert [e for e in events if isinstance(e, ev.Unrecognized)] == []
+    commands = [e for e in events if isinstance(e, ev.Command)]
+    assert len(commands) == len(Recorded(DRIVERS / family / "answers.txt").answers) + 1
+    assert sum(isinstance(e, ev.DaemonStarted) for e in events) == sum(isinstance(e, ev.DaemonExited) for e in events) == 1
+
+
 def test_the_580_server_log_carries_its_limits():
     events = [parse_line(line, "server") for line in
               (DRIVERS / "580-bottlerocket" / "server.log").read_text().splitlines()]
@@ -196,36 +334,48 @@ REPLAY_PROGRAM = '''\
 import sys
 answers = {}
 cmd = None
+codes = {}
 for line in open(sys.argv[1], encoding="utf-8").read().splitlines():
     if line.startswith("> "):
         cmd = line[2:].strip()
         answers[cmd] = ""
+    elif cmd is not None and line.startswith("rc=") and line[3:].isdigit():
+        codes[cmd] = int(line[3:])
     elif cmd is not None:
         answers[cmd] += line + "\\n"
-if sys.argv[3:] == ["-v"]:  # replay.py ANSWERS VERSION [-v]
-    print("CUDA MPS Control for Linux/Unix/QNX. Binary version: " + sys.argv[2])
+if sys.argv[3:] == ["-v"]:  # replay.py ANSWERS VERSION-FILE [-v]: what -v printed
+    sys.stdout.write(open(sys.argv[2], encoding="utf-8").read())
     sys.exit(0)
 line = sys.stdin.read().strip()
 out = answers.get(line)
-if out is None and answers.get(line.split()[0], "").startswith("Unknown command"):
-    out = answers[line.split()[0]]
+verb = line.split()[0]
+unknown = [c for c, o in answers.items() if c.split()[0] == verb and o.startswith("Unknown command")]
+if out is None and unknown:
+    line, out = unknown[0], answers[unknown[0]]
 if out is None:
     sys.stdout.write("not recorded: " + line + "\\n")
     sys.exit(3)
 sys.stdout.write(out)
+sys.exit(codes.get(line, 0))
 '''
 
 
+@pytest.mark.parametrize("servers", ["none", "one"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_dump_serves_each_familys_recorded_daemon(tmp_path, monkeypatch, family):
-    """`mps-exporter dump` with the recorded answers behind a real control program (a
-    subprocess answering from answers.txt): the control collector up, the servers and
-    clients served, what the family does not know counted per command."""
-    unknown, version = FAMILIES[family]
+def test_dump_serves_each_familys_recorded_daemon(tmp_path, monkeypatch, family, servers):
+    """`mps-exporter dump` with the answers behind a real control program (a subprocess
+    answering from the file): the family's recorded daemon as it answered (no server), and
+    the written one-server answers restricted to what the family knows. The control
+    collector up, the servers and clients served, what the family does not know counted
+    per command."""
+    unknown = FAMILIES[family]
+    answers = DRIVERS / family / "answers.txt" if servers == "none" else server_answers(family, tmp_path / "a.txt")
+    version = tmp_path / "version.txt"
+    version.write_text(version_output(family))
     program = tmp_path / "replay.py"
     program.write_text(REPLAY_PROGRAM)
     binary = tmp_path / "nvidia-cuda-mps-control"
-    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {program} {DRIVERS / family / 'answers.txt'} {version} \"$@\"\n")
+    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {program} {answers} {version} \"$@\"\n")
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
     pipe = tmp_path / "pipe"
     pipe.mkdir()
@@ -239,12 +389,16 @@ def test_dump_serves_each_familys_recorded_daemon(tmp_path, monkeypatch, family)
     d = {"daemon": "default"}
     assert value(text, "mps_exporter_collector_success", collector="control") == 1
     assert value(text, "mps_control_daemon_up", **d) == 1
+    assert bool(series(text, "mps_default_client_priority", **d)) == ("get_default_client_priority" not in unknown)
+    if servers == "none":
+        assert series(text, "mps_server_info", **d) == []
+        # a daemon without servers is asked ps and the defaults only
+        assert set(counted_unknown(text, "default")) == SERVER_LESS_UNKNOWN[family]
+        return
     assert value(text, "mps_server_clients", **d, server_pid="1589") == 2
     assert len(series(text, "mps_client_info", **d)) == 2
-    assert bool(series(text, "mps_default_client_priority", **d)) == ("get_default_client_priority" not in unknown)
-    counted = {line.split('command="')[1].split('"')[0]
-               for line in series(text, "mps_exporter_control_commands_unknown_total", **d)}
-    assert counted == unknown  # one dump asks each verb once: every unknown one answered so
+    assert bool(series(text, "mps_server_status", **d)) == ("get_server_status" not in unknown)
+    assert set(counted_unknown(text, "default")) == unknown  # one dump asks each verb once
 
 
 def test_no_recorded_line_breaks_the_parser_even_with_its_numbers_made_huge():

@@ -158,7 +158,7 @@ _CONTROL_RULES: Dict[str, List[_Rule]] = {
          lambda ts, pid, m: ServerExited(ts, pid, int(m.group(1)), int(m.group(2)))),
         (r"Server (\d{1,10}) has (\d{1,10}) active worker threads?\. Server will not shutdown\.?$",
          lambda ts, pid, m: ShutdownDeferred(ts, pid, int(m.group(1)), int(m.group(2)))),
-        (r"Server -?\d+ not found$", lambda ts, pid, m: _new(CommandOutput, (ts, pid, m.group(0)))),
+        (r"Server (?:-?\d+ )?not found$", lambda ts, pid, m: _new(CommandOutput, (ts, pid, m.group(0)))),  # bare: `ps`
     ),
     "Try": _rules(
         (r"Try shutting down server (\d{1,10})(?!\d)", lambda ts, pid, m: _new(ShutdownAttempt, (ts, pid, int(m.group(1))))),

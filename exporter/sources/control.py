@@ -46,13 +46,16 @@ READ_ONLY_COMMANDS: Dict[str, int] = {
     "get_default_active_thread_percentage": 0,
     "get_default_device_pinned_mem_limit": 1,  # <device: ordinal or GPU UUID>
     "get_default_client_priority": 0,
-    "get_device_client_list": 0,
+    "get_device_client_list": 1,  # <server pid>: the devices its clients enumerated
 }
 
 # What the exporter can do without: a daemon that answers `Unknown command` to one of these
-# (drivers before pinned memory limits, before client priorities) costs the fields it
-# answers, never the daemon's servers and clients. get_server_list and ps are not optional.
-OPTIONAL_COMMANDS: FrozenSet[str] = frozenset(READ_ONLY_COMMANDS) - {"get_server_list", "ps"}
+# costs the fields it answers, never the daemon's servers and clients. Recorded per driver
+# family in tests/data/drivers: R470 knows neither `ps` (its clients then come from
+# get_client_list and get_device_client_list) nor get_server_status, pinned memory limits,
+# client priorities; R535 lacks get_server_status. get_server_list alone is not optional:
+# its answer says the daemon is up.
+OPTIONAL_COMMANDS: FrozenSet[str] = frozenset(READ_ONLY_COMMANDS) - {"get_server_list"}
 
 MAX_PARALLEL_DAEMONS = 16  # daemons read at once in one scrape
 
@@ -119,6 +122,34 @@ def parse_pid_list(text: str) -> List[int]:
             raise ControlError(f"unexpected line in PID list: {line[:80]!r}")
         pids.append(int(line))
     return pids
+
+
+_DEVICE_HEADING = re.compile(r"^\[([0-9]{1,4})\] ")
+_DEVICE_CLIENT = re.compile(r"^([0-9]{1,10})\.[0-9]{1,10}$")
+
+
+def parse_device_client_list(text: str) -> Dict[int, int]:
+    """`get_device_client_list <server>`: client PID -> the daemon's ordinal of its device.
+
+    Per device a heading `[0] 00:00.0, NVIDIA H200` (the ordinal the daemon counts in its
+    CUDA_VISIBLE_DEVICES, a bus id, the name), then one `PID.N` line per client that
+    enumerated it (driver 580, tests/data/captures/h200-driver580-a/control/ctl_busy.txt;
+    N was 1 for each client there, its meaning is not documented). Nothing: no clients.
+    A client on several devices keeps its first."""
+    found: Dict[int, int] = {}
+    ordinal: Optional[int] = None
+    lines = _lines(check_reply(text))
+    if len(lines) > MAX_LISTED:
+        raise ControlError(f"{len(lines)} lines in one device client list (more than {MAX_LISTED}): not believed")
+    for line in lines:
+        heading, client = _DEVICE_HEADING.match(line), _DEVICE_CLIENT.match(line)
+        if heading:
+            ordinal = int(heading.group(1))
+        elif client and ordinal is not None:
+            found.setdefault(int(client.group(1)), ordinal)
+        else:
+            raise ControlError(f"unexpected line in device client list: {line[:80]!r}")
+    return found
 
 
 PS_HEADER = ("PID", "ID", "SERVER", "DEVICE", "NAMESPACE", "COMMAND")
@@ -559,14 +590,37 @@ class DaemonReader:
         self._listing, self._statuses = None, {}
         self._unknown_verbs.clear()  # the next daemon here may be another driver's
 
-    def _clients(self, key: Tuple[object, ...], watched: bool) -> List[PsEntry]:
-        """`ps`, or its last answer while nothing says it changed."""
+    def _clients(self, key: Tuple[object, ...], watched: bool, servers: Sequence[int],
+                 devices: Sequence[VisibleDevice]) -> List[PsEntry]:
+        """`ps`, or its last answer while nothing says it changed; from a daemon without
+        `ps` (R470 answers `Unknown command "ps"`), each server's `get_client_list`."""
         last = self._listing
         if watched and last is not None and last.key == key and last.settled:
             return last.clients
-        clients = parse_ps(self._run("ps"))
+        listed = self._optional(parse_ps, "ps")
+        clients = self._listed_clients(servers, devices) if listed is None else listed
         settled = last is not None and last.clients == clients
         self._listing = _Listing(key, clients, settled)
+        return clients
+
+    def _listed_clients(self, servers: Sequence[int], devices: Sequence[VisibleDevice]) -> List[PsEntry]:
+        """The clients of a daemon without `ps`: `get_client_list <server>` for each server's
+        clients, `get_device_client_list <server>` for the device each enumerated (the
+        daemon's ordinal, named by the UUID of that device where the node's GPUs are
+        known). What only `ps` prints (client ID, PID namespace, command) is left unknown:
+        the command comes from /proc where it is read, as for any client `ps` missed."""
+        clients: List[PsEntry] = []
+        for server in servers:
+            try:
+                pids = self._optional(parse_pid_list, "get_client_list", server)
+                on = self._optional(parse_device_client_list, "get_device_client_list", server) if pids else {}
+            except ServerNotFound:  # it exited between two commands: no clients
+                continue
+            for pid in pids or ():
+                ordinal = (on or {}).get(pid)
+                device = devices[ordinal].uuid if ordinal is not None and ordinal < len(devices) else ""
+                clients.append(PsEntry(pid=pid, client_id=None, server_pid=server, device=device, namespace="",
+                                       command=""))
         return clients
 
     def read(self, devices: Sequence[int], signals: Callable[[], ChangeSignals] = ChangeSignals,
@@ -600,7 +654,7 @@ class DaemonReader:
             servers = tuple(sorted(server_pids))
             reading.clients = self._clients((servers, seen.log_changes, seen.nvml_clients),
                                             (seen.log_changes is not None or seen.nvml_clients is not None)
-                                            and not seen.log_unread)
+                                            and not seen.log_unread, servers, own)
             self._note_limits(seen.limits)
             status_key = (servers, seen.log_changes)
             if seen.log_changes is None or seen.log_unread or status_key != self._status_key:

@@ -135,7 +135,8 @@ class FakeControlDaemon:
         if verb == "get_default_device_pinned_mem_limit":
             limit = self.default_pinned_limits.get(nums[0])
             return f"{limit}\n" if limit else "No default pinned memory limit set for the device!\n"
-        if verb in ("get_server_status", "get_client_list", "get_active_thread_percentage", "get_device_pinned_mem_limit"):
+        if verb in ("get_server_status", "get_client_list", "get_active_thread_percentage", "get_device_pinned_mem_limit",
+                    "get_device_client_list"):
             server = self._server(nums[0])
             if server is None:
                 return f"Server {nums[0]} not found\n"
@@ -143,6 +144,12 @@ class FakeControlDaemon:
                 return f"{server.status}\n"
             if verb == "get_client_list":
                 return "".join(f"{c.pid}\n" for c in self.clients if c.server_pid == server.pid)
+            if verb == "get_device_client_list":  # a heading per device as driver 580 prints it, its clients
+                mine = [c for c in self.clients if c.server_pid == server.pid]
+                uuids = list(dict.fromkeys(c.device_uuid for c in mine))
+                return "".join(f"[{i}] 00:00.0, NVIDIA H200\n" + "".join(f"{c.pid}.1\n" for c in mine
+                                                                       if c.device_uuid == uuid)
+                               for i, uuid in enumerate(uuids))
             if verb == "get_active_thread_percentage":
                 return f"{server.active_thread_percentage:.1f}\n"
             limit = server.pinned_limits.get(nums[1])
