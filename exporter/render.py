@@ -232,9 +232,10 @@ SELF_METRICS = table(
             "echoes each into control.log, which it never rotates (about 5 lines; ps one more per client): at a "
             "steady state the exporter sends get_server_list alone (docs/logs.md).", DAEMON, COMMAND),
     counter("mps_exporter_control_commands_unknown_total", "Commands of the exporter that the control daemon does "
-            "not know, by verb: its `Unknown command` answers (drivers before client priorities or pinned memory "
-            "limits), and each command the exporter did not send since because of one (asked again when the "
-            "daemon restarts). Each costs its field (a limit, a percentage, a priority, a status), never the "
+            "not know, by verb: its `Unknown command` answers (R470: ps, get_server_status, pinned memory "
+            "limits, the default client priority; R535: get_server_status), and each command the exporter did not "
+            "send since because of one (asked again when the daemon restarts). Each costs its field (a limit, a "
+            "percentage, a priority, a status; without ps a client's command and PID namespace), never the "
             "daemon's servers and clients.", DAEMON, COMMAND),
 )
 
