@@ -36,6 +36,23 @@ def test_parsers_on_busy_capture():
         mc.check_reply(out["get_client_priority 1649"])
 
 
+def test_device_client_list_on_the_capture_and_refused_shapes():
+    """`get_device_client_list` as driver 580 printed it (a heading per device, `PID.N`
+    per client): the daemon's ordinal of each client's device; nothing, no clients; a
+    server gone, ServerNotFound; any other line refused whole, never guessed."""
+    out = outputs("ctl_busy.txt")
+    assert mc.parse_device_client_list(out["get_device_client_list 0"]) == {1647: 0, 1648: 0, 1649: 0}
+    assert mc.parse_device_client_list(outputs("ctl_idle.txt")["get_device_client_list"]) == {}
+    two = "[0] 00:00.0, NVIDIA H200\n501.1\n[1] 00:01.0, NVIDIA H200\n502.1\n501.2\n"
+    assert mc.parse_device_client_list(two) == {501: 0, 502: 1}  # a client on two devices keeps its first
+    with pytest.raises(mc.ServerNotFound):
+        mc.parse_device_client_list("Server 1 not found\n")  # as R470 answered without a server
+    for bad in ("501.1\n", "[0] 00:00.0, NVIDIA H200\npython3\n", "[0] x\n" + "1.1\n" * (mc.MAX_LISTED + 1),
+                "[99999] x\n1.1\n", "[0] x\n" + "9" * 5000 + ".1\n"):
+        with pytest.raises(mc.ControlError):
+            mc.parse_device_client_list(bad)
+
+
 def test_parsers_on_idle_limits_and_nodaemon_captures():
     idle = outputs("ctl_idle.txt")
     assert mc.parse_pid_list(idle["get_server_list"]) == []
