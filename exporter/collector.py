@@ -567,7 +567,7 @@ class MpsCollector(Collector):
         try:
             snap.edges = self.exits.observe(snap)
         except Exception:  # the exits' state, never the scrape
-            log.exception("tracking client exits failed")
+            log.exception("joining the readings or tracking client exits failed")
         return snap
 
     def _gather(self, collection: _Collection, budget: Optional[float], started: float) -> Snapshot:

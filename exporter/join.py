@@ -179,6 +179,30 @@ class Rows:
 
 
 # ---------------------------------------------------------------- the join
+# The last join and the readings it joined, held (so their ids cannot be reused): a
+# collection's render, its exit tracking and its status view read one join, and a
+# collection served the same readings as the last (nothing read again) joins nothing.
+_last_join: Optional[Tuple[Tuple[object, ...], Rows]] = None
+
+
+def _join_inputs(snap: Snapshot) -> Tuple[object, ...]:
+    """What `join` reads of a snapshot, by identity: a reading replaced is joined again.
+    (A reading changed in place is not seen: readings are never changed once read.)"""
+    return (snap.nvml, snap.dcgm, snap.processes, *snap.daemons, *snap.logs, *snap.logs.values())
+
+
+def rows_of(snap: Snapshot) -> Rows:
+    """`join(snap)`, or the last join where it read these very readings."""
+    global _last_join
+    inputs = _join_inputs(snap)
+    last = _last_join
+    if last is not None and len(last[0]) == len(inputs) and all(a is b for a, b in zip(last[0], inputs)):
+        return last[1]
+    rows = join(snap)
+    _last_join = (inputs, rows)
+    return rows
+
+
 def join(snap: Snapshot) -> Rows:
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
@@ -509,7 +533,7 @@ def client_memory(snap: Snapshot) -> List[ClientMemory]:
     """Every client's memory reading (NVML's MPS list) with its limit in force, from the
     client rows: a client is at its limit here exactly where
     mps_client_pinned_memory_limit_bytes says so."""
-    rows = join(snap)
+    rows = rows_of(snap)
     gpus = {g.index: g for g in rows.gpus}
     return [ClientMemory(d.name, c.pid, gpu, used, c.pinned_memory_limit_bytes.get(gpu), gpus[gpu].memory_used_bytes,
                          gpus[gpu].memory_total_bytes, "" if c.server_pid is None else str(c.server_pid), c.pod_uid,

@@ -24,8 +24,8 @@ from . import limits as lim
 from .exitstatus import OUTCOMES
 from .logs.render import render_log_metrics
 from .runtime_metadata import CONTAINER, NAMES_SOURCE as _NAMES_SOURCE, NAMESPACE, OWNER, POD
-from .join import (ClientMemory, ClientRow, DaemonRow, GpuRow, Rows, ServerRow, client_left_out, client_memory, join,
-                   reading_fields, sharing_mode, sm_utilization)
+from .join import (ClientMemory, ClientRow, DaemonRow, GpuRow, Rows, ServerRow, client_left_out, client_memory,
+                   reading_fields, rows_of, sharing_mode, sm_utilization)
 from .model import EDGE_REASONS, EdgeReport, Outcome, Snapshot
 
 __all__ = ["ClientMemory", "FamilyBuilder", "Outcome", "Snapshot", "client_memory", "readings_key", "render",
@@ -259,7 +259,7 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
                     own_renders: Sequence[OwnRender] = (), memo: Optional["ClientTableMemo"] = None) -> None:
     """Everything but the exporter's own series: a function of `readings_key(snap)` alone.
     `memo`: the client tables of the last call, reused where their rows are equal."""
-    rows = join(snap)
+    rows = rows_of(snap)
     render_rows(out, rows, granularity, memo)
     if snap.edges is not None:
         render_edges(out, snap.edges, rows.uuids, granularity)

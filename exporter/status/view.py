@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, TypeVar
 
 from ..families import FamilyBuilder
-from ..join import ClientRow, DaemonRow, GpuRow, ServerRow, join
+from ..join import ClientRow, DaemonRow, GpuRow, ServerRow, rows_of
 from ..logs.render import render_log_metrics
 from ..model import REASONS, LogSnapshot, Snapshot
 from ..sources.xid import XidGpu, XidReading, _code_order
@@ -197,7 +197,7 @@ def _number(v: Optional[N]) -> Optional[float]:
 def build(snap: Snapshot, origin: str, daemons: Sequence[str] = ()) -> NodeStatus:
     """The view of one collection: its rows, as /metrics publishes them, plus the log state.
     `daemons`: the configured names, listed even where no source said anything of them."""
-    rows = join(snap)
+    rows = rows_of(snap)
     sources = [SourceStatus(name, o.success, o.error,
                             None if o.last_success_seconds is None else max(0.0, snap.now - o.last_success_seconds))
                for name, o in sorted(snap.outcomes.items())]
