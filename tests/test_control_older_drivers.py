@@ -15,10 +15,11 @@ from mps_exporter.config import Config, DaemonConfig
 from mps_exporter.sources import control as mc
 from mps_exporter.sources.base import Backends
 from mps_exporter.wiring import build_collector, build_readers
-from tests.fakes.fake_control import FakeClient, FakeControlDaemon, FakeDaemons, FakeServer
+from tests.fakes.fake_control import FakeClient, FakeControlDaemon, FakeDaemons, FakeServer, transcript_outputs
 from tests.fakes.fake_procfs import write_proc
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 from tests.fakes.fake_pynvml import FakeProcess as NvmlProcess
+from tests.support.data import DATA
 from tests.support.golden import exposition
 
 UUID = "GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"
@@ -26,18 +27,31 @@ PINNED = frozenset({"get_device_pinned_mem_limit", "get_default_device_pinned_me
 PRIORITY = frozenset({"get_default_client_priority"})
 STATUS = frozenset({"get_server_status"})
 PS = frozenset({"ps"})
-# Driver families by the commands their daemons do not know, as recorded from the real
-# programs (tests/data/drivers/*/answers.txt): driver 550 and later know them all, 535
-# lacks get_server_status, 470 also ps, pinned memory limits and client priorities.
+DRIVERS = DATA / "drivers"
+
+
+def recorded_unknown(answers: Path) -> FrozenSet[str]:
+    """The exporter's verbs a family's recorded daemon answered `Unknown command`."""
+    return frozenset(cmd.split()[0] for cmd, out in transcript_outputs(answers)
+                     if out.startswith(mc.UNKNOWN_COMMAND)) & frozenset(mc.READ_ONLY_COMMANDS)
+
+
+# Driver families by the commands their daemons do not know, read from each family's
+# recording of NVIDIA's program (tests/data/drivers/<family>/answers.txt, every family
+# directory: R470, R525, R535, R550, R555, R570, R580), then shapes no family recorded.
 FAMILIES: Dict[str, FrozenSet[str]] = {
-    "580": frozenset(),
-    "before client priorities": PRIORITY,
-    "535: no server status": STATUS,
-    "470: no ps, server status, priorities nor pinned limits": PS | STATUS | PINNED | PRIORITY,
+    **{f"R{d.name}": recorded_unknown(d / "answers.txt") for d in sorted(DRIVERS.iterdir()) if d.name.isdigit()},
+    "before client priorities (no family)": PRIORITY,
     "nothing but get_server_list and ps": mc.OPTIONAL_COMMANDS - PS,
     "nothing but get_server_list and get_client_list": mc.OPTIONAL_COMMANDS - {"get_client_list"},
 }
 
+
+def test_every_recorded_family_is_a_row():
+    """The rows come from the recordings: each family's directory is one, R470's lacks the
+    most (tests/test_driver_fixtures.py holds each family's set, literal)."""
+    assert [f for f in FAMILIES if f.startswith("R")] == ["R470", "R525", "R535", "R550", "R555", "R570", "R580"]
+    assert FAMILIES["R470"] == PS | STATUS | PINNED | PRIORITY
 
 def series(text: str, name: str, **labels: str) -> List[str]:
     want = [f'{k}="{v}"' for k, v in labels.items()]

@@ -40,15 +40,19 @@ PINNED = frozenset({"get_device_pinned_mem_limit", "get_default_device_pinned_me
 PRIORITY = frozenset({"get_default_client_priority"})
 STATUS = frozenset({"get_server_status"})
 PS = frozenset({"ps"})
-# The families whose answers.txt record_debian.py recorded from Debian's packages.
-DEBIAN = ("470", "535", "550", "555")
+# The families whose answers.txt record_packages.py recorded from NVIDIA's program of a
+# Debian or Ubuntu package (580's daemon needs the driver to start: it is the H200 capture's).
+RECORDED = ("470", "525", "535", "550", "555", "570")
+MARKER = "## Recorded from the package (written by record_packages.py)"
 # family -> the verbs its recorded daemon answered `Unknown command` (what the recordings
 # showed, written here so that a re-recording that differs fails).
 FAMILIES: Dict[str, FrozenSet[str]] = {
     "470": PS | STATUS | PINNED | PRIORITY,
+    "525": STATUS | PRIORITY,
     "535": STATUS,
     "550": frozenset(),
     "555": frozenset(),
+    "570": frozenset(),
     "580": frozenset(),
 }
 # What `-v` printed with the daemon up, where the family has no version.txt (580: the
@@ -58,7 +62,7 @@ VERSION_580 = "CUDA MPS Control for Linux/Unix/QNX. Binary version: 13000\n"
 
 def version_output(family: str) -> str:
     path = DRIVERS / family / "version.txt"
-    return path.read_text() if family in DEBIAN else VERSION_580
+    return path.read_text() if family in RECORDED else VERSION_580
 
 
 @dataclass
@@ -130,28 +134,28 @@ def counted_unknown(text: str, daemon: str) -> Dict[str, float]:
 
 def test_every_family_directory_names_its_source():
     dirs = sorted(p for p in DRIVERS.iterdir() if p.is_dir())
-    assert {p.name for p in dirs} >= {"470", "535", "550", "555", "580", "580-bottlerocket", "580-dra",
-                                      "580-k8s-device-plugin"}
+    assert {p.name for p in dirs} >= {*FAMILIES, "580-bottlerocket", "580-dra", "580-k8s-device-plugin"}
     for d in dirs:
         source = (d / "SOURCE").read_text()
         assert "https://" in source, d
         assert any((d / f).is_file() for f in ("answers.txt", "control.log", "server.log")), d
+        assert (MARKER in source) == (d.name in RECORDED), d  # the recorder's section: recorded families only
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_familys_recording_says_what_it_does_not_know(family):
     """The recorded answers.txt of each family: which of the exporter's verbs it answered
-    `Unknown command`; from Debian's packages every verb of the allowlist was asked (with
-    the exporter's arguments), `help` too, and every server-less answer is one of the
-    shapes the parsers take."""
+    `Unknown command`; from the packages every verb of the allowlist was asked (with the
+    exporter's arguments), `help` too, and every server-less answer is one of the shapes
+    the parsers take."""
     recorded = Recorded(DRIVERS / family / "answers.txt")
     assert recorded.unknown_verbs() == FAMILIES[family]
     assert recorded.answers["help"] == 'Unknown command "help"\n'  # no driver knows `help`
-    if family not in DEBIAN:
+    if family not in RECORDED:
         return
     assert {cmd.split()[0] for cmd in recorded.answers} >= set(mc.READ_ONLY_COMMANDS)
     source = (DRIVERS / family / "SOURCE").read_text()
-    assert "recorded from the real binary without a gpu" in source.lower()
+    assert "recorded from the real binary" in source.lower()
     for cmd, out in recorded.answers.items():
         verb, args = cmd.split()[0], cmd.split()[1:]
         if verb in FAMILIES[family] or verb == "help":
@@ -183,10 +187,15 @@ def read_with(tmp_path: Path, name: str, runner: Recorded, nvml: FakeNvml) -> st
             r.close()
 
 
+# family -> the binary version its `-v` printed (literal; the others printed none)
+BINARY_VERSIONS = {"570": "12080", "580": "13000"}
+
+
 # family -> the verbs a daemon without servers is sent and does not know (literal)
 SERVER_LESS_UNKNOWN: Dict[str, FrozenSet[str]] = {
     "470": PS | PRIORITY | {"get_default_device_pinned_mem_limit"},
-    "535": frozenset(), "550": frozenset(), "555": frozenset(), "580": frozenset(),
+    "525": PRIORITY,
+    "535": frozenset(), "550": frozenset(), "555": frozenset(), "570": frozenset(), "580": frozenset(),
 }
 
 
@@ -203,6 +212,8 @@ def test_a_server_less_daemon_of_each_family_keeps_the_collector_up(tmp_path, fa
     assert value(text, "mps_control_daemon_up", **d) == 1
     assert series(text, "mps_server_info", **d) == []
     assert value(text, "mps_default_active_thread_ratio", **d) == 1.0
+    # the binary version `-v` printed: R570 and R580 name it, the older programs print none
+    assert len(series(text, "mps_control_daemon_info", **d, version=BINARY_VERSIONS.get(family, ""))) == 1
     assert bool(series(text, "mps_default_client_priority", **d)) == ("get_default_client_priority" not in FAMILIES[family])
     counted = counted_unknown(text, family)
     assert set(counted) == SERVER_LESS_UNKNOWN[family] == FAMILIES[family] & {line.split()[0] for line in recorded.received}
@@ -305,7 +316,7 @@ def test_recorded_logs_are_recognized_or_counted(directory):
     assert sum(snap.queued.values()) == expect["queued"]
 
 
-@pytest.mark.parametrize("family", DEBIAN)
+@pytest.mark.parametrize("family", RECORDED)
 def test_each_recorded_control_log_is_recognized_line_by_line(family):
     """The control.log of each recording (its commands echoed, `Unknown command` answers,
     `Server not found` for `ps` without a server): no line unrecognized, one command
