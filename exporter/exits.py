@@ -42,7 +42,7 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, Optional, Protocol, Set, Tuple
+from typing import AbstractSet, Callable, Deque, Dict, Optional, Protocol, Set, Tuple
 
 from .exitstatus import CLEAN, FAILED, UNKNOWN, ExitStatus
 from .limits import visible_devices
@@ -79,6 +79,8 @@ class ExitStatuses(Protocol):
     available: bool
 
     def status(self, pid: int) -> Optional[ExitStatus]: ...
+
+    def watch(self, pids: AbstractSet[int]) -> None: ...
 
 
 def proc_alive(procfs: str = "/proc") -> Callable[[int], Optional[bool]]:
@@ -138,6 +140,8 @@ class ExitTracker:
         with self._lock:
             self._take(snap, readings)
             self._leave(snap)
+            if self.statuses is not None and self.statuses.available:
+                self.statuses.watch(set(self._clients))  # the kernel drops the others' clean exits
             self._zero_rows(snap)
             return self._report()
 

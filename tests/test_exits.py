@@ -3,7 +3,7 @@ collection times are the snapshots' own, no clock is read."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Optional, Sequence, Set, Tuple
 
 from mps_exporter.exitstatus import ExitStatus
 from mps_exporter.exits import ExitTracker, Margins, proc_alive
@@ -24,8 +24,13 @@ class Statuses:
         self.available = available
         self.known: Dict[int, ExitStatus] = {}
 
+        self.watched: List[Set[int]] = []  # what the tracker asked the kernel to keep, call by call
+
     def status(self, pid: int) -> Optional[ExitStatus]:
         return self.known.get(pid)
+
+    def watch(self, pids: AbstractSet[int]) -> None:
+        self.watched.append(set(pids))
 
 
 def snap(now: float, clients: Dict[int, int], gpu_used: Optional[int] = None, ps: Optional[Sequence[int]] = None,
@@ -69,6 +74,19 @@ def test_a_client_that_dies_at_95_percent_of_its_2_gib_limit_is_counted_as_faile
     # Zero rows for the other reasons and outcomes: the alert sees the first exit as an increase.
     assert ("default", 0, "device_full", "clean") in dict(report.exits)
     assert ("default", 0, "client_limit", "unknown") not in dict(report.exits)
+
+
+def test_the_kernel_is_asked_for_the_clean_exits_of_the_followed_clients_only():
+    statuses = Statuses()
+    tracker = ExitTracker(Margins(0.05, 0.97), statuses, alive=lambda pid: False)
+    tracker.observe(snap(100.0, {4242: GiB, 4343: GiB}))
+    tracker.observe(snap(101.0, {4343: GiB}))  # 4242 gone, its exit not heard yet: still followed
+    statuses.known[4242] = ExitStatus(0, 0)
+    tracker.observe(snap(102.0, {4343: GiB}))  # judged: no longer followed
+    assert statuses.watched == [{4242, 4343}, {4242, 4343}, {4343}]
+    unavailable = Statuses(available=False)
+    ExitTracker(Margins(), unavailable).observe(snap(100.0, {4242: GiB}))
+    assert unavailable.watched == []
 
 
 def test_a_client_read_below_the_edge_in_its_last_moments_is_judged_by_its_edge_reading():

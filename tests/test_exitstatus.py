@@ -13,7 +13,8 @@ import pytest
 
 from mps_exporter.exitstatus import (ACK_DATA, CLEAN, CN_IDX_PROC, CN_MSG, CN_VAL_PROC, EXIT_DATA, FAILED, NLMSGHDR,
                                      PROC_CN_MCAST_LISTEN, PROC_EVENT_EXIT, PROC_EVENT_HEAD, PROC_EVENT_NONE, Ack, Exit,
-                                     ExitStatus, ExitWatcher, attach_exits_only, listen_message, parse)
+                                     MAX_WATCHED, SO_ATTACH_FILTER, ExitStatus, ExitWatcher, attach_exits_only,
+                                     listen_message, parse)
 
 PROC_EVENT_FORK = 0x00000001
 
@@ -66,6 +67,58 @@ def test_the_kernel_filter_passes_process_exits_and_acks_only():
     assert exits == [Exit(4242, 4242, ExitStatus(1, 0))] and acks == [Ack(0)]
 
 
+def _through_filter(watched, sent):
+    """What of `sent` this kernel lets through `exits_filter(watched)` on a datagram pair."""
+    receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with receiver, sender:
+        assert attach_exits_only(receiver, watched)
+        for raw in sent:
+            sender.send(raw)
+        receiver.setblocking(False)
+        received = []
+        while True:
+            try:
+                received.append(receiver.recv(4096))
+            except BlockingIOError:
+                return received
+
+
+def test_with_watched_pids_the_kernel_keeps_their_clean_exits_and_every_failed_one():
+    sent = {
+        "watched, clean": exit_message(4242, 0),
+        "watched, failed": exit_message(4243, 1 << 8),
+        "other, clean": exit_message(5000, 0),
+        "other, failed": exit_message(5001, 2 << 8),
+        "other, killed": exit_message(5002, 9),
+        "watched thread": exit_message(4244, 0, tgid=4242),
+        "fork": message(PROC_EVENT_FORK, struct.pack("=IIII", 1, 1, 2, 2)),
+        "ack": message(PROC_EVENT_NONE, ACK_DATA.pack(0)),
+    }
+    kept = _through_filter({4242, 4243, 4244, 7}, sent.values())
+    assert [name for name, raw in sent.items() if raw in kept] == [
+        "watched, clean", "watched, failed", "other, failed", "other, killed", "ack"]
+    # Nothing watched: only failed exits and the acknowledgement.
+    assert _through_filter(set(), sent.values()) == [sent["watched, failed"], sent["other, failed"],
+                                                    sent["other, killed"], sent["ack"]]
+    # As many PIDs as the kernel's program can hold: the last of them still tested.
+    many = set(range(100, 100 + MAX_WATCHED - 1)) | {4242}
+    assert _through_filter(many, [sent["watched, clean"], sent["other, clean"]]) == [sent["watched, clean"]]
+
+
+def test_the_watcher_hands_the_kernel_the_tracked_pids_and_every_exit_beyond_its_program():
+    fake = FakeNetlink()
+    fake.peer.send(message(PROC_EVENT_NONE, ACK_DATA.pack(0)))
+    watcher = ExitWatcher(factory=lambda: fake, ack_wait=1.0)  # type: ignore[arg-type,return-value]
+    assert watcher.start() and watcher.filtered and watcher.watched is None
+    watcher.watch({11, 12})
+    assert watcher.watched == {11, 12} and len(fake.filters) == 2
+    watcher.watch({12, 11})  # the same set: the filter stays
+    assert len(fake.filters) == 2
+    watcher.watch(set(range(MAX_WATCHED + 1)))  # more than the program holds: every exit again
+    assert watcher.watched is None and fake.filters[-1] == fake.filters[0]
+    watcher.close()
+
+
 def test_a_core_dump_flag_does_not_hide_the_signal():
     assert ExitStatus.from_wait_status(0x80 | 6) == ExitStatus(0, 6)  # SIGABRT with core
 
@@ -106,12 +159,14 @@ class FakeNetlink:
     def __init__(self) -> None:
         self._mine, self.peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sent: List[bytes] = []
+        self.filters: List[object] = []
 
     def fileno(self) -> int:
         return self._mine.fileno()
 
-    def setsockopt(self, *args: object) -> None:
-        pass
+    def setsockopt(self, level: int, option: int, value: object) -> None:
+        if option == SO_ATTACH_FILTER:  # the program the kernel would run
+            self.filters.append(value)
 
     def bind(self, address: object) -> None:
         pass
