@@ -262,7 +262,7 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
     rows = rows_of(snap)
     render_rows(out, rows, granularity, memo)
     if snap.edges is not None:
-        render_edges(out, snap.edges, rows.uuids, granularity)
+        render_edges(out, snap.edges, rows.uuids, granularity, memo)
     for name, log_snap in snap.logs.items():
         render_log_metrics(out, name, log_snap, snap.now)
     for render_own in own_renders:
@@ -433,6 +433,8 @@ class ClientTableMemo:
     def __init__(self) -> None:
         self._clients: Dict[str, Dict[int, _Rendered]] = {}  # daemon -> pid -> ...
         self._uuids: Dict[int, str] = {}
+        # The exit tracker's peak of each client, its sample by (peak entry, GPU UUID).
+        self.peaks: Dict[Tuple[object, ...], Sample] = {}
 
     def render_clients(self, out: FamilyBuilder, d: DaemonRow, uuids: Mapping[int, str]) -> None:
         """The daemon's client rows. A client whose series cannot be rendered is left out
@@ -545,16 +547,35 @@ def emit_server_sums(out: FamilyBuilder, d: DaemonRow, sums: ClientSums, uuids: 
 
 
 # ---------------------------------------------------------------- memory at the edge
-def render_edges(out: FamilyBuilder, edges: EdgeReport, uuids: Mapping[int, str], granularity: str) -> None:
+def render_edges(out: FamilyBuilder, edges: EdgeReport, uuids: Mapping[int, str], granularity: str,
+                 memo: Optional["ClientTableMemo"] = None) -> None:
     """The exit tracker's counts (every granularity: no client labels) and peaks (per
-    client at client granularity, per server and pod at pod granularity)."""
+    client at client granularity, per server and pod at pod granularity). `memo`: the
+    peaks' samples of the last call, reused where a client's peak and names stayed."""
     for (daemon, gpu, reason, outcome), n in edges.exits:
         out.add("mps_client_exits_at_memory_limit_total", n, daemon=daemon, gpu=str(gpu), reason=reason,
                 outcome=outcome)
     if granularity == "client":
-        for (daemon, pid, gpu), (namespace, pod, container, peak) in edges.peaks:
-            out.add("mps_client_memory_peak_bytes", peak, daemon=daemon, pid=str(pid), namespace=namespace, pod=pod,
-                    container=container, gpu=str(gpu), uuid=uuids.get(gpu, ""))
+        name = "mps_client_memory_peak_bytes"
+        peaks = memo.peaks if memo is not None else {}
+        now: Dict[Tuple[object, ...], Sample] = {}
+        for entry in edges.peaks:
+            (daemon, pid, gpu), (namespace, pod, container, peak) = entry
+            key = (entry, uuids.get(gpu, ""))
+            sample = peaks.get(key)
+            if sample is None:
+                one = FamilyBuilder()
+                one.add(name, peak, daemon=daemon, pid=str(pid), namespace=namespace, pod=pod, container=container,
+                        gpu=str(gpu), uuid=key[1])
+                built = one.parts()
+                if not built:
+                    continue
+                sample = built[0][1][0]
+            now[key] = sample
+        if now:
+            out.extend(name, list(now.values()))
+        if memo is not None:
+            memo.peaks = now  # the clients gone are forgotten
     elif granularity == "pod":
         for (daemon, server_pid, pod_uid, gpu), (namespace, pod, peak) in edges.pod_peaks:
             out.add("mps_pod_client_memory_peak_bytes", peak, daemon=daemon, server_pid=server_pid, pod_uid=pod_uid,

@@ -89,6 +89,29 @@ def test_the_kernel_is_asked_for_the_clean_exits_of_the_followed_clients_only():
     assert unavailable.watched == []
 
 
+def test_peak_series_are_reused_while_a_peak_stays_and_redone_when_it_moves():
+    from mps_exporter.families import FamilyBuilder
+    from mps_exporter.render import ClientTableMemo, render_edges
+
+    def peaks(report, memo):
+        out = FamilyBuilder()
+        render_edges(out, report, {0: UUID}, "client", memo)
+        return {s.labels["pid"]: s for name, samples in out.parts() for s in samples
+                if name == "mps_client_memory_peak_bytes"}
+
+    tracker = ExitTracker(Margins(), None, alive=lambda pid: True)
+    memo = ClientTableMemo()
+    first = peaks(tracker.observe(snap(100.0, {1: GiB, 2: GiB})), memo)
+    second = peaks(tracker.observe(snap(101.0, {1: GiB, 2: 2 * GiB})), memo)
+    assert second["1"] is first["1"]  # its peak stayed: the same sample
+    assert (first["2"].value, second["2"].value) == (GiB, 2 * GiB)
+    third = peaks(tracker.observe(snap(102.0, {2: GiB})), memo)
+    assert set(third) == {"2"} and third["2"] is second["2"] and set(memo.peaks) == {
+        (entry, UUID) for entry in tracker.observe(snap(103.0, {2: GiB})).peaks}
+    # Without a memo, the same series.
+    assert {pid: s.value for pid, s in peaks(tracker.observe(snap(104.0, {2: GiB})), None).items()} == {"2": 2 * GiB}
+
+
 def test_a_client_read_below_the_edge_in_its_last_moments_is_judged_by_its_edge_reading():
     # Live (4 x H200): at 1958 of 2048 MiB, then read lower while PyTorch gave back its cache
     # and the process tore down; the exit was not counted when only the last reading counted.

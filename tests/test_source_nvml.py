@@ -6,6 +6,7 @@ import contextlib
 import copy
 import ctypes
 import inspect
+from typing import List
 
 import pynvml
 import pytest
@@ -635,16 +636,16 @@ def test_a_client_nobody_closed_takes_its_threads_with_it():
     import gc
     import threading
 
-    before = set(threading.enumerate())
+    started: List[threading.Thread] = []  # this test's clients' own: other tests' collectors may run beside
     for _ in range(20):
-        running = set(threading.enumerate())  # an earlier client's threads may still be ending
         source = NvmlClient(FakeNvml.synthetic(gpus=4, clients_per_gpu=1))
         source.read()
         source.read()
-        assert sum(t.name == "mps-read-gpm" for t in set(threading.enumerate()) - running) <= 1
+        assert [t.name for t in source.gpm.threads] == ["mps-read-gpm"]
+        assert sorted(t.name for t in source.gpus.threads) == [f"mps-read-nvml-{i}" for i in range(4)]
+        started += source.gpm.threads + source.gpus.threads
         del source
         gc.collect()
-    started = [t for t in set(threading.enumerate()) - before if t.name.startswith("mps-read")]
     for t in started:
         t.join(30)
     assert [t.name for t in started if t.is_alive()] == []

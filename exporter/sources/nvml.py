@@ -145,6 +145,11 @@ class _WorkInFlight(Generic[R]):
         self._pending: Dict[int, "Future[R]"] = {}  # GPU index -> its work in flight
         self._last: Dict[int, R] = {}
 
+    @property
+    def threads(self) -> List[threading.Thread]:
+        """Its threads now (one per GPU for reads, one for GPM)."""
+        return [w._thread for w in self._workers.values()]
+
     def drain(self, timeout: Optional[float] = None) -> None:
         """Wait for the work in flight; its results go to the next ask."""
         _settle(self._pending.values(), timeout)
