@@ -40,33 +40,6 @@ def test_an_exit_status_and_a_signal_are_read_from_the_wait_status():
     assert exits[0].status.describe() == "exit status 1" and exits[1].status.describe() == "signal 9"
 
 
-def test_the_kernel_filter_passes_process_exits_and_acks_only():
-    """The socket filter, run by this kernel on an AF_UNIX datagram pair (the same classic
-    BPF the netlink socket gets): what the exit-status thread is woken for."""
-    receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    with receiver, sender:
-        assert attach_exits_only(receiver)
-        sent = {
-            "process exit": exit_message(4242, 1 << 8),
-            "thread exit": exit_message(4243, 0, tgid=4242),
-            "fork": message(PROC_EVENT_FORK, struct.pack("=IIII", 1, 1, 2, 2)),
-            "ack": message(PROC_EVENT_NONE, ACK_DATA.pack(0)),
-            "short": exit_message(4244, 0)[:40],
-        }
-        for raw in sent.values():
-            sender.send(raw)
-        receiver.setblocking(False)
-        received = []
-        while True:
-            try:
-                received.append(receiver.recv(4096))
-            except BlockingIOError:
-                break
-    assert received == [sent["process exit"], sent["ack"]]
-    exits, acks = parse(b"".join(received))
-    assert exits == [Exit(4242, 4242, ExitStatus(1, 0))] and acks == [Ack(0)]
-
-
 def _through_filter(watched, sent):
     """What of `sent` this kernel lets through `exits_filter(watched)` on a datagram pair."""
     receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -81,6 +54,23 @@ def _through_filter(watched, sent):
                 received.append(receiver.recv(4096))
             except BlockingIOError:
                 return received
+
+
+def test_the_kernel_filter_passes_process_exits_and_acks_only():
+    """The socket filter, run by this kernel on an AF_UNIX datagram pair (the same classic
+    BPF the netlink socket gets): what the exit-status thread is woken for."""
+    sent = {
+        "process exit": exit_message(4242, 1 << 8),
+        "clean process exit": exit_message(4245, 0),
+        "thread exit": exit_message(4243, 0, tgid=4242),
+        "fork": message(PROC_EVENT_FORK, struct.pack("=IIII", 1, 1, 2, 2)),
+        "ack": message(PROC_EVENT_NONE, ACK_DATA.pack(0)),
+        "short": exit_message(4244, 0)[:40],
+    }
+    received = _through_filter(None, sent.values())
+    assert received == [sent["process exit"], sent["clean process exit"], sent["ack"]]
+    exits, acks = parse(b"".join(received))
+    assert exits == [Exit(4242, 4242, ExitStatus(1, 0)), Exit(4245, 4245, ExitStatus(0, 0))] and acks == [Ack(0)]
 
 
 def test_with_watched_pids_the_kernel_keeps_their_clean_exits_and_every_failed_one():
