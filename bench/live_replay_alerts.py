@@ -73,15 +73,27 @@ def replay_start(log: Path) -> float:
     return datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
 
 
-def firing_steps(prom: Prometheus, start: float, steps: int) -> Dict[str, Set[float]]:
-    """Alert name -> the steps (seconds after `start`) at which any of its series fired."""
-    data = prom.api("query_range", query='ALERTS{alertstate="firing"}', start=f"{start:.3f}",
-                    end=f"{start + steps * INTERVAL:.3f}", step=str(INTERVAL))
+def steps(alerts: Dict[str, Any], start: float, state: str) -> Dict[str, Set[float]]:
+    """Alert name -> the steps (seconds after `start`) at which any of its series was in
+    `state`, from the query_range matrix of ALERTS."""
     out: Dict[str, Set[float]] = {}
-    for series in data["result"]:  # type: ignore[index]
-        out.setdefault(series["metric"]["alertname"], set()).update(
-            round(float(t) - start) for t, _ in series["values"])
+    for series in alerts["result"]:
+        if series["metric"]["alertstate"] == state:
+            out.setdefault(series["metric"]["alertname"], set()).update(
+                round(float(t) - start) for t, _ in series["values"])
     return out
+
+
+def longest_run(steps: Set[float]) -> int:
+    """The most consecutive steps in `steps`."""
+    best = 0
+    for t in steps:
+        if t - INTERVAL not in steps:
+            n = 1
+            while t + n * INTERVAL in steps:
+                n += 1
+            best = max(best, n)
+    return best
 
 
 def raw_times(prom: Prometheus, selector: str, start: float, seconds: int, grew: bool = False) -> List[float]:
@@ -111,7 +123,8 @@ def changes(steps: Set[float], grid: List[float]) -> List[float]:
     return [t for prev, t in zip(grid, grid[1:]) if (prev in steps) != (t in steps)]
 
 
-def report(fired: Dict[str, Set[float]], grid: List[float], seconds: int, notes: List[Note], start: float) -> bool:
+def report(alerts: Dict[str, Any], grid: List[float], seconds: int, notes: List[Note], start: float) -> bool:
+    fired, pending = steps(alerts, start, "firing"), steps(alerts, start, "pending")
     expected: Dict[str, Set[float]] = {}
     for t in grid:
         for name in expected_firing(t, seconds):
@@ -127,6 +140,9 @@ def report(fired: Dict[str, Set[float]], grid: List[float], seconds: int, notes:
         verdict = "unexpected" if not want else "missing" if not live else f"{len(off)} off" + (f" {off[:5]}" if off else "")
         print(f"{name:30} {first} {moment} {diff} {tolerance(name):9d}  {len(live)}/{len(want)}, {verdict}")
         ok = ok and bool(live) and bool(want) and not off
+    print("\nPending, never fired (the longest run of 15 s steps pending, against the rule's for:):")
+    for name in sorted(set(pending) - set(fired)):
+        print(f"  {name:30} {longest_run(pending[name]):3d} steps pending, for: {BY_NAME[name].for_}")
     print(f"\nNotifications (webhook per receiver; seconds after the replay's start), {len(notes)} alerts in all:")
     quiet = {r["name"] for r in ALERTMANAGER["receivers"] if set(r) == {"name"}}
     for receiver in sorted({n[0] for n in notes}):
@@ -160,20 +176,19 @@ def main() -> int:
                 print(f"replay {exporter} started {time.strftime('%H:%M:%S', time.localtime(start))}; "
                       f"Prometheus {prom.url}, Alertmanager {am}; waiting {args.minutes} min", flush=True)
                 time.sleep(max(0.0, start + seconds + INTERVAL - time.time()))
-                fired = firing_steps(prom, start, seconds // INTERVAL)
                 print("\n".join(timeline(prom, start, seconds)) + "\n")
-                raw = prom.api("query_range", query="ALERTS", start=f"{start:.3f}", end=f"{start + seconds:.3f}",
-                               step=str(INTERVAL))
+                alerts = prom.api("query_range", query="ALERTS", start=f"{start:.3f}", end=f"{start + seconds:.3f}",
+                                  step=str(INTERVAL))
             finally:
                 prom.stop()
                 stop_process(proc)
         webhook.close()
     notes = [(n.receiver, n.received, n.alert["labels"]["alertname"], n.alert["status"]) for n in webhook.received()]
     if args.raw:
-        args.raw.write_text(json.dumps({"replay_start": start, "alerts": raw, "notifications": [
+        args.raw.write_text(json.dumps({"replay_start": start, "alerts": alerts, "notifications": [
             n._asdict() for n in webhook.received()]}, indent=1, sort_keys=True))
     grid = [float(i * INTERVAL) for i in range(seconds // INTERVAL + 1)]
-    ok = report(fired, grid, seconds, notes, start)
+    ok = report(alerts, grid, seconds, notes, start)  # type: ignore[arg-type]
     print("\nPASS" if ok else "\nFAIL")
     return 0 if ok else 1
 
