@@ -1,6 +1,6 @@
 """End to end: the real exporter on a recorded scenario -> a real Prometheus with
 our rule file -> a real Alertmanager routed by alerts/alertmanager.example.yml ->
-a webhook receiver in this test.
+a webhook receiver in this test (tests/support/alertmanager.py).
 
 The exporter runs in a thread on the capture's busy moment (tests/support/
 scenarios.py: faked NVML, control daemon and /proc) with a live MPS log directory
@@ -26,17 +26,11 @@ evaluation run every second.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
-import subprocess
 import threading
 import time
-import urllib.request
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator, List
 
 import pytest
 import yaml
@@ -57,14 +51,13 @@ from tests.fakes.fake_pynvml import (
 )
 from tests.support import scenarios
 from tests.support.fleet import SUMMED_METRICS
-from tests.support.prometheus import Target, free_port, running_prometheus, stop_process
-from tests.support.tools import require
+from tests.support.alertmanager import WAIT, Webhook, running_alertmanager, with_webhooks
+from tests.support.prometheus import Target, free_port, running_prometheus
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 FOR = "2s"
-WAIT = 30.0  # seconds any one step may take
 MIB = 1 << 20
 QUEUED = "MpsClientsQueuedBehindOtherUser"
 OOM = "MpsClientNearMemoryLimit"
@@ -73,89 +66,13 @@ OUTSIDE = "MpsProcessOutsideMps"
 IGNORED = "MpsClientLimitIgnored"
 
 
-# ----------------------------------------------------------------- webhook
-class Webhook:
-    """Collects Alertmanager's webhook notifications: (receiver path, alert)."""
-
-    def __init__(self) -> None:
-        self.alerts: List[tuple] = []
-        self._lock = threading.Lock()
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with hook._lock:
-                    hook.alerts += [(self.path.strip("/"), a) for a in body["alerts"]]
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def wait_for(self, receiver: str, alertname: str, status: str, timeout: float = WAIT) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                for path, alert in self.alerts:
-                    if path == receiver and alert["labels"]["alertname"] == alertname and alert["status"] == status:
-                        return alert
-            time.sleep(0.2)
-        raise AssertionError(f"no {status} {alertname} at {receiver} within {timeout}s; got {self.summary()}")
-
-    def summary(self) -> List[str]:
-        with self._lock:
-            return [f"{p}:{a['labels']['alertname']}:{a['status']}" for p, a in self.alerts]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 # ------------------------------------------------------------ alertmanager
 def alertmanager_config(webhook_url: str) -> dict:
     """The example configuration with each receiver replaced by a webhook to
     /<receiver name>, and notification delays cut to a second."""
-    config = yaml.safe_load((ROOT / "alerts" / "alertmanager.example.yml").read_text())
-    config["receivers"] = [{"name": r["name"], "webhook_configs": [
-        {"url": f"{webhook_url}/{r['name']}", "send_resolved": True}]} for r in config["receivers"]]
+    config = with_webhooks(yaml.safe_load((ROOT / "alerts" / "alertmanager.example.yml").read_text()), webhook_url)
     config["route"].update(group_wait="1s", group_interval="1s", repeat_interval="1h")
     return config
-
-
-@contextlib.contextmanager
-def running_alertmanager(workdir: Path, config: dict) -> Iterator[str]:
-    binary = shutil.which("alertmanager") or require("prometheus-alertmanager")
-    (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = open(workdir / "alertmanager.log", "wb")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={workdir / 'alertmanager.yml'}", f"--storage.path={workdir / 'am-data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_http(f"{url}/-/ready", proc, workdir / "alertmanager.log")
-        yield url
-    finally:
-        stop_process(proc)
-        log.close()
-
-
-def _wait_http(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"{url} not ready; log:\n{log_path.read_text(errors='replace')[-3000:]}")
 
 
 # ------------------------------------------------------------ the exporter

@@ -17,67 +17,20 @@ routes each alert the demo fires through the compose stack's alertmanager.yml.
 
 from __future__ import annotations
 
-import functools
-import re
 import subprocess
 from pathlib import Path
-from typing import Dict, List, Set, Tuple
 
 import pytest
 import yaml
 
 from alerts import generate
-from alerts.definitions import ALERTS
 from tests.support.promtool import run_rule_tests
-from tests.support.replay_series import promtool_values, scrapes
+from tests.support.replay_alerts import BY_NAME, EVENTS, INTERVAL, MINUTES, expected_firing, recorded_moments, replayed
+from tests.support.replay_series import promtool_values
 from tests.support.tools import require
 
 ROOT = Path(__file__).resolve().parents[2]
-MINUTES = 15
-INTERVAL = 15  # seconds: deploy/compose/prometheus/prometheus.yml's scrape and evaluation interval
 COMPOSE_ALERTMANAGER = ROOT / "deploy/compose/alertmanager/alertmanager.yml"
-
-# What the recorded H100 session did (tests/gpu/reports: a fatal GPU error, clients refused
-# at the client limit, a server that exited with clients), each an event counter, and the
-# alert that says so. Every other alert must stay quiet: the demo is a healthy node.
-EVENTS = {
-    "MpsFatalGpuError": "mps_fatal_gpu_errors_total",
-    "MpsClientsRefused": "mps_client_rejections_total",
-    "MpsServerExitedWithClients": "mps_server_exits_with_clients_total",
-}
-BY_NAME = {a.alertname: a for a in ALERTS}
-
-
-def _seconds(duration: str) -> int:
-    value, unit = int(duration[:-1]), duration[-1]
-    return value * {"s": 1, "m": 60, "h": 3600}[unit]
-
-
-@functools.lru_cache(maxsize=None)
-def replayed() -> Tuple[Tuple[float, ...], Dict[str, List]]:
-    times, series = scrapes(MINUTES * 60, INTERVAL)
-    return tuple(times), series
-
-
-def recorded_moments(counter: str) -> List[float]:
-    """The scrape times at which a series of `counter` grew: the session's events."""
-    times, series = replayed()
-    moments: Set[float] = set()
-    for key, values in series.items():
-        if key.startswith(counter + "{"):
-            moments.update(times[i] for i in range(1, len(values))
-                           if values[i] is not None and values[i - 1] is not None and values[i] > values[i - 1])
-    return sorted(moments)
-
-
-def expected_firing(t: float) -> List[str]:
-    """The event alerts whose window, ending at t, holds one of the session's events."""
-    out = []
-    for name, counter in EVENTS.items():
-        window = _seconds(re.search(r"\[(\w+)\]", BY_NAME[name].expr).group(1))
-        if any(t - window < m <= t for m in recorded_moments(counter)):
-            out.append(name)
-    return out
 
 
 def test_event_alerts_read_their_counters():
@@ -86,14 +39,13 @@ def test_event_alerts_read_their_counters():
 
 
 def test_the_session_records_each_event_in_the_first_lap():
-    times, _ = replayed()
     for counter in EVENTS.values():
         moments = recorded_moments(counter)
         assert moments and moments[0] < 180, (counter, moments)
 
 
 def test_fifteen_minutes_of_the_demo_fire_only_the_recorded_events(tmp_path):
-    times, series = replayed()
+    times, series = replayed(MINUTES * 60)
     checks = []
     for t in times:
         checks.append({
