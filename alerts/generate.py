@@ -298,14 +298,19 @@ def write_or_check(files: Dict[str, str], check_only: bool, root: Path = ROOT) -
     return stale
 
 
-def main(argv: Optional[List[str]] = None, files: Optional[Dict[str, str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def generator_main(outputs: Callable[[], Dict[str, str]], description: str, argv: Optional[List[str]] = None) -> int:
+    """A generator's command line: write its outputs, or with --check only name the stale ones."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--check", action="store_true", help="only report files that regenerating would change")
     args = parser.parse_args(argv)
-    stale = write_or_check(outputs() if files is None else files, args.check)
+    stale = write_or_check(outputs(), args.check)
     for rel in stale:
         print(f"{'stale' if args.check else 'wrote'}: {rel}")
     return 1 if args.check and stale else 0
+
+
+def main(argv: Optional[List[str]] = None, files: Optional[Dict[str, str]] = None) -> int:
+    return generator_main(outputs if files is None else lambda: files, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ shipped rule file and dashboards.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any, Dict, List, Optional
 
 from . import config as C
 from .definitions import ALERTS
-from .generate import rule_groups, runbook_url_pattern, write_or_check
+from .generate import generator_main, rule_groups, runbook_url_pattern
 
 DIR = "mixin"
 JSONNET_KEYWORDS = {"assert", "else", "error", "false", "for", "function", "if", "import", "importstr",
@@ -162,13 +161,7 @@ def outputs() -> Dict[str, str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only report files that regenerating would change")
-    args = parser.parse_args(argv)
-    stale = write_or_check(outputs(), args.check)
-    for rel in stale:
-        print(f"{'stale' if args.check else 'wrote'}: {rel}")
-    return 1 if args.check and stale else 0
+    return generator_main(outputs, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

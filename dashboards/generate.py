@@ -7,14 +7,13 @@ dashboards/<name>.dashboard.py.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from alerts.generate import write_or_check
+from alerts.generate import generator_main
 
 HERE = Path(__file__).resolve().parent
 JSON_DIR = "dashboards/json"
@@ -66,13 +65,7 @@ def outputs() -> Dict[str, str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only report files that regenerating would change")
-    args = parser.parse_args(argv)
-    stale = write_or_check(outputs(), args.check)
-    for rel in stale:
-        print(f"{'stale' if args.check else 'wrote'}: {rel}")
-    return 1 if args.check and stale else 0
+    return generator_main(outputs, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
+from alerts.generate import write_or_check
 from dashboards import common, generate
 from dashboards.queries import concrete, queries
 from alerts import config as C
@@ -60,7 +61,7 @@ def _recorded_names(expr: str):
 
 
 def test_generated_json_is_in_sync():
-    assert generate.write_or_check(generate.outputs(), check_only=True) == [], "run `make generate` and commit"
+    assert write_or_check(generate.outputs(), check_only=True) == [], "run `make generate` and commit"
 
 
 def test_helm_copies_match():
