@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Dict, FrozenSet, List
+from typing import Dict, FrozenSet
 
 import pytest
 
@@ -21,6 +21,7 @@ from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 from tests.fakes.fake_pynvml import FakeProcess as NvmlProcess
 from tests.support.data import DATA
 from tests.support.golden import exposition
+from tests.support.lines import series, value
 
 UUID = "GPU-a20825ef-ef8f-4f37-8e21-502c5b706a70"
 PINNED = frozenset({"get_device_pinned_mem_limit", "get_default_device_pinned_mem_limit"})
@@ -52,17 +53,6 @@ def test_every_recorded_family_is_a_row():
     most (tests/test_driver_fixtures.py holds each family's set, literal)."""
     assert [f for f in FAMILIES if f.startswith("R")] == ["R470", "R525", "R535", "R550", "R555", "R570", "R580"]
     assert FAMILIES["R470"] == PS | STATUS | PINNED | PRIORITY
-
-def series(text: str, name: str, **labels: str) -> List[str]:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return [line for line in text.splitlines() if line.startswith(name + "{") and all(w in line for w in want)]
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    found = series(text, name, **labels)
-    assert len(found) == 1, (name, labels, found)
-    return float(found[0].rsplit(" ", 1)[1])
-
 
 def daemon(unknown: FrozenSet[str]) -> FakeControlDaemon:
     return FakeControlDaemon(

@@ -32,6 +32,7 @@ from tests.fakes.fake_procfs import write_proc
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 from tests.support.data import DATA
 from tests.support.golden import exposition
+from tests.support.lines import series, value
 
 DRIVERS = DATA / "drivers"
 SERVER_ANSWERS = DRIVERS / "server-answers.txt"  # written: one server, two clients, every verb
@@ -114,17 +115,6 @@ def server_answers(family: str, into: Path) -> Path:
         lines += [f"> {cmd}", *unknown.get(cmd.split()[0], out).splitlines()]
     into.write_text("\n".join(lines) + "\n")
     return into
-
-
-def series(text: str, name: str, **labels: str) -> List[str]:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return [line for line in text.splitlines() if line.startswith(name + "{") and all(w in line for w in want)]
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    found = series(text, name, **labels)
-    assert len(found) == 1, (name, labels, found)
-    return float(found[0].rsplit(" ", 1)[1])
 
 
 def counted_unknown(text: str, daemon: str) -> Dict[str, float]:

@@ -21,20 +21,9 @@ from tests.fakes.fake_pynvml import FakeNvml
 from tests.fakes.fake_pynvml import FakeProcess as NvmlProcess
 from tests.support import scenarios
 from tests.support.golden import exposition
+from tests.support.lines import series, value
 
 GIB = 1 << 30
-
-
-def series(text: str, name: str, **labels: str) -> list:
-    """The sample lines of `name` carrying every one of `labels`."""
-    wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    return [line for line in text.splitlines()
-            if line.startswith(name + "{") and all(w in line for w in wanted)]
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    (line,) = series(text, name, **labels)
-    return float(line.rsplit(" ", 1)[1])
 
 
 # ---------------------------------------------------------------- limits across remapped devices
