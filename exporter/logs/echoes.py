@@ -31,10 +31,15 @@ from .state import LogState
 _HEAD = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} Control +\d{1,10}\] "
 _END = r"[^\S\n]*\n"  # what the parser strips from a message's end, then the line's end
 # A line of a command's answer: a PID, a `ps` row, a percentage (they start with a digit),
-# a server's status, the `ps` heading, driver 580's "no limit" sentence.
+# a server's status, the `ps` heading, driver 580's "no limit" sentence, a server not
+# found, an unknown command (parse_line: CommandOutput, which changes nothing).
 _ANSWER = (_HEAD + r"(?:\d[^\n]*\n|(?:ACTIVE|INITIALIZING|FAULT)" + _END
-           + r"|PID[^\S\n]+ID[^\S\n]+SERVER\b[^\n]*\n|No default pinned memory limit set for the device!" + _END + ")")
-_FRAMING = _HEAD + r"(?:Accepting connection\.\.\.|NEW UI|UI closed)" + _END
+           + r"|PID[^\S\n]+ID[^\S\n]+SERVER\b[^\n]*\n|No default pinned memory limit set for the device!" + _END
+           + r"|Server (?:-?\d+ )?not found" + _END + r'|Unknown command "[^\n]*\n)')
+# A framing line, then any refused connections (`User did not send valid credentials`: a
+# client that could not say who it is; a Noise line that ends no command) after it.
+_FRAMING = (_HEAD + r"(?:Accepting connection\.\.\.|NEW UI|UI closed)" + _END
+            + f"(?:{_HEAD}User did not send valid credentials{_END})*")
 # A read-only command (what monitoring sends; `set_*` and the rest are parsed): group 1 its verb.
 _READ_COMMAND = _HEAD + r"Cmd:(get_[a-z_]{1,40}|ps)(?: \d{1,10}){0,2}" + _END
 # Runs of echoes, matched over the batch's text in one call each. Inside a command: the
