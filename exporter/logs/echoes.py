@@ -45,8 +45,9 @@ _READ_COMMAND = _HEAD + r"Cmd:(get_[a-z_]{1,40}|ps)(?: \d{1,10}){0,2}" + _END
 # Runs of echoes, matched over the batch's text in one call each. Inside a command: the
 # rest of its answer, then framing lines (group 1). Outside: framing lines, then one
 # read-only command (group 1: its verb) with its answer and the framing after it (group 2).
-_RUN_IN_COMMAND = re.compile(f"(?:{_ANSWER})*((?:{_FRAMING})*)").match
-_RUN_OUTSIDE = re.compile(f"(?:{_FRAMING})*(?:{_READ_COMMAND}(?:{_ANSWER})*((?:{_FRAMING})*))?").match
+_Run = Callable[[str, int], "re.Match[str]"]
+_RUN_IN_COMMAND = cast(_Run, re.compile(f"(?:{_ANSWER})*((?:{_FRAMING})*)").match)
+_RUN_OUTSIDE = cast(_Run, re.compile(f"(?:{_FRAMING})*(?:{_READ_COMMAND}(?:{_ANSWER})*((?:{_FRAMING})*))?").match)
 
 
 def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], ParseResult],
@@ -62,24 +63,30 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
     while i < n:
         # Both patterns can match nothing, so they never return None.
         if in_command:
-            m = cast("re.Match[str]", _RUN_IN_COMMAND(text, pos))
-            if m.end(1) > m.start(1):  # the command's block ended
+            m = _RUN_IN_COMMAND(text, pos)
+            framed = m.end(1) > m.start(1)
+            if framed:  # the command's block ended
                 in_command = False
                 state.end_command()
         else:
-            m = cast("re.Match[str]", _RUN_OUTSIDE(text, pos))
+            m = _RUN_OUTSIDE(text, pos)
             verb = m.group(1)
+            framed = False
             if verb is not None:
                 state.count_command(verb)
-                in_command = m.end(2) == m.start(2)  # no framing after it: its answer goes on
-                if not in_command:
+                framed = m.end(2) > m.start(2)
+                in_command = not framed  # no framing after it: its answer goes on
+                if framed:
                     state.end_command()
         end = m.end()
         if end > pos:
             run = count("\n", pos, end)
             i, pos, echoes = i + run, end, echoes + run
             newest = i - 1
-            continue
+            # A run stops at a line that is no echo, but after framing lines a read-only
+            # command may start the next run; anywhere else the parser takes the line.
+            if framed or i == n:
+                continue
         line = lines[i]  # no echo here: the parser's
         try:
             state.apply(parse(line), "control")
