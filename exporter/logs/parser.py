@@ -430,9 +430,9 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
         if end == len(line) or line[end:].isspace():
             if verb in _NOISE_VERBS:  # a Noise event of that kind
                 return _new(Noise, (ts, pid, verb))
-            made = _VERBS.get(verb)
-            if made is not None:
-                return _new(made, (ts, pid, int(m.group(verb))))
+            numbered = _VERBS.get(verb)
+            if numbered is not None:
+                return _new(numbered, (ts, pid, int(m.group(verb))))
             if verb == "new_client":
                 return _new_client(ts, pid, m)
             if verb == "command":

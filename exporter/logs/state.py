@@ -250,8 +250,7 @@ class LogState:
         s = self.s
         lines = s.lines
         lines[file] = lines.get(file, 0) + 1
-        kind = type(result)  # events are NamedTuples of their own, never subclassed
-        if kind is Unrecognized:
+        if isinstance(result, Unrecognized):
             if not (file == "control" and self._in_command and result.ts is not None):
                 s.unrecognized[file] = s.unrecognized.get(file, 0) + 1
             return
@@ -269,10 +268,11 @@ class LogState:
             self._decide_exits(before=ts)
         if self._open_reports and file == "server" and not _in_report(result):
             self._open_reports.pop(result[1], None)
-        if kind is Noise:
-            if result[2] == "accepting_connection":  # a new connection: any command block is over
+        if isinstance(result, Noise):
+            if result.kind == "accepting_connection":  # a new connection: any command block is over
                 self._in_command = False
             return
+        kind = type(result)
         handler = self._handlers.get(kind)
         if handler is not None:
             handler(result)
