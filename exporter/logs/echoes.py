@@ -2,18 +2,20 @@
 
 MPS writes every control command into control.log, framed by `Accepting
 connection...`, `NEW UI` and `UI closed`, with the command's answer between (a `ps`
-row per client, PIDs, percentages, a status). On a monitored node they are most of
-the file (bench/steady_log.py: 95 % of a busy node's lines), and none of them changes
-the state but "in a command or not" and the counts. So the batch's lines are joined
+row per client, PIDs, percentages, a status, `Server N not found`), and refused
+connections (`User did not send valid credentials`) follow `Accepting connection...`.
+On a monitored node they are most of the file (bench/steady_log.py: 95 % of a busy
+node's lines), and none of them changes the state but "in a command or not" and the
+counts. So the batch's lines are joined
 and runs of echoes matched in one regex call each (the daemon's header, then an
 answer's line or a framing line); they are counted, their newest time kept, and never
 parsed into events. Every other line (`Cmd:` lines, whose verbs are counted, and
 everything that happens) goes through `parse_line` and `LogState.apply` as before.
 
 The same counts and state as parsing each line (tests/logs/test_echoes.py), except on
-malformed lines inside a command block: a line of its answer that starts with a digit
-but fits no output shape, or whose date does not exist (month 13), counts as an echo
-instead of an unrecognized line; and the time of a batch's echoes is that of its last
+malformed lines: a line of a command's answer that starts with a digit but fits no
+output shape, and an echo whose date does not exist (month 13), count as echoes instead
+of unrecognized lines; and the time of a batch's echoes is that of its last
 echo (their newest, unless the clock stepped back within the batch).
 """
 
