@@ -425,17 +425,20 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
     except (ValueError, OverflowError, OSError):  # odd digits, year 0, out-of-range dates
         return Unrecognized(None, None, "bad header")
     verb = m.lastgroup
-    end = m.end()
-    if verb is not None and (end == len(line) or line[end:].isspace()):  # a common verb, with the header
-        if verb == "command":
-            return _new(Command, (ts, pid, m.group("command_verb"), m.group("command").rstrip()))
-        if verb == "new_client":
-            return _new_client(ts, pid, m)
-        if verb == "output":  # no first word keys a rule: the output shapes, as _parse_control tries them
+    if verb is not None:  # a common verb, with the header: the commonest first
+        end = m.end()
+        if end == len(line) or line[end:].isspace():
+            if verb in _NOISE_VERBS:  # a Noise event of that kind
+                return _new(Noise, (ts, pid, verb))
+            numbered = _VERBS.get(verb)
+            if numbered is not None:
+                return _new(numbered, (ts, pid, int(m.group(verb))))
+            if verb == "new_client":
+                return _new_client(ts, pid, m)
+            if verb == "command":
+                return _new(Command, (ts, pid, m.group("command_verb"), m.group("command").rstrip()))
+            # output: no first word keys a rule: the output shapes, as _parse_control tries them
             return _new(CommandOutput, (ts, pid, m.group(verb).rstrip()))
-        if verb in _NOISE_VERBS:  # a Noise event of that kind
-            return _new(Noise, (ts, pid, verb))
-        return _new(_VERBS[verb], (ts, pid, int(m.group(verb))))
     end = m.end(3) + 1  # the header's: `]` and the space after it, where there is one
     msg = (line[end + 1:] if line[end:end + 1] == " " else line[end:]).rstrip()
     known = _MESSAGES.get(file)

@@ -231,9 +231,10 @@ class LogPipeline:
                 apply_control(state, lines, lambda line: parse_line(line, "control", tz),
                               lambda line: self._internal_error("control", line))
             else:
+                apply = state.apply
                 for line in lines:
                     try:
-                        state.apply(parse_line(line, file, tz), file)
+                        apply(parse_line(line, file, tz), file)
                     except Exception:  # a bug costs this line's meaning, never the batch or the count
                         self._internal_error(file, line)
             total += len(lines)

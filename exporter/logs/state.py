@@ -248,7 +248,8 @@ class LogState:
     def apply(self, result: ParseResult, file: str) -> None:
         # The hot path (every line): plain lookups, Noise handled inline.
         s = self.s
-        s.lines[file] = s.lines.get(file, 0) + 1
+        lines = s.lines
+        lines[file] = lines.get(file, 0) + 1
         if isinstance(result, Unrecognized):
             if not (file == "control" and self._in_command and result.ts is not None):
                 s.unrecognized[file] = s.unrecognized.get(file, 0) + 1
@@ -260,8 +261,9 @@ class LogState:
                 self.implausible_times += 1
                 ts = self._last_ts.get(file) or max(self._last_ts.values(), default=0.0) or self.clock()
                 result = result._replace(ts=ts)
-        if ts > self._last_ts.get(file, 0.0):
-            self._last_ts[file] = ts
+        last_ts = self._last_ts
+        if ts > last_ts.get(file, 0.0):
+            last_ts[file] = ts
         if self._pending_exits and file == "server" and ts > self._pending_exits[0][0]:
             self._decide_exits(before=ts)
         if self._open_reports and file == "server" and not _in_report(result):
@@ -270,10 +272,11 @@ class LogState:
             if result.kind == "accepting_connection":  # a new connection: any command block is over
                 self._in_command = False
             return
-        handler = self._handlers.get(type(result))
+        kind = type(result)
+        handler = self._handlers.get(kind)
         if handler is not None:
             handler(result)
-            if type(result) in _CONTROL_CHANGES:
+            if kind in _CONTROL_CHANGES:
                 s.control_changes += 1
 
     def _count(self, metric: str) -> None:

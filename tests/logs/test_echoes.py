@@ -85,3 +85,31 @@ def test_batches_cut_anywhere_end_in_the_same_state(tmp_path, monkeypatch):
     reference = parsed_line_by_line(tmp_path)
     monkeypatch.setattr(follower, "READ_SIZE", 997)  # batches end inside commands and inside lines
     assert through_the_pipeline(tmp_path) == reference
+
+
+def test_refused_connections_not_found_and_unknown_commands_are_echoes(tmp_path):
+    from mps_exporter.logs.echoes import apply_control
+
+    rows = [
+        "Accepting connection...", "User did not send valid credentials", "Accepting connection...",
+        "User did not send valid credentials", "Accepting connection...", "NEW UI", "Cmd:get_active_thread_percentage 713",
+        "Server 713 not found", "UI closed", "Accepting connection...", "NEW UI", "Cmd:get_client_priority 713",
+        'Unknown command "get_client_priority"', "UI closed",
+        # A refused connection inside a command, after no framing line: parsed (it ends no command).
+        "Accepting connection...", "NEW UI", "Cmd:get_server_list", "User did not send valid credentials", "654",
+        "Server -1 not found   ", "UI closed",
+    ]
+    lines = [H + r for r in rows]
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    assert through_the_pipeline(tmp_path) == parsed_line_by_line(tmp_path)
+    parsed: List[str] = []
+
+    def parse(line: str):
+        parsed.append(line)
+        return parse_line(line, "control", timezone.utc)
+
+    state = LogState()
+    apply_control(state, lines, parse, lambda line: None)
+    # the one refused connection after no framing line, then the echoes' newest time
+    assert parsed == [lines[17], lines[-1]]
+    assert state.snapshot().lines["control"] == len(lines) and not state.in_command
