@@ -26,7 +26,7 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, dataclass_transform
 
 from . import limits as lim
 from .limits import Limits, OwnLimits, VisibleDevice, client_limits, on_gpus, own_limits, visible_devices
@@ -47,10 +47,42 @@ FROM_CONTROL, FROM_LOGS, FROM_PROC, FROM_PS, FROM_NVML, UNKNOWN = "control", "lo
 # the rest of the row stands still (a client's memory): the client memo (render.py)
 # re-emits those families alone where nothing else of the row moved.
 READING = {"reading": True}
+R = TypeVar("R")
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, dataclasses.Field))
+def frozen_row(cls: "type[R]") -> "type[R]":
+    """`dataclass(frozen=True)` whose `__init__` fills the instance's `__dict__` at once: the
+    generated one sets each field through `object.__setattr__`, ten times slower (4.4 us
+    for 23 fields against 0.45; a join builds 384 client rows at 8 x 48). Frozen as before
+    after it: assigning a field raises."""
+    row = dataclass(frozen=True)(cls)
+    params: List[str] = []
+    body: List[str] = []
+    scope: Dict[str, object] = {"_MISSING": dataclasses.MISSING}
+    fields = dataclasses.fields(row)  # type: ignore[arg-type]
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            scope[f"_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_default_{f.name}")
+        elif f.default_factory is not dataclasses.MISSING:
+            scope[f"_factory_{f.name}"] = f.default_factory
+            params.append(f"{f.name}=_MISSING")
+            body.append(f"if {f.name} is _MISSING: {f.name} = _factory_{f.name}()")
+        else:
+            params.append(f.name)
+    body.append("_d = self.__dict__")
+    body += [f"_d[{f.name!r}] = {f.name}" for f in fields]
+    code = f"def __init__(self, {', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
+    exec(code, scope)  # noqa: S102 (the fields' own names, nothing from input)
+    init: Any = scope["__init__"]
+    init.__qualname__ = f"{row.__qualname__}.__init__"
+    row.__init__ = init  # type: ignore[method-assign]
+    return row
 
 
 # ---------------------------------------------------------------- the rows
-@dataclass(frozen=True)
+@frozen_row
 class OutsideProcessRow:
     """A compute process outside MPS on a GPU that MPS serves."""
 
@@ -66,7 +98,7 @@ class OutsideProcessRow:
     memory_used_bytes: Optional[int]
 
 
-@dataclass(frozen=True)
+@frozen_row
 class GpuRow:
     """One GPU; a GPU NVML did not answer for has its index, UUID and up=False alone."""
 
@@ -97,7 +129,7 @@ class GpuRow:
     process_sm_utilization: Mapping[int, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@frozen_row
 class ServerRow:
     """One MPS server: the daemon's, or (the daemon not answering) one the logs know to run."""
 
@@ -119,7 +151,7 @@ class ServerRow:
     priority: Optional[int]  # server.log's `Server Priority set to N`
 
 
-@dataclass(frozen=True)
+@frozen_row
 class ClientRow:
     """One MPS client: a row of its daemon's `ps`, or a process NVML's MPS list names that
     the daemon claims (_claims). The values in force, the limits' origins beside them."""
@@ -149,7 +181,7 @@ class ClientRow:
     start_time_source: str = UNKNOWN  # logs, proc or none
 
 
-@dataclass(frozen=True)
+@frozen_row
 class DaemonRow:
     """One watched MPS control daemon, its servers and its clients (by pid)."""
 
@@ -167,7 +199,7 @@ class DaemonRow:
     clients: Tuple[ClientRow, ...]
 
 
-@dataclass(frozen=True)
+@frozen_row
 class Rows:
     gpus: Tuple[GpuRow, ...]
     daemons: Tuple[DaemonRow, ...]
