@@ -460,8 +460,43 @@ class ClientTableMemo:
         self._clients = {name: kept for name, kept in self._clients.items() if name in names}
 
 
+class _ReadingValues(FamilyBuilder):
+    """What emit_client_readings adds, as (family, GPU label, value) in order: the values of
+    series whose labels a client's last samples already hold (checked then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: List[Tuple[str, str, float]] = []
+
+    def add(self, name: str, value: Optional[float], /, **labels: object) -> None:
+        if value is not None and value == value:  # as FamilyBuilder.add: no None, no NaN
+            self.added.append((name, str(labels["gpu"]), float(value)))
+
+
+def _moved_readings(c: ClientRow, uuids: Mapping[int, str], before: _Rendered) -> Optional[Dict[str, List[Sample]]]:
+    """The client's reading families with its last samples' labels and the new values, where
+    the same series are emitted as before (same families, same GPUs, in the same order);
+    None where they are not, for the whole render to build them."""
+    values = _ReadingValues()
+    emit_client_readings(values, c, {}, uuids)
+    kept = {name: samples for name, samples in before.parts if name in before.readings}
+    moved: Dict[str, List[Sample]] = {name: [] for name in kept}
+    for name, gpu, value in values.added:
+        samples, out = kept.get(name), moved.get(name)
+        if samples is None or out is None or len(out) >= len(samples) or samples[len(out)].labels["gpu"] != gpu:
+            return None
+        last = samples[len(out)]
+        out.append(Sample(last.name, last.labels, value, None))
+    return moved if all(len(moved[name]) == len(kept[name]) for name in kept) else None
+
+
 def _render_client(c: ClientRow, uuids: Mapping[int, str], before: Optional[_Rendered]) -> _Rendered:
     try:
+        if before is not None and before.parts and _facts(before.row) == _facts(c):
+            same_series = _moved_readings(c, uuids, before)
+            if same_series is not None:  # only values moved: the labels checked before serve
+                return _Rendered(c, [(name, same_series.get(name, samples)) for name, samples in before.parts],
+                                 before.readings)
         readings = FamilyBuilder()
         emit_client_readings(readings, c, client_labels(c), uuids)
         moved = dict(readings.parts())

@@ -30,3 +30,23 @@ def close_log_followers() -> Iterator[None]:
         FileFollower.__init__ = real  # type: ignore[method-assign]
         for follower in list(made):
             follower.close()
+
+
+@pytest.fixture(autouse=True)
+def rows_are_never_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """join.rows_of hands back the last join where a snapshot holds the very readings it
+    joined: readings are never changed once read. A test that changes one in place (a
+    field set on a reading of a collected snapshot) would then render the old rows and
+    pass whatever the code does; here each answer is checked against a join made anew."""
+    from mps_exporter import join, render
+    from mps_exporter.status import view
+
+    real = join.rows_of
+
+    def checked(snap: Any) -> Any:
+        rows = real(snap)
+        assert rows == join.join(snap), "a reading was changed in place after it was joined: replace it instead"
+        return rows
+
+    for module in (join, render, view):
+        monkeypatch.setattr(module, "rows_of", checked)

@@ -242,7 +242,13 @@ def test_the_client_memo_renders_what_a_fresh_render_does_whatever_input_moves(t
     ]
     for step, move in enumerate(moves):
         move()
-        assert _families(snap, memo) == _families(snap), f"move {step}"
+        # As a new collection would hand them over: every reading a new object (the moves
+        # above change the old ones in place, which no source does).
+        read = dataclasses.replace(snap, nvml=dataclasses.replace(snap.nvml),
+                                   daemons=[dataclasses.replace(x) for x in snap.daemons],
+                                   processes=dict(snap.processes),
+                                   logs={k: dataclasses.replace(v) for k, v in snap.logs.items()})
+        assert _families(read, memo) == _families(read), f"move {step}"
 
 
 
@@ -430,3 +436,35 @@ def test_the_client_memo_renders_what_a_fresh_render_does_whatever_row_field_mov
         assert families(variant, memo) == families(variant, None), f.name
         checked += 1
     assert checked >= 20
+
+
+def test_a_client_whose_memory_moved_to_another_gpu_is_rendered_anew():
+    """Only values moved is a shortcut (the last samples' labels, new values); the same
+    number of memory series on another GPU is not that."""
+    import dataclasses
+
+    from mps_exporter.join import ClientRow, DaemonRow
+    from mps_exporter.limits import LIMITS
+    from mps_exporter.render import ClientTableMemo, FamilyBuilder
+
+    uuids = {0: "GPU-0", 1: "GPU-1"}
+    row = ClientRow("default", 42, 7, 1000, "alice", "python3", "4026531836", "", "", "", "", "", "",
+                    memory_used_bytes={0: 1 << 30}, gpus=(0,), pinned_memory_limit_bytes={0: 2 << 30, 1: 2 << 30},
+                    limit_sources={limit: "none" for limit in LIMITS})
+    daemon = DaemonRow("default", True, "13000", "/tmp/p", "/tmp/l", "", None, None, {}, None, (), (row,))
+    memo = ClientTableMemo()
+
+    def memory(r: ClientRow) -> dict:
+        out = FamilyBuilder()
+        memo.render_clients(out, dataclasses.replace(daemon, clients=(r,)), uuids)
+        return {(name, s.labels["gpu"]): s.value for name, samples in out.parts() for s in samples
+                if name in ("mps_client_memory_used_bytes", "mps_client_pinned_memory_usage_ratio")}
+
+    assert memory(row) == {("mps_client_memory_used_bytes", "0"): 1 << 30,
+                           ("mps_client_pinned_memory_usage_ratio", "0"): 0.5}
+    moved = dataclasses.replace(row, memory_used_bytes={0: 3 << 29})
+    assert memory(moved) == {("mps_client_memory_used_bytes", "0"): 3 << 29,
+                             ("mps_client_pinned_memory_usage_ratio", "0"): 0.75}
+    elsewhere = dataclasses.replace(row, memory_used_bytes={1: 1 << 29})
+    assert memory(elsewhere) == {("mps_client_memory_used_bytes", "1"): 1 << 29,
+                                 ("mps_client_pinned_memory_usage_ratio", "1"): 0.25}
