@@ -81,6 +81,14 @@ def frozen_row(cls: "type[R]") -> "type[R]":
     return row
 
 
+def with_fields(row: R, **changes: object) -> R:
+    """A copy of a frozen_row with `changes` (`dataclasses.replace` without its checks and
+    its __init__: the other fields were checked when `row` was made)."""
+    new: R = object.__new__(type(row))
+    new.__dict__.update(row.__dict__, **changes)
+    return new
+
+
 # ---------------------------------------------------------------- the rows
 @frozen_row
 class OutsideProcessRow:
@@ -235,7 +243,10 @@ def rows_of(snap: Snapshot) -> Rows:
     return rows
 
 
-def join(snap: Snapshot) -> Rows:
+def join(snap: Snapshot, reuse: bool = True) -> Rows:
+    """The rows of a snapshot. `reuse`: a client whose facts stayed since the last join keeps
+    its row (_KeptClients); False joins anew and leaves the kept rows as they are."""
+    global _kept_clients
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
     listed = {c.pid for d in snap.daemons for c in d.clients}
@@ -245,9 +256,12 @@ def join(snap: Snapshot) -> Rows:
     joined = _GpuJoin.of(gpus)
     unclaimed = [pid for pid in joined.mps_memory if pid not in listed]
     daemons = []
+    kept = _KeptClients(_kept_clients if reuse else ({}, {}))
     for d in snap.daemons:
         unlisted = [pid for pid in unclaimed if _claims(d, snap.processes.get(pid), len(snap.daemons) == 1)]
-        daemons.append(daemon_row(d, snap.logs.get(d.name), snap.processes, joined, unlisted))
+        daemons.append(daemon_row(d, snap.logs.get(d.name), snap.processes, joined, unlisted, kept))
+    if reuse:
+        _kept_clients = kept.now  # clients gone are forgotten
     return Rows(gpu_rows, tuple(daemons))
 
 
@@ -371,7 +385,7 @@ def _claims(d: DaemonReading, proc: Optional[ProcessFacts], only: bool) -> bool:
 
 
 def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
-               joined: _GpuJoin, unlisted: Sequence[int]) -> DaemonRow:
+               joined: _GpuJoin, unlisted: Sequence[int], kept: Optional["_KeptClients"] = None) -> DaemonRow:
     """The daemon, its servers and its clients: the rows of its `ps` and the NVML MPS
     clients in `unlisted`. A client whose row cannot be joined is left out (logged)."""
     devices = joined.daemon_devices(d)
@@ -380,11 +394,13 @@ def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Map
     ps_rows = {c.pid: c for c in d.clients}
     daemon = _DaemonJoin(d, devices, tuple((dev.index, dev.uuid) for dev in devices if dev.index is not None),
                          Limits(d.default_active_thread_percentage, d.default_pinned_limits), server_limits, log_snap)
+    kept = kept if kept is not None else _KeptClients(({}, {}))
+    daemon_inputs = kept.daemon_inputs(daemon)
     clients = []
     for pid in sorted(set(ps_rows) | set(unlisted)):
+        row, proc = ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid)
         try:
-            clients.append(_client_in_force(pid, ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid), daemon,
-                                            joined))
+            clients.append(kept.row(pid, row, proc, daemon, daemon_inputs, joined))
         except Exception as e:  # one client's data, never the scrape
             client_left_out(d.name, pid, e)
     return DaemonRow(
@@ -487,6 +503,72 @@ def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemo
         active_thread_ratio=None if share is None else share / 100, priority=priority,
         limit_sources={**in_force.sources, lim.PRIORITY: priority_source}, ignored_limits=own.ignored,
         start_time=start, start_time_source=start_source)
+
+
+def _daemon_inputs(daemon: _DaemonJoin) -> Tuple[object, ...]:
+    """All that _client_in_force reads of the daemon's join."""
+    d = daemon.reading
+    return (d.name, d.default_client_priority, daemon.gpus, tuple(daemon.devices), daemon.defaults,
+            daemon.server_limits)
+
+
+def _client_inputs(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon: _DaemonJoin,
+                   daemon_inputs: Tuple[object, ...], joined: _GpuJoin) -> Tuple[object, ...]:
+    """All that _client_in_force reads but the memory values (`daemon_inputs`: the
+    daemon's): where these are equal, so is the row but for its memory. (ProcessFacts gain
+    their names in place: they are here apart from the object.)"""
+    log_snap = daemon.log_snap
+    server_pid = None if row is None else row.server_pid
+    on: Tuple[object, ...] = tuple(gpu.index for gpu, _ in joined.mps_memory.get(pid, ()))
+    if not on and row is not None:
+        found = joined.gpu_for_device(row.device)
+        on = ("ps", None if found is None else found.index)
+    server = log_snap.servers.get(server_pid) if log_snap is not None and server_pid is not None else None
+    return (row, proc, proc.namespace, proc.pod, proc.container, proc.pod_uid, proc.owner, daemon_inputs,
+            log_snap.client_limits.get(pid) if log_snap is not None else None,
+            log_snap.client_start_times.get(pid) if log_snap is not None else None,
+            None if server is None else server.priority, on)
+
+
+# The last join's clients: (daemon, client pid) -> (_client_inputs, its row), and each
+# daemon's _daemon_inputs.
+_Kept = Tuple[Dict[Tuple[str, int], Tuple[Tuple[object, ...], ClientRow]], Dict[str, Tuple[object, ...]]]
+_kept_clients: _Kept = ({}, {})
+
+
+class _KeptClients:
+    """Client rows of the last join reused where their inputs are equal, their memory
+    replaced where it moved: on a busy node a client's memory moves every scrape while its
+    facts and limits stay, and deriving its limits was a quarter of a scrape (issue 44)."""
+
+    def __init__(self, before: _Kept) -> None:
+        self.before = before
+        self.now: _Kept = ({}, {})
+
+    def daemon_inputs(self, daemon: _DaemonJoin) -> Tuple[object, ...]:
+        """The daemon's inputs; the last join's very tuple where equal, so that each
+        client's inputs compare it by identity."""
+        inputs = _daemon_inputs(daemon)
+        last = self.before[1].get(daemon.reading.name)
+        if last is not None and last == inputs:
+            inputs = last
+        self.now[1][daemon.reading.name] = inputs
+        return inputs
+
+    def row(self, pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon: _DaemonJoin,
+            daemon_inputs: Tuple[object, ...], joined: _GpuJoin) -> ClientRow:
+        key = (daemon.reading.name, pid)
+        inputs = _client_inputs(pid, row, proc, daemon, daemon_inputs, joined)
+        kept = self.before[0].get(key)
+        if kept is not None and kept[0] == inputs:
+            client = kept[1]
+            memory = {gpu.index: used for gpu, used in joined.mps_memory.get(pid, ()) if used is not None}
+            if memory != client.memory_used_bytes:
+                client = with_fields(client, memory_used_bytes=memory)
+        else:
+            client = _client_in_force(pid, row, proc, daemon, joined)
+        self.now[0][key] = (inputs, client)
+        return client
 
 
 def _own_limits(environ: Mapping[str, str], devices: Tuple[Tuple[int, str], ...]) -> OwnLimits:

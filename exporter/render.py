@@ -419,6 +419,14 @@ class _Rendered:
     row: ClientRow
     parts: ClientParts
     readings: FrozenSet[str]  # the families of emit_client_readings among the parts
+    _reading_samples: Optional[Dict[Tuple[str, str], Sample]] = None
+
+    def reading_samples(self) -> Dict[Tuple[str, str], Sample]:
+        """The samples of the reading families by (family, GPU label)."""
+        if self._reading_samples is None:
+            self._reading_samples = {(name, str(sample.labels["gpu"])): sample for name, samples in self.parts
+                                     if name in self.readings for sample in samples}
+        return self._reading_samples
 
 
 class ClientTableMemo:
@@ -446,7 +454,7 @@ class ClientTableMemo:
         families: Dict[str, List[Sample]] = {}  # in the order emit_client adds them
         for c in d.clients:
             kept = before.get(c.pid)
-            if kept is None or kept.row != c:
+            if kept is None or (kept.row is not c and kept.row != c):
                 kept = _render_client(c, uuids, kept)
             now[c.pid] = kept
             for name, samples in kept.parts:
@@ -473,30 +481,33 @@ class _ReadingValues(FamilyBuilder):
             self.added.append((name, str(labels["gpu"]), float(value)))
 
 
-def _moved_readings(c: ClientRow, uuids: Mapping[int, str], before: _Rendered) -> Optional[Dict[str, List[Sample]]]:
-    """The client's reading families with its last samples' labels and the new values, where
-    the same series are emitted as before (same families, same GPUs, in the same order);
-    None where they are not, for the whole render to build them."""
+def _moved_readings(c: ClientRow, uuids: Mapping[int, str], before: _Rendered) -> Optional[_Rendered]:
+    """The client rendered with its last samples' labels and the new values of its reading
+    families, where the same series are emitted as before (the same families on the same
+    GPUs); None where they are not, for the whole render to build them."""
     values = _ReadingValues()
     emit_client_readings(values, c, {}, uuids)
-    kept = {name: samples for name, samples in before.parts if name in before.readings}
-    moved: Dict[str, List[Sample]] = {name: [] for name in kept}
+    last = before.reading_samples()
+    if len(values.added) != len(last):
+        return None
+    moved: Dict[str, List[Sample]] = {name: [] for name in before.readings}
+    now: Dict[Tuple[str, str], Sample] = {}
     for name, gpu, value in values.added:
-        samples, out = kept.get(name), moved.get(name)
-        if samples is None or out is None or len(out) >= len(samples) or samples[len(out)].labels["gpu"] != gpu:
+        sample = last.get((name, gpu))
+        if sample is None:
             return None
-        last = samples[len(out)]
-        out.append(Sample(last.name, last.labels, value, None))
-    return moved if all(len(moved[name]) == len(kept[name]) for name in kept) else None
+        now[name, gpu] = sample = Sample(sample.name, sample.labels, value, None)
+        moved[name].append(sample)
+    return _Rendered(c, [(name, moved[name] if name in moved else samples) for name, samples in before.parts],
+                     before.readings, now)
 
 
 def _render_client(c: ClientRow, uuids: Mapping[int, str], before: Optional[_Rendered]) -> _Rendered:
     try:
         if before is not None and before.parts and _facts(before.row) == _facts(c):
-            same_series = _moved_readings(c, uuids, before)
-            if same_series is not None:  # only values moved: the labels checked before serve
-                return _Rendered(c, [(name, same_series.get(name, samples)) for name, samples in before.parts],
-                                 before.readings)
+            rendered = _moved_readings(c, uuids, before)
+            if rendered is not None:  # only values moved: the labels checked before serve
+                return rendered
         readings = FamilyBuilder()
         emit_client_readings(readings, c, client_labels(c), uuids)
         moved = dict(readings.parts())

@@ -45,8 +45,10 @@ def rows_are_never_stale(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def checked(snap: Any) -> Any:
         rows = real(snap)
-        assert rows == join.join(snap), "a reading was changed in place after it was joined: replace it instead"
+        assert rows == join.join(snap, reuse=False), \
+            "a reading was changed in place after it was joined: replace it instead"
         return rows
 
     for module in (join, render, view):
         monkeypatch.setattr(module, "rows_of", checked)
+    monkeypatch.setattr(join, "_kept_clients", ({}, {}))  # no test starts from another's clients

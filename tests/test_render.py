@@ -2,6 +2,8 @@
 moment of the capture: server 1589, clients 1647/1648/1649 (nvml_busy.json,
 ctl_busy.txt), with limits added the way clients set them in their environment."""
 
+import dataclasses
+
 import pytest
 
 from mps_exporter.model import (DaemonReading, GpuReading, NvmlReading, ProcessFacts, ProcessMemory,
@@ -324,7 +326,7 @@ def test_a_client_limit_cuda_drops_is_published_as_ignored_not_in_force():
                  priority="none") == 1
     assert value(r, "mps_client_active_thread_ratio", **c) == 1.0
     # The GPU-<uuid prefix> form binds.
-    procs[1648].environ = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-a20825ef=2G"}
+    procs[1648] = dataclasses.replace(procs[1648], environ={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-a20825ef=2G"})
     r = samples(snapshot(processes=procs))
     assert value(r, "mps_client_pinned_memory_limit_bytes", **c, gpu="0") == 2 << 30
     assert value(r, "mps_client_limit_source", **c, pinned_memory="client") == 1
