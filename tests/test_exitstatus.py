@@ -3,6 +3,7 @@ softly, and (as root, where the kernel has it) a real exit."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import struct
@@ -155,8 +156,10 @@ class FakeNetlink:
         return self._mine.fileno()
 
     def setsockopt(self, level: int, option: int, value: object) -> None:
-        if option == SO_ATTACH_FILTER:  # the program the kernel would run
-            self.filters.append(value)
+        if option == SO_ATTACH_FILTER:  # the program the kernel would run, copied as the kernel does
+            assert isinstance(value, bytes)
+            length, address = struct.unpack("@HP", value)
+            self.filters.append(ctypes.string_at(address, length * 8))
 
     def bind(self, address: object) -> None:
         pass

@@ -696,7 +696,9 @@ class ExporterServer:
     def open_connections(self) -> int:
         return len(self._waiting) + len(self._idle) + len(self._closing) + self._busy + self._handshaking
 
-    def serve_forever(self, poll_interval: float = 0.5) -> None:
+    def serve_forever(self, poll_interval: Optional[float] = None) -> None:
+        """Until shutdown(). `poll_interval`: the longest the watcher sleeps (None: until a
+        connection, a worker or a deadline wakes it; an idle exporter then wakes nobody)."""
         self._stop = False
         self._stopped.clear()
         self._running.set()
@@ -753,8 +755,8 @@ class ExporterServer:
         self._wake_w.close()
 
     # ------------------------------------------------------------ the watcher
-    def _next_timeout(self, now: float, poll_interval: float) -> float:
-        deadlines = [poll_interval]
+    def _next_timeout(self, now: float, poll_interval: Optional[float]) -> Optional[float]:
+        deadlines = [] if poll_interval is None else [poll_interval]
         if self._waiting:
             deadlines.append(next(iter(self._waiting.values())).since + HEAD_TIMEOUT - now)
         if self._idle:
@@ -763,7 +765,7 @@ class ExporterServer:
             deadlines.append(next(iter(self._closing.values())).since + LINGER_TIMEOUT - now)
         if self._accept_paused_until > now:
             deadlines.append(self._accept_paused_until - now)
-        return max(0.0, min(deadlines))
+        return max(0.0, min(deadlines)) if deadlines else None
 
     def _expire(self, now: float) -> None:
         for conns, timeout in ((self._waiting, HEAD_TIMEOUT), (self._idle, IDLE_TIMEOUT),
@@ -1152,6 +1154,6 @@ def serve(registry: Collector, listen_address: str, telemetry_path: str, web_con
     try:
         if ready is not None:
             ready.set()
-        server.serve_forever(poll_interval=0.5)
+        server.serve_forever()
     finally:
         server.server_close()

@@ -245,7 +245,7 @@ class ProcClient:
         facts = {}
         for pid in set(pids):
             try:
-                st = os.stat(os.path.join(self.root, str(pid)))
+                st = os.stat(f"{self.root}/{pid}")
                 identity = (st.st_ino, st.st_ctime_ns)
                 known = self._known.get(pid)
                 if known is None or known[0] != identity:
