@@ -13,7 +13,7 @@ import dataclasses
 import operator
 import platform
 from dataclasses import dataclass, field
-from typing import AbstractSet, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import __version__
 from .contract import (CLIENT_PID, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVER_PID, UID, USER, UUID, Label,
@@ -399,14 +399,19 @@ def emit_client(out: FamilyBuilder, c: ClientRow, uuids: Mapping[int, str]) -> N
     out.add("mps_client_start_time_seconds", c.start_time, **cp)
 
 
-def emit_client_readings(out: FamilyBuilder, c: ClientRow, cp: Mapping[str, object], uuids: Mapping[int, str]) -> None:
-    """The series of the client's READING fields (join.py) alone: what moves while the rest
-    of its row stands still."""
+def _reading_values(c: ClientRow) -> Iterator[Tuple[str, int, float]]:
+    """(family, GPU index, value) of each series of the client's READING fields (join.py)
+    alone: what moves while the rest of its row stands still."""
     for gpu, used in c.memory_used_bytes.items():
-        out.add("mps_client_memory_used_bytes", used, **cp, gpu=gpu, uuid=uuids[gpu])
+        yield "mps_client_memory_used_bytes", gpu, used
         limit = c.pinned_memory_limit_bytes.get(gpu)
         if limit:  # the rules' and alerts' ratio, without a join in Prometheus (issue 44)
-            out.add("mps_client_pinned_memory_usage_ratio", used / limit, **cp, gpu=gpu, uuid=uuids[gpu])
+            yield "mps_client_pinned_memory_usage_ratio", gpu, used / limit
+
+
+def emit_client_readings(out: FamilyBuilder, c: ClientRow, cp: Mapping[str, object], uuids: Mapping[int, str]) -> None:
+    for name, gpu, value in _reading_values(c):
+        out.add(name, value, **cp, gpu=gpu, uuid=uuids[gpu])
 
 
 ClientParts = List[Tuple[str, List[Sample]]]
@@ -468,36 +473,24 @@ class ClientTableMemo:
         self._clients = {name: kept for name, kept in self._clients.items() if name in names}
 
 
-class _ReadingValues(FamilyBuilder):
-    """What emit_client_readings adds, as (family, GPU label, value) in order: the values of
-    series whose labels a client's last samples already hold (checked then)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.added: List[Tuple[str, str, float]] = []
-
-    def add(self, name: str, value: Optional[float], /, **labels: object) -> None:
-        if value is not None and value == value:  # as FamilyBuilder.add: no None, no NaN
-            self.added.append((name, str(labels["gpu"]), float(value)))
-
-
 def _moved_readings(c: ClientRow, uuids: Mapping[int, str], before: _Rendered) -> Optional[_Rendered]:
     """The client rendered with its last samples' labels and the new values of its reading
     families, where the same series are emitted as before (the same families on the same
     GPUs); None where they are not, for the whole render to build them."""
-    values = _ReadingValues()
-    emit_client_readings(values, c, {}, uuids)
     last = before.reading_samples()
-    if len(values.added) != len(last):
-        return None
     moved: Dict[str, List[Sample]] = {name: [] for name in before.readings}
     now: Dict[Tuple[str, str], Sample] = {}
-    for name, gpu, value in values.added:
-        sample = last.get((name, gpu))
+    for name, gpu, value in _reading_values(c):
+        value = float(value)
+        if value != value:  # NaN: FamilyBuilder.add leaves it out
+            return None
+        sample = last.get((name, str(gpu)))
         if sample is None:
             return None
-        now[name, gpu] = sample = Sample(sample.name, sample.labels, value, None)
+        now[name, str(gpu)] = sample = Sample(sample.name, sample.labels, value, None)
         moved[name].append(sample)
+    if len(now) != len(last):
+        return None
     return _Rendered(c, [(name, moved[name] if name in moved else samples) for name, samples in before.parts],
                      before.readings, now)
 
