@@ -1,0 +1,74 @@
+"""join keeps a client's row while what it is derived from stays (join._KeptClients):
+its memory is replaced where it moved, and a change to any of its inputs derives it anew.
+(tests/conftest.py checks every rows_of of the suite against a join without reuse.)"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from mps_exporter import join
+from mps_exporter.model import ProcessMemory, Snapshot
+from tests.support import scenarios
+
+
+def _snapshot(tmp_path: Path) -> Snapshot:
+    return scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3).collector().snapshot()
+
+
+def _moved(snap: Snapshot, by: int) -> Snapshot:
+    """The snapshot with every MPS client's memory `by` bytes higher, read anew."""
+    moved = copy.copy(snap)
+    moved.nvml = copy.deepcopy(snap.nvml)
+    assert moved.nvml is not None
+    for gpu in moved.nvml.gpus:
+        gpu.mps_clients = [ProcessMemory(p.pid, (p.used_bytes or 0) + by) for p in gpu.mps_clients]
+    return moved
+
+
+def _clients(rows: join.Rows) -> Any:
+    return {c.pid: c for d in rows.daemons for c in d.clients}
+
+
+def test_a_client_whose_memory_alone_moved_keeps_its_row_but_its_memory(tmp_path):
+    snap = _snapshot(tmp_path)
+    before = _clients(join.join(snap))
+    after = _clients(join.join(_moved(snap, 1 << 20)))
+    assert set(after) == set(before) and len(after) == 6
+    for pid, row in after.items():
+        assert row is not before[pid]
+        assert row.memory_used_bytes == {gpu: used + (1 << 20) for gpu, used in before[pid].memory_used_bytes.items()}
+        # derived once: the limits' mappings are the very objects of the last join
+        assert row.limit_sources is before[pid].limit_sources
+        assert row.pinned_memory_limit_bytes is before[pid].pinned_memory_limit_bytes
+    again = _clients(join.join(_moved(snap, 1 << 20)))
+    assert all(again[pid] is row for pid, row in after.items())  # nothing moved: the same rows
+
+
+def test_a_client_whose_facts_changed_is_derived_anew(tmp_path):
+    snap = _snapshot(tmp_path)
+    before = _clients(join.join(snap))
+    pid = min(before)
+    changed = copy.copy(snap)
+    changed.processes = dict(snap.processes)
+    changed.processes[pid] = dataclasses.replace(snap.processes[pid],
+                                                 environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"})
+    after = _clients(join.join(changed))
+    assert after[pid].active_thread_ratio == 0.25 and before[pid].active_thread_ratio != 0.25
+    assert after[pid].limit_sources is not before[pid].limit_sources
+    assert all(after[p] is before[p] for p in before if p != pid)
+    # and its names gained in place (ProcessFacts are named once the runtime knows them)
+    named = _clients(join.join(changed))
+    changed.processes[pid].namespace, changed.processes[pid].pod = "ml", "trainer-0"
+    renamed = _clients(join.join(changed))
+    assert (renamed[pid].namespace, renamed[pid].pod) == ("ml", "trainer-0") and named[pid].pod == ""
+
+
+def test_a_join_without_reuse_neither_reads_nor_changes_the_kept_rows(tmp_path):
+    snap = _snapshot(tmp_path)
+    kept = _clients(join.join(snap))
+    fresh = _clients(join.join(_moved(snap, 1 << 20), reuse=False))
+    assert all(fresh[pid].limit_sources is not row.limit_sources for pid, row in kept.items())
+    assert all(_clients(join.join(snap))[pid] is row for pid, row in kept.items())
