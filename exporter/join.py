@@ -624,7 +624,7 @@ def reading_fields(row_type: type) -> Tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- memory at the edge
-@dataclass(frozen=True)
+@frozen_row  # 384 a collection at 8 x 48
 class ClientMemory:
     """One client's memory reading on one GPU with the pinned limit in force there: what
     the exit tracker (exits.py) keeps of each client between collections."""

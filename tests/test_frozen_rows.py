@@ -11,7 +11,8 @@ import pytest
 from mps_exporter import join
 from mps_exporter.join import ClientRow, frozen_row
 
-ROWS = [join.OutsideProcessRow, join.GpuRow, join.ServerRow, join.ClientRow, join.DaemonRow, join.Rows]
+ROWS = [join.OutsideProcessRow, join.GpuRow, join.ServerRow, join.ClientRow, join.DaemonRow, join.Rows,
+        join.ClientMemory]
 
 
 @frozen_row
