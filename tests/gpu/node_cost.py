@@ -1,0 +1,213 @@
+"""What a real MPS node pays (issue 44): this tree's exporter and another revision's
+(--old-package, e.g. the tree issue 44 was filed on) side by side on one MPS daemon with
+--clients clients, beside node_exporter, each scraped alike: not at all, every 15 s,
+every second. CPU is utime + stime from /proc (the control processes each exporter starts
+apart, as reaped children); RSS from /proc/PID/status.
+
+    python3 tests/gpu/node_cost.py --work /tmp/mps-cost --out DIR --old-package DIR \
+        --node-exporter PATH [--clients 8] [--busy 4]
+
+Writes DIR/node_cost.json and DIR/node_cost.md. The MPS daemon it starts is told to quit
+whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.6,application/openmetrics-text;"
+                     "version=0.0.1;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
+TICK = os.sysconf("SC_CLK_TCK")
+# (phase, scrape interval in s or None, seconds measured, seconds before: the pacing learns
+# the spacing from three scrapes)
+PHASES = (("unscraped", None, 60.0, 0.0), ("15 s", 15.0, 60.0, 46.0), ("1 s", 1.0, 45.0, 5.0))
+
+
+def cpu(pid: int) -> Dict[str, float]:
+    """CPU seconds of the process itself and of its reaped children."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return {"own": (int(fields[11]) + int(fields[12])) / TICK, "children": (int(fields[13]) + int(fields[14])) / TICK}
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def wait_http(port: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/metrics")
+            conn.getresponse().read()
+            conn.close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+class Scraper:
+    """Prometheus' scrapes of one target every `interval` s on one keep-alive connection."""
+
+    def __init__(self, port: int, interval: float) -> None:
+        self.port, self.interval = port, interval
+        self.latencies: List[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        headers = {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip",
+                   "X-Prometheus-Scrape-Timeout-Seconds": "10" if self.interval >= 15 else f"{self.interval:g}"}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        tick = time.monotonic()
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                conn.request("GET", "/metrics", headers=headers)
+                resp = conn.getresponse()
+                resp.read()
+                self.latencies.append(time.perf_counter() - t0)
+                self.failures += resp.status != 200
+            except OSError:
+                self.failures += 1
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+            tick += self.interval
+            self._stop.wait(max(0.0, tick - time.monotonic()))
+        conn.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def exporter(package: Path, port: int, pipe: Path, logs: Path, out: Path, name: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{package}:/tmp/site"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "mps_exporter.cli", "serve", "--mps.pipe-directory", str(pipe),
+         "--mps.log-directory", str(logs), "--no-collector.dcgm", "--web.listen-address", f"127.0.0.1:{port}"],
+        env=env, stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--new-package", type=Path, default=Path("/tmp/pkg"), help="a directory holding mps_exporter")
+    ap.add_argument("--old-package", type=Path, required=True, help="a directory holding the other mps_exporter")
+    ap.add_argument("--old-name", default="c5fc7fc")
+    ap.add_argument("--node-exporter", required=True)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--busy", type=int, default=4)
+    ap.add_argument("--scale", type=float, default=1.0, help="the phases' seconds times this (a dry run off the GPU)")
+    args = ap.parse_args()
+    pipe, logs, clients_dir = args.work / "pipe", args.work / "log", args.work / "clients"
+    for d in (pipe, logs, clients_dir, args.out):
+        d.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+    procs: List[subprocess.Popen] = []
+    report: Dict[str, Any] = {"clients": args.clients, "busy": args.busy, "phases": []}
+    stop_file = clients_dir / "stop"
+    try:
+        report["machine"] = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
+                                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        report["cpus"] = os.cpu_count()
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, check=True)
+        for i in range(args.clients):
+            busy = i < args.busy
+            cmd = [sys.executable, str(HERE / "workloads" / "gpu_client.py"), "1.0", "--ready", str(clients_dir / f"ready-{i}"),
+                   "--stop", str(stop_file), "--max-seconds", "500", "--n", "2048"] + ([] if busy else ["--idle"])
+            procs.append(subprocess.Popen(cmd, env={**env, "TAG": f"c{i}"}, stdout=open(clients_dir / f"c{i}.out", "w"),
+                                          stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sum((clients_dir / f"ready-{i}").exists() for i in range(args.clients)) \
+                + sum(p.poll() is not None for p in procs) < args.clients:
+            time.sleep(0.5)
+        report["clients_ready"] = sum((clients_dir / f"ready-{i}").exists() for i in range(args.clients))
+        targets = {"mps-exporter (this tree)": 10138, f"mps-exporter ({args.old_name})": 10148, "node_exporter": 9100}
+        pids: Dict[str, int] = {}
+        for name, port in targets.items():
+            if name == "node_exporter":
+                p = subprocess.Popen([args.node_exporter, "--web.listen-address=127.0.0.1:9100", "--log.level=warn"],
+                                     stdout=open(args.out / "node_exporter.log", "w"), stderr=subprocess.STDOUT)
+            else:
+                package = args.new_package if "this tree" in name else args.old_package
+                p = exporter(package, port, pipe, logs, args.out, f"exporter-{port}")
+            procs.append(p)
+            pids[name] = p.pid
+        for port in targets.values():
+            wait_http(port, 90)
+        time.sleep(10 * args.scale)  # start-up done: the first scrape above read everything once
+        for phase, interval, seconds, before in PHASES:
+            scrapers = {name: Scraper(port, interval) for name, port in targets.items()} if interval else {}
+            time.sleep(before * args.scale)
+            c0, t0 = {name: cpu(pid) for name, pid in pids.items()}, time.monotonic()
+            n0 = {name: len(s.latencies) for name, s in scrapers.items()}
+            time.sleep(seconds * args.scale)
+            c1, elapsed = {name: cpu(pid) for name, pid in pids.items()}, time.monotonic() - t0
+            for s in scrapers.values():
+                s.stop()
+            row: Dict[str, Any] = {"phase": phase, "seconds": round(elapsed, 1), "load": os.getloadavg()}
+            for name, pid in pids.items():
+                lat = sorted(scrapers[name].latencies[n0[name]:]) if scrapers else []
+                row[name] = {"cpu_ms_per_s": round((c1[name]["own"] - c0[name]["own"]) / elapsed * 1000, 3),
+                             "children_cpu_ms_per_s": round((c1[name]["children"] - c0[name]["children"]) / elapsed
+                                                            * 1000, 3),
+                             "rss_mib": round(rss_mib(pid), 1), "scrapes": len(lat),
+                             "p50_ms": round(lat[len(lat) // 2] * 1000, 2) if lat else None,
+                             "failures": scrapers[name].failures if scrapers else 0}
+            report["phases"].append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        stop_file.touch()
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=env, timeout=20,
+                       capture_output=True)
+        (args.out / "node_cost.json").write_text(json.dumps(report, indent=1))
+        (args.out / "node_cost.md").write_text(markdown(report))
+    return 0
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    names = [k for k in (report["phases"][0] if report["phases"] else {}) if k not in ("phase", "seconds", "load")]
+    lines = [f"{report.get('machine', '')}; {report.get('cpus')} CPUs; {report.get('clients_ready')} of "
+             f"{report['clients']} MPS clients ready ({report['busy']} busy)", "",
+             "| phase | " + " | ".join(f"{n} CPU ms/s (control processes) | RSS MiB | p50 ms" for n in names) + " |",
+             "| --- |" + " --- | --- | --- |" * len(names)]
+    for row in report["phases"]:
+        cells = []
+        for n in names:
+            r: Dict[str, Optional[float]] = row[n]
+            cells.append(f"{r['cpu_ms_per_s']} ({r['children_cpu_ms_per_s']}) | {r['rss_mib']} | {r['p50_ms']}")
+        lines.append(f"| {row['phase']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
