@@ -13,9 +13,9 @@ from typing import Dict, Tuple
 
 from . import config as C
 from .expressions import TARGET as T
-from .expressions import client_info_join, counted_in, job, memory_fill_prediction, server_info_join
+from .expressions import client_info_join, counted_in, job, memory_fill_prediction, pod_client_memory_ratio
+from .expressions import server_info_join
 from .recordings import (  # noqa: F401 (RECORDINGS, Recording: generate.py's and the tests' view of the rules)
-    CLIENT_MEMORY_USAGE,
     DAEMON_UP_MAX,
     GPU_MEMORY_USAGE,
     QUEUE_WAIT_P95,
@@ -61,6 +61,8 @@ CLIENTS = ("{{ if $labels.pid }}MPS client {{ $labels.pid }} ({{ $labels.command
            + IN_POD + "){{ else if $labels.clients }}The fullest MPS client"
            "{{ else }}The MPS clients of pod {{ with $labels.pod }}{{ $labels.namespace }}/{{ . }}"
            "{{ else }}UID {{ $labels.pod_uid }}{{ end }} (together){{ end }}")
+# Each client's memory over the pinned limit that binds it, as the exporter serves it.
+CLIENT_RATIO = job("mps_client_pinned_memory_usage_ratio")
 # --mps.client-granularity server: per server and GPU, the client nearest its limit.
 FULLEST_CLIENT = f'label_replace({job("mps_server_client_pinned_memory_usage_max_ratio")}, "clients", "fullest", "", "")'
 
@@ -202,10 +204,12 @@ ALERTS: Tuple[Alert, ...] = (
     # OOM -----------------------------------------------------------------
     Alert(
         "ClientNearMemoryLimit", "oom",
-        # The client's user and command joined to the few series over the line, not to every
-        # client's in the heavy group (issue 44); without mps_client_info it alerts all the same.
-        f"({CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}) {client_info_join(job)}\n"
-        f"or on({T}, daemon, pid, gpu)\n{CLIENT_MEMORY_USAGE} > {C.CLIENT_MEMORY_LIMIT_RATIO}\n"
+        # The exporter's own ratio (no record copies it every round, issue 44); the client's user
+        # and command joined to the few series over the line; without mps_client_info it alerts
+        # all the same. Then the granularities that serve no client: pod (its sums' ratio), server.
+        f"({CLIENT_RATIO} > {C.CLIENT_MEMORY_LIMIT_RATIO}) {client_info_join(job)}\n"
+        f"or on({T}, daemon, pid, gpu)\n{CLIENT_RATIO} > {C.CLIENT_MEMORY_LIMIT_RATIO}\n"
+        f"or\n{pod_client_memory_ratio(job)} > {C.CLIENT_MEMORY_LIMIT_RATIO}\n"
         f"or\n{FULLEST_CLIENT} > {C.CLIENT_MEMORY_LIMIT_RATIO}",
         C.CLIENT_MEMORY_FOR, "warning",
         "An MPS client is close to its pinned device memory limit.",

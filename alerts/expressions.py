@@ -49,6 +49,20 @@ def memory_fill_prediction(sel: Selector) -> str:
             f"{C.MEMORY_FILL_HORIZON_SECONDS})")
 
 
+def pod_client_memory_ratio(sel: Selector) -> str:
+    """--mps.client-granularity pod: the share of the summed limits a pod's clients use,
+    per server, pod and GPU (the exporter serves both sums, not their ratio)."""
+    return (f"{sel('mps_pod_client_memory_used_bytes')}\n  / on({TARGET}, daemon, server_pid, pod_uid, gpu) "
+            f"group_left\n  {sel('mps_pod_client_pinned_memory_limit_bytes')}")
+
+
+def client_memory_ratio(sel: Selector) -> str:
+    """Each client's memory against the pinned limit that binds it, as the exporter serves
+    it (it knows both: no join, no record); from exporters with --mps.client-granularity
+    pod, per server, pod and GPU."""
+    return f"{sel('mps_client_pinned_memory_usage_ratio')}\nor\n  {pod_client_memory_ratio(sel)}"
+
+
 # ------------------------------------------------------------------- joins
 CLIENT_INFO_LABELS = "server_pid, uid, user, command, container_id, pod_uid"
 

@@ -1,10 +1,12 @@
 """One definition per recording rule, in three groups (generate.py writes them):
 
 - `rules` (Prometheus' evaluation interval): cheap per-target series the alerts read;
-- `heavy` (config.HEAVY_RULES_INTERVAL): joins over every client, quantiles,
-  the hourly max that keeps alerts from reading a day of raw samples, and the
-  sums per Kubernetes pod (the exporter puts `namespace`, `pod`, `container` on
-  its client series: no rule reads kube-state-metrics);
+- `heavy` (config.HEAVY_RULES_INTERVAL): quantiles, the hourly max that keeps
+  alerts from reading a day of raw samples, and the sums per Kubernetes pod (the
+  exporter puts `namespace`, `pod`, `container` on its client series: no rule reads
+  kube-state-metrics). No record copies a served series: each client's memory
+  against its limit is the exporter's own `mps_client_pinned_memory_usage_ratio`,
+  which the alert and the dashboards read (expressions.client_memory_ratio);
 - `fleet` (config.FLEET_RULES_INTERVAL): per node and per GPU model;
 - `fleet-totals` (the same interval): the fleet totals summed from `fleet`'s per-node
   records. With `fleet`, the only series the fleet dashboard reads.
@@ -49,7 +51,6 @@ class Recording:
 
 # ------------------------------------------------------------------ names
 GPU_MEMORY_USAGE = "mps:gpu_memory_usage:ratio"
-CLIENT_MEMORY_USAGE = "mps:client_pinned_memory_usage:ratio"
 QUEUE_WAIT_P95 = "mps:client_queue_wait_seconds:p95"
 DAEMON_UP_MAX = f"instance_daemon:mps_control_daemon_up:max{C.DAEMON_SEEN_STEP}"
 POD_MEMORY = "namespace_pod_gpu:mps_client_memory_used_bytes:sum"
@@ -83,16 +84,14 @@ EXPORTERS_UP = "job:mps_exporters_up:sum"
 def _per_pod(metric: str, by: str, summed: str = "") -> str:
     """Sum of a per-client series over each pod's clients, by `by`; or, from exporters
     with --mps.client-granularity pod, of the `summed` series (already per pod). The
-    exporter names the pods itself: no join."""
-    expr = f"sum by ({T}, {by}) ({job(metric, pod='!=')})"
+    exporter names the pods itself: no join. `unless on(pod) vector(0)` drops the sums of
+    clients in no pod (pod empty), as a `pod!=""` matcher would, without that matcher's
+    cost: it merges the postings of every pod name Prometheus holds (every pod of the
+    cluster, kube-state-metrics' too), per rule and round (issue 44, fleet bench)."""
+    expr = f"sum by ({T}, {by}) ({job(metric)})"
     if summed:
-        expr += f"\nor\nsum by ({T}, {by}) ({job(summed, pod='!=')})"
-    return expr
-
-
-# --mps.client-granularity pod: the share of the summed limits a pod's clients use on a GPU.
-_pod_ratio = (f"{job('mps_pod_client_memory_used_bytes')}\n  / on({T}, daemon, server_pid, pod_uid, gpu) group_left\n"
-              f"  {job('mps_pod_client_pinned_memory_limit_bytes')}")
+        expr = f"(\n  {expr}\nor\n  sum by ({T}, {by}) ({job(summed)})\n)"
+    return f"{expr}\nunless on(pod) vector(0)"
 
 
 def _fleet_count(expr: str) -> str:
@@ -111,13 +110,6 @@ RECORDINGS: Tuple[Recording, ...] = (
     Recording(QUEUE_WAIT_P95, queue_wait_quantile(job, 0.95, C.QUEUE_WAIT_WINDOW),
               f"p95 of the time clients waited on the pending list, over {C.QUEUE_WAIT_WINDOW}, by daemon and reason",
               HEAVY),
-    Recording(
-        CLIENT_MEMORY_USAGE,
-        f"{job('mps_client_pinned_memory_usage_ratio')}\nor\n  {_pod_ratio}",
-        "each client's memory against the pinned limit that binds it, as the exporter serves it (no join: it "
-        "knows both), with its namespace, pod and container; from exporters with --mps.client-granularity pod, per "
-        "server, pod and GPU",
-        HEAVY),
     Recording(POD_MEMORY, _per_pod("mps_client_memory_used_bytes", "namespace, pod, gpu",
                                    "mps_pod_client_memory_used_bytes"),
               "device memory of each pod's MPS clients, per node and GPU", HEAVY),

@@ -14,9 +14,11 @@ every rule group has been evaluated a few times, and measures:
 - each rule group's evaluation time on a quiet copy: scraping and rules stopped, each
   rule's expression asked at the last evaluation's moment with `stats=all`, Prometheus'
   own evaluation timer (`evalTotalTime`), the fastest of QUIET_REPEATS, summed per
-  group: the rules' own cost, not the machine's load. With --baseline-rules FILE (an
-  older rule file, say), its recording rules run beside the current ones (records
-  renamed `baseline_...`) and are timed the same way, for a before/after in one run;
+  group: the rules' own cost, not the machine's load. With --baseline-rules FILE... (older
+  rule files, say), their recording rules run beside the current ones (records renamed
+  `baseline_...`, `baseline2_...` in the order given) and are timed the same way, and
+  their alerts' expressions (reading the renamed records) are timed on the quiet copy
+  too, for a before/after of every group in one run;
 - every dashboard query's time at the dashboards' default selection (per-node
   dashboards: the first node; Kubernetes: the first namespace, all its pods; fleet:
   no variables) as Grafana asks (tables: an instant query; graphs: a range query over
@@ -50,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import re
 import signal
 import statistics
@@ -87,13 +90,25 @@ REPEATS = 15
 SLOWEST_RULES = 6  # listed per granularity in the report
 NON_MPS_PODS = 30  # per node, listed by kube-state-metrics: the cluster's pods are not all MPS clients
 QUIET_REPEATS = 10
-BASELINE = "baseline_"  # prefix of the --baseline-rules records and groups
-OURS = f'__name__=~".+:.+", __name__!~"{BASELINE}.+"'  # the current rules' records, not BASELINE ones
+BASELINE = "baseline_"  # prefix of the first --baseline-rules file's records and groups
+OURS = '__name__=~".+:.+", __name__!~"baseline[0-9]*_.+"'  # the current rules' records, not baseline ones
+RULE_SETS_SHOWN = (".heavy / ", ".oom / ")  # groups whose rules the report lists one by one
+
+
+def baseline_prefix(i: int) -> str:
+    """The prefix of the i-th (from 0) --baseline-rules file: baseline_, baseline2_, ..."""
+    return BASELINE if i == 0 else f"baseline{i + 1}_"
+
+
+def rule_set(group: str) -> str:
+    """Which rules a group is of: its baseline prefix, or "" for the current ones."""
+    found = re.match(r"baseline[0-9]*_", group)
+    return found.group(0) if found else ""
 
 
 def current(groups: Dict[str, float]) -> float:
-    """The current rules' groups summed (not the BASELINE ones)."""
-    return sum(t for g, t in groups.items() if not g.startswith(BASELINE))
+    """The current rules' groups summed (not the baseline ones)."""
+    return sum(t for g, t in groups.items() if not rule_set(g))
 
 
 def node_bundles(tmp: Path, count: int) -> Tuple[List[Path], List[Pod]]:
@@ -119,26 +134,27 @@ def node_bundles(tmp: Path, count: int) -> Tuple[List[Path], List[Pod]]:
     return bundles, pods
 
 
-def baseline_renamer(path: Path) -> Callable[[str], str]:
-    """A function that prefixes BASELINE to every record name of the rule file `path`
+def baseline_renamer(path: Path, prefix: str = BASELINE) -> Callable[[str], str]:
+    """A function that prefixes `prefix` to every record name of the rule file `path`
     in an expression (its rules', or its dashboards' that read them)."""
     doc = yaml.safe_load(path.read_text())
     records = sorted({r["record"] for g in doc["groups"] for r in g["rules"] if "record" in r}, key=len, reverse=True)
     pattern = re.compile(r"(?<![\w:])(" + "|".join(re.escape(r) for r in records) + r")(?![\w:])")
-    return lambda expr: pattern.sub(lambda m: BASELINE + m.group(1), expr)
+    return lambda expr: pattern.sub(lambda m: prefix + m.group(1), expr)
 
 
-def baseline_rules(path: Path) -> str:
-    """The recording rules of an older rule file, records and groups prefixed BASELINE
-    (they run beside the current ones), at RULE_INTERVAL; its alerts left out."""
+def baseline_rules(path: Path, prefix: str = BASELINE, kind: str = "record") -> str:
+    """The recording rules (kind "record": they run beside the current ones, at
+    RULE_INTERVAL) or the alerts (kind "alert": timed on the quiet copy only, never
+    loaded) of an older rule file, names and groups prefixed `prefix`, reading the
+    prefixed records."""
     doc = yaml.safe_load(path.read_text())
-    renamed = baseline_renamer(path)
+    renamed = baseline_renamer(path, prefix)
     groups = []
     for g in doc["groups"]:
-        rules = [{"record": BASELINE + r["record"], "expr": renamed(r["expr"])}
-                 for r in g["rules"] if "record" in r]
+        rules = [{kind: prefix + r[kind], "expr": renamed(r["expr"])} for r in g["rules"] if kind in r]
         if rules:
-            groups.append({"name": BASELINE + g["name"], "interval": RULE_INTERVAL, "rules": rules})
+            groups.append({"name": prefix + g["name"], "interval": RULE_INTERVAL, "rules": rules})
     return yaml.safe_dump({"groups": groups}, sort_keys=False)
 
 
@@ -156,12 +172,16 @@ def quiet_rule_times(prom: Prometheus, rule_files: Sequence[Path], at: float) ->
     """On a quiet copy: each group's rules' evaluation times summed, and each rule's
     ("group / record or alert": seconds). Every rule is asked once per round, QUIET_REPEATS
     rounds, its fastest kept: a burst of the machine's other load falls on one round of
-    every rule (current and baseline alike), not on all of one rule's tries."""
+    every rule (current and baseline alike), not on all of one rule's tries. Each round
+    asks the rules in its own order (shuffled, seeded by the round): in one fixed order a
+    rule's place weighed on it every round (the same alert, MpsClientLimitIgnored, took
+    3.77 ms per node in one file and 2.37 in another; Prometheus' garbage collection,
+    paced by what a round allocates, falling on the same rules, most likely)."""
     rules = [(g["name"], r.get("record") or r.get("alert"), r["expr"])
              for path in rule_files for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
     per_rule: Dict[str, float] = {}
-    for _ in range(QUIET_REPEATS):
-        for group, name, expr in rules:
+    for round_ in range(QUIET_REPEATS):
+        for group, name, expr in random.Random(round_).sample(rules, len(rules)):
             took = eval_seconds(prom, expr, at)
             key = f"{group} / {name}"
             per_rule[key] = min(per_rule.get(key, took), took)
@@ -272,17 +292,20 @@ def own_series(prom: Prometheus) -> float:
 
 
 def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack,
-            baseline: Optional[Path]) -> Tuple[dict, QuietRun]:
+            baselines: Sequence[Path]) -> Tuple[dict, QuietRun]:
     """One run's numbers, and its Prometheus, left running in `keep` (the exporters
     stop on return) for the caller to time dashboards on, or stop. Quiet (scraping and
     rules stopped) before returning: the rules are timed on that copy here."""
     bundles, pods = node_bundles(tmp, n)
     rules = tmp / "rules.yml"
     rules.write_text(generate.prometheus_rules(interval_override=RULE_INTERVAL))
-    rule_files = [rules]
-    if baseline is not None:
-        rule_files.append(tmp / "baseline-rules.yml")
-        rule_files[-1].write_text(baseline_rules(baseline))
+    rule_files, quiet_only = [rules], []
+    for i, baseline in enumerate(baselines):
+        prefix = baseline_prefix(i)
+        rule_files.append(tmp / f"{prefix}rules.yml")
+        rule_files[-1].write_text(baseline_rules(baseline, prefix))
+        quiet_only.append(tmp / f"{prefix}alerts.yml")
+        quiet_only[-1].write_text(baseline_rules(baseline, prefix, "alert"))
     with contextlib.ExitStack() as scraped:
         addresses = scraped.enter_context(
             running_replays(bundles, tmp, timeout=60 + n, flags=[f"--mps.client-granularity={mode}"]))
@@ -323,7 +346,7 @@ def measure(n: int, tmp: Path, mode: str, keep: contextlib.ExitStack,
         end = time.time() - 5  # a moment before the last scrape
         last_round = max(time.time() - 1, end)  # the rules' records exist up to here
     quiet(prom)
-    result["quiet_groups"], result["quiet_rules"] = quiet_rule_times(prom, rule_files, last_round)
+    result["quiet_groups"], result["quiet_rules"] = quiet_rule_times(prom, rule_files + quiet_only, last_round)
     return result, QuietRun(prom, end, sorted(addresses)[0])
 
 
@@ -364,6 +387,11 @@ def _quiet_table(results: List[dict]) -> List[str]:
         cells = [f"{r['quiet_groups'].get(g, float('nan')) * 1000:.1f} ms "
                  f"({r['quiet_groups'].get(g, float('nan')) / r['n'] * 1000:.2f} ms)" for r in results]
         lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    for prefix in sorted({rule_set(g) for g in results[-1]["quiet_groups"]}):
+        totals = [sum(t for g, t in r["quiet_groups"].items() if rule_set(g) == prefix) for r in results]
+        lines.append(f"| **all {prefix + '...' if prefix else 'current'}** | " +
+                     " | ".join(f"{t * 1000:.1f} ms ({t / r['n'] * 1000:.2f} ms)" for t, r in zip(totals, results)) +
+                     " |")
     return lines
 
 
@@ -443,17 +471,20 @@ def report(results: List[dict], others: Dict[str, List[dict]], one_node: Dict[st
               "Scraping and rules stopped, the data kept; each rule's expression asked at the last round's moment "
               f"with `stats=all` (`evalTotalTime`), every rule once per round, the fastest of {QUIET_REPEATS} rounds, "
               "summed per group: one round's "
-              "cost of each group, and per node (in parentheses). Groups named `" + BASELINE + "...` are the "
-              "--baseline-rules file's recording rules, run beside the current ones on the same data.", "",
+              "cost of each group, and per node (in parentheses). Groups named `" + BASELINE + "...` "
+              "(`baseline2_...`: the second) are the --baseline-rules files' rules: their records run beside the "
+              "current ones on the same data, their alerts read those records.", "",
               "`client` granularity:", ""]
     lines += _quiet_table(results)
     for mode, runs in others.items():
         if runs:
             lines += ["", f"`{mode}` granularity:", ""] + _quiet_table(runs)
     for r in [results[-1]] + [runs[-1] for runs in others.values() if runs]:
-        heavy = sorted(((k, t) for k, t in r["quiet_rules"].items() if ".heavy / " in k), key=lambda kv: -kv[1])
-        lines += ["", f"Heavy rules at `{r['mode']}` granularity, {r['n']} exporters, quiet copy (per node):", ""]
-        lines += [f"- {t * 1000:.1f} ms ({t / r['n'] * 1000:.2f} ms): {rule}" for rule, t in heavy]
+        for shown in RULE_SETS_SHOWN:
+            rules = sorted(((k, t) for k, t in r["quiet_rules"].items() if shown in k), key=lambda kv: -kv[1])
+            lines += ["", f"Rules of the {shown.strip(' ./')} groups at `{r['mode']}` granularity, {r['n']} exporters, "
+                          "quiet copy (per node):", ""]
+            lines += [f"- {t * 1000:.1f} ms ({t / r['n'] * 1000:.2f} ms): {rule}" for rule, t in rules]
 
     lines += ["", "## Rule groups live: one evaluation (mean of the last evaluations)", "",
               "Under load: the exporters, Prometheus' scrapes and every group (baseline ones included) on the "
@@ -509,9 +540,11 @@ def main() -> int:
     parser.add_argument("--baseline-dashboards", type=Path, metavar="DIR",
                         help="also time the dashboard JSON in DIR (e.g. an older commit's dashboards/json; with "
                              "--baseline-rules, reading that file's records)")
-    parser.add_argument("--baseline-rules", type=Path, metavar="FILE",
-                        help="also run and time the recording rules of FILE (e.g. an older commit's "
-                             "alerts/prometheus/mps-exporter.rules.yml) beside the current ones")
+    parser.add_argument("--baseline-rules", type=Path, metavar="FILE", nargs="+", default=[],
+                        help="also run the recording rules of each FILE (e.g. an older commit's "
+                             "alerts/prometheus/mps-exporter.rules.yml) beside the current ones, and time them "
+                             "and its alerts on the quiet copy (records and groups prefixed baseline_, "
+                             "baseline2_, ... in this order)")
     parser.add_argument("--out", help="also write the report here")
     parser.add_argument("--raw", help="append each run's measurements to this JSON Lines file")
     args = parser.parse_args()
@@ -533,7 +566,8 @@ def main() -> int:
                 runs[mode].append(result)
                 print(f"{mode}: {n} exporters measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
             if mode == "client" and quiet_runs:
-                _time_dashboards(runs[mode], quiet_runs, args.baseline_dashboards, args.baseline_rules)
+                _time_dashboards(runs[mode], quiet_runs, args.baseline_dashboards,
+                                 args.baseline_rules[0] if args.baseline_rules else None)
         if args.raw:
             with open(args.raw, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in runs[mode])

@@ -3,7 +3,7 @@
 
 from alerts import config as C
 from alerts import recordings as R
-from alerts.expressions import job
+from alerts.expressions import client_memory_ratio, job
 from dashboards.common import build, kubernetes_variables, rec, row, row_query, table, target, timeseries
 
 POD = {"namespace": "namespace", "pod": "pod"}
@@ -11,8 +11,13 @@ POD_LEGEND = "{{namespace}}/{{pod}} on {{instance}}"
 GPU_LEGEND = POD_LEGEND + " GPU {{gpu}}"
 
 
-# The MPS clients of the selected pods, named by the exporter.
-CLIENTS = job("mps_client_info", namespace="=~$namespace", pod="=~$pod")
+def in_pods(name: str) -> str:
+    """A series of the exporter, of the selected pods (the exporter names them)."""
+    return job(name, namespace="=~$namespace", pod="=~$pod")
+
+
+# The MPS clients of the selected pods.
+CLIENTS = in_pods("mps_client_info")
 # MPS clients of each selected pod (counted here: one series per pod is not worth recording).
 POD_CLIENTS = f"count by (job, instance, namespace, pod) ({CLIENTS})"
 
@@ -21,12 +26,12 @@ POD_CLIENTS = f"count by (job, instance, namespace, pod) ({CLIENTS})"
 # keeps clients (--mps.client-granularity client), per server and pod where it sums them (pod).
 CLIENT_KEYS = "job, instance, daemon, namespace, pod, container, pid, gpu"
 POD_KEYS = "job, instance, daemon, server_pid, namespace, pod, gpu"
-CLIENT_PEAK = f'max by ({CLIENT_KEYS}) ({job("mps_client_memory_peak_bytes", namespace="=~$namespace", pod="=~$pod")})'
+CLIENT_PEAK = f'max by ({CLIENT_KEYS}) ({in_pods("mps_client_memory_peak_bytes")})'
 CLIENT_LIMIT = (f'max by ({CLIENT_KEYS}) '
-                f'({job("mps_client_pinned_memory_limit_bytes", namespace="=~$namespace", pod="=~$pod")})')
-POD_PEAK = f'max by ({POD_KEYS}) ({job("mps_pod_client_memory_peak_bytes", namespace="=~$namespace", pod="=~$pod")})'
+                f'({in_pods("mps_client_pinned_memory_limit_bytes")})')
+POD_PEAK = f'max by ({POD_KEYS}) ({in_pods("mps_pod_client_memory_peak_bytes")})'
 POD_LIMIT = (f'max by ({POD_KEYS}) '
-             f'({job("mps_pod_client_pinned_memory_limit_bytes", namespace="=~$namespace", pod="=~$pod")})')
+             f'({in_pods("mps_pod_client_pinned_memory_limit_bytes")})')
 
 
 def suggested(peak: str) -> str:
@@ -83,7 +88,7 @@ dashboard = build(
         timeseries("Client memory against its limit",
                    "Each MPS client of the selected pods: device memory over its own pinned limit "
                    "(the MpsClientNearMemoryLimit alert).",
-                   "percentunit", [target(rec(R.CLIENT_MEMORY_USAGE, **POD),
+                   "percentunit", [target(client_memory_ratio(in_pods),
                                           POD_LEGEND + " {{container}} pid {{pid}} GPU {{gpu}}")], max_one=True),
         timeseries("Pod device memory", "Device memory of each pod's MPS clients, per GPU.", "bytes",
                    [target(rec(R.POD_MEMORY, **POD), GPU_LEGEND)]),

@@ -1,9 +1,8 @@
 """Memory and OOM risk: GPUs filling up, clients near their pinned limits."""
 
 from alerts import config as C
-from alerts import recordings as R
-from alerts.expressions import gpu_memory_ratio, memory_fill_prediction
-from dashboards.common import CLIENT_INFO_JOIN, build, m, node_rec, row, target, timeseries
+from alerts.expressions import client_memory_ratio, gpu_memory_ratio, memory_fill_prediction
+from dashboards.common import CLIENT_INFO_JOIN, build, m, row, target, timeseries
 
 GPU_LEGEND = "{{instance}} GPU {{gpu}}"
 CLIENT_LEGEND = "{{instance}} GPU {{gpu}} pid {{pid}} {{command}} ({{user}})"
@@ -24,15 +23,16 @@ dashboard = build(
                    "bytes", [target(memory_fill_prediction(m), "predicted " + GPU_LEGEND),
                              target(m("mps_gpu_memory_total_bytes"), "total " + GPU_LEGEND)]),
         row("Clients"),
-        # The record the MpsClientNearMemoryLimit alert reads: the panel shows what the alert
-        # sees, and a selection of one record, not a join of three series per client at
-        # query time (the slowest panel of the per-node dashboards before, issue 19).
+        # The ratio the MpsClientNearMemoryLimit alert reads, as the exporter serves it: the panel
+        # shows what the alert sees, a selection of one series per client, not a join of three
+        # at query time (the slowest panel of the per-node dashboards before, issue 19).
         timeseries("Client memory against its limit",
                    "Each client's device memory over the pinned limit that applies to it; allocations beyond 100 % "
-                   f"fail with out-of-memory. Recorded every {C.HEAVY_RULES_INTERVAL} by {R.CLIENT_MEMORY_USAGE}, "
+                   "fail with out-of-memory. Served by the exporter (mps_client_pinned_memory_usage_ratio), "
                    "the series the MpsClientNearMemoryLimit alert reads; from exporters with "
-                   "--mps.client-granularity pod, one line per server, pod and GPU.",
-                   "percentunit", [target(node_rec(R.CLIENT_MEMORY_USAGE, "gpu", "daemon"),
+                   "--mps.client-granularity pod, one line per server, pod and GPU (their summed memory over "
+                   "their summed limits).",
+                   "percentunit", [target(client_memory_ratio(m),
                                           "{{instance}} GPU {{gpu}} pid {{pid}} {{namespace}} {{pod}}")],
                    max_one=True),
         # topk before the join: the join then matches ten clients, not all of the node's.

@@ -205,9 +205,13 @@
           {
             alert: "MpsClientNearMemoryLimit",
             expr: |||-
-              (mps:client_pinned_memory_usage:ratio > 0.9) * on(job, instance, daemon, pid) group_left(server_pid, uid, user, command, container_id, pod_uid) mps_client_info{%(jobSelector)s}
+              (mps_client_pinned_memory_usage_ratio{%(jobSelector)s} > 0.9) * on(job, instance, daemon, pid) group_left(server_pid, uid, user, command, container_id, pod_uid) mps_client_info{%(jobSelector)s}
               or on(job, instance, daemon, pid, gpu)
-              mps:client_pinned_memory_usage:ratio > 0.9
+              mps_client_pinned_memory_usage_ratio{%(jobSelector)s} > 0.9
+              or
+              mps_pod_client_memory_used_bytes{%(jobSelector)s}
+                / on(job, instance, daemon, server_pid, pod_uid, gpu) group_left
+                mps_pod_client_pinned_memory_limit_bytes{%(jobSelector)s} > 0.9
               or
               label_replace(mps_server_client_pinned_memory_usage_max_ratio{%(jobSelector)s}, "clients", "fullest", "", "") > 0.9
             ||| % $._config,

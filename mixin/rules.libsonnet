@@ -24,34 +24,33 @@
             expr: "histogram_quantile(0.95, rate(mps_client_queue_wait_seconds_bucket{%(jobSelector)s}[10m]))" % $._config,
           },
           {
-            record: "mps:client_pinned_memory_usage:ratio",
-            expr: |||-
-              mps_client_pinned_memory_usage_ratio{%(jobSelector)s}
-              or
-                mps_pod_client_memory_used_bytes{%(jobSelector)s}
-                / on(job, instance, daemon, server_pid, pod_uid, gpu) group_left
-                mps_pod_client_pinned_memory_limit_bytes{%(jobSelector)s}
-            ||| % $._config,
-          },
-          {
             record: "namespace_pod_gpu:mps_client_memory_used_bytes:sum",
             expr: |||-
-              sum by (job, instance, namespace, pod, gpu) (mps_client_memory_used_bytes{%(jobSelector)s, pod!=""})
+              (
+                sum by (job, instance, namespace, pod, gpu) (mps_client_memory_used_bytes{%(jobSelector)s})
               or
-              sum by (job, instance, namespace, pod, gpu) (mps_pod_client_memory_used_bytes{%(jobSelector)s, pod!=""})
+                sum by (job, instance, namespace, pod, gpu) (mps_pod_client_memory_used_bytes{%(jobSelector)s})
+              )
+              unless on(pod) vector(0)
             ||| % $._config,
           },
           {
             record: "namespace_pod_gpu:mps_client_pinned_memory_limit_bytes:sum",
             expr: |||-
-              sum by (job, instance, namespace, pod, gpu) (mps_client_pinned_memory_limit_bytes{%(jobSelector)s, pod!=""})
+              (
+                sum by (job, instance, namespace, pod, gpu) (mps_client_pinned_memory_limit_bytes{%(jobSelector)s})
               or
-              sum by (job, instance, namespace, pod, gpu) (mps_pod_client_pinned_memory_limit_bytes{%(jobSelector)s, pod!=""})
+                sum by (job, instance, namespace, pod, gpu) (mps_pod_client_pinned_memory_limit_bytes{%(jobSelector)s})
+              )
+              unless on(pod) vector(0)
             ||| % $._config,
           },
           {
             record: "namespace_pod:mps_client_active_thread_ratio:sum",
-            expr: "sum by (job, instance, namespace, pod) (mps_client_active_thread_ratio{%(jobSelector)s, pod!=\"\"})" % $._config,
+            expr: |||-
+              sum by (job, instance, namespace, pod) (mps_client_active_thread_ratio{%(jobSelector)s})
+              unless on(pod) vector(0)
+            ||| % $._config,
           },
         ],
       },

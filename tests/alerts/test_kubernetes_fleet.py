@@ -24,9 +24,11 @@ import pytest
 
 from alerts import generate
 from alerts import recordings as R
+from alerts.expressions import client_memory_ratio, job
 from dashboards.queries import concrete, queries
 from tests.support import scenarios
 from tests.support.fleet import SUMMED_METRICS, Pod, kube_state_metrics, record_bundle, running_replays, serving_text
+from tests.support.fleet import summed_only
 from tests.support.prometheus import Prometheus, Target, running_prometheus
 
 pytestmark = pytest.mark.slow
@@ -90,7 +92,7 @@ def test_pods_get_their_names_and_the_kubernetes_dashboard_has_data(tmp_path):
         threads = {r["metric"]["pod"]: float(r["value"][1]) for r in prom.query(R.POD_THREADS)}
         assert set(threads) == {"job-000", "job-001", "job-002"}
         # The memory ratio the alert reads carries the pod; the bare process's, none.
-        ratio = {r["metric"]["pid"]: r["metric"] for r in prom.query(R.CLIENT_MEMORY_USAGE)}
+        ratio = {r["metric"]["pid"]: r["metric"] for r in prom.query(client_memory_ratio(job))}
         assert ratio["10000"]["pod"] == "job-000" and ratio[bare[0]].get("pod", "") == ""
         # No recorded series took a name from kube-state-metrics.
         assert prom.query('count({__name__=~".+:.+", namespace=~"ksm-ns|web"})') == []
@@ -99,7 +101,7 @@ def test_pods_get_their_names_and_the_kubernetes_dashboard_has_data(tmp_path):
         # This node keeps one series set per client: the pod granularity's sums (the headroom
         # panel's per-pod rows) come from a --mps.client-granularity pod node, below.
         assert [q for q in _empty_queries(prom, {"kubernetes", "fleet"}, started)
-                if not SUMMED_METRICS["pod"].search(q)] == []
+                if not summed_only(q, "pod")] == []
 
 
 def test_fleet_dashboard_answers_for_every_exporter(tmp_path):
@@ -141,7 +143,7 @@ def test_fleet_dashboard_answers_for_every_exporter(tmp_path):
         with_all = _empty_queries(prom, per_node, started)
         # Each granularity's sums come from its node alone; the client nodes show all the rest.
         sums = {mode: [f"{q.dashboard} / {q.panel} / {q.ref_id}: {q.expr}" for q in queries()
-                       if q.dashboard in per_node and metric.search(q.expr)] for mode, metric in SUMMED_METRICS.items()}
+                       if q.dashboard in per_node and summed_only(q.expr, mode)] for mode in SUMMED_METRICS}
         every_sum = sums["pod"] + sums["server"]
         assert sums["pod"] and sums["server"] and not set(every_sum) & set(with_all)
         for address in addresses:

@@ -16,6 +16,8 @@ from alerts.generate import write_or_check
 from dashboards import common, generate
 from dashboards.queries import concrete, queries
 from alerts import config as C
+from alerts import definitions
+from alerts.expressions import client_memory_ratio
 from alerts.recordings import FLEET_GROUPS, RECORDINGS
 from mps_exporter.catalog import METRICS
 from mps_exporter.contract import HISTOGRAM
@@ -235,22 +237,33 @@ def test_fleet_and_kubernetes_dashboards_read_recorded_series_only():
             assert {RECORDED[n].group for n in names} <= set(FLEET_GROUPS), q
         else:  # every pod-level record is selected by the namespace and pod variables
             for n in names:
-                if n.startswith("namespace_pod") or n == "mps:client_pinned_memory_usage:ratio":
+                if n.startswith("namespace_pod"):
                     assert re.search(re.escape(n) + r'\{namespace=~"\$namespace", pod=~"\$pod"\}', q.expr), q
 
 
 def test_per_node_dashboards_select_recorded_series_by_node():
-    """A per-node dashboard that reads a record (the memory one reads the ratio the
-    MpsClientNearMemoryLimit alert reads) selects it by job and node like a raw
+    """A per-node dashboard that reads a record selects it by job and node like a raw
     series: one node's panel never reads the fleet's records."""
     recorded = [(q, name) for q in queries(ROOT / generate.JSON_DIR) if q.dashboard not in VARIABLES
                 for name in _recorded_names(q.expr)]
-    assert any(name == "mps:client_pinned_memory_usage:ratio" for _, name in recorded)
     for q, name in recorded:
         assert name in RECORDED and RECORDED[name].group not in FLEET_GROUPS, q
         selector = re.search(re.escape(name) + r"\{([^}]*)\}", q.expr)
         assert selector and 'job=~"$job"' in selector.group(1) and 'instance=~"$node"' in selector.group(1), q
 
+
+
+def test_client_memory_panels_read_the_series_the_alert_reads():
+    """The memory and Kubernetes dashboards show each client's memory against its limit as
+    the exporter serves it, the series MpsClientNearMemoryLimit reads (issue 44: no record
+    copies it), with the pod granularity's ratio beside it; the Kubernetes one by pod."""
+    alert = next(a for a in definitions.ALERTS if a.name == "ClientNearMemoryLimit")
+    assert "mps_client_pinned_memory_usage_ratio{" in alert.expr and not _recorded_names(alert.expr)
+    exprs = {(q.dashboard, q.expr) for q in queries(ROOT / generate.JSON_DIR)}
+    assert ("memory", client_memory_ratio(common.m)) in exprs
+    pods = [e for d, e in exprs if d == "kubernetes" and "mps_client_pinned_memory_usage_ratio" in e]
+    assert pods and all('namespace=~"$namespace", pod=~"$pod"' in e and "mps_pod_client_memory_used_bytes" in e
+                        for e in pods)
 
 def test_queries_use_contract_metrics_and_the_variables():
     for q in queries(ROOT / generate.JSON_DIR):

@@ -33,6 +33,14 @@ from tests.support.scenarios import Scenario
 
 # What only an exporter at each summing --mps.client-granularity serves.
 SUMMED_METRICS = {"pod": re.compile(r"\bmps_pod_client"), "server": re.compile(r"\bmps_server_client_(memory|pinned)")}
+# Series only --mps.client-granularity client serves: a query that reads one beside a summed
+# series (the client memory ratio: `mps_client_... or mps_pod_client_...`) has data there too.
+PER_CLIENT = re.compile(r"\bmps_client_")
+
+
+def summed_only(expr: str, mode: str) -> bool:
+    """Whether `expr` reads series of --mps.client-granularity `mode` (pod, server) alone."""
+    return bool(SUMMED_METRICS[mode].search(expr)) and not PER_CLIENT.search(expr)
 
 # A control daemon's log: a server for uid 1000 started, then a client of uid 2000
 # waits for it to drain: every replayed node has one client queued.
