@@ -1,6 +1,6 @@
 #!/bin/bash
 # On the lent GPU machine, from the repository root (issue 44):
-#   bash tests/gpu/run_cost.sh [OLD_NAME]
+#   [CLIENTS=8 BUSY=4] bash tests/gpu/run_cost.sh [OLD_NAME]
 # node_cost.py: this tree's exporter and .old/exporter (OLD_NAME's tree, from
 # `git archive OLD_NAME exporter | tar x -C .old`) side by side on one MPS daemon, beside
 # .bin/node_exporter. Packs $OUT/cost.tgz. The MPS daemon is told to quit whatever happens.
@@ -17,5 +17,6 @@ trap pack EXIT
 mkdir -p /tmp/pkgold && ln -sfn $REPO/.old/exporter /tmp/pkgold/mps_exporter
 { nproc; uptime; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > $C/env.txt 2>&1
 timeout -s INT 520 python3 $REPO/tests/gpu/node_cost.py --work /tmp/mps-cost --out $C --old-package /tmp/pkgold \
-  --old-name "${1:-c5fc7fc}" --node-exporter $REPO/.bin/node_exporter 2>&1 | tee $C/node_cost.out
+  --old-name "${1:-c5fc7fc}" --node-exporter $REPO/.bin/node_exporter --clients ${CLIENTS:-8} --busy ${BUSY:-4} \
+  2>&1 | tee $C/node_cost.out
 cat $C/node_cost.md 2>/dev/null
