@@ -68,6 +68,9 @@ def run(tmp: Path, gpus: int, clients: int, minutes: float, signals: bool) -> Tu
             readers["logs"].catch_up()  # what the pipeline's thread read since the last scrape
         lines, commands = sc.daemon.log_lines, len(sc.daemon.received)
         snap = collector.snapshot()
+        control = snap.outcomes["control"]
+        if not control.success:  # a policy that fails reads nothing: its row would say nothing
+            sys.exit(f"the control read failed: {control.error}")
         now[0] += SCRAPE_SECONDS
         return sc.daemon.log_lines - lines, len(sc.daemon.received) - commands, snap
 
@@ -75,7 +78,7 @@ def run(tmp: Path, gpus: int, clients: int, minutes: float, signals: bool) -> Tu
     source = readers["control"].source["default"]
     source.clock = lambda: now[0]
     if not signals:  # the same node, the signals not passed on
-        source.read = lambda devices, _signals: DaemonReader.read(source, devices)
+        source.read = lambda devices, _signals, uuids=None: DaemonReader.read(source, devices, uuids=uuids)
     scrape()  # the ps that confirms the first
     per_scrape = [scrape()[0] for _ in range(int(minutes * 60 / SCRAPE_SECONDS))]
 
