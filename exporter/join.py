@@ -256,7 +256,7 @@ def join(snap: Snapshot, reuse: bool = True) -> Rows:
     joined = _GpuJoin.of(gpus)
     unclaimed = [pid for pid in joined.mps_memory if pid not in listed]
     daemons = []
-    kept = _KeptClients(_kept_clients if reuse else ({}, {}))
+    kept = _KeptClients(_kept_clients if reuse else _Kept())
     for d in snap.daemons:
         unlisted = [pid for pid in unclaimed if _claims(d, snap.processes.get(pid), len(snap.daemons) == 1)]
         daemons.append(daemon_row(d, snap.logs.get(d.name), snap.processes, joined, unlisted, kept))
@@ -385,16 +385,16 @@ def _claims(d: DaemonReading, proc: Optional[ProcessFacts], only: bool) -> bool:
 
 
 def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
-               joined: _GpuJoin, unlisted: Sequence[int], kept: Optional["_KeptClients"] = None) -> DaemonRow:
+               joined: _GpuJoin, unlisted: Sequence[int], kept: "_KeptClients") -> DaemonRow:
     """The daemon, its servers and its clients: the rows of its `ps` and the NVML MPS
-    clients in `unlisted`. A client whose row cannot be joined is left out (logged)."""
+    clients in `unlisted` (`kept`: the last join's, reused where their inputs stay). A
+    client whose row cannot be joined is left out (logged)."""
     devices = joined.daemon_devices(d)
     joined_servers = server_rows(d, log_snap, processes, joined, devices)
     server_limits = {s.pid: limits for s, limits in joined_servers}
     ps_rows = {c.pid: c for c in d.clients}
     daemon = _DaemonJoin(d, devices, tuple((dev.index, dev.uuid) for dev in devices if dev.index is not None),
                          Limits(d.default_active_thread_percentage, d.default_pinned_limits), server_limits, log_snap)
-    kept = kept if kept is not None else _KeptClients(({}, {}))
     daemon_inputs = kept.daemon_inputs(daemon)
     clients = []
     for pid in sorted(set(ps_rows) | set(unlisted)):
@@ -497,7 +497,7 @@ def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemo
     return ClientRow(
         d.name, pid, server_pid, proc.uid, proc.user, (row.command if row else "") or proc.command,
         row.namespace if row else "", proc.container_id, proc.pod_uid, proc.namespace, proc.pod, proc.container,
-        proc.owner, memory_used_bytes={gpu.index: used for gpu, used in memory if used is not None},
+        proc.owner, memory_used_bytes=_memory_used(memory),
         gpus=tuple(gpu.index for gpu in gpus), gpus_source=gpus_source,
         pinned_memory_limit_bytes={gpu.index: pinned[gpu.index] for gpu in gpus if pinned.get(gpu.index) is not None},
         active_thread_ratio=None if share is None else share / 100, priority=priority,
@@ -530,10 +530,21 @@ def _client_inputs(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon:
             None if server is None else server.priority, on)
 
 
-# The last join's clients: (daemon, client pid) -> (_client_inputs, its row), and each
-# daemon's _daemon_inputs.
-_Kept = Tuple[Dict[Tuple[str, int], Tuple[Tuple[object, ...], ClientRow]], Dict[str, Tuple[object, ...]]]
-_kept_clients: _Kept = ({}, {})
+def _memory_used(memory: Sequence[Tuple[GpuReading, Optional[int]]]) -> Dict[int, int]:
+    """A client's memory_used_bytes from its entries in NVML's MPS lists."""
+    return {gpu.index: used for gpu, used in memory if used is not None}
+
+
+@dataclass
+class _Kept:
+    """One join's clients: (daemon, client pid) -> (_client_inputs, its row), and each
+    daemon's _daemon_inputs."""
+
+    rows: Dict[Tuple[str, int], Tuple[Tuple[object, ...], ClientRow]] = field(default_factory=dict)
+    daemons: Dict[str, Tuple[object, ...]] = field(default_factory=dict)
+
+
+_kept_clients = _Kept()  # the last join's
 
 
 class _KeptClients:
@@ -543,31 +554,31 @@ class _KeptClients:
 
     def __init__(self, before: _Kept) -> None:
         self.before = before
-        self.now: _Kept = ({}, {})
+        self.now = _Kept()
 
     def daemon_inputs(self, daemon: _DaemonJoin) -> Tuple[object, ...]:
         """The daemon's inputs; the last join's very tuple where equal, so that each
         client's inputs compare it by identity."""
         inputs = _daemon_inputs(daemon)
-        last = self.before[1].get(daemon.reading.name)
+        last = self.before.daemons.get(daemon.reading.name)
         if last is not None and last == inputs:
             inputs = last
-        self.now[1][daemon.reading.name] = inputs
+        self.now.daemons[daemon.reading.name] = inputs
         return inputs
 
     def row(self, pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon: _DaemonJoin,
             daemon_inputs: Tuple[object, ...], joined: _GpuJoin) -> ClientRow:
         key = (daemon.reading.name, pid)
         inputs = _client_inputs(pid, row, proc, daemon, daemon_inputs, joined)
-        kept = self.before[0].get(key)
+        kept = self.before.rows.get(key)
         if kept is not None and kept[0] == inputs:
             client = kept[1]
-            memory = {gpu.index: used for gpu, used in joined.mps_memory.get(pid, ()) if used is not None}
+            memory = _memory_used(joined.mps_memory.get(pid, []))
             if memory != client.memory_used_bytes:
                 client = with_fields(client, memory_used_bytes=memory)
         else:
             client = _client_in_force(pid, row, proc, daemon, joined)
-        self.now[0][key] = (inputs, client)
+        self.now.rows[key] = (inputs, client)
         return client
 
 

@@ -51,4 +51,4 @@ def rows_are_never_stale(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for module in (join, render, view):
         monkeypatch.setattr(module, "rows_of", checked)
-    monkeypatch.setattr(join, "_kept_clients", ({}, {}))  # no test starts from another's clients
+    monkeypatch.setattr(join, "_kept_clients", join._Kept())  # no test starts from another's clients
