@@ -36,8 +36,6 @@ from typing import Dict, List, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.prometheus import free_port, stop_process  # noqa: E402
-
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.6,application/openmetrics-text;"
                      "version=0.0.1;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
 WARM_UP_SECONDS = 5.0
@@ -106,6 +104,11 @@ def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool, exit
     service.serve(cfg, stop=stop, readers=build_readers(cfg, scen.backends()))
 
 
+def scrape_timeout(interval: float) -> str:
+    """Prometheus' default scrape timeout at `interval`, as its header says it."""
+    return "10" if interval >= 15 else f"{min(interval, 10):g}"
+
+
 class Scraper:
     """Prometheus' scrapes of one target: every `interval` s on one keep-alive connection."""
 
@@ -157,6 +160,8 @@ def wait_up(port: int, proc: subprocess.Popen, what: str) -> None:
             return
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
+                from tests.support.prometheus import stop_process  # here: Scraper needs no test support
+
                 stop_process(proc)
                 sys.exit(f"{what} did not start")
             time.sleep(0.2)
@@ -176,7 +181,9 @@ def rounds(proc: subprocess.Popen, rounds_file: str) -> Tuple[int, float]:
 
 def measure(interval: float, seconds: float, node_exporter: str, readings: str, pacing: str,
             exit_status: bool) -> Dict[str, float]:
-    timeout = "10" if interval >= 15 else f"{min(interval, 10):g}"  # Prometheus' default timeout
+    from tests.support.prometheus import free_port, stop_process
+
+    timeout = scrape_timeout(interval)
     with tempfile.TemporaryDirectory() as tmp:
         rounds_file = os.path.join(tmp, "rounds")
         mps_port, node_port = free_port(), free_port()

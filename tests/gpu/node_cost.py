@@ -19,14 +19,15 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.6,application/openmetrics-text;"
-                     "version=0.0.1;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
+sys.path.insert(0, str(HERE.parents[1]))
+
+from bench.cost_bench import Scraper, scrape_timeout  # noqa: E402 (Prometheus' scrapes, as cost_bench makes them)
+
 TICK = os.sysconf("SC_CLK_TCK")
 # (phase, scrape interval in s or None, seconds measured, seconds before: the pacing learns
 # the spacing from three scrapes)
@@ -61,43 +62,6 @@ def wait_http(port: int, seconds: float) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-
-
-class Scraper:
-    """Prometheus' scrapes of one target every `interval` s on one keep-alive connection."""
-
-    def __init__(self, port: int, interval: float) -> None:
-        self.port, self.interval = port, interval
-        self.latencies: List[float] = []
-        self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        headers = {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip",
-                   "X-Prometheus-Scrape-Timeout-Seconds": "10" if self.interval >= 15 else f"{self.interval:g}"}
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        tick = time.monotonic()
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            try:
-                conn.request("GET", "/metrics", headers=headers)
-                resp = conn.getresponse()
-                resp.read()
-                self.latencies.append(time.perf_counter() - t0)
-                self.failures += resp.status != 200
-            except OSError:
-                self.failures += 1
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-            tick += self.interval
-            self._stop.wait(max(0.0, tick - time.monotonic()))
-        conn.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(60)
 
 
 def exporter(package: Path, port: int, pipe: Path, logs: Path, out: Path, name: str) -> subprocess.Popen:
@@ -158,7 +122,8 @@ def main() -> int:
             wait_http(port, 90)
         time.sleep(10 * args.scale)  # start-up done: the first scrape above read everything once
         for phase, interval, seconds, before in PHASES:
-            scrapers = {name: Scraper(port, interval) for name, port in targets.items()} if interval else {}
+            scrapers = ({name: Scraper(port, interval, scrape_timeout(interval)).start()
+                         for name, port in targets.items()} if interval else {})
             time.sleep(before * args.scale)
             c0, t0 = {name: cpu(pid) for name, pid in pids.items()}, time.monotonic()
             n0 = {name: len(s.latencies) for name, s in scrapers.items()}
