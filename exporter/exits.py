@@ -42,7 +42,7 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AbstractSet, Callable, Deque, Dict, Optional, Protocol, Set, Tuple
+from typing import AbstractSet, Callable, Deque, Dict, List, Optional, Protocol, Set, Tuple
 
 from .exitstatus import CLEAN, FAILED, UNKNOWN, ExitStatus
 from .limits import visible_devices
@@ -105,12 +105,23 @@ def _unknown(pid: int) -> Optional[bool]:
     return None
 
 
+class _Seen:
+    """The last collection that read a set of readings: every reading taken in one
+    collection shares it, and a collection that reads the very same readings again
+    (client_memory gives the same list while nothing moved) moves it alone, not 384 times."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+
 @dataclass
 class _Client:
     daemon: str
-    readings: Dict[int, Tuple[ClientMemory, float]]  # gpu -> (last reading, its collection time)
+    readings: Dict[int, Tuple[ClientMemory, _Seen]]  # gpu -> (last reading, when it was last read)
     peaks: Dict[int, int]  # gpu -> the most memory seen
-    edges: Dict[int, Tuple[ClientMemory, float]] = field(default_factory=dict)  # gpu -> last reading at the edge
+    edges: Dict[int, Tuple[ClientMemory, _Seen]] = field(default_factory=dict)  # gpu -> last reading at the edge
     gone_since: Optional[float] = None  # seen gone once, its exit status not yet there
 
 
@@ -130,6 +141,10 @@ class ExitTracker:
         self._exits: Dict[Tuple[str, int, str, str], int] = {}
         self._recent: Deque[EdgeExit] = deque(maxlen=max_recent)
         self._lock = threading.Lock()
+        # The readings last taken, whether NVML answered then, and when they were last read.
+        self._taken: Tuple[Optional[List[ClientMemory]], bool] = (None, False)
+        self._seen = _Seen(-math.inf)
+        self._reported: Optional[EdgeReport] = None  # the last report, while nothing in it changed
 
     def _outcomes(self) -> Tuple[str, ...]:
         return (FAILED, CLEAN) if self.statuses is not None and self.statuses.available else (UNKNOWN,)
@@ -138,14 +153,19 @@ class ExitTracker:
         """Take this collection's readings; the report to render with it."""
         readings = client_memory(snap)
         with self._lock:
-            self._take(snap, readings)
+            if self._taken[0] is readings and self._taken[1] == (snap.nvml is not None):
+                self._seen.at = snap.now  # the same readings: read again now, nothing else changed
+            else:
+                self._take(snap, readings)
             self._leave(snap)
             if self.statuses is not None and self.statuses.available:
                 self.statuses.watch(set(self._clients))  # the kernel drops the others' clean exits
             self._zero_rows(snap)
             return self._report()
 
-    def _take(self, snap: Snapshot, readings: "list[ClientMemory]") -> None:
+    def _take(self, snap: Snapshot, readings: List[ClientMemory]) -> None:
+        self._taken, self._seen, self._reported = (readings, snap.nvml is not None), _Seen(snap.now), None
+        seen = self._seen
         pods: Dict[Tuple[str, str, str, int], Tuple[str, str, int]] = {}
         for r in readings:
             c = self._clients.get(r.pid)
@@ -154,9 +174,9 @@ class ExitTracker:
                     continue  # bounded: a client beyond it is not tracked
                 c = self._clients[r.pid] = _Client(r.daemon, {}, {})
             c.gone_since = None
-            c.readings[r.gpu] = (r, snap.now)
+            c.readings[r.gpu] = (r, seen)
             if self.margins.reason(r) is not None:
-                c.edges[r.gpu] = (r, snap.now)
+                c.edges[r.gpu] = (r, seen)
             c.peaks[r.gpu] = max(c.peaks.get(r.gpu, 0), r.used_bytes)
             if r.pod_uid:
                 key = (r.daemon, r.server_pid, r.pod_uid, r.gpu)
@@ -184,15 +204,18 @@ class ExitTracker:
                 alive = self.alive(pid)
                 if alive:  # left MPS, still running: no exit
                     del self._clients[pid]
+                    self._reported = None
                     continue
                 if self.statuses is not None and self.statuses.available and c.gone_since is None:
                     # Its exit event may trail NVML's list by a moment: asked again next time.
                     c.gone_since = snap.now
+                    self._reported = None
                     continue
             del self._clients[pid]
+            self._reported = None
             outcome = UNKNOWN if status is None else status.outcome
             for gpu, last in sorted(c.readings.items()):
-                r, taken = self._judged(c, gpu, last)
+                r, seen = self._judged(c, gpu, last)
                 reason = self.margins.reason(r)
                 if reason is None:
                     continue
@@ -200,13 +223,14 @@ class ExitTracker:
                 self._exits[key] = self._exits.get(key, 0) + 1
                 self._recent.append(EdgeExit(
                     c.daemon, pid, gpu, reason, outcome, r.used_bytes, r.limit_bytes, r.gpu_used_bytes,
-                    r.gpu_total_bytes, taken, c.gone_since or snap.now, "" if status is None else status.describe(),
+                    r.gpu_total_bytes, seen.at, c.gone_since or snap.now, "" if status is None else status.describe(),
                     r.namespace, r.pod, r.container))
 
-    def _judged(self, c: _Client, gpu: int, last: Tuple[ClientMemory, float]) -> Tuple[ClientMemory, float]:
+    def _judged(self, c: _Client, gpu: int, last: Tuple[ClientMemory, _Seen]) -> Tuple[ClientMemory, _Seen]:
         """The reading an exit is judged by: the last, or the last at the edge within the window before it."""
         edge = c.edges.get(gpu)
-        if self.margins.reason(last[0]) is None and edge is not None and last[1] - edge[1] <= self.margins.window_seconds:
+        if self.margins.reason(last[0]) is None and edge is not None and \
+                last[1].at - edge[1].at <= self.margins.window_seconds:
             return edge
         return last
 
@@ -215,6 +239,7 @@ class ExitTracker:
         tell, so that the first exit is an increase; the rows of daemons no longer
         watched are dropped once the control source answered without them."""
         gpus = [(g.index, g.uuid) for g in snap.nvml.gpus] if snap.nvml else []
+        rows = len(self._exits)
         for d in snap.daemons:
             for dev in visible_devices(d.visible_devices, gpus):
                 if dev.index is None:
@@ -226,10 +251,16 @@ class ExitTracker:
         names = {d.name for d in snap.daemons}
         if control is not None and control.success or len({k[0] for k in self._exits}) > MAX_DAEMONS:
             self._exits = {k: n for k, n in self._exits.items() if k[0] in names}
+        if len(self._exits) != rows:  # rows only come and go here: their count tells
+            self._reported = None
 
     def _report(self) -> EdgeReport:
+        """The report; the last one again (the very object) while nothing in it changed."""
+        if self._reported is not None:
+            return self._reported
         peaks = tuple(((c.daemon, pid, gpu), (r.namespace, r.pod, r.container, c.peaks[gpu]))
                       for pid, c in sorted(self._clients.items()) for gpu, (r, _) in sorted(c.readings.items())
                       if c.gone_since is None)
-        return EdgeReport(tuple(sorted(self._exits.items())), peaks, tuple(sorted(self._pod_peaks.items())),
-                          tuple(self._recent))
+        self._reported = EdgeReport(tuple(sorted(self._exits.items())), peaks, tuple(sorted(self._pod_peaks.items())),
+                                    tuple(self._recent))
+        return self._reported

@@ -396,18 +396,21 @@ def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Map
     daemon = _DaemonJoin(d, devices, tuple((dev.index, dev.uuid) for dev in devices if dev.index is not None),
                          Limits(d.default_active_thread_percentage, d.default_pinned_limits), server_limits, log_snap)
     daemon_inputs = kept.daemon_inputs(daemon)
-    clients = []
-    for pid in sorted(set(ps_rows) | set(unlisted)):
-        row, proc = ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid)
-        try:
-            clients.append(kept.row(pid, row, proc, daemon, daemon_inputs, joined))
-        except Exception as e:  # one client's data, never the scrape
-            client_left_out(d.name, pid, e)
+    clients = kept.clients(d, log_snap, processes, daemon_inputs, joined, unlisted)
+    if clients is None:
+        derived = []
+        for pid in sorted(set(ps_rows) | set(unlisted)):
+            row, proc = ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid)
+            try:
+                derived.append(kept.row(pid, row, proc, daemon, daemon_inputs, joined))
+            except Exception as e:  # one client's data, never the scrape
+                client_left_out(d.name, pid, e)
+        clients = kept.keep_clients(d.name, tuple(derived))
     return DaemonRow(
         d.name, d.up, d.version, d.pipe_directory, d.log_directory, d.claim_uid, d.multiuser,
         None if d.default_active_thread_percentage is None else d.default_active_thread_percentage / 100,
         dict(sorted(d.default_pinned_limits.items())), d.default_client_priority,
-        tuple(s for s, _ in joined_servers), tuple(clients))
+        tuple(s for s, _ in joined_servers), clients)
 
 
 # ---------------------------------------------------------------- servers
@@ -537,11 +540,26 @@ def _memory_used(memory: Sequence[Tuple[GpuReading, Optional[int]]]) -> Dict[int
 
 @dataclass
 class _Kept:
-    """One join's clients: (daemon, client pid) -> (_client_inputs, its row), and each
-    daemon's _daemon_inputs."""
+    """One join's clients: (daemon, client pid) -> (_client_inputs, its row); each
+    daemon's _daemon_inputs; and each daemon's client rows with _clients_inputs."""
 
     rows: Dict[Tuple[str, int], Tuple[Tuple[object, ...], ClientRow]] = field(default_factory=dict)
     daemons: Dict[str, Tuple[object, ...]] = field(default_factory=dict)
+    clients: Dict[str, Tuple[Tuple[object, ...], Tuple[ClientRow, ...]]] = field(default_factory=dict)
+
+
+def _clients_inputs(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
+                    daemon_inputs: Tuple[object, ...], joined: _GpuJoin, unlisted: Sequence[int]) -> Tuple[object, ...]:
+    """All that a daemon's client rows are derived from, the readings by identity (a
+    source gives its last reading again while equal; the proc source a new mapping where it
+    named a process in place): NVML's per-GPU process lists, the GPUs' identities."""
+    return (d.clients, log_snap, processes, daemon_inputs, *(g.mps_clients for g in joined.gpus),
+            tuple((g.index, g.uuid) for g in joined.gpus), tuple(unlisted))
+
+
+def _same_inputs(a: Tuple[object, ...], b: Tuple[object, ...]) -> bool:
+    """_clients_inputs alike: the readings the very objects, the last two equal."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a[:-2], b[:-2])) and a[-2:] == b[-2:]
 
 
 _kept_clients = _Kept()  # the last join's
@@ -555,6 +573,7 @@ class _KeptClients:
     def __init__(self, before: _Kept) -> None:
         self.before = before
         self.now = _Kept()
+        self._clients_inputs: Tuple[object, ...] = ()  # of the daemon `clients` was last asked about
 
     def daemon_inputs(self, daemon: _DaemonJoin) -> Tuple[object, ...]:
         """The daemon's inputs; the last join's very tuple where equal, so that each
@@ -565,6 +584,27 @@ class _KeptClients:
             inputs = last
         self.now.daemons[daemon.reading.name] = inputs
         return inputs
+
+    def clients(self, d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
+                daemon_inputs: Tuple[object, ...], joined: _GpuJoin, unlisted: Sequence[int]
+                ) -> Optional[Tuple[ClientRow, ...]]:
+        """The daemon's client rows of the last join where all they are derived from is the
+        same (a node whose clients' facts and memory stay: every row at once), else None."""
+        inputs = _clients_inputs(d, log_snap, processes, daemon_inputs, joined, unlisted)
+        self._clients_inputs = inputs
+        last = self.before.clients.get(d.name)
+        if last is None or not _same_inputs(last[0], inputs):
+            return None
+        for c in last[1]:
+            key = (d.name, c.pid)
+            self.now.rows[key] = self.before.rows[key]
+        self.now.clients[d.name] = last
+        return last[1]
+
+    def keep_clients(self, daemon: str, clients: Tuple[ClientRow, ...]) -> Tuple[ClientRow, ...]:
+        """The rows `clients` derived after `clients` found none, kept for the next join."""
+        self.now.clients[daemon] = (self._clients_inputs, clients)
+        return clients
 
     def row(self, pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon: _DaemonJoin,
             daemon_inputs: Tuple[object, ...], joined: _GpuJoin) -> ClientRow:
@@ -657,10 +697,32 @@ class ClientMemory:
 def client_memory(snap: Snapshot) -> List[ClientMemory]:
     """Every client's memory reading (NVML's MPS list) with its limit in force, from the
     client rows: a client is at its limit here exactly where
-    mps_client_pinned_memory_limit_bytes says so."""
+    mps_client_pinned_memory_limit_bytes says so. The very list of the last call where
+    the clients' rows and the GPUs' memory are the same (the exit tracker then takes none)."""
+    global _last_memory
     rows = rows_of(snap)
     gpus = {g.index: g for g in rows.gpus}
-    return [ClientMemory(d.name, c.pid, gpu, used, c.pinned_memory_limit_bytes.get(gpu), gpus[gpu].memory_used_bytes,
+    gpu_memory = tuple((g.index, g.up, g.memory_used_bytes, g.memory_total_bytes) for g in rows.gpus)
+    last_gpu_memory, last_parts, last_all = _last_memory
+    parts = []
+    for d in rows.daemons:
+        kept = last_parts.get(d.name)
+        if kept is not None and kept[0] is d.clients and last_gpu_memory == gpu_memory:
+            parts.append((d.name, kept))
+            continue
+        parts.append((d.name, (d.clients, [
+            ClientMemory(d.name, c.pid, gpu, used, c.pinned_memory_limit_bytes.get(gpu), gpus[gpu].memory_used_bytes,
                          gpus[gpu].memory_total_bytes, "" if c.server_pid is None else str(c.server_pid), c.pod_uid,
                          c.namespace, c.pod, c.container)
-            for d in rows.daemons for c in d.clients for gpu, used in c.memory_used_bytes.items() if gpus[gpu].up]
+            for c in d.clients for gpu, used in c.memory_used_bytes.items() if gpus[gpu].up])))
+    if len(parts) == len(last_parts) and all(last_parts.get(name) is part for name, part in parts):
+        return last_all
+    readings = [r for _, (_, part) in parts for r in part]
+    _last_memory = (gpu_memory, dict(parts), readings)
+    return readings
+
+
+# The last client_memory: the GPUs' memory then, per daemon its client rows and their
+# readings, and all readings.
+_last_memory: Tuple[Tuple[object, ...], Dict[str, Tuple[Tuple[ClientRow, ...], List[ClientMemory]]],
+                    List[ClientMemory]] = ((), {}, [])

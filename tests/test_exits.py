@@ -3,6 +3,7 @@ collection times are the snapshots' own, no clock is read."""
 
 from __future__ import annotations
 
+import copy
 from typing import AbstractSet, Dict, List, Optional, Sequence, Set, Tuple
 
 from mps_exporter.exitstatus import ExitStatus
@@ -125,6 +126,34 @@ def test_a_client_read_below_the_edge_in_its_last_moments_is_judged_by_its_edge_
     report = tracker.observe(snap(141.0, {}))
     assert counts(report) == {("default", 0, "client_limit", "failed"): 1}  # 4343: far for the whole window
     assert [(e.pid, e.used_bytes, e.reading_time) for e in report.recent] == [(4242, at_edge, 100.0)]
+
+
+def _read_again(collection: Snapshot, now: float) -> Snapshot:
+    """The same readings in a later collection (nothing read anew: the same objects)."""
+    again = copy.copy(collection)
+    again.now = now
+    return again
+
+
+def test_the_same_readings_read_again_are_taken_at_their_latest_collection():
+    # A collection whose readings are the very last ones (client_memory gives the same list)
+    # takes nothing anew: their time moves, and the edge window counts from it.
+    statuses = Statuses()
+    tracker = ExitTracker(Margins(0.05, 0.97, window_seconds=30.0), statuses, alive=lambda pid: False)
+    at_edge = int(2 * GiB * 0.956)
+    first = snap(100.0, {4242: at_edge}, env={4242: "0=2G"})
+    report = tracker.observe(first)
+    assert tracker.observe(_read_again(first, 110.0)) is report  # nothing in the report changed
+    tracker.observe(snap(135.0, {4242: GiB}, env={4242: "0=2G"}))  # below it now, 25 s after the edge was read
+    statuses.known[4242] = ExitStatus(3, 0)
+    report = tracker.observe(snap(136.0, {}))
+    assert [(e.pid, e.used_bytes, e.reading_time) for e in report.recent] == [(4242, at_edge, 110.0)]
+    # and a client whose edge reading was last read 35 s before: far for the whole window
+    tracker.observe(first)
+    tracker.observe(_read_again(first, 105.0))
+    tracker.observe(snap(140.0, {4242: GiB}, env={4242: "0=2G"}))
+    report = tracker.observe(snap(141.0, {}))
+    assert len(report.recent) == 1
 
 
 def test_a_client_far_from_its_limit_is_never_counted():

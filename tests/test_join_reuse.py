@@ -59,9 +59,11 @@ def test_a_client_whose_facts_changed_is_derived_anew(tmp_path):
     assert after[pid].active_thread_ratio == 0.25 and before[pid].active_thread_ratio != 0.25
     assert after[pid].limit_sources is not before[pid].limit_sources
     assert all(after[p] is before[p] for p in before if p != pid)
-    # and its names gained in place (ProcessFacts are named once the runtime knows them)
+    # and its names gained in place (ProcessFacts are named once the runtime knows them),
+    # which the proc source gives in a new mapping (ProcClient.renamed)
     named = _clients(join.join(changed))
     changed.processes[pid].namespace, changed.processes[pid].pod = "ml", "trainer-0"
+    changed.processes = dict(changed.processes)
     renamed = _clients(join.join(changed))
     assert (renamed[pid].namespace, renamed[pid].pod) == ("ml", "trainer-0") and named[pid].pod == ""
 
@@ -72,3 +74,27 @@ def test_a_join_without_reuse_neither_reads_nor_changes_the_kept_rows(tmp_path):
     fresh = _clients(join.join(_moved(snap, 1 << 20), reuse=False))
     assert all(fresh[pid].limit_sources is not row.limit_sources for pid, row in kept.items())
     assert all(_clients(join.join(snap))[pid] is row for pid, row in kept.items())
+
+
+def _daemon_clients(rows: join.Rows) -> Any:
+    return [d.clients for d in rows.daemons]
+
+
+def test_a_daemon_whose_readings_are_the_very_same_keeps_its_client_rows_at_once(tmp_path):
+    snap = _snapshot(tmp_path)
+    before = _daemon_clients(join.join(snap))
+    # A new NVML reading whose process lists are the last ones (the source gives them again
+    # while equal), the GPUs' utilization moved: not one client row derived or compared.
+    again = copy.copy(snap)
+    again.nvml = copy.copy(snap.nvml)
+    assert again.nvml is not None and snap.nvml is not None
+    again.nvml.gpus = [dataclasses.replace(g, utilization_ratio=0.5) for g in snap.nvml.gpus]
+    assert all(a is b for a, b in zip(_daemon_clients(join.join(again)), before))
+    # An equal list that is another object: compared client by client, the rows kept one by one
+    moved = _moved(snap, 0)
+    after = _daemon_clients(join.join(moved))
+    assert all(a is not b and all(x is y for x, y in zip(a, b)) for a, b in zip(after, before))
+    # A daemon's ps answer that is another list: its clients again
+    listed = copy.copy(moved)
+    listed.daemons = [dataclasses.replace(d, clients=list(d.clients)) for d in moved.daemons]
+    assert all(a is not b for a, b in zip(_daemon_clients(join.join(listed)), after))

@@ -242,6 +242,37 @@ def test_a_docker_name_is_proven_on_the_source_s_thread_not_the_quick_path(tmp_p
     assert src.cached([20]) is None
     assert src.read([20])[20].container == "trainer"
     assert src.cached([20])[20].owner == "docker"
+    assert src.renamed == 1  # named in place once: the source's reading is a new mapping then
+
+
+def test_the_proc_reading_is_the_very_last_mapping_while_equal_and_a_new_one_after_a_naming(tmp_path):
+    # The join knows a client's facts unchanged by the mapping's identity (join._clients_inputs);
+    # a process named in place (ProcClient.renamed) must come in a new one.
+    from mps_exporter.model import DaemonReading, PsEntry, ServerFacts, Snapshot
+
+    docker, now = tmp_path / "docker", [0.0]
+    root = write_proc(tmp_path / "proc", [FakeProcess(DOCKER_INIT, cgroup=_v2(DOCKER_ID)),
+                                          FakeProcess(20, cgroup=_v2(DOCKER_ID)), FakeProcess(30)])
+    cfg = scenarios.Config(procfs=str(root), runtime_roots=(str(docker),))
+    reader = procfs.SOURCE.build(cfg, None)
+    reader.source.pod_names.clock = lambda: now[0]
+    snap = Snapshot(now=0.0, daemons=[DaemonReading("d", True, "/p", "/l", servers=[ServerFacts(30, "ACTIVE")],
+                                                    clients=[PsEntry(20, 1, 30, "GPU-0", "4026531836", "python3")])])
+
+    class Context:  # what the collector gives a read: the readings known, waited for
+        def known(self, names):
+            return snap
+
+        wait = known
+
+    first = reader.read(Context())
+    assert set(first) == {20, 30} and first[20].owner == ""
+    assert reader.read(Context()) is first
+    write_docker_config(docker, DOCKER_ID, pid=DOCKER_INIT)
+    now[0] += rm.MISS_RETRY_SECONDS
+    named = reader.read(Context())
+    assert named is not first and named[20].owner == "docker"
+    assert reader.read(Context()) is named
 
 
 # ------------------------------------------------------------------ on the series

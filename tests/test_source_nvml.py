@@ -165,6 +165,22 @@ def test_eight_gpus_by_forty_eight_clients():
     assert len(pids) == 8 * 48
 
 
+def test_a_process_list_that_stays_equal_is_given_again_as_the_very_same_list():
+    # What is joined from it is then known unchanged by identity (join._clients_inputs).
+    nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=3)
+    client = NvmlClient(nvml, wait_for_every_answer=True)
+    first = client.read()
+    nvml.advance(1.0)  # utilization moves, the lists do not
+    again = client.read()
+    for a, b in zip(first.gpus, again.gpus):
+        assert a is not b and a.mps_clients is b.mps_clients and a.compute_processes is b.compute_processes
+    nvml.gpus[1].mps_processes[0].usedGpuMemory += 1 << 20  # one client's memory on GPU 1 moves
+    moved = client.read()
+    assert moved.gpus[0].mps_clients is first.gpus[0].mps_clients
+    assert moved.gpus[1].mps_clients is not first.gpus[1].mps_clients
+    assert moved.gpus[1].mps_clients[0].used_bytes == first.gpus[1].mps_clients[0].used_bytes + (1 << 20)
+
+
 def test_time_sliced_gpu_has_per_process_utilization():
     gpu = NvmlClient(FakeNvml.synthetic(gpus=1, clients_per_gpu=3, mps=False)).read().gpus[0]
     assert gpu.mps_clients == []

@@ -677,7 +677,8 @@ class DaemonReader:
             self._listing, self._statuses = None, {}  # asked again next time
             reading.error = str(e)
         live = {s.pid for s in reading.servers}
-        reading.clients = [c for c in reading.clients if c.server_pid in live]
+        if not all(c.server_pid in live for c in reading.clients):  # else the very list: join knows it by identity
+            reading.clients = [c for c in reading.clients if c.server_pid in live]
         return self._counted(reading)
 
     def _counted(self, reading: DaemonReading) -> DaemonReading:

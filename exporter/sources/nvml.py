@@ -360,6 +360,9 @@ class NvmlClient:
         self._down: Set[int] = set()  # GPUs whose last read failed
         # index -> (time.monotonic() of the read, compute mode, MIG enabled): see MODES_SECONDS
         self._modes: Dict[int, Tuple[float, str, bool]] = {}
+        # (index, NVML function) -> the list it gave last: the same object again while equal,
+        # so that what is joined from it is known unchanged by identity (join, issue 44)
+        self._lists: Dict[Tuple[int, str], List[ProcessMemory]] = {}
         self._direct: Optional[DirectLists] = None  # None: pynvml's public list functions
         self.gpm = GpmSampler(self._waits[1])  # the only caller of GPM while NVML is initialised
         self.gpus = PerGpuReads(self._waits[0])
@@ -393,6 +396,7 @@ class NvmlClient:
         self._last_seen_us.clear()
         self._identity.clear()
         self._modes.clear()
+        self._lists.clear()
         self._direct = None
 
     def close(self) -> None:
@@ -464,13 +468,24 @@ class NvmlClient:
         rates = nvml.nvmlDeviceGetUtilizationRates(handle)
         gpu.utilization_ratio = _ratio(rates.gpu)
         gpu.memory_utilization_ratio = _ratio(rates.memory)
-        gpu.compute_processes = self._processes(nvml, "nvmlDeviceGetComputeRunningProcesses", handle, gpu.index)
+        compute = "nvmlDeviceGetComputeRunningProcesses"
+        gpu.compute_processes = self._as_last(gpu.index, compute, self._processes(nvml, compute, handle, gpu.index))
         # With several GPUs, NVML's MPS list names every client of the server on every
         # GPU, with 0 bytes where it has no context; the compute list (and nvidia-smi)
         # name it only where it runs (seen live on two H200s, tests/gpu/reports).
         running = {p.pid for p in gpu.compute_processes}
-        gpu.mps_clients = [p for p in self._processes(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", handle, gpu.index)
-                           if p.pid in running or (p.used_bytes or 0) > 0]
+        mps = "nvmlDeviceGetMPSComputeRunningProcesses"
+        gpu.mps_clients = self._as_last(gpu.index, mps, [p for p in self._processes(nvml, mps, handle, gpu.index)
+                                                         if p.pid in running or (p.used_bytes or 0) > 0])
+
+    def _as_last(self, index: int, function: str, processes: List[ProcessMemory]) -> List[ProcessMemory]:
+        """`processes`, or the equal list this function gave on this GPU last time."""
+        key = (index, function)
+        last = self._lists.get(key)
+        if last is not None and last == processes:
+            return last
+        self._lists[key] = processes
+        return processes
 
     @staticmethod
     def _memory_info(nvml: Any, handle: Any) -> Any:
