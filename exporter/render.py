@@ -445,15 +445,26 @@ class ClientTableMemo:
 
     def __init__(self) -> None:
         self._clients: Dict[str, Dict[int, _Rendered]] = {}  # daemon -> pid -> ...
+        # daemon -> its client rows and their families, for the very same rows again (the
+        # join keeps a daemon's tuple while nothing it is derived from changed)
+        self._tables: Dict[str, Tuple[Tuple[ClientRow, ...], ClientParts]] = {}
         self._uuids: Dict[int, str] = {}
         # The exit tracker's peak of each client, its sample by (peak entry, GPU UUID).
         self.peaks: Dict[Tuple[object, ...], Sample] = {}
+        # The last edges rendered (the report, the UUIDs, the granularity) and their families.
+        self.edges: Tuple[object, ...] = ()
+        self.edge_parts: ClientParts = []
 
     def render_clients(self, out: FamilyBuilder, d: DaemonRow, uuids: Mapping[int, str]) -> None:
         """The daemon's client rows. A client whose series cannot be rendered is left out
         whole (none of its series), and logged; not tried again while its row stays."""
         if uuids != self._uuids:  # the memory series carry the GPUs' UUIDs
-            self._clients, self._uuids = {}, dict(uuids)
+            self._clients, self._tables, self._uuids = {}, {}, dict(uuids)
+        table = self._tables.get(d.name)
+        if table is not None and table[0] is d.clients:
+            for name, samples in table[1]:
+                out.extend(name, samples)
+            return
         before = self._clients.get(d.name, {})
         now: Dict[int, _Rendered] = {}
         families: Dict[str, List[Sample]] = {}  # in the order emit_client adds them
@@ -465,12 +476,14 @@ class ClientTableMemo:
             for name, samples in kept.parts:
                 families.setdefault(name, []).extend(samples)
         self._clients[d.name] = now  # clients gone are forgotten
+        self._tables[d.name] = (d.clients, list(families.items()))
         for name, samples in families.items():
             out.extend(name, samples)
 
     def keep_only(self, names: AbstractSet[str]) -> None:
         """Forget the clients of daemons no longer read."""
         self._clients = {name: kept for name, kept in self._clients.items() if name in names}
+        self._tables = {name: kept for name, kept in self._tables.items() if name in names}
 
 
 def _moved_readings(c: ClientRow, uuids: Mapping[int, str], before: _Rendered) -> Optional[_Rendered]:
@@ -590,7 +603,26 @@ def render_edges(out: FamilyBuilder, edges: EdgeReport, uuids: Mapping[int, str]
                  memo: Optional["ClientTableMemo"] = None) -> None:
     """The exit tracker's counts (every granularity: no client labels) and peaks (per
     client at client granularity, per server and pod at pod granularity). `memo`: the
-    peaks' samples of the last call, reused where a client's peak and names stayed."""
+    peaks' samples of the last call, reused where a client's peak and names stayed, and
+    the last call's families, for the very same report (the tracker's, while nothing in
+    it changed)."""
+    if memo is not None:
+        inputs = (edges, dict(uuids), granularity)
+        if len(memo.edges) == 3 and memo.edges[0] is edges and memo.edges[1:] == inputs[1:]:
+            for name, samples in memo.edge_parts:
+                out.extend(name, samples)
+            return
+        own = FamilyBuilder()
+        _render_edges(own, edges, uuids, granularity, memo)
+        memo.edges, memo.edge_parts = inputs, own.parts()
+        for name, samples in memo.edge_parts:
+            out.extend(name, samples)
+        return
+    _render_edges(out, edges, uuids, granularity, None)
+
+
+def _render_edges(out: FamilyBuilder, edges: EdgeReport, uuids: Mapping[int, str], granularity: str,
+                  memo: Optional["ClientTableMemo"]) -> None:
     for (daemon, gpu, reason, outcome), n in edges.exits:
         out.add("mps_client_exits_at_memory_limit_total", n, daemon=daemon, gpu=str(gpu), reason=reason,
                 outcome=outcome)

@@ -111,6 +111,13 @@ def test_peak_series_are_reused_while_a_peak_stays_and_redone_when_it_moves():
         (entry, UUID) for entry in tracker.observe(snap(103.0, {2: GiB})).peaks}
     # Without a memo, the same series.
     assert {pid: s.value for pid, s in peaks(tracker.observe(snap(104.0, {2: GiB})), None).items()} == {"2": 2 * GiB}
+    # The very same report again: its families at once, but for another granularity its own.
+    report = tracker.observe(snap(105.0, {2: GiB}, pods={2: ("uid-2", "trainer-2")}))
+    assert peaks(report, memo) == peaks(report, memo) == peaks(report, None)
+    pod = FamilyBuilder()
+    render_edges(pod, report, {0: UUID}, "pod", memo)
+    assert [name for name, _ in pod.parts()] == ["mps_client_exits_at_memory_limit_total",
+                                                 "mps_pod_client_memory_peak_bytes"]
 
 
 def test_a_client_read_below_the_edge_in_its_last_moments_is_judged_by_its_edge_reading():

@@ -208,6 +208,26 @@ def _families(snap: Any, memo: Any = None) -> List[Any]:
     return out.families()
 
 
+def test_a_daemon_s_very_same_client_rows_render_as_fresh_even_where_the_gpus_uuids_moved(tmp_path):
+    """The memo gives a daemon's client families at once for the very rows it rendered
+    last (the join keeps the tuple): equal to a render without it, the UUIDs included."""
+    from mps_exporter.join import rows_of
+    from mps_exporter.render import ClientTableMemo, FamilyBuilder
+
+    rows = rows_of(scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3).collector().snapshot())
+    d, memo = rows.daemons[0], ClientTableMemo()
+
+    def render(uuids, with_memo):
+        out = FamilyBuilder()
+        (memo if with_memo else ClientTableMemo()).render_clients(out, d, uuids)
+        return [(name, [(s.labels, s.value) for s in samples]) for name, samples in out.parts()]
+
+    moved = {**rows.uuids, 1: "GPU-ffffffff-0000-0000-0000-000000000000"}
+    for uuids in (rows.uuids, rows.uuids, moved, moved, rows.uuids):
+        assert render(uuids, True) == render(uuids, False)
+    assert any(s[0]["uuid"] == moved[1] for name, samples in render(moved, True) for s in samples if "uuid" in s[0])
+
+
 def test_the_client_memo_renders_what_a_fresh_render_does_whatever_input_moves(tmp_path):
     """Every input render_client reads, moved one after the other: with the memo the
     families are those of a render without it."""
