@@ -60,6 +60,40 @@ def test_the_body_is_one_valid_exposition_with_every_family(tmp_path, accept, zi
             {n.removesuffix("_total") for n in names}
 
 
+def test_a_gzip_body_whose_gpus_moved_deflates_only_the_families_that_moved(tmp_path, monkeypatch):
+    """The readings' families are deflated one by one and kept while their text stays:
+    the body is still one gzip stream of exactly the plain exposition."""
+    import dataclasses
+
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3)
+    collector = scen.collector()
+    registry = build_registry(collector, process=False)
+    encoder, content_type = choose_encoder(OPENMETRICS)
+    snap = collector.snapshot()
+    served = [snap]
+    collector.collection = lambda: served[0]  # type: ignore[method-assign]
+    registry.encode(encoder, content_type, True)
+    deflated: List[int] = []
+    real = zlib.compressobj
+
+    def counting(*args: Any) -> Any:
+        deflated.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(zlib, "compressobj", counting)
+    for ratio in (0.25, 0.5):
+        moved = copy.copy(snap)
+        moved.nvml = dataclasses.replace(snap.nvml, gpus=[dataclasses.replace(g, utilization_ratio=ratio)
+                                                          for g in snap.nvml.gpus])
+        served[0] = moved
+        deflated.clear()
+        body = registry.encode(encoder, content_type, True)
+        assert gunzip_one_stream(body) == registry.encode(encoder, content_type, False)
+        assert any(line.startswith(b'mps_gpu_utilization_ratio{gpu="0"') and line.endswith(b" %r" % ratio)
+                   for line in gunzip_one_stream(body).splitlines())
+        assert len(deflated) == 2  # the GPUs' utilization family, and the exporter's own series
+
+
 def test_the_readings_part_is_encoded_once_while_the_readings_stay(tmp_path, counted):
     scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=2)
     collector = scen.collector()

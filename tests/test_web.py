@@ -882,6 +882,9 @@ def test_max_requests_answers_503_past_the_cap():
         collector.gate.set()
         holder.join(20)
         assert first == [200]
+        # The slot is given back after the reply went out: the client may ask before.
+        assert server.app.scrapes.acquire(timeout=20)
+        server.app.scrapes.release()
         assert request(server, "/metrics")[0] == 200  # the slot was given back
 
 
