@@ -27,7 +27,7 @@ from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
 from ..discovery import DaemonSet, daemon_environ, find_control_daemon, identity, is_multiuser
 from ..limits import VisibleDevice, visible_devices
-from ..model import DaemonReading, PsEntry, ServerFacts, Snapshot
+from ..model import DaemonReading, GpuReading, ProcessMemory, PsEntry, ServerFacts, Snapshot
 from ..units import parse_size
 from .base import (Backends, Flag, PartialFailure, ReadContext, Reader, Source, not_empty, not_negative, positive,
                    record_value, replay_value)
@@ -351,6 +351,7 @@ class ControlClient:
     binary: str = Config.control_binary
     timeout: float = Config.command_timeout
     runner: Runner = subprocess_runner
+    _environment: Optional[Dict[str, str]] = field(default=None, init=False, repr=False, compare=False)
 
     def command_line(self, verb: str, *args: object) -> str:
         """The exact text sent, after the allowlist check."""
@@ -363,9 +364,14 @@ class ControlClient:
         return " ".join([verb, *text_args])
 
     def _env(self) -> Dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
-        env["CUDA_MPS_PIPE_DIRECTORY"] = self.pipe_directory
-        return env
+        """The control process's environment: the exporter's (read once: it never changes
+        its own), its CUDA_MPS_ settings but the daemon's pipe directory left out."""
+        env = self._environment
+        if env is None:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+            env["CUDA_MPS_PIPE_DIRECTORY"] = self.pipe_directory
+            self._environment = env
+        return dict(env)
 
     def run(self, verb: str, *args: object) -> str:
         line = self.command_line(verb, *args)
@@ -753,12 +759,25 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
                                                     proc_root=cfg.procfs)
             return [sources[d.name] for d in now]
 
+        # NVML's MPS lists last seen (GPU indexes, the lists) and their (GPU index, pid) set
+        nvml_clients: List[Tuple[Tuple[int, ...], List[List[ProcessMemory]], FrozenSet[Tuple[int, int]]]] = [
+            ((), [], frozenset())]
+
+        def clients_on_gpus(gpus: Sequence[GpuReading]) -> FrozenSet[Tuple[int, int]]:
+            """(GPU index, pid) of NVML's MPS lists; the last set while they are the very same lists."""
+            indexes, lists = tuple(g.index for g in gpus), [g.mps_clients for g in gpus]
+            last_indexes, last_lists, found = nvml_clients[0]
+            if indexes != last_indexes or len(lists) != len(last_lists) or \
+                    not all(a is b for a, b in zip(lists, last_lists)):
+                found = frozenset((g.index, p.pid) for g in gpus for p in g.mps_clients)
+                nvml_clients[0] = (indexes, lists, found)
+            return found
+
         def signals(ctx: ReadContext, daemon: str) -> Callable[[], ChangeSignals]:
             def seen() -> ChangeSignals:
                 snap = ctx.wait(("logs", "nvml"))  # the logs: no I/O, their last snapshots
                 logs = snap.logs.get(daemon)
-                nvml = None if snap.nvml is None else frozenset(
-                    (g.index, p.pid) for g in snap.nvml.gpus for p in g.mps_clients)
+                nvml = None if snap.nvml is None else clients_on_gpus(snap.nvml.gpus)
                 if logs is None:
                     return ChangeSignals(nvml_clients=nvml)
                 return ChangeSignals(logs.control_changes, (logs.limit_commands, logs.daemon_pid), nvml,

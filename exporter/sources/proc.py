@@ -25,7 +25,7 @@ import pwd
 import re
 import dataclasses
 from dataclasses import dataclass, field
-from typing import AbstractSet, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
@@ -386,10 +386,20 @@ def file_or_empty(value: str) -> str:
 
 def mps_pids(snap: Snapshot) -> Set[int]:
     """The servers and clients the daemons and NVML name: the PIDs /proc is asked about."""
-    pids = {s.pid for d in snap.daemons for s in d.servers} | {c.pid for d in snap.daemons for c in d.clients}
+    global _listed
+    lists: List[Sequence[Any]] = [d.clients for d in snap.daemons]
     if snap.nvml:
-        pids |= {p.pid for g in snap.nvml.gpus for p in g.mps_clients + g.compute_processes}
-    return pids
+        lists += [g.mps_clients for g in snap.nvml.gpus] + [g.compute_processes for g in snap.nvml.gpus]
+    last_lists, listed = _listed
+    if len(lists) != len(last_lists) or not all(a is b for a, b in zip(lists, last_lists)):
+        listed = frozenset(p.pid for entries in lists for p in entries)
+        _listed = (lists, listed)
+    return {s.pid for d in snap.daemons for s in d.servers} | listed
+
+
+# The lists mps_pids read last (ps answers, NVML's process lists: given again while equal)
+# and their PIDs: a scrape asks twice, and the lists mostly stay.
+_listed: Tuple[List[Sequence[Any]], FrozenSet[int]] = ([], frozenset())
 
 
 class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
