@@ -35,7 +35,7 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, FrozenSet, List, Optional, Tuple
+from typing import AbstractSet, Callable, Dict, FrozenSet, List, Mapping, Optional, Set, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +260,13 @@ class ExitWatcher:
         self.filtered = False  # the kernel drops every other event (attach_exits_only)
         self.watched: Optional[FrozenSet[int]] = None  # the PIDs whose clean exits it keeps; None: all
         self.thread_id: Optional[int] = None  # the OS thread's ID (its CPU in /proc)
+        # What `unexited_since` reads, on one clock that moves at each exit, overflow and
+        # filter change: when each watched PID's exits began to reach it, each watched
+        # PID's last exit, the last overflow.
+        self._clock = 0
+        self._covered: Dict[int, int] = {}
+        self._exited: Dict[int, int] = {}
+        self._lost_at = 0
 
     def start(self) -> bool:
         try:
@@ -332,7 +339,7 @@ class ExitWatcher:
                 data = sock.recv(1 << 20)
             except OSError as e:
                 if e.errno == errno.ENOBUFS:
-                    self.lost += 1
+                    self._overflowed()
                     continue
                 if self._stop.is_set():
                     return
@@ -340,6 +347,13 @@ class ExitWatcher:
                 self.available, self.why_not = False, str(e)
                 return
             self._record(parse(data)[0])
+
+    def _overflowed(self) -> None:
+        """The kernel dropped events: any exit may have been among them."""
+        with self._lock:
+            self.lost += 1
+            self._clock += 1
+            self._lost_at = self._clock
 
     def _record(self, exits: List[Exit]) -> None:
         if not exits:
@@ -349,6 +363,9 @@ class ExitWatcher:
                 if not e.process:
                     continue
                 self.seen += 1
+                self._clock += 1
+                if e.pid in self._covered:
+                    self._exited[e.pid] = self._clock
                 self._exits.pop(e.pid, None)
                 self._exits[e.pid] = e.status
                 if len(self._exits) > self.capacity:
@@ -363,7 +380,28 @@ class ExitWatcher:
             if not self.filtered or sock is None or wanted == self.watched:
                 return
             if attach_exits_only(sock, wanted):
+                self._clock += 1  # each PID's exits reach it from here
+                self._covered = {pid: self._covered.get(pid, self._clock) for pid in wanted or ()}
+                self._exited = {pid: at for pid, at in self._exited.items() if pid in self._covered}
                 self.watched = wanted
+
+    def mark(self) -> int:
+        """Now, for `unexited_since`: taken before a process is looked at."""
+        with self._lock:
+            return self._clock
+
+    def unexited_since(self, marks: Mapping[int, int]) -> Set[int]:
+        """Of the PIDs in `marks` (pid -> a `mark()`), those that have not exited since:
+        watched since before their mark, with no exit of theirs and no lost event since.
+        A PID this cannot vouch for is left out (its /proc entry is then looked at). An
+        exit still queued in the socket is not known yet; the PID of a process that
+        exited a moment ago still names it or nothing until it is reaped and reused."""
+        with self._lock:
+            if not self.available or self.watched is None or self._thread is None or not self._thread.is_alive():
+                return set()
+            covered, exited, lost_at = self._covered, self._exited, self._lost_at
+            return {pid for pid, mark in marks.items()
+                    if lost_at <= mark and covered.get(pid, mark + 1) <= mark and exited.get(pid, 0) <= mark}
 
     def status(self, pid: int) -> Optional[ExitStatus]:
         """How `pid` exited, where its exit was seen (the latest exit of that PID)."""

@@ -24,8 +24,9 @@ def serve(cfg: Config, stop: Optional[threading.Event] = None, ready: Optional[t
     for reader in readers.values():
         reader.start()
     watcher = ExitWatcher() if cfg.exit_status else None
-    if watcher is not None:
-        watcher.start()  # fails softly: exits then count as outcome="unknown"
+    if watcher is not None and watcher.start():  # fails softly: exits then count as outcome="unknown"
+        for reader in readers.values():
+            reader.hear_exits(watcher)
     collector = build_collector(cfg, readers, clock, statuses=watcher)
     collector.start()
     # Start-up objects (modules, parsers, NVML bindings) live as long as the process:

@@ -191,6 +191,31 @@ def test_the_watcher_keeps_process_exits_and_bounds_them():
     assert not watcher.available
 
 
+def test_the_watcher_vouches_only_for_watched_pids_with_no_exit_or_lost_event_since_their_mark():
+    # What lets the proc source skip the stat() of a known client (sources/proc.py).
+    fake = FakeNetlink()
+    fake.peer.send(message(PROC_EVENT_NONE, ACK_DATA.pack(0)))
+    watcher = ExitWatcher(factory=lambda: fake, ack_wait=1.0)  # type: ignore[arg-type,return-value]
+    assert watcher.start()
+    before = watcher.mark()
+    assert watcher.unexited_since({11: before}) == set()  # every exit reaches it, but none is kept by PID
+    watcher.watch({11, 12, 13})
+    assert watcher.unexited_since({11: before}) == set()  # its clean exits reach it only since the filter
+    mark = watcher.mark()
+    assert watcher.unexited_since({11: mark, 12: mark, 13: mark, 99: mark}) == {11, 12, 13}  # 99: not watched
+    watcher._record(parse(exit_message(12, 0))[0])
+    assert watcher.unexited_since({11: mark, 12: mark, 13: mark}) == {11, 13}
+    later = watcher.mark()
+    assert watcher.unexited_since({12: later}) == {12}  # looked at again after its exit
+    watcher.watch({11, 13, 14})  # 12 no longer watched, 14 from now
+    assert watcher.unexited_since({11: mark, 12: later, 13: mark, 14: later}) == {11, 13}
+    watcher._overflowed()  # the kernel dropped events: nothing from before vouched for
+    assert watcher.unexited_since({11: mark, 13: later}) == set()
+    assert watcher.unexited_since({11: watcher.mark()}) == {11}
+    watcher.close()
+    assert watcher.unexited_since({11: watcher.mark()}) == set()  # closed: it hears nothing
+
+
 def test_the_watcher_reads_exits_in_its_thread():
     fake = FakeNetlink()
     fake.peer.send(message(PROC_EVENT_NONE, ACK_DATA.pack(0)))

@@ -131,6 +131,47 @@ def test_known_process_is_not_reread_but_a_reused_pid_is(tmp_path):
     assert again.uid == 1500 and again.environ == {}
 
 
+class Exits:
+    """The kernel's exits as the test says them: a PID is vouched for unless it exited."""
+
+    def __init__(self) -> None:
+        self.exited: set = set()
+        self.clock = 0
+
+    def mark(self) -> int:
+        return self.clock
+
+    def unexited_since(self, marks):
+        return {pid for pid in marks if pid not in self.exited}
+
+
+def test_a_process_the_kernel_vouches_has_not_exited_is_not_looked_at_again(tmp_path, monkeypatch):
+    root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0), FakeProcess(11, uid=0)])
+    src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK, exits=Exits())
+    looked = []
+    real_stat = procfs.os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).count("/") == str(root).count("/") + 1:  # a process's directory
+            looked.append(str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(procfs.os, "stat", stat)
+    first = src.read([10, 11])
+    assert sorted(looked) == [f"{root}/10", f"{root}/11"]  # new: looked at
+    looked.clear()
+    assert src.read([10, 11]) == first and looked == []  # vouched for: no stat()
+    assert src.cached([10, 11]) == first and looked == []
+    # PID 10 exits and a new process gets the PID: the kernel said so, so it is looked at
+    src.exits.exited.add(10)
+    write_proc(root, [FakeProcess(10, uid=1500, start_ticks=99999)])
+    assert src.read([10, 11])[10].uid == 1500 and set(looked) == {f"{root}/10"}
+    # without the kernel's word, a stat() each, as before
+    src.exits = None
+    looked.clear()
+    assert set(src.read([10, 11])) == {10, 11} and sorted(looked) == [f"{root}/10", f"{root}/11"]
+
+
 def test_cached_answers_known_processes_with_a_stat_and_declines_anything_else(tmp_path):
     root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0, environ={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}),
                                           FakeProcess(11, uid=0)])

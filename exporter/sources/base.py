@@ -70,6 +70,10 @@ def _always() -> bool:
     return True
 
 
+def _unheard(exits: Any) -> None:
+    return None
+
+
 @dataclass
 class Reader(Generic[R]):
     """A built source. `read` runs once per collection, in its own thread."""
@@ -87,6 +91,9 @@ class Reader(Generic[R]):
     # serve: False while what it would serve is not yet true (the logs catching up on
     # their history); /-/ready answers 503 until every reader is ready.
     ready: Callable[[], bool] = _always
+    # serve: the kernel's process exits (exitstatus.ExitWatcher, where it listens), for a
+    # source that can spare work with them (proc: no stat() of a process that has not exited)
+    hear_exits: Callable[[Any], None] = _unheard
     source: Any = field(default=None, repr=False)  # the live object, for tests and benchmarks
 
 

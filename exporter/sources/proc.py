@@ -25,7 +25,8 @@ import pwd
 import re
 import dataclasses
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import (AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Protocol,
+                    Sequence, Set, Tuple)
 
 from ..config import Config
 from ..model import ProcessFacts, Snapshot
@@ -195,6 +196,14 @@ def _user_name(uid: int) -> str:
         return str(uid)  # no passwd entry (e.g. a container's user): the number is the name
 
 
+class ExitNews(Protocol):
+    """exitstatus.ExitWatcher, as the source asks it which processes have not exited."""
+
+    def mark(self) -> int: ...
+
+    def unexited_since(self, marks: Mapping[int, int]) -> Set[int]: ...
+
+
 @dataclass
 class ProcClient:
     root: str = "/proc"
@@ -214,6 +223,11 @@ class ProcClient:
     _known: Dict[int, Tuple[Tuple[int, int], Optional[int], ProcessFacts]] = field(default_factory=dict)
     pod_names: PodNameLookup = field(default_factory=lambda: PodNameLookup(roots=()))
     renamed: int = 0  # facts given their container's names in place, so far
+    # The kernel's process exits (serve's exit watcher, where it listens): a known process
+    # it vouches has not exited since its last look is not looked at again (its PID cannot
+    # have been reused), so a steady node's scrape costs no stat() per client (issue 44).
+    exits: Optional[ExitNews] = None
+    _looked: Dict[int, int] = field(default_factory=dict)  # pid -> exits.mark() at its last stat()
 
     def _read(self, pid: int, name: str) -> str:
         with open(os.path.join(self.root, str(pid), name), encoding="utf-8", errors="replace") as f:
@@ -244,11 +258,20 @@ class ProcClient:
         """`read_new`: a new or reused process is read, and a container's names looked up
         (the kubelet asked) where they are not known yet; else either makes this None."""
         facts = {}
-        for pid in set(pids):
+        pids = set(pids)
+        exits, looked = self.exits, self._looked
+        unexited = exits.unexited_since({pid: looked[pid] for pid in pids if pid in looked}) if exits else set()
+        mark = exits.mark() if exits else 0
+        for pid in pids:
             try:
-                st = os.stat(f"{self.root}/{pid}")
-                identity = (st.st_ino, st.st_ctime_ns)
                 known = self._known.get(pid)
+                if known is not None and pid in unexited:
+                    identity = known[0]
+                else:
+                    st = os.stat(f"{self.root}/{pid}")
+                    identity = (st.st_ino, st.st_ctime_ns)
+                    if exits is not None:
+                        looked[pid] = mark
                 if known is None or known[0] != identity:
                     if not read_new:
                         return None
@@ -279,6 +302,7 @@ class ProcClient:
             facts[pid] = found
         for pid in set(self._known) - set(facts) - keep:
             del self._known[pid]
+            looked.pop(pid, None)
         return facts
 
     def _confirmed(self, pid: int, found: ProcessFacts, names: PodNames) -> bool:
@@ -465,7 +489,10 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
             # a new one goes to the source's thread at once, to be read while control runs.
             return gathered(ctx, source.cached)
 
-        return Reader(read, quick=quick, source=source)
+        def hear_exits(exits: ExitNews) -> None:
+            source.exits = exits
+
+        return Reader(read, quick=quick, hear_exits=hear_exits, source=source)
 
     def store(self, snap: Snapshot, reading: Dict[int, ProcessFacts]) -> None:
         snap.processes = reading
