@@ -247,7 +247,7 @@ def test_a_line_holding_a_newline_is_applied_line_by_line():
 # ------------------------------------------------------------------ the pipeline
 def _write(directory: Path, control: Sequence[str], server: Sequence[str], last_newline: bool = True) -> None:
     (directory / "control.log").write_text("".join(line + "\n" for line in control), encoding="utf-8")
-    text = "\n".join(server) + ("\n" if last_newline else "")
+    text = "\n".join(server) + ("\n" if last_newline and server else "")
     (directory / "server.log").write_text(text, encoding="utf-8")
 
 
@@ -292,3 +292,85 @@ def test_a_partial_last_line_waits_for_its_end(tmp_path):
     after.rotation_gaps = {}
     want = line_by_line(control, server).snapshot()
     assert after == _comparable(want)
+
+
+# ------------------------------------------------------------------ control.log
+def generated_control(seed: int, n: int) -> List[str]:
+    """control.log of a monitored node whose clients come and go: command echoes, clients'
+    contexts admitted (`Server already exists`) inside answers, between framing lines and
+    before commands, while nobody is queued and while someone is (then each is parsed: it
+    ends a wait), and lines that only look like them."""
+    rng = random.Random(seed)
+    t = NOW - 3600.0
+    out: List[str] = []
+    client = 7000
+
+    def line(msg: str, pid: int = 546) -> None:
+        out.append(f"[{_stamp(t)} Control   {pid}] {msg}")
+
+    def accepted() -> None:
+        line(rng.choice([f"NEW CLIENT {client} from user 0: Server already exists",
+                         f"NEW CLIENT {client} from user 0: Server already exists   ",
+                         f"NEW CLIENT {client} from user 1000: Server already exists, and more",
+                         "NEW CLIENT -3 from user 0: Server already exists",
+                         "NEW CLIENT 12345678901 from user 0: Server already exists",  # 11 digits: no client
+                         f"NEW CLIENT {client} from user 0: Server already existed"]))
+
+    server = 800
+    while len(out) < n:
+        t += rng.choice((0.0, 0.001, 0.01, 0.3))
+        r = rng.random()
+        if r < 0.45:  # a monitoring command, clients' contexts admitted anywhere in it
+            line("Accepting connection...")
+            if rng.random() < 0.2:
+                accepted()
+            line("NEW UI")
+            if rng.random() < 0.2:
+                line("User did not send valid credentials")
+            line(rng.choice(["Cmd:get_server_list", "Cmd:ps", f"Cmd:get_server_status {server}"]))
+            for _ in range(rng.randint(0, 3)):
+                if rng.random() < 0.3:
+                    accepted()
+                line(rng.choice([str(server), "ACTIVE", f"{client}   1   {server}   0   python3",
+                                 f"12 [{_stamp(t)} Control   546] NEW CLIENT {client} from user 0: Server already exists"]))
+            if rng.random() < 0.2:
+                accepted()
+            line("UI closed")
+            if rng.random() < 0.3:
+                accepted()
+                if rng.random() < 0.5:
+                    line("User did not send valid credentials")
+        elif r < 0.55:  # a client queued while its server starts, then admitted
+            client += 1
+            line(f"NEW CLIENT {client} from user 0: Server is not ready, push client to pending list")
+            if rng.random() < 0.5:
+                line("Accepting connection...")
+                line("NEW UI")
+                line("Cmd:get_server_list")
+                line(str(server))
+                accepted()
+                line("UI closed")
+            server += 1
+            line(f"Starting new server {server} for user 0", pid=server)
+            line(f"NEW SERVER {server}: Ready")
+            t += 0.05
+            line(f"NEW CLIENT {client} from user 0: Server already exists")
+            accepted()
+        elif r < 0.6:
+            line(f"Server {server} exited with status 0")
+        else:
+            client += 1
+            accepted()
+    return out[:n]
+
+
+@pytest.mark.parametrize("read_bytes", [None, 131, 2000])
+@pytest.mark.parametrize("seed", range(4))
+def test_clients_admitted_among_echoes_end_in_the_same_state(tmp_path, seed, read_bytes):
+    control = generated_control(seed, 2500)
+    _write(tmp_path, control, [])
+    expected = line_by_line(control, [])
+    assert expected.s.queue_wait["server_starting"].count > 10 and expected.s.control_changes > 500
+    pipe = _pipeline(tmp_path, read_bytes)
+    pipe.read_once()
+    assert pipe.state_entry()["state"] == expected.to_dict()
