@@ -56,9 +56,11 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
             second = row[0]
             if second and second != last_second:
                 epoch, last_second = _epoch(second, tz), second
+            event = None
             if second and epoch is not None:
                 ts = epoch + int(row[1]) * 0.001
-                event = server_row_event(row, ts)
+                if not (row[6] or row[7]):  # else a Noise verb: nothing to build
+                    event = server_row_event(row, ts)
                 if ts <= believed and (event is None or type(event) in _SHORT):
                     n += 1
                     if ts > last:
@@ -77,7 +79,7 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
                         s.control_changes += 1
                     continue
             try:  # anything else, as line by line
-                apply(parse_line(lines[i], FILE, tz), FILE)
+                apply(event if event is not None else parse_line(lines[i], FILE, tz), FILE)
             except Exception:
                 on_error(lines[i])
             believed = state._believed_until
