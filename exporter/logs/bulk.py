@@ -51,16 +51,15 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
     n = 0  # lines counted here
     i = -1
     try:
-        for row in rows:
+        for second, millis, pid, connected, active, disconnected, request, context_exit, msg, _ in rows:
             i += 1
-            second = row[0]
             if second and second != last_second:
                 epoch, last_second = _epoch(second, tz), second
             event = None
             if second and epoch is not None:
-                ts = epoch + int(row[1]) * 0.001
-                if not (row[6] or row[7]):  # else a Noise verb: nothing to build
-                    event = server_row_event(row, ts)
+                ts = epoch + int(millis) * 0.001
+                if not (request or context_exit):  # else a Noise verb: nothing to build
+                    event = server_row_event(ts, pid, connected, active, disconnected, msg)
                 if ts <= believed and (event is None or type(event) in _SHORT):
                     n += 1
                     if ts > last:
@@ -68,7 +67,7 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
                     if pending and ts > pending[0][0]:
                         state._decide_exits(before=ts)
                     if reports:
-                        reports.pop(int(row[2]), None)
+                        reports.pop(int(pid), None)
                     if event is None:
                         continue
                     try:

@@ -495,12 +495,11 @@ second_epoch = _second_epoch
 _QUIET: Dict[str, None] = {}
 
 
-def server_row_event(row: Tuple[str, ...], ts: float) -> Optional[ParseResult]:
-    """The event of scan_server's row of a line with a header, its time ts: None where that
-    is Noise other than a fatal error report's (a line only counted, its time kept)."""
-    _, _, pid, connected, active, disconnected, request, context_exit, msg, _ = row
-    if request or context_exit:
-        return None
+def server_row_event(ts: float, pid: str, connected: str, active: str, disconnected: str,
+                     msg: str) -> Optional[ParseResult]:
+    """The event of a scan_server row (its groups from the PID on, but the Noise verbs') of a
+    line with a header, its time ts: None where that is Noise other than a fatal error
+    report's (a line only counted, its time kept)."""
     if connected:
         return _new(ClientContextConnected, (ts, int(pid), int(connected)))
     if active:

@@ -6,6 +6,7 @@ into batches anywhere, and through the pipeline with reads cut at any byte."""
 from __future__ import annotations
 
 import functools
+from datetime import datetime
 import random
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
@@ -107,8 +108,7 @@ def test_the_scan_takes_every_line_apart_as_parse_line(path):
 # ------------------------------------------------------------------ generated
 def _stamp(t: float) -> str:
     whole = int(t)
-    import datetime
-    return datetime.datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%d %H:%M:%S") + f".{int((t - whole) * 1000):03d}"
+    return datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%d %H:%M:%S") + f".{int((t - whole) * 1000):03d}"
 
 
 def generated(seed: int, n: int) -> List[str]:
@@ -374,3 +374,4 @@ def test_clients_admitted_among_echoes_end_in_the_same_state(tmp_path, seed, rea
     pipe = _pipeline(tmp_path, read_bytes)
     pipe.read_once()
     assert pipe.state_entry()["state"] == expected.to_dict()
+
