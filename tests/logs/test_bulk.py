@@ -374,4 +374,3 @@ def test_clients_admitted_among_echoes_end_in_the_same_state(tmp_path, seed, rea
     pipe = _pipeline(tmp_path, read_bytes)
     pipe.read_once()
     assert pipe.state_entry()["state"] == expected.to_dict()
-
