@@ -381,13 +381,12 @@ _HEADER = re.compile(HEADER_PATTERN).match
 _VERBS: Dict[str, type] = {"connected": ClientContextConnected, "active": ClientContextActive,
                            "disconnected": ClientProcessDisconnected}
 _NOISE_VERBS = frozenset(("client_request", "client_context_exit"))
-_SERVER_LINE = re.compile(HEADER_PATTERN + r"(?:(?:"
-                          r"Client \{PID: (?P<connected>-?\d{1,10}), Context ID: \d+\} connected"
-                          r"|Status of client \{PID: (?P<active>-?\d{1,10}), Context(?: ID)?: \d+\} is ACTIVE"
-                          r"|Client process (?P<disconnected>-?\d{1,10}) disconnected"
-                          r"|(?P<client_request>Received new client request|Creating worker thread).*"
-                          r"|(?P<client_context_exit>Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting).*"
-                          r"))?").match
+_SERVER_VERBS = (r"Client \{PID: (?P<connected>-?\d{1,10}), Context ID: \d+\} connected"
+                 r"|Status of client \{PID: (?P<active>-?\d{1,10}), Context(?: ID)?: \d+\} is ACTIVE"
+                 r"|Client process (?P<disconnected>-?\d{1,10}) disconnected"
+                 r"|(?P<client_request>Received new client request|Creating worker thread).*"
+                 r"|(?P<client_context_exit>Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting).*")
+_SERVER_LINE = re.compile(HEADER_PATTERN + f"(?:(?:{_SERVER_VERBS}))?").match
 _CONTROL_LINE = re.compile(HEADER_PATTERN + r"(?:(?:"
                            r"NEW CLIENT (-?\d{1,10}) from user (\d{1,10}): (?P<new_client>.*)"
                            r"|Cmd:\s*(?P<command_verb>\S*)\s*(?P<command>.*)"
@@ -466,18 +465,11 @@ def _parse_message(ts: float, pid: int, msg: str, file: str) -> ParseResult:
 
 # ------------------------------------------------------------- catch-up
 # A batch of server.log lines (a backlog: many at once) taken apart by one findall over
-# their text instead of a regex call per line: per line, the header's second, milliseconds
-# and PID, then the number of one of _SERVER_LINE's verbs (one group each, as there), or
-# else the message; a line without the header, its whole text. Each line is one match
-# (the last alternative takes any line), none crosses a newline.
-_SERVER_SCAN = re.compile(
-    r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) +[A-Za-z ]*[A-Za-z] +(-?\d{1,10})\] ?(?:(?:"
-    r"Client \{PID: (-?\d{1,10}), Context ID: \d+\} connected"
-    r"|Status of client \{PID: (-?\d{1,10}), Context(?: ID)?: \d+\} is ACTIVE"
-    r"|Client process (-?\d{1,10}) disconnected"
-    r"|(Received new client request|Creating worker thread)[^\n]*"
-    r"|(Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting)[^\n]*"
-    r")[^\S\n]*\n|([^\n]*)\n)|([^\n]*)\n").findall
+# their text instead of a regex call per line: per line, the header's groups, then those of
+# _SERVER_LINE's verbs (the verb followed by what rstrip() removes), or else the message; a
+# line without the header, its whole text. Each line is one match (the last alternative
+# takes any line), none crosses a newline (`.` takes none).
+_SERVER_SCAN = re.compile(HEADER_PATTERN + rf"(?:(?:{_SERVER_VERBS})[^\S\n]*\n|(.*)\n)|(.*)\n").findall
 
 
 def scan_server(lines: Sequence[str]) -> Optional[List[Tuple[str, ...]]]:
