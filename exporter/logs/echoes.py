@@ -10,19 +10,24 @@ counts. So the batch's lines are joined
 and runs of echoes matched in one regex call each (the daemon's header, then an
 answer's line or a framing line); they are counted, their newest time kept, and never
 parsed into events. Every other line (`Cmd:` lines, whose verbs are counted, and
-everything that happens) goes through `parse_line` and `LogState.apply` as before.
+everything that happens) goes through `parse_line` and `LogState.apply` as before, but
+for one: while nobody is queued, a client's context admitted (`NEW CLIENT P from user U:
+Server already exists`, the commonest line that is no echo on a busy node) changes
+nothing but a count, and the runs take it too (issue 44: control.log's lines through the
+parser in the 1 M-line catch-up, 118k -> 69k).
 
 The same counts and state as parsing each line (tests/logs/test_echoes.py), except on
 malformed lines: a line of a command's answer that starts with a digit but fits no
 output shape, and an echo whose date does not exist (month 13), count as echoes instead
-of unrecognized lines; and the time of a batch's echoes is that of its last
-echo (their newest, unless the clock stepped back within the batch).
+of unrecognized lines; and the time of a batch's echoes (admitted contexts taken in runs
+included) is that of its last echo (their newest, unless the clock stepped back within
+the batch).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence, cast
+from typing import Callable, Sequence, Tuple, cast
 
 from .events import ParseResult
 from .state import LogState
@@ -35,21 +40,53 @@ _END = r"[^\S\n]*\n"  # what the parser strips from a message's end, then the li
 # A line of a command's answer: a PID, a `ps` row, a percentage (they start with a digit),
 # a server's status, the `ps` heading, driver 580's "no limit" sentence, a server not
 # found, an unknown command (parse_line: CommandOutput, which changes nothing).
-_ANSWER = (_HEAD + r"(?:\d[^\n]*\n|(?:ACTIVE|INITIALIZING|FAULT)" + _END
+_ANSWER = (r"\d[^\n]*\n|(?:ACTIVE|INITIALIZING|FAULT)" + _END
            + r"|PID[^\S\n]+ID[^\S\n]+SERVER\b[^\n]*\n|No default pinned memory limit set for the device!" + _END
-           + r"|Server (?:-?\d+ )?not found" + _END + r'|Unknown command "[^\n]*\n)')
-# A framing line, then any refused connections (`User did not send valid credentials`: a
-# client that could not say who it is; a Noise line that ends no command) after it.
-_FRAMING = (_HEAD + r"(?:Accepting connection\.\.\.|NEW UI|UI closed)" + _END
-            + f"(?:{_HEAD}User did not send valid credentials{_END})*")
+           + r"|Server (?:-?\d+ )?not found" + _END + r'|Unknown command "[^\n]*\n')
+# A framing line, and a refused connection (`User did not send valid credentials`: a client
+# that could not say who it is; a Noise line that ends no command), taken after framing lines.
+_FRAMING = r"(?:Accepting connection\.\.\.|NEW UI|UI closed)" + _END
+_REFUSED = "User did not send valid credentials" + _END
 # A read-only command (what monitoring sends; `set_*` and the rest are parsed): group 1 its verb.
-_READ_COMMAND = _HEAD + r"Cmd:(get_[a-z_]{1,40}|ps)(?: \d{1,10}){0,2}" + _END
-# Runs of echoes, matched over the batch's text in one call each. Inside a command: the
-# rest of its answer, then framing lines (group 1). Outside: framing lines, then one
-# read-only command (group 1: its verb) with its answer and the framing after it (group 2).
+_READ_COMMAND = r"Cmd:(get_[a-z_]{1,40}|ps)(?: \d{1,10}){0,2}" + _END
+# A client's context admitted (`NEW CLIENT P from user U: Server already exists`, parse_line:
+# ClientAccepted): while nobody is queued it changes nothing but control_changes, so then the
+# runs take it too, anywhere (it neither starts nor ends a command), and count it.
+_ACCEPTED = r"NEW CLIENT -?\d{1,10} from user \d{1,10}: Server already exists[^\n]*\n"
+_ACCEPTED_TEXT = "Server already exists"
+_ACCEPTED_LINE = re.compile(_HEAD + _ACCEPTED).match
 _Run = Callable[[str, int], "re.Match[str]"]
-_RUN_IN_COMMAND = cast(_Run, re.compile(f"(?:{_ANSWER})*((?:{_FRAMING})*)").match)
-_RUN_OUTSIDE = cast(_Run, re.compile(f"(?:{_FRAMING})*(?:{_READ_COMMAND}(?:{_ANSWER})*((?:{_FRAMING})*))?").match)
+
+
+def _runs(among: str) -> Tuple[_Run, _Run]:
+    """Runs of echoes, matched over the batch's text in one call each (the header matched once
+    a line, each alternative a message), `among` (`|` and a message, or nothing) taken anywhere
+    in them. Inside a command: the rest of its answer, then framing lines (group 1). Outside:
+    framing lines, then one read-only command (group 1: its verb) with its answer and the
+    framing after it (group 2). Refused connections are taken after framing lines."""
+    answer = f"{_HEAD}(?:{_ANSWER}{among})"
+    after = f"(?:{_HEAD}(?:{_FRAMING}|{_REFUSED}{among}))*"
+    framed = f"({_HEAD}{_FRAMING}{after})?"
+    return (cast(_Run, re.compile(f"(?:{answer})*{framed}").match),
+            cast(_Run, re.compile(f"(?:{_HEAD}(?:{_FRAMING}{among}){after})?"
+                                  f"(?:{_HEAD}{_READ_COMMAND}(?:{answer})*{framed})?").match))
+
+
+_RUN_IN_COMMAND, _RUN_OUTSIDE = _runs("")
+_QUIET_RUN_IN_COMMAND, _QUIET_RUN_OUTSIDE = _runs("|" + _ACCEPTED)
+
+
+def _accepted_lines(text: str, pos: int, end: int) -> int:
+    """How many of the lines of a run in text[pos:end] are _ACCEPTED's (where their text shows:
+    not inside another line, an answer's)."""
+    n = 0
+    at = text.find(_ACCEPTED_TEXT, pos, end)
+    while at >= 0:
+        start = text.rfind("\n", pos, at) + 1 or pos
+        if _ACCEPTED_LINE(text, start):
+            n += 1
+        at = text.find(_ACCEPTED_TEXT, text.find("\n", at, end) + 1 or end, end)
+    return n
 
 
 def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], ParseResult],
@@ -61,17 +98,18 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
     in_command = state.in_command
     pos = i = echoes = 0
     newest = -1  # index of the last echo
+    quiet = not state.queued()
     n = len(lines)
     while i < n:
-        # Both patterns can match nothing, so they never return None.
+        # Every pattern can match nothing, so none returns None.
         if in_command:
-            m = _RUN_IN_COMMAND(text, pos)
+            m = (_QUIET_RUN_IN_COMMAND if quiet else _RUN_IN_COMMAND)(text, pos)
             framed = m.end(1) > m.start(1)
             if framed:  # the command's block ended
                 in_command = False
                 state.end_command()
         else:
-            m = _RUN_OUTSIDE(text, pos)
+            m = (_QUIET_RUN_OUTSIDE if quiet else _RUN_OUTSIDE)(text, pos)
             verb = m.group(1)
             framed = False
             if verb is not None:
@@ -82,6 +120,8 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
                     state.end_command()
         end = m.end()
         if end > pos:
+            if quiet and text.find(_ACCEPTED_TEXT, pos, end) >= 0:
+                state.count_accepted(_accepted_lines(text, pos, end))
             run = count("\n", pos, end)
             i, pos, echoes = i + run, end, echoes + run
             newest = i - 1
@@ -95,6 +135,7 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
         except Exception:  # a bug costs this line's meaning, never the batch or the count
             on_error(line)
         in_command = state.in_command
+        quiet = not state.queued()
         pos += len(line) + 1
         i += 1
     if echoes:

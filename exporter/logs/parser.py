@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timezone, tzinfo
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .events import (
     AcceptFailed, ClientAccepted, ClientContextActive, DeviceKey, ClientContextConnected, ClientProcessConnected, ClientProcessDisconnected,
@@ -381,13 +381,12 @@ _HEADER = re.compile(HEADER_PATTERN).match
 _VERBS: Dict[str, type] = {"connected": ClientContextConnected, "active": ClientContextActive,
                            "disconnected": ClientProcessDisconnected}
 _NOISE_VERBS = frozenset(("client_request", "client_context_exit"))
-_SERVER_LINE = re.compile(HEADER_PATTERN + r"(?:(?:"
-                          r"Client \{PID: (?P<connected>-?\d{1,10}), Context ID: \d+\} connected"
-                          r"|Status of client \{PID: (?P<active>-?\d{1,10}), Context(?: ID)?: \d+\} is ACTIVE"
-                          r"|Client process (?P<disconnected>-?\d{1,10}) disconnected"
-                          r"|(?P<client_request>Received new client request|Creating worker thread).*"
-                          r"|(?P<client_context_exit>Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting).*"
-                          r"))?").match
+_SERVER_VERBS = (r"Client \{PID: (?P<connected>-?\d{1,10}), Context ID: \d+\} connected"
+                 r"|Status of client \{PID: (?P<active>-?\d{1,10}), Context(?: ID)?: \d+\} is ACTIVE"
+                 r"|Client process (?P<disconnected>-?\d{1,10}) disconnected"
+                 r"|(?P<client_request>Received new client request|Creating worker thread).*"
+                 r"|(?P<client_context_exit>Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting).*")
+_SERVER_LINE = re.compile(HEADER_PATTERN + f"(?:(?:{_SERVER_VERBS}))?").match
 _CONTROL_LINE = re.compile(HEADER_PATTERN + r"(?:(?:"
                            r"NEW CLIENT (-?\d{1,10}) from user (\d{1,10}): (?P<new_client>.*)"
                            r"|Cmd:\s*(?P<command_verb>\S*)\s*(?P<command>.*)"
@@ -440,7 +439,12 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
             # output: no first word keys a rule: the output shapes, as _parse_control tries them
             return _new(CommandOutput, (ts, pid, m.group(verb).rstrip()))
     end = m.end(3) + 1  # the header's: `]` and the space after it, where there is one
-    msg = (line[end + 1:] if line[end:end + 1] == " " else line[end:]).rstrip()
+    return _parse_message(ts, pid, (line[end + 1:] if line[end:end + 1] == " " else line[end:]).rstrip(), file)
+
+
+def _parse_message(ts: float, pid: int, msg: str, file: str) -> ParseResult:
+    """The event of a line whose header gave ts and pid and whose message (after the
+    header's space, rstripped) is no common verb."""
     known = _MESSAGES.get(file)
     if known is not None:
         made = known.get(msg)
@@ -457,3 +461,48 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
                 return event
         known[msg] = (type(event), rest)
     return event
+
+
+# ------------------------------------------------------------- catch-up
+# A batch of server.log lines (a backlog: many at once) taken apart by one findall over
+# their text instead of a regex call per line: per line, the header's groups, then those of
+# _SERVER_LINE's verbs (the verb followed by what rstrip() removes), or else the message; a
+# line without the header, its whole text. Each line is one match (the last alternative
+# takes any line), none crosses a newline (`.` takes none).
+_SERVER_SCAN = re.compile(HEADER_PATTERN + rf"(?:(?:{_SERVER_VERBS})[^\S\n]*\n|(.*)\n)|(.*)\n").findall
+
+
+def scan_server(lines: Sequence[str]) -> Optional[List[Tuple[str, ...]]]:
+    """One row of strings per line (_SERVER_SCAN's groups), or None where a line holds a
+    newline (never from the follower)."""
+    if not lines:
+        return []
+    rows = _SERVER_SCAN("\n".join(lines) + "\n")
+    return rows if len(rows) == len(lines) else None
+
+
+second_epoch = _second_epoch
+# Messages (as scanned: before rstrip) that parse as Noise other than a fatal error report's:
+# rules read a message alone, so each is taken apart once. Bounded like _MESSAGES.
+_QUIET: Dict[str, None] = {}
+
+
+def server_row_event(ts: float, pid: str, connected: str, active: str, disconnected: str,
+                     msg: str) -> Optional[ParseResult]:
+    """The event of a scan_server row (its groups from the PID on, but the Noise verbs') of a
+    line with a header, its time ts: None where that is Noise other than a fatal error
+    report's (a line only counted, its time kept)."""
+    if connected:
+        return _new(ClientContextConnected, (ts, int(pid), int(connected)))
+    if active:
+        return _new(ClientContextActive, (ts, int(pid), int(active)))
+    if disconnected:
+        return _new(ClientProcessDisconnected, (ts, int(pid), int(disconnected)))
+    if msg in _QUIET:
+        return None
+    event = _parse_message(ts, int(pid), msg.rstrip(), "server")
+    if type(event) is not Noise or event[2] == "fatal_report":
+        return event
+    if len(_QUIET) < _MESSAGES_MAX:
+        _QUIET[msg] = None
+    return None

@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from .bulk import apply_server
 from .echoes import apply_control
 from .events import FILES
 from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, ReadError, end_position
@@ -230,13 +231,8 @@ class LogPipeline:
             if file == "control":  # mostly command echoes: counted without the parser
                 apply_control(state, lines, lambda line: parse_line(line, "control", tz),
                               lambda line: self._internal_error("control", line))
-            else:
-                apply = state.apply
-                for line in lines:
-                    try:
-                        apply(parse_line(line, file, tz), file)
-                    except Exception:  # a bug costs this line's meaning, never the batch or the count
-                        self._internal_error(file, line)
+            else:  # in bulk: bulk.py
+                apply_server(state, lines, tz, lambda line: self._internal_error("server", line))
             total += len(lines)
             self._dirty = self._unsaved = self._read_lines = True
             if total >= PUBLISH_LINES:

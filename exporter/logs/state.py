@@ -310,6 +310,16 @@ class LogState:
         if newest is not None and newest > self._last_ts.get("control", 0.0):
             self._last_ts["control"] = newest
 
+    def queued(self) -> bool:
+        """Whether the pending list holds anyone, waiting or handed to a server (logs/echoes.py:
+        only then does a client's `Server already exists` change more than control_changes)."""
+        return bool(self._pending._all)
+
+    def count_accepted(self, lines: int) -> None:
+        """Clients' contexts admitted while nobody is queued, counted among the command echoes
+        (logs/echoes.py): what _client_accepted and apply then change."""
+        self.s.control_changes += lines
+
     def count_truncated(self, file: str) -> None:
         self.s.truncated[file] = self.s.truncated.get(file, 0) + 1
 
