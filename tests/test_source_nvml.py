@@ -181,6 +181,21 @@ def test_a_process_list_that_stays_equal_is_given_again_as_the_very_same_list():
     assert moved.gpus[1].mps_clients[0].used_bytes == first.gpus[1].mps_clients[0].used_bytes + (1 << 20)
 
 
+@pytest.mark.parametrize("name", ["c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t"])
+def test_process_rows_are_unpacked_by_the_real_structs_layout(name):
+    struct = getattr(pynvml, name)  # nvidia-ml-py's own: the layout the driver fills
+    assert nvml_source._unpackable(struct)
+    rows = (struct * 3)()
+    for row, (pid, used) in zip(rows, [(4242, 1 << 30), (7, 0), (2**32 - 1, 2**64 - 1)]):
+        row.pid, row.usedGpuMemory = pid, used
+        for other, _ in struct._fields_:
+            if other not in ("pid", "usedGpuMemory"):
+                setattr(row, other, 0xABCD)  # the other fields are skipped, whatever they hold
+    raw = ctypes.string_at(rows, ctypes.sizeof(rows))
+    assert list(nvml_source._pid_and_memory(struct).iter_unpack(raw)) == [
+        (4242, 1 << 30), (7, 0), (2**32 - 1, 2**64 - 1)]
+
+
 def test_time_sliced_gpu_has_per_process_utilization():
     gpu = NvmlClient(FakeNvml.synthetic(gpus=1, clients_per_gpu=3, mps=False)).read().gpus[0]
     assert gpu.mps_clients == []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct as structlib
 import dataclasses
 import logging
 import math
@@ -282,6 +283,22 @@ def _no_lookup(name: str) -> Any:
     raise RuntimeError(f"this pynvml has no C entry point lookup for {name}")
 
 
+def _unpackable(struct: Any) -> bool:
+    """Whether _pid_and_memory can read the struct: a 4-byte pid before an 8-byte usedGpuMemory."""
+    pid, used = getattr(struct, "pid", None), getattr(struct, "usedGpuMemory", None)
+    return pid is not None and used is not None and pid.size == 4 and used.size == 8 and \
+        pid.offset + 4 <= used.offset and used.offset + 8 <= ctypes.sizeof(struct)
+
+
+@functools.lru_cache(maxsize=None)
+def _pid_and_memory(struct: Any) -> "structlib.Struct":
+    """The (pid, usedGpuMemory) of one row of NVML's process info struct, by the fields'
+    offsets: the struct's own layout, whichever version."""
+    pid, used = struct.pid, struct.usedGpuMemory
+    layout = f"={pid.offset}xI{used.offset - pid.offset - 4}xQ{ctypes.sizeof(struct) - used.offset - 8}x"
+    return structlib.Struct(layout)
+
+
 class DirectLists:
     """NVML's list functions (compute and MPS processes, per-process utilization) called
     straight through pynvml's entry points, each into a buffer kept from the last round.
@@ -298,11 +315,14 @@ class DirectLists:
         self._lookup: Callable[[str], Any] = getattr(nvml, "_nvmlGetFunctionPointer", None) or _no_lookup
         # (function, GPU index) -> ctypes array kept for the next call on that GPU
         self._buffers: Dict[Tuple[str, int], Any] = {}
+        # (function, GPU index) -> the (pid, bytes) rows it answered last, and their list
+        self._rows: Dict[Tuple[str, int], Tuple[List[Tuple[int, int]], List[ProcessMemory]]] = {}
 
     @property
     def usable(self) -> bool:
         return self._lookup is not _no_lookup and all(hasattr(self._nvml, struct) for struct in (
-            "c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t", "c_nvmlProcessUtilizationSample_t"))
+            "c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t", "c_nvmlProcessUtilizationSample_t")) and all(
+            _unpackable(getattr(self._nvml, struct)) for struct in ("c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t"))
 
     def processes(self, function: str, handle: Any, index: int) -> List[ProcessMemory]:
         """Compute or MPS processes: `function` is pynvml's name; its _v3 entry point,
@@ -316,8 +336,19 @@ class DirectLists:
                 raise
             name, struct = function + "_v2", nvml.c_nvmlProcessInfo_v2_t
             entry = self._lookup(name)
-        rows = self._fill(name, index, struct, lambda buffer, count: entry(handle, ctypes.byref(count), buffer))
-        return [ProcessMemory(int(row.pid), _used_bytes(row.usedGpuMemory)) for row in rows]
+        buffer, count = self._filled(name, index, struct,
+                                     lambda buffer, count: entry(handle, ctypes.byref(count), buffer))
+        # The rows unpacked in C (a ctypes struct per row cost a microsecond or two, 97 a
+        # GPU at 48 clients); an answer equal to the last gives the last list, built once.
+        raw = ctypes.string_at(buffer, count * ctypes.sizeof(struct)) if count else b""
+        rows = list(_pid_and_memory(struct).iter_unpack(raw))
+        key = (name, index)
+        last = self._rows.get(key)
+        if last is not None and last[0] == rows:
+            return last[1]
+        processes = [ProcessMemory(pid, _used_bytes(used)) for pid, used in rows]
+        self._rows[key] = (rows, processes)
+        return processes
 
     def utilization(self, handle: Any, index: int, since_us: int) -> List[Any]:
         """Per-process utilization samples newer than `since_us` (NVMLError NOT_FOUND
@@ -328,6 +359,12 @@ class DirectLists:
                           lambda buffer, count: entry(handle, buffer, ctypes.byref(count), since))
 
     def _fill(self, name: str, index: int, struct: Any, call: Callable[[Any, ctypes.c_uint], int]) -> List[Any]:
+        buffer, count = self._filled(name, index, struct, call)
+        # Rows share the kept buffer: read before the next call on this GPU overwrites them.
+        return [] if buffer is None else list(buffer[:count])
+
+    def _filled(self, name: str, index: int, struct: Any, call: Callable[[Any, ctypes.c_uint], int]) -> Tuple[Any, int]:
+        """The kept buffer after the call, and how many rows of it the call filled."""
         nvml = self._nvml
         buffer = self._buffers.get((name, index))
         count = ctypes.c_uint(len(buffer) if buffer is not None else 0)
@@ -340,8 +377,7 @@ class DirectLists:
             code = call(buffer, count)
         if code != nvml.NVML_SUCCESS:
             raise nvml.NVMLError(code)
-        # Rows share the kept buffer: read before the next call on this GPU overwrites them.
-        return [] if buffer is None else list(buffer[:min(count.value, len(buffer))])
+        return buffer, 0 if buffer is None else min(count.value, len(buffer))
 
 
 class NvmlClient:
