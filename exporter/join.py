@@ -31,7 +31,7 @@ from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Se
 from . import limits as lim
 from .limits import Limits, OwnLimits, VisibleDevice, client_limits, on_gpus, own_limits, visible_devices
 from .model import DaemonReading, DcgmReading, GpuReading, LogServer, LogSnapshot, ProcessFacts, ProcessMemory, \
-    PsEntry, ServerFacts, Snapshot
+    PsEntry, ServerFacts, Snapshot, same_objects
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -559,7 +559,7 @@ def _clients_inputs(d: DaemonReading, log_snap: Optional[LogSnapshot], processes
 
 def _same_inputs(a: Tuple[object, ...], b: Tuple[object, ...]) -> bool:
     """_clients_inputs alike: the readings the very objects, the last two equal."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a[:-2], b[:-2])) and a[-2:] == b[-2:]
+    return same_objects(a[:-2], b[:-2]) and a[-2:] == b[-2:]
 
 
 _kept_clients = _Kept()  # the last join's

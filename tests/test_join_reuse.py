@@ -98,3 +98,21 @@ def test_a_daemon_whose_readings_are_the_very_same_keeps_its_client_rows_at_once
     listed = copy.copy(moved)
     listed.daemons = [dataclasses.replace(d, clients=list(d.clients)) for d in moved.daemons]
     assert all(a is not b for a, b in zip(_daemon_clients(join.join(listed)), after))
+
+
+def test_a_derived_value_is_derived_again_only_for_another_reading_or_key():
+    from mps_exporter.model import Derived
+
+    derived: Derived[int] = Derived()
+    calls: list = []
+
+    def derive() -> int:
+        calls.append(1)
+        return len(calls)
+
+    first, equal = [1], [1]
+    assert derived.get([first], 0, derive) == 1
+    assert derived.get([first], 0, derive) == 1  # the very reading: kept
+    assert derived.get([equal], 0, derive) == 2  # an equal one that is another object: derived again
+    assert derived.get([equal], 1, derive) == 3  # another key
+    assert derived.get([equal, first], 1, derive) == 4  # another count of readings

@@ -27,7 +27,7 @@ from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
 from ..discovery import DaemonSet, daemon_environ, find_control_daemon, identity, is_multiuser
 from ..limits import VisibleDevice, visible_devices
-from ..model import DaemonReading, GpuReading, ProcessMemory, PsEntry, ServerFacts, Snapshot
+from ..model import DaemonReading, Derived, GpuReading, PsEntry, ServerFacts, Snapshot
 from ..units import parse_size
 from .base import (Backends, Flag, PartialFailure, ReadContext, Reader, Source, not_empty, not_negative, positive,
                    record_value, replay_value)
@@ -759,19 +759,11 @@ class ControlSourceSpec(Source[List[DaemonReading]]):
                                                     proc_root=cfg.procfs)
             return [sources[d.name] for d in now]
 
-        # NVML's MPS lists last seen (GPU indexes, the lists) and their (GPU index, pid) set
-        nvml_clients: List[Tuple[Tuple[int, ...], List[List[ProcessMemory]], FrozenSet[Tuple[int, int]]]] = [
-            ((), [], frozenset())]
+        nvml_clients: Derived[FrozenSet[Tuple[int, int]]] = Derived()  # NVML's MPS lists' (GPU index, pid)
 
         def clients_on_gpus(gpus: Sequence[GpuReading]) -> FrozenSet[Tuple[int, int]]:
-            """(GPU index, pid) of NVML's MPS lists; the last set while they are the very same lists."""
-            indexes, lists = tuple(g.index for g in gpus), [g.mps_clients for g in gpus]
-            last_indexes, last_lists, found = nvml_clients[0]
-            if indexes != last_indexes or len(lists) != len(last_lists) or \
-                    not all(a is b for a, b in zip(lists, last_lists)):
-                found = frozenset((g.index, p.pid) for g in gpus for p in g.mps_clients)
-                nvml_clients[0] = (indexes, lists, found)
-            return found
+            return nvml_clients.get([g.mps_clients for g in gpus], tuple(g.index for g in gpus),
+                                    lambda: frozenset((g.index, p.pid) for g in gpus for p in g.mps_clients))
 
         def signals(ctx: ReadContext, daemon: str) -> Callable[[], ChangeSignals]:
             def seen() -> ChangeSignals:

@@ -29,7 +29,7 @@ from typing import (AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List,
                     Sequence, Set, Tuple)
 
 from ..config import Config
-from ..model import ProcessFacts, Snapshot
+from ..model import Derived, ProcessFacts, Snapshot
 from ..config import DEFAULT_RUNTIME_ROOTS
 from ..runtime_metadata import NO_NAMES, SLURM, PodNameLookup, PodNames, kubelet_fetcher
 from .base import Backends, Flag, ReadContext, Reader, Source, not_empty
@@ -410,20 +410,15 @@ def file_or_empty(value: str) -> str:
 
 def mps_pids(snap: Snapshot) -> Set[int]:
     """The servers and clients the daemons and NVML name: the PIDs /proc is asked about."""
-    global _listed
     lists: List[Sequence[Any]] = [d.clients for d in snap.daemons]
     if snap.nvml:
         lists += [g.mps_clients for g in snap.nvml.gpus] + [g.compute_processes for g in snap.nvml.gpus]
-    last_lists, listed = _listed
-    if len(lists) != len(last_lists) or not all(a is b for a, b in zip(lists, last_lists)):
-        listed = frozenset(p.pid for entries in lists for p in entries)
-        _listed = (lists, listed)
+    listed = _listed.get(lists, None, lambda: frozenset(p.pid for entries in lists for p in entries))
     return {s.pid for d in snap.daemons for s in d.servers} | listed
 
 
-# The lists mps_pids read last (ps answers, NVML's process lists: given again while equal)
-# and their PIDs: a scrape asks twice, and the lists mostly stay.
-_listed: Tuple[List[Sequence[Any]], FrozenSet[int]] = ([], frozenset())
+# The PIDs of the ps answers and NVML's lists: a scrape asks twice, and the lists mostly stay.
+_listed: Derived[FrozenSet[int]] = Derived()
 
 
 class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
