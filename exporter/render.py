@@ -452,7 +452,7 @@ class ClientTableMemo:
         # The exit tracker's peak of each client, its sample by (peak entry, GPU UUID).
         self.peaks: Dict[Tuple[object, ...], Sample] = {}
         # The last edges rendered (the report, the UUIDs, the granularity) and their families.
-        self.edges: Tuple[object, ...] = ()
+        self.edges: Optional[Tuple[EdgeReport, Dict[int, str], str]] = None
         self.edge_parts: ClientParts = []
 
     def render_clients(self, out: FamilyBuilder, d: DaemonRow, uuids: Mapping[int, str]) -> None:
@@ -606,19 +606,16 @@ def render_edges(out: FamilyBuilder, edges: EdgeReport, uuids: Mapping[int, str]
     peaks' samples of the last call, reused where a client's peak and names stayed, and
     the last call's families, for the very same report (the tracker's, while nothing in
     it changed)."""
-    if memo is not None:
-        inputs = (edges, dict(uuids), granularity)
-        if len(memo.edges) == 3 and memo.edges[0] is edges and memo.edges[1:] == inputs[1:]:
-            for name, samples in memo.edge_parts:
-                out.extend(name, samples)
-            return
+    if memo is None:
+        _render_edges(out, edges, uuids, granularity, None)
+        return
+    last = memo.edges
+    if last is None or last[0] is not edges or last[1:] != (uuids, granularity):
         own = FamilyBuilder()
         _render_edges(own, edges, uuids, granularity, memo)
-        memo.edges, memo.edge_parts = inputs, own.parts()
-        for name, samples in memo.edge_parts:
-            out.extend(name, samples)
-        return
-    _render_edges(out, edges, uuids, granularity, None)
+        memo.edges, memo.edge_parts = (edges, dict(uuids), granularity), own.parts()
+    for name, samples in memo.edge_parts:
+        out.extend(name, samples)
 
 
 def _render_edges(out: FamilyBuilder, edges: EdgeReport, uuids: Mapping[int, str], granularity: str,
