@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -149,22 +149,28 @@ class Scraper:
         self._thread.join(60)
 
 
-def wait_up(port: int, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + 60
+def serves_metrics(port: int, seconds: float, running: Callable[[], bool] = lambda: True) -> bool:
+    """Whether /metrics on `port` answers within `seconds`, asked every 0.2 s while `running`."""
+    deadline = time.monotonic() + seconds
     while True:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/metrics")
             conn.getresponse().read()
             conn.close()
-            return
+            return True
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                from tests.support.prometheus import stop_process  # here: Scraper needs no test support
-
-                stop_process(proc)
-                sys.exit(f"{what} did not start")
+            if not running() or time.monotonic() > deadline:
+                return False
             time.sleep(0.2)
+
+
+def wait_up(port: int, proc: subprocess.Popen, what: str) -> None:
+    if not serves_metrics(port, 60, lambda: proc.poll() is None):
+        from tests.support.prometheus import stop_process  # here: Scraper needs no test support
+
+        stop_process(proc)
+        sys.exit(f"{what} did not start")
 
 
 def rounds(proc: subprocess.Popen, rounds_file: str) -> Tuple[int, float]:

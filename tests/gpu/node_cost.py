@@ -14,7 +14,6 @@ whatever happens.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import subprocess
@@ -26,7 +25,7 @@ from typing import Any, Dict, List, Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from bench.cost_bench import Scraper, scrape_timeout  # noqa: E402 (Prometheus' scrapes, as cost_bench makes them)
+from bench.cost_bench import Scraper, scrape_timeout, serves_metrics  # noqa: E402 (Prometheus' scrapes, as cost_bench makes them)
 
 TICK = os.sysconf("SC_CLK_TCK")
 # (phase, scrape interval in s or None, seconds measured, seconds before: the pacing learns
@@ -47,21 +46,6 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def wait_http(port: int, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            conn.request("GET", "/metrics")
-            conn.getresponse().read()
-            conn.close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def exporter(package: Path, port: int, pipe: Path, logs: Path, out: Path, name: str) -> subprocess.Popen:
@@ -119,7 +103,8 @@ def main() -> int:
             procs.append(p)
             pids[name] = p.pid
         for port in targets.values():
-            wait_http(port, 90)
+            if not serves_metrics(port, 90):
+                raise RuntimeError(f"nothing serves /metrics on port {port}")
         time.sleep(10 * args.scale)  # start-up done: the first scrape above read everything once
         for phase, interval, seconds, before in PHASES:
             scrapers = ({name: Scraper(port, interval, scrape_timeout(interval)).start()
