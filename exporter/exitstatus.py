@@ -262,11 +262,12 @@ class ExitWatcher:
         self.thread_id: Optional[int] = None  # the OS thread's ID (its CPU in /proc)
         # What `unexited_since` reads, on one clock that moves at each exit, overflow and
         # filter change: when each watched PID's exits began to reach it, each watched
-        # PID's last exit, the last overflow.
+        # PID's last exit, the last overflow; and the last of any of these (quiet_since).
         self._clock = 0
         self._covered: Dict[int, int] = {}
         self._exited: Dict[int, int] = {}
         self._lost_at = 0
+        self._changed_at = 0
 
     def start(self) -> bool:
         try:
@@ -353,7 +354,7 @@ class ExitWatcher:
         with self._lock:
             self.lost += 1
             self._clock += 1
-            self._lost_at = self._clock
+            self._lost_at = self._changed_at = self._clock
 
     def _record(self, exits: List[Exit]) -> None:
         if not exits:
@@ -365,7 +366,7 @@ class ExitWatcher:
                 self.seen += 1
                 self._clock += 1
                 if e.pid in self._covered:
-                    self._exited[e.pid] = self._clock
+                    self._exited[e.pid] = self._changed_at = self._clock
                 self._exits.pop(e.pid, None)
                 self._exits[e.pid] = e.status
                 if len(self._exits) > self.capacity:
@@ -381,6 +382,7 @@ class ExitWatcher:
                 return
             if attach_exits_only(sock, wanted):
                 self._clock += 1  # each PID's exits reach it from here
+                self._changed_at = self._clock
                 self._covered = {pid: self._covered.get(pid, self._clock) for pid in wanted or ()}
                 self._exited = {pid: at for pid, at in self._exited.items() if pid in self._covered}
                 self.watched = wanted
@@ -402,6 +404,14 @@ class ExitWatcher:
             covered, exited, lost_at = self._covered, self._exited, self._lost_at
             return {pid for pid, mark in marks.items()
                     if lost_at <= mark and covered.get(pid, mark + 1) <= mark and exited.get(pid, 0) <= mark}
+
+    def quiet_since(self, mark: int) -> bool:
+        """Whether `unexited_since` answers for every PID as it did at `mark`: no exit of a
+        watched PID, no lost event and no change of the watched PIDs since, and it still
+        listens (a steady node's scrape then looks at none of its clients, issue 44)."""
+        with self._lock:
+            return (self._changed_at <= mark and self.available and self.watched is not None
+                    and self._thread is not None and self._thread.is_alive())
 
     def status(self, pid: int) -> Optional[ExitStatus]:
         """How `pid` exited, where its exit was seen (the latest exit of that PID)."""

@@ -213,6 +213,32 @@ def test_the_watcher_vouches_only_for_watched_pids_with_no_exit_or_lost_event_si
     assert watcher.unexited_since({11: mark, 13: later}) == set()
     assert watcher.unexited_since({11: watcher.mark()}) == {11}
     watcher.close()
+
+
+def test_the_watcher_is_quiet_since_a_mark_until_a_watched_exit_a_lost_event_or_a_new_watch():
+    # What lets the proc source skip the clients it vouched for at once (sources/proc.py).
+    fake = FakeNetlink()
+    fake.peer.send(message(PROC_EVENT_NONE, ACK_DATA.pack(0)))
+    watcher = ExitWatcher(factory=lambda: fake, ack_wait=1.0)  # type: ignore[arg-type,return-value]
+    assert watcher.start()
+    assert not watcher.quiet_since(watcher.mark())  # it watches nobody yet: it vouches for nobody
+    watcher.watch({11, 12})
+    mark = watcher.mark()
+    assert watcher.quiet_since(mark)
+    watcher.watch({11, 12})  # the same PIDs: nothing changed
+    assert watcher.quiet_since(mark)
+    watcher._record(parse(exit_message(99, 0))[0])  # an exit of a PID it does not watch
+    assert watcher.quiet_since(mark)
+    watcher._record(parse(exit_message(12, 0))[0])
+    assert not watcher.quiet_since(mark) and watcher.quiet_since(watcher.mark())
+    mark = watcher.mark()
+    watcher.watch({11, 13})
+    assert not watcher.quiet_since(mark) and watcher.quiet_since(watcher.mark())
+    mark = watcher.mark()
+    watcher._overflowed()
+    assert not watcher.quiet_since(mark) and watcher.quiet_since(watcher.mark())
+    watcher.close()
+    assert not watcher.quiet_since(watcher.mark())  # no longer listening
     assert watcher.unexited_since({11: watcher.mark()}) == set()  # closed: it hears nothing
 
 

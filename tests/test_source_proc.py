@@ -132,17 +132,28 @@ def test_known_process_is_not_reread_but_a_reused_pid_is(tmp_path):
 
 
 class Exits:
-    """The kernel's exits as the test says them: a PID is vouched for unless it exited."""
+    """The kernel's exits as the test says them: a watched PID (every PID where `watched` is
+    None) is vouched for unless it exited; each exit moves the clock, as ExitWatcher's."""
 
-    def __init__(self) -> None:
+    def __init__(self, watched=None) -> None:
         self.exited: set = set()
+        self.watched = watched
         self.clock = 0
+        self.asked: list = []  # the PIDs of each unexited_since
+
+    def exit(self, pid: int) -> None:
+        self.exited.add(pid)
+        self.clock += 1
 
     def mark(self) -> int:
         return self.clock
 
     def unexited_since(self, marks):
-        return {pid for pid in marks if pid not in self.exited}
+        self.asked.append(sorted(marks))
+        return {pid for pid in marks if pid not in self.exited and (self.watched is None or pid in self.watched)}
+
+    def quiet_since(self, mark: int) -> bool:
+        return self.clock == mark
 
 
 def test_a_process_the_kernel_vouches_has_not_exited_is_not_looked_at_again(tmp_path, monkeypatch):
@@ -163,13 +174,50 @@ def test_a_process_the_kernel_vouches_has_not_exited_is_not_looked_at_again(tmp_
     assert src.read([10, 11]) == first and looked == []  # vouched for: no stat()
     assert src.cached([10, 11]) == first and looked == []
     # PID 10 exits and a new process gets the PID: the kernel said so, so it is looked at
-    src.exits.exited.add(10)
+    src.exits.exit(10)
     write_proc(root, [FakeProcess(10, uid=1500, start_ticks=99999)])
     assert src.read([10, 11])[10].uid == 1500 and set(looked) == {f"{root}/10"}
     # without the kernel's word, a stat() each, as before
     src.exits = None
     looked.clear()
     assert set(src.read([10, 11])) == {10, 11} and sorted(looked) == [f"{root}/10", f"{root}/11"]
+
+
+def test_the_same_pids_again_while_the_kernel_is_quiet_look_only_at_those_it_did_not_vouch_for(tmp_path, monkeypatch):
+    # 12 is not watched (a server): looked at every time; 10 and 11 are not even asked about.
+    root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0), FakeProcess(11, uid=0), FakeProcess(12, uid=0)])
+    exits = Exits(watched={10, 11})
+    src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK, exits=exits)
+    looked = []
+    real_stat = procfs.os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).count("/") == str(root).count("/") + 1:  # a process's directory
+            looked.append(str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(procfs.os, "stat", stat)
+    pids = {10, 11, 12}
+    first = src.read(pids)
+    assert src.read(pids) == first  # 10 and 11 vouched for from here
+    looked.clear()
+    exits.asked.clear()
+    assert src.read(pids) == first and src.cached(pids) == first
+    assert looked == [f"{root}/12"] * 2 and exits.asked == [[12], [12]]
+    assert src.read({10, 11, 12}) == first and exits.asked[-1] == [10, 11, 12]  # other PIDs: all asked
+    # PID 10 exits and a new process gets the PID: the clock moved, so all are asked again
+    src.read(pids)
+    exits.exit(10)
+    write_proc(root, [FakeProcess(10, uid=1500, start_ticks=99999)])
+    looked.clear()
+    assert src.read(pids)[10].uid == 1500 and sorted(looked) == [f"{root}/10", f"{root}/12"]
+    # 12 exits for good: gone from the answer, and from what is known
+    (root / "12" / "stat").unlink()
+    for name in list((root / "12").iterdir()):
+        name.unlink()
+    (root / "12").rmdir()
+    src.read(pids)
+    assert set(src.read(pids)) == {10, 11} and 12 not in src._known
 
 
 def test_cached_answers_known_processes_with_a_stat_and_declines_anything_else(tmp_path):

@@ -203,6 +203,20 @@ class ExitNews(Protocol):
 
     def unexited_since(self, marks: Mapping[int, int]) -> Set[int]: ...
 
+    def quiet_since(self, mark: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Look:
+    """The last look at a set of PIDs: the processes the kernel vouched for then (no stat(),
+    no name to look up), and the rest, at `mark`."""
+
+    pids: Iterable[int]
+    keep: FrozenSet[int]
+    mark: int
+    vouched: Dict[int, ProcessFacts]
+    rest: List[int]
+
 
 @dataclass
 class ProcClient:
@@ -228,6 +242,7 @@ class ProcClient:
     # have been reused), so a steady node's scrape costs no stat() per client (issue 44).
     exits: Optional[ExitNews] = None
     _looked: Dict[int, int] = field(default_factory=dict)  # pid -> exits.mark() at its last stat()
+    _last_look: Optional["_Look"] = None
 
     def _read(self, pid: int, name: str) -> str:
         with open(os.path.join(self.root, str(pid), name), encoding="utf-8", errors="replace") as f:
@@ -257,12 +272,26 @@ class ProcClient:
     def _facts(self, pids: Iterable[int], keep: AbstractSet[int], read_new: bool) -> Optional[Dict[int, ProcessFacts]]:
         """`read_new`: a new or reused process is read, and a container's names looked up
         (the kubelet asked) where they are not known yet; else either makes this None."""
-        facts = {}
-        pids = set(pids)
-        exits, looked = self.exits, self._looked
-        unexited = exits.unexited_since({pid: looked[pid] for pid in pids if pid in looked}) if exits else set()
+        given = pids
+        exits, looked, last = self.exits, self._looked, self._last_look
+        facts: Dict[int, ProcessFacts] = {}
+        vouched: Dict[int, ProcessFacts] = {}
+        if (last is not None and exits is not None and last.pids is given and last.keep == keep
+                and exits.quiet_since(last.mark)):
+            # These very PIDs again, and nothing the kernel says changed since: those it vouched
+            # for then still are, and only the rest are looked at (a steady node's scrape: the servers).
+            facts.update(last.vouched)
+            vouched = last.vouched  # copied where it grows
+            todo: Iterable[int] = last.rest
+            known_before: Iterable[int] = last.rest  # all else was reconciled at the last look
+        else:
+            todo = given if isinstance(given, AbstractSet) else set(given)
+            known_before = self._known
+        unexited = exits.unexited_since({pid: looked[pid] for pid in todo if pid in looked}) if exits else set()
         mark = exits.mark() if exits else 0
-        for pid in pids:
+        rest = []
+        self._last_look = None
+        for pid in todo:
             try:
                 known = self._known.get(pid)
                 if known is not None and pid in unexited:
@@ -279,6 +308,7 @@ class ProcClient:
                     same = known[2] if known is not None and known[1] == ticks else None
                     known = self._known[pid] = (identity, ticks, same or self.read_pid(pid, ticks))
             except (FileNotFoundError, ProcessLookupError):
+                rest.append(pid)
                 continue  # exited while we read it
             except OSError:
                 if read_new:
@@ -299,10 +329,19 @@ class ProcClient:
                     if named != (found.namespace, found.pod, found.container, found.pod_uid, found.owner):
                         found.namespace, found.pod, found.container, found.pod_uid, found.owner = named
                         self.renamed += 1
+                rest.append(pid)
+            elif pid in unexited:
+                if last is not None and vouched is last.vouched:
+                    vouched = dict(vouched)
+                vouched[pid] = found
+            else:
+                rest.append(pid)
             facts[pid] = found
-        for pid in set(self._known) - set(facts) - keep:
-            del self._known[pid]
+        for pid in set(known_before) - facts.keys() - keep:
+            self._known.pop(pid, None)
             looked.pop(pid, None)
+        if exits is not None:
+            self._last_look = _Look(given, frozenset(keep), mark, vouched, rest)
         return facts
 
     def _confirmed(self, pid: int, found: ProcessFacts, names: PodNames) -> bool:
@@ -408,17 +447,22 @@ def file_or_empty(value: str) -> str:
     return value
 
 
-def mps_pids(snap: Snapshot) -> Set[int]:
-    """The servers and clients the daemons and NVML name: the PIDs /proc is asked about."""
+def mps_pids(snap: Snapshot) -> FrozenSet[int]:
+    """The servers and clients the daemons and NVML name: the PIDs /proc is asked about;
+    the very set of the last call while they stay (ProcClient then asks only about the
+    processes the kernel did not vouch for)."""
     lists: List[Sequence[Any]] = [d.clients for d in snap.daemons]
     if snap.nvml:
         lists += [g.mps_clients for g in snap.nvml.gpus] + [g.compute_processes for g in snap.nvml.gpus]
     listed = _listed.get(lists, None, lambda: frozenset(p.pid for entries in lists for p in entries))
-    return {s.pid for d in snap.daemons for s in d.servers} | listed
+    servers = frozenset(s.pid for d in snap.daemons for s in d.servers)
+    return _named.get((listed,), servers, lambda: servers | listed)
 
 
-# The PIDs of the ps answers and NVML's lists: a scrape asks twice, and the lists mostly stay.
+# The PIDs of the ps answers and NVML's lists, and with the servers: a scrape asks twice,
+# and the lists mostly stay.
 _listed: Derived[FrozenSet[int]] = Derived()
+_named: Derived[FrozenSet[int]] = Derived()
 
 
 class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
