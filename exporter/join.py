@@ -26,11 +26,11 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, dataclass_transform
+from typing import AbstractSet, Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, dataclass_transform
 
 from . import limits as lim
 from .limits import Limits, OwnLimits, VisibleDevice, client_limits, on_gpus, own_limits, visible_devices
-from .model import DaemonReading, DcgmReading, GpuReading, LogServer, LogSnapshot, ProcessFacts, ProcessMemory, \
+from .model import DaemonReading, DcgmReading, Derived, GpuReading, LogServer, LogSnapshot, ProcessFacts, ProcessMemory, \
     PsEntry, ServerFacts, Snapshot, same_objects
 
 log = logging.getLogger(__name__)
@@ -249,12 +249,12 @@ def join(snap: Snapshot, reuse: bool = True) -> Rows:
     global _kept_clients
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
-    listed = {c.pid for d in snap.daemons for c in d.clients}
-    clients = listed | {p.pid for gpu in gpus for p in gpu.mps_clients}
+    joined = _GpuJoin.of(gpus)
+    ps_lists = [d.clients for d in snap.daemons]
+    listed, clients, unclaimed = _client_pids.get(ps_lists + [joined.mps_memory], None, lambda: _pids_of(
+        ps_lists, joined.mps_memory))
     driver = snap.nvml.driver_version if snap.nvml else ""
     gpu_rows = tuple(gpu_row(gpu, driver, snap.dcgm, server_pids, clients, snap.processes) for gpu in gpus)
-    joined = _GpuJoin.of(gpus)
-    unclaimed = [pid for pid in joined.mps_memory if pid not in listed]
     daemons = []
     kept = _KeptClients(_kept_clients if reuse else _Kept())
     for d in snap.daemons:
@@ -263,6 +263,17 @@ def join(snap: Snapshot, reuse: bool = True) -> Rows:
     if reuse:
         _kept_clients = kept.now  # clients gone are forgotten
     return Rows(gpu_rows, tuple(daemons))
+
+
+def _pids_of(ps_lists: Sequence[Sequence[PsEntry]], mps_memory: Mapping[int, object]
+             ) -> Tuple[FrozenSet[int], FrozenSet[int], Tuple[int, ...]]:
+    """The clients the daemons list; those and NVML's MPS clients; NVML's that no daemon lists."""
+    listed = frozenset(c.pid for clients in ps_lists for c in clients)
+    return listed, listed.union(mps_memory), tuple(pid for pid in mps_memory if pid not in listed)
+
+
+# The PID sets of the daemons' lists and NVML's MPS lists: they mostly stay.
+_client_pids: Derived[Tuple[FrozenSet[int], FrozenSet[int], Tuple[int, ...]]] = Derived()
 
 
 # ---------------------------------------------------------------- GPUs
@@ -347,17 +358,15 @@ class _GpuJoin:
 
     gpus: List[GpuReading]
     utilization: Dict[int, Dict[int, float]]  # gpu index -> pid -> SM ratio
-    compute_memory: Dict[int, Dict[int, Optional[int]]]  # gpu index -> pid -> bytes
-    mps_memory: Dict[int, List[Tuple[GpuReading, Optional[int]]]]  # client pid -> [(gpu, bytes)]
+    compute_memory: Mapping[int, Mapping[int, Optional[int]]]  # gpu index -> pid -> bytes
+    mps_memory: Mapping[int, Sequence[Tuple[int, Optional[int]]]]  # client pid -> [(gpu index, bytes)]
 
     @classmethod
     def of(cls, gpus: List[GpuReading]) -> "_GpuJoin":
-        mps_memory: Dict[int, List[Tuple[GpuReading, Optional[int]]]] = {}
-        for gpu in gpus:
-            for p in gpu.mps_clients:
-                mps_memory.setdefault(p.pid, []).append((gpu, p.used_bytes))
-        return cls(gpus, {gpu.index: sm_utilization(gpu) for gpu in gpus},
-                   {gpu.index: {p.pid: p.used_bytes for p in gpu.compute_processes} for gpu in gpus}, mps_memory)
+        compute_memory, mps_memory = _gpu_memory.get(
+            [g.compute_processes for g in gpus] + [g.mps_clients for g in gpus], tuple(g.index for g in gpus),
+            lambda: _memory_maps(gpus))
+        return cls(gpus, {gpu.index: sm_utilization(gpu) for gpu in gpus}, compute_memory, mps_memory)
 
     def daemon_devices(self, d: DaemonReading) -> List[VisibleDevice]:
         """The devices the daemon and its clients count from: its own CUDA_VISIBLE_DEVICES."""
@@ -366,6 +375,21 @@ class _GpuJoin:
     def gpu_for_device(self, device: str) -> Optional[GpuReading]:
         """`ps` prints a UUID prefix ("GPU-a20825ef-ef8f-4f37")."""
         return next((g for g in self.gpus if device and g.uuid.startswith(device)), None)
+
+
+def _memory_maps(gpus: List[GpuReading]) -> Tuple[Mapping[int, Mapping[int, Optional[int]]],
+                                                   Mapping[int, Sequence[Tuple[int, Optional[int]]]]]:
+    """_GpuJoin's compute_memory and mps_memory."""
+    mps_memory: Dict[int, List[Tuple[int, Optional[int]]]] = {}
+    for gpu in gpus:
+        for p in gpu.mps_clients:
+            mps_memory.setdefault(p.pid, []).append((gpu.index, p.used_bytes))
+    return {gpu.index: {p.pid: p.used_bytes for p in gpu.compute_processes} for gpu in gpus}, mps_memory
+
+
+# The GPUs' memory maps: derived again only where NVML gave another process list.
+_gpu_memory: Derived[Tuple[Mapping[int, Mapping[int, Optional[int]]],
+                           Mapping[int, Sequence[Tuple[int, Optional[int]]]]]] = Derived()
 
 
 # ---------------------------------------------------------------- daemons
@@ -392,13 +416,13 @@ def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Map
     devices = joined.daemon_devices(d)
     joined_servers = server_rows(d, log_snap, processes, joined, devices)
     server_limits = {s.pid: limits for s, limits in joined_servers}
-    ps_rows = {c.pid: c for c in d.clients}
     daemon = _DaemonJoin(d, devices, tuple((dev.index, dev.uuid) for dev in devices if dev.index is not None),
                          Limits(d.default_active_thread_percentage, d.default_pinned_limits), server_limits, log_snap)
     daemon_inputs = kept.daemon_inputs(daemon)
     clients = kept.clients(d, log_snap, processes, daemon_inputs, joined, unlisted)
     if clients is None:
         derived = []
+        ps_rows = {c.pid: c for c in d.clients}
         for pid in sorted(set(ps_rows) | set(unlisted)):
             row, proc = ps_rows.get(pid), processes.get(pid) or ProcessFacts(pid)
             try:
@@ -481,11 +505,11 @@ class _DaemonJoin:
 def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon: _DaemonJoin,
                      joined: _GpuJoin) -> ClientRow:
     d, log_snap, devices = daemon.reading, daemon.log_snap, daemon.devices
-    memory = joined.mps_memory.get(pid, [])
-    gpus, gpus_source = [gpu for gpu, _ in memory], FROM_NVML
+    memory = joined.mps_memory.get(pid, ())
+    gpus, gpus_source = [index for index, _ in memory], FROM_NVML
     if not gpus:
         gpu = joined.gpu_for_device(row.device) if row else None
-        gpus, gpus_source = ([gpu], FROM_PS) if gpu else ([], UNKNOWN)
+        gpus, gpus_source = ([gpu.index], FROM_PS) if gpu else ([], UNKNOWN)
     own = _own_limits(proc.environ, daemon.gpus)
     server_pid = None if row is None else row.server_pid
     server = None if server_pid is None else daemon.server_limits.get(server_pid, Limits())
@@ -501,8 +525,8 @@ def _client_in_force(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemo
         d.name, pid, server_pid, proc.uid, proc.user, (row.command if row else "") or proc.command,
         row.namespace if row else "", proc.container_id, proc.pod_uid, proc.namespace, proc.pod, proc.container,
         proc.owner, memory_used_bytes=_memory_used(memory),
-        gpus=tuple(gpu.index for gpu in gpus), gpus_source=gpus_source,
-        pinned_memory_limit_bytes={gpu.index: pinned[gpu.index] for gpu in gpus if pinned.get(gpu.index) is not None},
+        gpus=tuple(gpus), gpus_source=gpus_source,
+        pinned_memory_limit_bytes={gpu: pinned[gpu] for gpu in gpus if pinned.get(gpu) is not None},
         active_thread_ratio=None if share is None else share / 100, priority=priority,
         limit_sources={**in_force.sources, lim.PRIORITY: priority_source}, ignored_limits=own.ignored,
         start_time=start, start_time_source=start_source)
@@ -522,7 +546,7 @@ def _client_inputs(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon:
     their names in place: they are here apart from the object.)"""
     log_snap = daemon.log_snap
     server_pid = None if row is None else row.server_pid
-    on: Tuple[object, ...] = tuple(gpu.index for gpu, _ in joined.mps_memory.get(pid, ()))
+    on: Tuple[object, ...] = tuple(index for index, _ in joined.mps_memory.get(pid, ()))
     if not on and row is not None:
         found = joined.gpu_for_device(row.device)
         on = ("ps", None if found is None else found.index)
@@ -533,17 +557,17 @@ def _client_inputs(pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon:
             None if server is None else server.priority, on)
 
 
-def _memory_used(memory: Sequence[Tuple[GpuReading, Optional[int]]]) -> Dict[int, int]:
+def _memory_used(memory: Sequence[Tuple[int, Optional[int]]]) -> Dict[int, int]:
     """A client's memory_used_bytes from its entries in NVML's MPS lists."""
-    return {gpu.index: used for gpu, used in memory if used is not None}
+    return {index: used for index, used in memory if used is not None}
 
 
 @dataclass
 class _Kept:
-    """One join's clients: (daemon, client pid) -> (_client_inputs, its row); each
+    """One join's clients: daemon -> client pid -> (_client_inputs, its row); each
     daemon's _daemon_inputs; and each daemon's client rows with _clients_inputs."""
 
-    rows: Dict[Tuple[str, int], Tuple[Tuple[object, ...], ClientRow]] = field(default_factory=dict)
+    rows: Dict[str, Dict[int, Tuple[Tuple[object, ...], ClientRow]]] = field(default_factory=dict)
     daemons: Dict[str, Tuple[object, ...]] = field(default_factory=dict)
     clients: Dict[str, Tuple[Tuple[object, ...], Tuple[ClientRow, ...]]] = field(default_factory=dict)
 
@@ -595,9 +619,7 @@ class _KeptClients:
         last = self.before.clients.get(d.name)
         if last is None or not _same_inputs(last[0], inputs):
             return None
-        for c in last[1]:
-            key = (d.name, c.pid)
-            self.now.rows[key] = self.before.rows[key]
+        self.now.rows[d.name] = self.before.rows.get(d.name, {})  # never changed once kept
         self.now.clients[d.name] = last
         return last[1]
 
@@ -608,17 +630,17 @@ class _KeptClients:
 
     def row(self, pid: int, row: Optional[PsEntry], proc: ProcessFacts, daemon: _DaemonJoin,
             daemon_inputs: Tuple[object, ...], joined: _GpuJoin) -> ClientRow:
-        key = (daemon.reading.name, pid)
+        name = daemon.reading.name
         inputs = _client_inputs(pid, row, proc, daemon, daemon_inputs, joined)
-        kept = self.before.rows.get(key)
+        kept = self.before.rows.get(name, {}).get(pid)
         if kept is not None and kept[0] == inputs:
             client = kept[1]
-            memory = _memory_used(joined.mps_memory.get(pid, []))
+            memory = _memory_used(joined.mps_memory.get(pid, ()))
             if memory != client.memory_used_bytes:
                 client = with_fields(client, memory_used_bytes=memory)
         else:
             client = _client_in_force(pid, row, proc, daemon, joined)
-        self.now.rows[key] = (inputs, client)
+        self.now.rows.setdefault(name, {})[pid] = (inputs, client)
         return client
 
 
