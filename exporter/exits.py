@@ -42,12 +42,12 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AbstractSet, Callable, Deque, Dict, List, Optional, Protocol, Set, Tuple
+from typing import AbstractSet, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from .exitstatus import CLEAN, FAILED, UNKNOWN, ExitStatus
 from .limits import visible_devices
 from .model import CLIENT_LIMIT, DEVICE_FULL, EDGE_REASONS, EdgeExit, EdgeReport, Snapshot
-from .join import ClientMemory, client_memory
+from .join import ClientMemory, client_memory, present_clients
 
 MAX_TRACKED = 4096  # clients with a last reading (a node runs at most 48 per GPU: 384 on 8 GPUs)
 MAX_RECENT = 32  # edge exits kept for `status`
@@ -145,6 +145,12 @@ class ExitTracker:
         self._taken: Tuple[Optional[List[ClientMemory]], bool] = (None, False)
         self._seen = _Seen(-math.inf)
         self._reported: Optional[EdgeReport] = None  # the last report, while nothing in it changed
+        # Moved where a client may have been added or was dropped: the kernel is asked to watch
+        # the clients again only then. And the clients present (join.present_clients) when the
+        # last look found every tracked client among them: while they are the same set, and
+        # none was added, nobody left.
+        self._tracked = self._watched = 0
+        self._all_present_in: Optional[AbstractSet[int]] = None
 
     def _outcomes(self) -> Tuple[str, ...]:
         return (FAILED, CLEAN) if self.statuses is not None and self.statuses.available else (UNKNOWN,)
@@ -158,13 +164,16 @@ class ExitTracker:
             else:
                 self._take(snap, readings)
             self._leave(snap)
-            if self.statuses is not None and self.statuses.available:
+            if self.statuses is not None and self.statuses.available and self._watched != self._tracked:
                 self.statuses.watch(set(self._clients))  # the kernel drops the others' clean exits
+                self._watched = self._tracked
             self._zero_rows(snap)
             return self._report()
 
     def _take(self, snap: Snapshot, readings: List[ClientMemory]) -> None:
         self._taken, self._seen, self._reported = (readings, snap.nvml is not None), _Seen(snap.now), None
+        self._tracked += 1
+        self._all_present_in = None
         seen = self._seen
         pods: Dict[Tuple[str, str, str, int], Tuple[str, str, int]] = {}
         for r in readings:
@@ -189,13 +198,15 @@ class ExitTracker:
     def _leave(self, snap: Snapshot) -> None:
         if snap.nvml is None:
             return
+        present = present_clients(snap)
+        if present is self._all_present_in:
+            return
         up = {g.index for g in snap.nvml.gpus if g.up}
-        present: Set[int] = {p.pid for g in snap.nvml.gpus for p in g.mps_clients}
-        present |= {c.pid for d in snap.daemons for c in d.clients}
         daemons = {d.name: d for d in snap.daemons}
-        for pid, c in list(self._clients.items()):
-            if pid in present:
-                continue
+        absent = [(pid, c) for pid, c in self._clients.items() if pid not in present]
+        if not absent:
+            self._all_present_in = present
+        for pid, c in absent:
             d = daemons.get(c.daemon)
             if not set(c.readings) <= up or (d is not None and d.error is not None):
                 continue  # this collection could not see it: no conclusion
@@ -205,6 +216,7 @@ class ExitTracker:
                 if alive:  # left MPS, still running: no exit
                     del self._clients[pid]
                     self._reported = None
+                    self._tracked += 1
                     continue
                 if self.statuses is not None and self.statuses.available and c.gone_since is None:
                     # Its exit event may trail NVML's list by a moment: asked again next time.
@@ -213,6 +225,7 @@ class ExitTracker:
                     continue
             del self._clients[pid]
             self._reported = None
+            self._tracked += 1
             outcome = UNKNOWN if status is None else status.outcome
             for gpu, last in sorted(c.readings.items()):
                 r, seen = self._judged(c, gpu, last)

@@ -250,9 +250,7 @@ def join(snap: Snapshot, reuse: bool = True) -> Rows:
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
     joined = _GpuJoin.of(gpus)
-    ps_lists = [d.clients for d in snap.daemons]
-    listed, clients, unclaimed = _client_pids.get(ps_lists + [joined.mps_memory], None, lambda: _pids_of(
-        ps_lists, joined.mps_memory))
+    listed, clients, unclaimed = _client_pid_sets(snap.daemons, joined.mps_memory)
     driver = snap.nvml.driver_version if snap.nvml else ""
     gpu_rows = tuple(gpu_row(gpu, driver, snap.dcgm, server_pids, clients, snap.processes) for gpu in gpus)
     daemons = []
@@ -265,11 +263,24 @@ def join(snap: Snapshot, reuse: bool = True) -> Rows:
     return Rows(gpu_rows, tuple(daemons))
 
 
-def _pids_of(ps_lists: Sequence[Sequence[PsEntry]], mps_memory: Mapping[int, object]
-             ) -> Tuple[FrozenSet[int], FrozenSet[int], Tuple[int, ...]]:
-    """The clients the daemons list; those and NVML's MPS clients; NVML's that no daemon lists."""
-    listed = frozenset(c.pid for clients in ps_lists for c in clients)
-    return listed, listed.union(mps_memory), tuple(pid for pid in mps_memory if pid not in listed)
+def _client_pid_sets(daemons: Sequence[DaemonReading], mps_memory: Mapping[int, object]
+                     ) -> Tuple[FrozenSet[int], FrozenSet[int], Tuple[int, ...]]:
+    """The clients the daemons list; those and NVML's MPS clients; NVML's that no daemon
+    lists: the very sets of the last call while the lists stay."""
+    ps_lists = [d.clients for d in daemons]
+
+    def derive() -> Tuple[FrozenSet[int], FrozenSet[int], Tuple[int, ...]]:
+        listed = frozenset(c.pid for clients in ps_lists for c in clients)
+        return listed, listed.union(mps_memory), tuple(pid for pid in mps_memory if pid not in listed)
+
+    return _client_pids.get(ps_lists + [mps_memory], None, derive)
+
+
+def present_clients(snap: Snapshot) -> FrozenSet[int]:
+    """Every client a daemon lists or NVML names on a GPU: the very set of the last call
+    while their lists stay (the exit tracker then knows at once that nobody left)."""
+    gpus = snap.nvml.gpus if snap.nvml else []
+    return _client_pid_sets(snap.daemons, _memory_maps_of(gpus)[1])[1]
 
 
 # The PID sets of the daemons' lists and NVML's MPS lists: they mostly stay.
@@ -363,9 +374,7 @@ class _GpuJoin:
 
     @classmethod
     def of(cls, gpus: List[GpuReading]) -> "_GpuJoin":
-        compute_memory, mps_memory = _gpu_memory.get(
-            [g.compute_processes for g in gpus] + [g.mps_clients for g in gpus], tuple(g.index for g in gpus),
-            lambda: _memory_maps(gpus))
+        compute_memory, mps_memory = _memory_maps_of(gpus)
         return cls(gpus, {gpu.index: sm_utilization(gpu) for gpu in gpus}, compute_memory, mps_memory)
 
     def daemon_devices(self, d: DaemonReading) -> List[VisibleDevice]:
@@ -387,7 +396,13 @@ def _memory_maps(gpus: List[GpuReading]) -> Tuple[Mapping[int, Mapping[int, Opti
     return {gpu.index: {p.pid: p.used_bytes for p in gpu.compute_processes} for gpu in gpus}, mps_memory
 
 
-# The GPUs' memory maps: derived again only where NVML gave another process list.
+def _memory_maps_of(gpus: List[GpuReading]) -> Tuple[Mapping[int, Mapping[int, Optional[int]]],
+                                                      Mapping[int, Sequence[Tuple[int, Optional[int]]]]]:
+    """_memory_maps, derived again only where NVML gave another process list."""
+    return _gpu_memory.get([g.compute_processes for g in gpus] + [g.mps_clients for g in gpus],
+                           tuple(g.index for g in gpus), lambda: _memory_maps(gpus))
+
+
 _gpu_memory: Derived[Tuple[Mapping[int, Mapping[int, Optional[int]]],
                            Mapping[int, Sequence[Tuple[int, Optional[int]]]]]] = Derived()
 

@@ -163,6 +163,26 @@ def test_the_same_readings_read_again_are_taken_at_their_latest_collection():
     assert len(report.recent) == 1
 
 
+def test_the_same_clients_again_are_not_watched_anew_and_one_that_leaves_is_still_judged():
+    # The kernel is asked again only where the followed clients changed; the same lists read
+    # again (join.present_clients gives the same set) leave nobody, and a list without a
+    # client still ends it.
+    statuses = Statuses()
+    asked: List[int] = []
+    tracker = ExitTracker(Margins(0.05, 0.97), statuses, alive=lambda pid: bool(asked.append(pid)))
+    first = snap(100.0, {4242: int(2 * GiB * 0.96), 4343: GiB}, env={4242: "0=2G"})
+    report = tracker.observe(first)
+    for now in (101.0, 102.0):
+        assert tracker.observe(_read_again(first, now)) is report
+    assert statuses.watched == [{4242, 4343}] and asked == []
+    statuses.known[4242] = ExitStatus(1, 0)
+    gone = snap(103.0, {4343: GiB})
+    report = tracker.observe(gone)
+    assert counts(report) == {("default", 0, "client_limit", "failed"): 1}
+    assert tracker.observe(_read_again(gone, 104.0)) is report
+    assert statuses.watched == [{4242, 4343}, {4343}]
+
+
 def test_a_client_far_from_its_limit_is_never_counted():
     statuses = Statuses()
     tracker = ExitTracker(Margins(0.05, 0.97), statuses, alive=lambda pid: False)
