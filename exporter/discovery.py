@@ -105,6 +105,43 @@ def _comm(proc_dir: str) -> bytes:
         os.close(fd)
 
 
+# A comm read alike at two scans is read again only this often (CommReader).
+COMM_RECHECK_SECONDS = 60.0
+
+
+class CommReader:
+    """Each process's comm for scan_processes, read again only where it may have changed.
+    A process's comm changes only when it exec()s: one read alike at two scans in a row is
+    settled, and read again only in a full pass every `recheck` seconds. So a process caught
+    between its fork and its exec (systemd starting a daemon with -f) is read again at the
+    next scan; one that exec()s the daemon long after it started, or a new process that
+    took a settled PID within a scan interval, is found within `recheck` seconds. A node's
+    scan read ~400 comm files every 5 s: a third of the control thread's CPU (issue 44)."""
+
+    def __init__(self, recheck: float = COMM_RECHECK_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.recheck = recheck
+        self._clock = clock
+        self._next_full = float("-inf")
+        self._comms: Dict[int, Tuple[bytes, bool]] = {}  # pid -> (comm, settled)
+
+    def read(self, proc_root: str, pids: Sequence[int]) -> Dict[int, bytes]:
+        """The comm of each of `pids` (b"" where gone); the others are forgotten."""
+        now = self._clock()
+        full = now >= self._next_full
+        if full:
+            self._next_full = now + self.recheck
+        before, self._comms = self._comms, {}
+        out = {}
+        for pid in pids:
+            kept = before.get(pid)
+            if kept is None or not kept[1] or full:
+                comm = _comm(f"{proc_root}/{pid}")
+                kept = (comm, kept is not None and kept[0] == comm)
+            self._comms[pid] = kept
+            out[pid] = kept[0]
+        return out
+
+
 def identity(path: str) -> Optional[Tuple[int, int]]:
     """(st_dev, st_ino) of what `path` names now; None where it is not there."""
     try:
@@ -119,19 +156,22 @@ def _inside(root: str, path: str) -> str:
     return root + "/" + path.lstrip("/")
 
 
-def scan_processes(proc_root: str, limit: int = MAX_DISCOVERED) -> List[DaemonConfig]:
+def scan_processes(proc_root: str, limit: int = MAX_DISCOVERED,
+                   comms: Optional[CommReader] = None) -> List[DaemonConfig]:
     """Every control daemon process in `proc_root` now, one per pipe directory, sorted by
-    name (layout PROCESS). Lists `proc_root` once; reads the `comm` of each process and the
-    cmdline and environ of the few named nvidia-cuda-mps."""
+    name (layout PROCESS). Lists `proc_root` once; reads the `comm` of each process (through
+    `comms`, where given, those it holds settled) and the cmdline and environ of the few
+    named nvidia-cuda-mps."""
     try:
         pids = sorted(int(p) for p in os.listdir(proc_root) if p.isdigit())
     except OSError:
         return []
     host = os.path.join(proc_root, "1", "root")  # the host's root where we share its PID namespace
     found: Dict[Tuple[int, int], DaemonConfig] = {}
+    comm_of = (comms or CommReader()).read(proc_root, pids)
     for pid in pids:
         proc_dir = f"{proc_root}/{pid}"
-        if _comm(proc_dir) != CONTROL_COMM:
+        if comm_of[pid] != CONTROL_COMM:
             continue
         argv = _control_argv(proc_dir)
         if argv is None:
@@ -171,6 +211,7 @@ class DaemonSet:
         self._lock = threading.Lock()
         self._next_scan = float("-inf")
         self._current: Tuple[DaemonConfig, ...] = tuple(self.static)
+        self._comms = CommReader(clock=clock)
 
     def current(self) -> List[DaemonConfig]:
         if (self.roots or self.processes) and self._clock() >= self._next_scan:
@@ -189,7 +230,7 @@ class DaemonSet:
         pipe directory's device and inode, the earlier name wins). A static daemon whose pipe
         directory the exporter cannot see (a container without that mount) but a daemon
         process has at that path on the host is that daemon, reached through its root."""
-        processes = scan_processes(self.proc_root)
+        processes = scan_processes(self.proc_root, comms=self._comms)
         by_name = {d.name: d for d in processes}
         adopted = []
         for i, d in enumerate(static):

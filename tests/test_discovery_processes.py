@@ -269,3 +269,34 @@ def test_a_real_proc_without_daemons_finds_none_it_cannot_reach():
     that exists (nothing is invented)."""
     for d in scan_processes("/proc"):
         assert os.path.isdir(d.pipe_directory)
+
+
+def test_a_process_that_becomes_a_daemon_is_found_at_the_next_scan_or_within_the_recheck(tmp_path):
+    # A comm read alike at two scans is not read again until the full pass (CommReader): a
+    # process caught between fork and exec is read again at the next scan; one that was
+    # python3 at two scans and then exec()s the daemon is found at the full pass.
+    h = fake_host(tmp_path, tmp_path / "srv-mps")
+    pipe_dir(h.host / "run" / "mps-late")
+    pipe_dir(h.host / "run" / "mps-later")
+    now = [0.0]
+    sets = DaemonSet([], interval=5.0, clock=lambda: now[0], processes=True, proc_root=str(h.proc))
+
+    def becomes_daemon(pid: int, pipe: str) -> None:
+        (h.proc / str(pid) / "comm").write_text("nvidia-cuda-mps\n")
+        (h.proc / str(pid) / "cmdline").write_bytes(b"nvidia-cuda-mps-control\0-f\0")
+        (h.proc / str(pid) / "environ").write_bytes(f"CUDA_MPS_PIPE_DIRECTORY={pipe}\0".encode())
+
+    write_proc(h.proc, [FakeProcess(800, comm="systemd")])  # forked by systemd, not exec()ed yet
+    (h.proc / "800" / "root").symlink_to(h.host)
+    (h.proc / "702" / "root").unlink()
+    (h.proc / "702" / "root").symlink_to(h.host)
+    names = [d.name for d in sets.current()]
+    assert len(names) == 6 and "/run/mps-late" not in names
+    becomes_daemon(800, "/run/mps-late")
+    now[0] = 5.0
+    assert "/run/mps-late" in [d.name for d in sets.current()]  # read once only: read again
+    becomes_daemon(702, "/run/mps-later")  # python3 at both scans: settled
+    for now[0] in (10.0, 55.0):
+        assert "/run/mps-later" not in [d.name for d in sets.current()]
+    now[0] = 60.0
+    assert "/run/mps-later" in [d.name for d in sets.current()]
