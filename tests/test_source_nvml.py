@@ -432,13 +432,17 @@ def test_gpm_query_refused_means_unsupported(code):
 def test_gpm_samples_are_freed():
     fake = FakeNvml.synthetic(gpus=3, clients_per_gpu=1)
     source = NvmlClient(fake)
+    source.read()
+    assert len(fake.live_gpm_samples) == 3  # one kept per GPU for the next interval
     for _ in range(5):
-        source.read()
         fake.advance(15)
-        assert len(fake.live_gpm_samples) == 3  # one kept per GPU for the next interval
+        source.read()
+        # and the one before it, which the next sample is taken into: no alloc per round
+        assert len(fake.live_gpm_samples) == 6 and fake.calls["nvmlGpmSampleAlloc"] == 6
+    assert fake.calls["nvmlGpmSampleFree"] == 0
     fake.gpus[2].errors["nvmlGpmSampleGet"] = fp.NVML_ERROR_UNKNOWN
     assert source.read().gpus[2].activity == {}
-    assert len(fake.live_gpm_samples) == 3  # the failed sample was freed, the previous one kept
+    assert len(fake.live_gpm_samples) == 5  # the failed sample was freed, the previous one kept
     source.close()
     assert fake.live_gpm_samples == [] and fake.calls["nvmlShutdown"] == 1
     assert source.read().gpus[0].activity == {}  # re-initialised: a fresh first sample
@@ -449,7 +453,7 @@ def test_gpm_metrics_error_drops_activity_but_keeps_the_gpu():
     fake.errors["nvmlGpmMetricsGet"] = fp.NVML_ERROR_UNKNOWN
     _, _, second = read_twice(fake)
     assert second.gpus[0].up and second.gpus[0].activity == {}
-    assert len(fake.live_gpm_samples) == 1
+    assert len(fake.live_gpm_samples) == 2  # the new sample, and the one before for the next
 
 
 def test_driver_before_r510_falls_back_to_v2_process_calls():

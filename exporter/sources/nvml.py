@@ -392,6 +392,9 @@ class NvmlClient:
         self._identity: Dict[int, Tuple[str, str]] = {}  # index -> (name, uuid)
         self._last_seen_us: Dict[int, int] = {}  # index -> newest process-utilization sample
         self._gpm_prev: Dict[int, Any] = {}  # index -> previous GPM sample (to free later)
+        # index -> the sample before it, its interval taken: the next sample is taken into it
+        # (an alloc and a free fewer per GPU and round)
+        self._gpm_spare: Dict[int, Any] = {}
         self._gpm_supported: Dict[int, bool] = {}
         self._down: Set[int] = set()  # GPUs whose last read failed
         # index -> (time.monotonic() of the read, compute mode, MIG enabled): see MODES_SECONDS
@@ -425,9 +428,10 @@ class NvmlClient:
         """Drop per-GPU state: after a re-initialisation handles and samples are stale."""
         self.gpus.forget()  # reads in flight use the handles and state dropped here
         self.gpm.forget()  # its work in line uses the samples freed here
-        for sample in self._gpm_prev.values():
+        for sample in [*self._gpm_prev.values(), *self._gpm_spare.values()]:
             self._free_sample(nvml, sample)
         self._gpm_prev.clear()
+        self._gpm_spare.clear()
         self._gpm_supported.clear()
         self._last_seen_us.clear()
         self._identity.clear()
@@ -609,7 +613,7 @@ class NvmlClient:
         """Activity ratios between the previous scrape's GPM sample and a new one."""
         if not self._gpm_is_supported(nvml, handle, index):
             return {}
-        sample = gpm_call(nvml.nvmlGpmSampleAlloc)
+        sample = self._gpm_spare.pop(index, None) or gpm_call(nvml.nvmlGpmSampleAlloc)
         try:
             gpm_call(nvml.nvmlGpmSampleGet, handle, sample)
         except nvml.NVMLError:
@@ -622,7 +626,7 @@ class NvmlClient:
         try:
             return self._gpm_metrics(nvml, previous, sample)
         finally:
-            self._free_sample(nvml, previous)
+            self._gpm_spare[index] = previous
 
     def _gpm_is_supported(self, nvml: Any, handle: Any, index: int) -> bool:
         if index not in self._gpm_supported:
