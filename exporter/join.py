@@ -21,6 +21,7 @@ A new joined metric is a row field (here), a declaration and an emit line (rende
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -260,6 +261,8 @@ def join(snap: Snapshot, reuse: bool = True) -> Rows:
         daemons.append(daemon_row(d, snap.logs.get(d.name), snap.processes, joined, unlisted, kept))
     if reuse:
         _kept_clients = kept.now  # clients gone are forgotten
+    for gone in _clients_per_server.keys() - {d.name for d in snap.daemons}:
+        _clients_per_server.pop(gone, None)  # a DRA node's daemons come and go
     return Rows(gpu_rows, tuple(daemons))
 
 
@@ -345,9 +348,11 @@ def gpu_row(gpu: GpuReading, driver: str, dcgm: DcgmReading, server_pids: Set[in
     activity = {**gpu.activity, **profiled}  # DCGM's profiling fields win over GPM
     sources = {key: FROM_NVML if key in gpu.activity else UNKNOWN for key in ACTIVITY}
     sources.update({key: "dcgm" for key in profiled})
-    mode = sharing_mode(gpu, server_pids, processes, clients)
-    outside = tuple(_outside_row(p, processes.get(p.pid) or ProcessFacts(p.pid))
-                    for p in outside_mps(gpu, server_pids, clients, processes))
+    mode, outside = _sharing.setdefault(gpu.index, Derived()).get(
+        [gpu.compute_processes, gpu.mps_clients, clients, processes], (gpu.mig_enabled, frozenset(server_pids)),
+        lambda: (sharing_mode(gpu, server_pids, processes, clients),
+                 tuple(_outside_row(p, processes.get(p.pid) or ProcessFacts(p.pid))
+                       for p in outside_mps(gpu, server_pids, clients, processes))))
     return GpuRow(
         gpu.index, gpu.uuid, True, gpu.name, driver, gpu.compute_mode, "enabled" if gpu.mig_enabled else "disabled",
         gpu.memory_total_bytes, gpu.memory_used_bytes, gpu.utilization_ratio, gpu.memory_utilization_ratio,
@@ -356,6 +361,11 @@ def gpu_row(gpu: GpuReading, driver: str, dcgm: DcgmReading, server_pids: Set[in
         len(gpu.mps_clients), outside,
         # under MPS NVML gives all SM time to the server: no per-client number
         {} if mode in ("mps", "mixed") else sm_utilization(gpu))
+
+
+# Per GPU index: its sharing mode and processes outside MPS, derived again only where its
+# process lists, the clients, /proc's reading, its MIG mode or the servers changed.
+_sharing: Dict[int, Derived[Tuple[str, Tuple[OutsideProcessRow, ...]]]] = {}
 
 
 def _outside_row(p: ProcessMemory, proc: ProcessFacts) -> OutsideProcessRow:
@@ -467,12 +477,15 @@ def server_rows(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Ma
             if running.running and pid not in servers and (
                     pid in processes or any(pid in memory for memory in joined.compute_memory.values())):
                 servers[pid] = ServerFacts(pid=pid, status=None)
-    clients_per_server: Dict[int, int] = {}
-    for c in d.clients:
-        clients_per_server[c.server_pid] = clients_per_server.get(c.server_pid, 0) + 1
+    clients_per_server = _clients_per_server.setdefault(d.name, Derived()).get(
+        [d.clients], None, lambda: collections.Counter(c.server_pid for c in d.clients))
     return [_server_row(d.name, s, log_servers.get(pid), processes.get(pid), clients_per_server.get(pid, 0),
                         joined, devices)
             for pid, s in sorted(servers.items())]
+
+
+# Per daemon: how many clients each server has in its `ps`, while the list stays.
+_clients_per_server: Dict[str, Derived[Mapping[int, int]]] = {}
 
 
 def _first(*candidates: Tuple[Optional[T], str]) -> Tuple[Optional[T], str]:

@@ -116,3 +116,25 @@ def test_a_derived_value_is_derived_again_only_for_another_reading_or_key():
     assert derived.get([equal], 0, derive) == 2  # an equal one that is another object: derived again
     assert derived.get([equal], 1, derive) == 3  # another key
     assert derived.get([equal, first], 1, derive) == 4  # another count of readings
+
+
+def test_a_gpus_sharing_mode_and_a_servers_clients_follow_new_lists_and_stay_with_the_same(tmp_path):
+    # _sharing and _clients_per_server are kept while the very lists stay: a process outside
+    # MPS in a new compute list makes the GPU mixed, a client fewer in `ps` counts one fewer.
+    snap = _snapshot(tmp_path)
+    rows = join.join(snap)
+    assert [g.sharing_mode for g in rows.gpus] == ["mps", "mps"]
+    assert join.join(copy.copy(snap)).gpus[0].outside_mps is rows.gpus[0].outside_mps  # the same lists
+    outside = copy.copy(snap)
+    outside.nvml = copy.deepcopy(snap.nvml)
+    assert outside.nvml is not None
+    outside.nvml.gpus[0].compute_processes = outside.nvml.gpus[0].compute_processes + [ProcessMemory(99999, 1 << 30)]
+    mixed = join.join(outside)
+    assert [g.sharing_mode for g in mixed.gpus] == ["mixed", "mps"]
+    assert [p.pid for p in mixed.gpus[0].outside_mps] == [99999]
+    server = rows.daemons[0].servers[0]
+    fewer = copy.copy(snap)
+    fewer.daemons = [dataclasses.replace(snap.daemons[0], clients=[c for c in snap.daemons[0].clients
+                                                                   if c.pid != min(c.pid for c in snap.daemons[0].clients)])]
+    after = {s.pid: s for s in join.join(fewer).daemons[0].servers}
+    assert after[server.pid].clients == server.clients - 1
