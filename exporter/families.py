@@ -114,6 +114,10 @@ class FamilyBuilder:
         """(declared name, samples) of each family with samples: what `extend` takes back."""
         return [(name, samples) for name, (_, samples) in self._samples.items() if samples]
 
+    def last(self, name: str) -> Sample:
+        """The sample last added to the family."""
+        return self._samples[name][1][-1]
+
     def extend(self, name: str, samples: Sequence[Sample]) -> None:
         """Samples built and checked by an earlier builder (`parts`), added as they are."""
         self._family(name)[1].extend(samples)

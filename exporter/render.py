@@ -10,6 +10,7 @@ granularities are folds over the client rows.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import platform
 from dataclasses import dataclass, field
@@ -274,7 +275,7 @@ def render_rows(out: FamilyBuilder, rows: Rows, granularity: str = "client",
     """The joined tables: GPUs, daemons, servers, and the clients at `granularity`."""
     uuids = rows.uuids
     for gpu in rows.gpus:
-        emit_gpu(out, gpu)
+        emit_gpu(out, gpu, None if memo is None else memo.gpus.setdefault((gpu.index, gpu.uuid), {}))
     clients = memo if memo is not None else ClientTableMemo()
     for d in rows.daemons:
         emit_daemon(out, d)
@@ -285,7 +286,7 @@ def render_rows(out: FamilyBuilder, rows: Rows, granularity: str = "client",
         else:
             emit_sums(out, d, fold_clients(d.clients, by_pod=granularity == "pod"), uuids)
     if memo is not None:
-        memo.keep_only({d.name for d in rows.daemons})
+        memo.keep_only({d.name for d in rows.daemons}, {(g.index, g.uuid) for g in rows.gpus})
 
 
 def readings_key(snap: Snapshot, granularity: str) -> Tuple[object, ...]:
@@ -317,27 +318,45 @@ def render_self(out: FamilyBuilder, snap: Snapshot) -> None:
 
 
 # ---------------------------------------------------------------- GPUs
-def emit_gpu(out: FamilyBuilder, g: GpuRow) -> None:
+def emit_gpu(out: FamilyBuilder, g: GpuRow, kept: Optional[Dict[str, Sample]] = None) -> None:
+    """The GPU's series. `kept`: the GPU's samples labelled by it alone as last emitted,
+    reused where their value is the same (the GPU's numbers move a few at a time)."""
     ids = {"gpu": g.index, "uuid": g.uuid}
-    out.add("mps_gpu_up", int(g.up), **ids)
+
+    def value(name: str, number: Optional[float]) -> None:  # a series labelled by the GPU alone
+        if kept is None or number is None:
+            out.add(name, number, **ids)
+            return
+        last = kept.get(name)
+        number = float(number)
+        if last is None or number != number:
+            out.add(name, number, **ids)
+            if number == number:
+                kept[name] = out.last(name)
+            return
+        if last.value != number or math.copysign(1.0, last.value) != math.copysign(1.0, number):
+            last = kept[name] = last._replace(value=number)  # the same labels
+        out.extend(name, (last,))
+
+    value("mps_gpu_up", int(g.up))
     if not g.up:  # NVML did not answer for it: nothing else is known
         return
     out.add("mps_gpu_info", 1, **ids, name=g.name, driver_version=g.driver_version, compute_mode=g.compute_mode,
             mig_mode=g.mig_mode)
-    out.add("mps_gpu_memory_total_bytes", g.memory_total_bytes, **ids)
-    out.add("mps_gpu_memory_used_bytes", g.memory_used_bytes, **ids)
-    out.add("mps_gpu_utilization_ratio", g.utilization_ratio, **ids)
-    out.add("mps_gpu_memory_utilization_ratio", g.memory_utilization_ratio, **ids)
-    out.add("mps_gpu_power_watts", g.power_watts, **ids)
-    out.add("mps_gpu_temperature_celsius", g.temperature_celsius, **ids)
-    out.add("mps_gpu_sm_active_ratio", g.sm_active_ratio, **ids)
-    out.add("mps_gpu_sm_occupancy_ratio", g.sm_occupancy_ratio, **ids)
-    out.add("mps_gpu_tensor_active_ratio", g.tensor_active_ratio, **ids)
-    out.add("mps_gpu_dram_active_ratio", g.dram_active_ratio, **ids)
+    value("mps_gpu_memory_total_bytes", g.memory_total_bytes)
+    value("mps_gpu_memory_used_bytes", g.memory_used_bytes)
+    value("mps_gpu_utilization_ratio", g.utilization_ratio)
+    value("mps_gpu_memory_utilization_ratio", g.memory_utilization_ratio)
+    value("mps_gpu_power_watts", g.power_watts)
+    value("mps_gpu_temperature_celsius", g.temperature_celsius)
+    value("mps_gpu_sm_active_ratio", g.sm_active_ratio)
+    value("mps_gpu_sm_occupancy_ratio", g.sm_occupancy_ratio)
+    value("mps_gpu_tensor_active_ratio", g.tensor_active_ratio)
+    value("mps_gpu_dram_active_ratio", g.dram_active_ratio)
     out.add("mps_gpu_sharing_mode", 1, **ids, mode=g.sharing_mode)
-    out.add("mps_gpu_compute_processes", g.compute_processes, **ids)
-    out.add("mps_gpu_clients", g.clients, **ids)
-    out.add("mps_gpu_processes_outside_mps", len(g.outside_mps), **ids)
+    value("mps_gpu_compute_processes", g.compute_processes)
+    value("mps_gpu_clients", g.clients)
+    value("mps_gpu_processes_outside_mps", len(g.outside_mps))
     for p in g.outside_mps:
         out.add("mps_process_outside_mps_info", 1, **ids, pid=p.pid, uid=p.uid, user=p.user, command=p.command,
                 container_id=p.container_id, pod_uid=p.pod_uid, namespace=p.namespace, pod=p.pod,
@@ -454,6 +473,8 @@ class ClientTableMemo:
         # The last edges rendered (the report, the UUIDs, the granularity) and their families.
         self.edges: Optional[Tuple[EdgeReport, Dict[int, str], str]] = None
         self.edge_parts: ClientParts = []
+        # Each GPU's (index, UUID) samples labelled by it alone, as emit_gpu last emitted them.
+        self.gpus: Dict[Tuple[int, str], Dict[str, Sample]] = {}
 
     def render_clients(self, out: FamilyBuilder, d: DaemonRow, uuids: Mapping[int, str]) -> None:
         """The daemon's client rows. A client whose series cannot be rendered is left out
@@ -480,10 +501,11 @@ class ClientTableMemo:
         for name, samples in families.items():
             out.extend(name, samples)
 
-    def keep_only(self, names: AbstractSet[str]) -> None:
-        """Forget the clients of daemons no longer read."""
+    def keep_only(self, names: AbstractSet[str], gpus: AbstractSet[Tuple[int, str]] = frozenset()) -> None:
+        """Forget the clients of daemons no longer read, and the GPUs no longer there."""
         self._clients = {name: kept for name, kept in self._clients.items() if name in names}
         self._tables = {name: kept for name, kept in self._tables.items() if name in names}
+        self.gpus = {gpu: kept for gpu, kept in self.gpus.items() if gpu in gpus}
 
 
 def _moved_readings(c: ClientRow, uuids: Mapping[int, str], before: _Rendered) -> Optional[_Rendered]:

@@ -346,3 +346,38 @@ def test_ignored_client_limits_are_counted_per_server_without_per_client_series(
     assert value(out, "mps_server_clients_limit_ignored", daemon="default", server_pid="1589", limit="pinned_memory",
                  reason="invisible_device") == 2
     assert absent(out, "mps_client_limit_ignored") and absent(out, "mps_client_limit_source")
+
+
+def test_a_gpus_series_are_its_last_samples_where_their_value_stayed():
+    # emit_gpu with the render's memo: a value that stayed is the very sample again, one that
+    # moved keeps its labels; -0.0 is no 0.0, NaN no number, another GPU (UUID) no reuse.
+    from mps_exporter.families import FamilyBuilder
+    from mps_exporter.join import gpu_row
+    from mps_exporter.render import ClientTableMemo, emit_gpu
+
+    memo = ClientTableMemo()
+
+    def emitted(**overrides):
+        g = busy_gpu(**overrides)
+        out = FamilyBuilder()
+        emit_gpu(out, gpu_row(g, "580.65.06", {}, {1589}, {1647, 1648, 1649}, {}),
+                 memo.gpus.setdefault((g.index, g.uuid), {}))
+        return {name: samples[0] for name, samples in out.parts() if len(samples) == 1}
+
+    first = emitted()
+    second = emitted(power_watts=650.5)
+    power = second["mps_gpu_power_watts"]
+    assert power.value == 650.5 and power.labels == {"gpu": "0", "uuid": UUID}
+    assert second["mps_gpu_power_watts"] is not first["mps_gpu_power_watts"]
+    alone = [name for name, sample in first.items() if sample.labels.keys() == {"gpu", "uuid"}]
+    assert len(alone) == 10 and all(second[name] is first[name] for name in alone if name != "mps_gpu_power_watts")
+    assert str(emitted(memory_utilization_ratio=-0.0)["mps_gpu_memory_utilization_ratio"].value) == "-0.0"
+    assert str(emitted(memory_utilization_ratio=0.0)["mps_gpu_memory_utilization_ratio"].value) == "0.0"
+    assert "mps_gpu_temperature_celsius" not in emitted(temperature_celsius=float("nan"))
+    assert emitted()["mps_gpu_temperature_celsius"].value == 60
+    other = "GPU-00000000-0000-0000-0000-000000000000"
+    assert emitted(uuid=other)["mps_gpu_up"].labels == {"gpu": "0", "uuid": other}
+    # and a render without the memo writes the same text
+    plain = FamilyBuilder()
+    emit_gpu(plain, gpu_row(busy_gpu(), "580.65.06", {}, {1589}, {1647, 1648, 1649}, {}))
+    assert {name: samples[0] for name, samples in plain.parts() if len(samples) == 1} == emitted()
