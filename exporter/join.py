@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, dataclass_transform
+from typing import AbstractSet, Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, dataclass_transform
 
 from . import limits as lim
 from .limits import Limits, OwnLimits, VisibleDevice, client_limits, on_gpus, own_limits, visible_devices
@@ -250,15 +250,15 @@ def join(snap: Snapshot, reuse: bool = True) -> Rows:
     global _kept_clients
     gpus = snap.nvml.gpus if snap.nvml else []
     server_pids = {s.pid for d in snap.daemons for s in d.servers}
-    joined = _GpuJoin.of(gpus)
-    listed, clients, unclaimed = _client_pid_sets(snap.daemons, joined.mps_memory)
+    joined = _GpuJoin.of(gpus, reuse)
+    listed, clients, unclaimed = _client_pid_sets(snap.daemons, joined.mps_memory, reuse)
     driver = snap.nvml.driver_version if snap.nvml else ""
-    gpu_rows = tuple(gpu_row(gpu, driver, snap.dcgm, server_pids, clients, snap.processes) for gpu in gpus)
+    gpu_rows = tuple(gpu_row(gpu, driver, snap.dcgm, server_pids, clients, snap.processes, reuse) for gpu in gpus)
     daemons = []
     kept = _KeptClients(_kept_clients if reuse else _Kept())
     for d in snap.daemons:
         unlisted = [pid for pid in unclaimed if _claims(d, snap.processes.get(pid), len(snap.daemons) == 1)]
-        daemons.append(daemon_row(d, snap.logs.get(d.name), snap.processes, joined, unlisted, kept))
+        daemons.append(daemon_row(d, snap.logs.get(d.name), snap.processes, joined, unlisted, kept, reuse))
     if reuse:
         _kept_clients = kept.now  # clients gone are forgotten
     for gone in _clients_per_server.keys() - {d.name for d in snap.daemons}:
@@ -266,7 +266,7 @@ def join(snap: Snapshot, reuse: bool = True) -> Rows:
     return Rows(gpu_rows, tuple(daemons))
 
 
-def _client_pid_sets(daemons: Sequence[DaemonReading], mps_memory: Mapping[int, object]
+def _client_pid_sets(daemons: Sequence[DaemonReading], mps_memory: Mapping[int, object], reuse: bool = True
                      ) -> Tuple[FrozenSet[int], FrozenSet[int], Tuple[int, ...]]:
     """The clients the daemons list; those and NVML's MPS clients; NVML's that no daemon
     lists: the very sets of the last call while the lists stay."""
@@ -276,7 +276,7 @@ def _client_pid_sets(daemons: Sequence[DaemonReading], mps_memory: Mapping[int, 
         listed = frozenset(c.pid for clients in ps_lists for c in clients)
         return listed, listed.union(mps_memory), tuple(pid for pid in mps_memory if pid not in listed)
 
-    return _client_pids.get(ps_lists + [mps_memory], None, derive)
+    return _kept(_client_pids, reuse, ps_lists + [mps_memory], None, derive)
 
 
 def present_clients(snap: Snapshot) -> FrozenSet[int]:
@@ -288,6 +288,12 @@ def present_clients(snap: Snapshot) -> FrozenSet[int]:
 
 # The PID sets of the daemons' lists and NVML's MPS lists: they mostly stay.
 _client_pids: Derived[Tuple[FrozenSet[int], FrozenSet[int], Tuple[int, ...]]] = Derived()
+
+
+def _kept(memo: Derived[T], reuse: bool, readings: Sequence[object], key: object, derive: Callable[[], T]) -> T:
+    """memo.get(readings, key, derive); derived anew without reuse (tests/conftest.py checks
+    every join of the suite against one without)."""
+    return memo.get(readings, key, derive) if reuse else derive()
 
 
 # ---------------------------------------------------------------- GPUs
@@ -341,15 +347,15 @@ ACTIVITY = ("sm_active", "sm_occupancy", "tensor_active", "dram_active")
 
 
 def gpu_row(gpu: GpuReading, driver: str, dcgm: DcgmReading, server_pids: Set[int], clients: AbstractSet[int],
-            processes: Mapping[int, ProcessFacts]) -> GpuRow:
+            processes: Mapping[int, ProcessFacts], reuse: bool = True) -> GpuRow:
     if not gpu.up:
         return GpuRow(gpu.index, gpu.uuid, False)
     profiled = dcgm.get(gpu.index, {})
     activity = {**gpu.activity, **profiled}  # DCGM's profiling fields win over GPM
     sources = {key: FROM_NVML if key in gpu.activity else UNKNOWN for key in ACTIVITY}
     sources.update({key: "dcgm" for key in profiled})
-    mode, outside = _sharing.setdefault(gpu.index, Derived()).get(
-        [gpu.compute_processes, gpu.mps_clients, clients, processes], (gpu.mig_enabled, frozenset(server_pids)),
+    mode, outside = _kept(
+        _sharing.setdefault(gpu.index, Derived()), reuse, [gpu.compute_processes, gpu.mps_clients, clients, processes], (gpu.mig_enabled, frozenset(server_pids)),
         lambda: (sharing_mode(gpu, server_pids, processes, clients),
                  tuple(_outside_row(p, processes.get(p.pid) or ProcessFacts(p.pid))
                        for p in outside_mps(gpu, server_pids, clients, processes))))
@@ -383,8 +389,8 @@ class _GpuJoin:
     mps_memory: Mapping[int, Sequence[Tuple[int, Optional[int]]]]  # client pid -> [(gpu index, bytes)]
 
     @classmethod
-    def of(cls, gpus: List[GpuReading]) -> "_GpuJoin":
-        compute_memory, mps_memory = _memory_maps_of(gpus)
+    def of(cls, gpus: List[GpuReading], reuse: bool = True) -> "_GpuJoin":
+        compute_memory, mps_memory = _memory_maps_of(gpus, reuse)
         return cls(gpus, {gpu.index: sm_utilization(gpu) for gpu in gpus}, compute_memory, mps_memory)
 
     def daemon_devices(self, d: DaemonReading) -> List[VisibleDevice]:
@@ -406,10 +412,10 @@ def _memory_maps(gpus: List[GpuReading]) -> Tuple[Mapping[int, Mapping[int, Opti
     return {gpu.index: {p.pid: p.used_bytes for p in gpu.compute_processes} for gpu in gpus}, mps_memory
 
 
-def _memory_maps_of(gpus: List[GpuReading]) -> Tuple[Mapping[int, Mapping[int, Optional[int]]],
-                                                      Mapping[int, Sequence[Tuple[int, Optional[int]]]]]:
+def _memory_maps_of(gpus: List[GpuReading], reuse: bool = True
+                    ) -> Tuple[Mapping[int, Mapping[int, Optional[int]]], Mapping[int, Sequence[Tuple[int, Optional[int]]]]]:
     """_memory_maps, derived again only where NVML gave another process list."""
-    return _gpu_memory.get([g.compute_processes for g in gpus] + [g.mps_clients for g in gpus],
+    return _kept(_gpu_memory, reuse, [g.compute_processes for g in gpus] + [g.mps_clients for g in gpus],
                            tuple(g.index for g in gpus), lambda: _memory_maps(gpus))
 
 
@@ -434,12 +440,12 @@ def _claims(d: DaemonReading, proc: Optional[ProcessFacts], only: bool) -> bool:
 
 
 def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
-               joined: _GpuJoin, unlisted: Sequence[int], kept: "_KeptClients") -> DaemonRow:
+               joined: _GpuJoin, unlisted: Sequence[int], kept: "_KeptClients", reuse: bool = True) -> DaemonRow:
     """The daemon, its servers and its clients: the rows of its `ps` and the NVML MPS
     clients in `unlisted` (`kept`: the last join's, reused where their inputs stay). A
     client whose row cannot be joined is left out (logged)."""
     devices = joined.daemon_devices(d)
-    joined_servers = server_rows(d, log_snap, processes, joined, devices)
+    joined_servers = server_rows(d, log_snap, processes, joined, devices, reuse)
     server_limits = {s.pid: limits for s, limits in joined_servers}
     daemon = _DaemonJoin(d, devices, tuple((dev.index, dev.uuid) for dev in devices if dev.index is not None),
                          Limits(d.default_active_thread_percentage, d.default_pinned_limits), server_limits, log_snap)
@@ -464,7 +470,7 @@ def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Map
 
 # ---------------------------------------------------------------- servers
 def server_rows(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
-                joined: _GpuJoin, devices: Sequence[VisibleDevice]) -> List[Tuple[ServerRow, Limits]]:
+                joined: _GpuJoin, devices: Sequence[VisibleDevice], reuse: bool = True) -> List[Tuple[ServerRow, Limits]]:
     """The server rows, each with its limits now (what its clients inherit where the logs
     do not show them connecting)."""
     log_servers: Mapping[int, LogServer] = log_snap.servers if log_snap else {}
@@ -477,8 +483,8 @@ def server_rows(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Ma
             if running.running and pid not in servers and (
                     pid in processes or any(pid in memory for memory in joined.compute_memory.values())):
                 servers[pid] = ServerFacts(pid=pid, status=None)
-    clients_per_server = _clients_per_server.setdefault(d.name, Derived()).get(
-        [d.clients], None, lambda: collections.Counter(c.server_pid for c in d.clients))
+    clients_per_server = _kept(_clients_per_server.setdefault(d.name, Derived()), reuse,
+                               [d.clients], None, lambda: collections.Counter(c.server_pid for c in d.clients))
     return [_server_row(d.name, s, log_servers.get(pid), processes.get(pid), clients_per_server.get(pid, 0),
                         joined, devices)
             for pid, s in sorted(servers.items())]
