@@ -113,3 +113,58 @@ def test_refused_connections_not_found_and_unknown_commands_are_echoes(tmp_path)
     # the one refused connection after no framing line, then the echoes' newest time
     assert parsed == [lines[17], lines[-1]]
     assert state.snapshot().lines["control"] == len(lines) and not state.in_command
+
+
+def test_answers_holding_what_a_header_ends_with_are_parsed(tmp_path):
+    """Runs count commands and admitted contexts by `] Cmd:` and `] NEW CLIENT ` in their
+    text: an answer line holding either (a `]` in it) is parsed, never counted as one."""
+    from mps_exporter.logs.echoes import apply_control
+
+    rows = [
+        "Accepting connection...", "NEW UI", "Cmd:ps", "PID       ID        SERVER         DEVICE",
+        "713       8         654      GPU-0   python x] Cmd:ps", "714       8         654      GPU-0   y] NEW CLIENT 5 ",
+        "NEW CLIENT 900 from user 0: Server already exists", "UI closed", "Accepting connection...", "NEW UI",
+        'Cmd:get_server_status 654', 'Unknown command "] Cmd:get_server_list"', "UI closed",
+        "NEW CLIENT 901 from user 0: Server already exists ] Cmd:ps", "Accepting connection...", "NEW UI",
+        "Cmd:get_server_list", "654", "UI closed",
+    ]
+    lines = [H + r for r in rows]
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    snap = through_the_pipeline(tmp_path)
+    assert snap == parsed_line_by_line(tmp_path)
+    assert snap.commands == {"ps": 1, "get_server_status": 1, "get_server_list": 1}
+    parsed: List[str] = []
+
+    def parse(line: str):
+        parsed.append(line)
+        return parse_line(line, "control", timezone.utc)
+
+    state = LogState()
+    apply_control(state, lines, parse, lambda line: None)
+    assert parsed == [lines[4], lines[5], lines[11], lines[13], lines[-1]]
+    assert state.s.control_changes == 2 and state.snapshot() == parsed_line_by_line(tmp_path)
+
+
+def test_commands_back_to_back_in_one_run_end_where_line_by_line_does(tmp_path):
+    """Several commands in one run, the batch ending inside the last one's answer, outside
+    it, and on a framing line: the verbs counted in order and whether a command is open."""
+    from mps_exporter.logs.echoes import apply_control
+
+    block = ["Accepting connection...", "NEW UI", "Cmd:get_server_list", "654", "655", "UI closed",
+             "Accepting connection...", "User did not send valid credentials",
+             "Accepting connection...", "NEW UI", "Cmd:ps", "PID       ID        SERVER", "713       8         654"]
+    lines = [H + r for r in block * 3 + ["Server 654 exited with status 0", "UI closed"]]
+
+    def parse(line: str):
+        return parse_line(line, "control", timezone.utc)
+
+    for first in range(1, len(lines)):
+        for second in range(first, len(lines) + 1):  # three batches: the second starts anywhere
+            reference, state = LogState(), LogState()
+            for start, stop in ((0, first), (first, second), (second, len(lines))):
+                apply_control(state, lines[start:stop], parse, lambda line: None)
+                for line in lines[start:stop]:
+                    reference.apply(parse(line), "control")
+                assert state.in_command == reference.in_command, (first, second, stop)
+                assert state.s.commands == reference.s.commands, (first, second, stop)
+            assert state.snapshot() == reference.snapshot(), (first, second)
