@@ -15,7 +15,10 @@ everything that happens) goes through `parse_line` and `LogState.apply` as befor
 for one: while nobody is queued, a client's context admitted (`NEW CLIENT P from user U:
 Server already exists`, the commonest line that is no echo on a busy node) changes
 nothing but a count, and the runs take it too (issue 44: control.log's lines through the
-parser in the 1 M-line catch-up, 118k -> 69k).
+parser in the 1 M-line catch-up, 118k -> 69k); and outside commands, a server's shutdown
+deferred (`Server S has N active worker threads. Server will not shutdown.`, only counted)
+and the daemon's `Control will try shutting down server S again ...` (Noise) are counted
+in runs too (69k -> 57k).
 
 The same counts and state as parsing each line (tests/logs/test_echoes.py), except on
 malformed lines: a line of a command's answer that starts with a digit but fits no
@@ -49,6 +52,13 @@ _ANSWER = (r"\d[^\]\n]*\n|(?:ACTIVE|INITIALIZING|FAULT)" + _END
 # that could not say who it is; a Noise line that ends no command), taken after framing lines.
 _FRAMING = r"(?:Accepting connection\.\.\.|NEW UI|UI closed)" + _END
 _REFUSED = "User did not send valid credentials" + _END
+# The daemon waiting on a server it would shut down (ShutdownDeferred, only counted), and
+# when it tries again (Noise): taken outside commands, like refused connections; the first
+# counted over the run's text by the start of its message (_DEFERRALS_IN).
+_DEFERRED = r"Server \d{1,10} has \d{1,10} active worker threads?\. Server will not shutdown\.?" + _END
+_RETRY = r"Control will try shutting down server [^\]\n]*\n"
+_DEFERRED_TEXT = " active worker thread"
+_DEFERRALS_IN = cast(Callable[[str, int, int], List[str]], re.compile(r"\] Server \d{1,10} has ").findall)
 # A read-only command (what monitoring sends; `set_*` and the rest are parsed).
 _READ_COMMAND = r"Cmd:(?:get_[a-z_]{1,40}|ps)(?: \d{1,10}){0,2}" + _END
 # A client's context admitted (`NEW CLIENT P from user U: Server already exists`, parse_line:
@@ -68,12 +78,14 @@ def _runs(among: str) -> Tuple[_Run, _Run]:
     one call each (the header matched once a line, each alternative a message), `among` (`|`
     and a message, or nothing) taken anywhere in them. Outside a command: framing lines,
     refused connections, and read-only commands each with its answer, closed by a framing
-    line, but the last (group `open`: the run ends inside it). Inside a command: the rest of
+    line, but the last (group `open`: the run ends inside it); a server's shutdown deferred
+    and retried. Inside a command: the rest of
     its answer, then, where a framing line closes it (group `closed`), a run as outside."""
     answer = f"{_HEAD}(?:{_ANSWER}{among})"
     command = f"{_HEAD}{_READ_COMMAND}(?:{answer})*"
     framing = f"{_HEAD}{_FRAMING}"
-    outside = f"(?:{_HEAD}(?:{_FRAMING}|{_REFUSED}{among})|{command}(?={framing}))*(?P<open>{command})?"
+    outside = (f"(?:{_HEAD}(?:{_FRAMING}|{_REFUSED}|{_DEFERRED}|{_RETRY}{among})|{command}(?={framing}))*"
+               f"(?P<open>{command})?")
     return (cast(_Run, re.compile(f"(?:{answer})*(?:(?={framing})(?P<closed>){outside})?").match),
             cast(_Run, re.compile(outside).match))
 
@@ -106,6 +118,8 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
         if end > pos:
             if find("] Cmd:", pos, end) >= 0:
                 state.count_commands(_VERBS_IN(text, pos, end))
+            if find(_DEFERRED_TEXT, pos, end) >= 0:
+                state.count_shutdown_deferrals(len(_DEFERRALS_IN(text, pos, end)))
             if quiet:
                 accepted = count(_ACCEPTED_IN, pos, end)
                 if accepted:

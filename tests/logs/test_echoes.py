@@ -168,3 +168,38 @@ def test_commands_back_to_back_in_one_run_end_where_line_by_line_does(tmp_path):
                 assert state.in_command == reference.in_command, (first, second, stop)
                 assert state.s.commands == reference.s.commands, (first, second, stop)
             assert state.snapshot() == reference.snapshot(), (first, second)
+
+
+def test_shutdowns_deferred_and_retried_among_echoes_are_counted(tmp_path):
+    """`Server S has N active worker threads. Server will not shutdown.` (counted) and `Control
+    will try shutting down server S again ...` (Noise) are taken in runs outside commands,
+    parsed inside one; near misses are parsed."""
+    from mps_exporter.logs.echoes import apply_control
+
+    rows = [
+        "Starting new server 654 for user 0", "NEW SERVER 654: Ready",
+        "Try shutting down server 654, backoff is disabled",
+        "Server 654 has 2 active worker threads. Server will not shutdown.",
+        "Control will try shutting down server 654 again in at most 200ms",
+        "Accepting connection...", "NEW UI", "Cmd:get_server_list", "654",
+        "Server 654 has 1 active worker thread. Server will not shutdown   ",  # in a command: parsed
+        "UI closed", "Server 654 has 1 active worker thread. Server will not shutdown",
+        "Server 654 has 2 active worker threads. Server will shutdown.",  # no deferral: parsed
+        "Control will try shutting down server 654 again in at most 400ms",
+        "Server 654 has 3 active worker threads. Server will not shutdown. and more",  # parsed
+        "Server 654 exited with status 0",
+    ]
+    lines = [H + r for r in rows]
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    snap = through_the_pipeline(tmp_path)
+    assert snap == parsed_line_by_line(tmp_path)
+    assert snap.count("mps_server_shutdown_deferrals_total") == 3
+    parsed: List[str] = []
+
+    def parse(line: str):
+        parsed.append(line)
+        return parse_line(line, "control", timezone.utc)
+
+    state = LogState()
+    apply_control(state, lines, parse, lambda line: None)
+    assert parsed == [lines[k] for k in (0, 1, 2, 9, 12, 14, 15, 13)]  # then the newest echo's time
