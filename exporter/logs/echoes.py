@@ -8,9 +8,8 @@ On a monitored node they are most of the file (bench/steady_log.py: 95 % of a bu
 node's lines), and none of them changes the state but "in a command or not" and the
 counts. So the batch's lines are joined
 and runs of echoes matched in one regex call each (the daemon's header, then an
-answer's line or a framing line; as many commands, each framed, as follow each other, the
-verbs of their `Cmd:` lines counted over the run's text); they are counted, their newest
-time kept, and never parsed into events. Every other line (`Cmd:` lines, whose verbs are counted, and
+answer's line or a framing line); they are counted, their newest time kept, and never
+parsed into events. Every other line (`Cmd:` lines, whose verbs are counted, and
 everything that happens) goes through `parse_line` and `LogState.apply` as before, but
 for one: while nobody is queued, a client's context admitted (`NEW CLIENT P from user U:
 Server already exists`, the commonest line that is no echo on a busy node) changes
@@ -31,7 +30,7 @@ the batch).
 from __future__ import annotations
 
 import re
-from typing import Callable, List, Sequence, Tuple, cast
+from typing import Callable, Sequence, Tuple, cast
 
 from .events import ParseResult
 from .state import LogState
@@ -43,55 +42,62 @@ _HEAD = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} Control +\d{1,10}\] "
 _END = r"[^\S\n]*\n"  # what the parser strips from a message's end, then the line's end
 # A line of a command's answer: a PID, a `ps` row, a percentage (they start with a digit),
 # a server's status, the `ps` heading, driver 580's "no limit" sentence, a server not
-# found, an unknown command (parse_line: CommandOutput, which changes nothing). None with a
-# `]` in it (parsed, as the rest): in a run, a `]` ends a header (_VERBS_IN, _accepted).
-_ANSWER = (r"\d[^\]\n]*\n|(?:ACTIVE|INITIALIZING|FAULT)" + _END
-           + r"|PID[^\S\n]+ID[^\S\n]+SERVER\b[^\]\n]*\n|No default pinned memory limit set for the device!" + _END
-           + r"|Server (?:-?\d+ )?not found" + _END + r'|Unknown command "[^\]\n]*\n')
+# found, an unknown command (parse_line: CommandOutput, which changes nothing). `.*`, not
+# `[^\n]*` (the same without DOTALL): the regex engine's fastest loop, on `ps` rows too.
+_ANSWER = (r"\d.*\n|(?:ACTIVE|INITIALIZING|FAULT)" + _END
+           + r"|PID[^\S\n]+ID[^\S\n]+SERVER\b.*\n|No default pinned memory limit set for the device!" + _END
+           + r"|Server (?:-?\d+ )?not found" + _END + r'|Unknown command ".*\n')
 # A framing line, and a refused connection (`User did not send valid credentials`: a client
 # that could not say who it is; a Noise line that ends no command), taken after framing lines.
 _FRAMING = r"(?:Accepting connection\.\.\.|NEW UI|UI closed)" + _END
 _REFUSED = "User did not send valid credentials" + _END
-# The daemon waiting on a server it would shut down (ShutdownDeferred, only counted), and
-# when it tries again (Noise): taken outside commands, like refused connections; the first
-# counted over the run's text by the start of its message (_DEFERRALS_IN).
+# Outside commands, the daemon waiting on a server it would shut down (ShutdownDeferred,
+# only counted) and saying when it tries again (Noise): they start a run, or follow in it.
 _DEFERRED = r"Server \d{1,10} has \d{1,10} active worker threads?\. Server will not shutdown\.?" + _END
-_RETRY = r"Control will try shutting down server [^\]\n]*\n"
 _DEFERRED_TEXT = " active worker thread"
-_DEFERRALS_IN = cast(Callable[[str, int, int], List[str]], re.compile(r"\] Server \d{1,10} has ").findall)
-# A read-only command (what monitoring sends; `set_*` and the rest are parsed).
-_READ_COMMAND = r"Cmd:(?:get_[a-z_]{1,40}|ps)(?: \d{1,10}){0,2}" + _END
+_DEFERRED_LINE = re.compile(_HEAD + _DEFERRED).match
+_SHUTDOWN = f"{_DEFERRED}|Control will try shutting down server .*\n"
+# A read-only command (what monitoring sends; `set_*` and the rest are parsed): group 1 its verb.
+_READ_COMMAND = r"Cmd:(get_[a-z_]{1,40}|ps)(?: \d{1,10}){0,2}" + _END
 # A client's context admitted (`NEW CLIENT P from user U: Server already exists`, parse_line:
 # ClientAccepted): while nobody is queued it changes nothing but control_changes, so then the
 # runs take it too, anywhere (it neither starts nor ends a command), and count it.
-_ACCEPTED = r"NEW CLIENT -?\d{1,10} from user \d{1,10}: Server already exists[^\]\n]*\n"
+_ACCEPTED = r"NEW CLIENT -?\d{1,10} from user \d{1,10}: Server already exists.*\n"
+_ACCEPTED_TEXT = "Server already exists"
+_ACCEPTED_LINE = re.compile(_HEAD + _ACCEPTED).match
 _Run = Callable[[str, int], "re.Match[str]"]
-# In a run every line is _HEAD (one `]`, its last character but the space after it) and a
-# message without `]`: each `] Cmd:` in it starts a read-only command's message (group 1:
-# its verb), each `] NEW CLIENT ` an admitted context's.
-_VERBS_IN = cast(Callable[[str, int, int], List[str]], re.compile(r"\] Cmd:([a-z_]+)").findall)
-_ACCEPTED_IN = "] NEW CLIENT "
 
 
 def _runs(among: str) -> Tuple[_Run, _Run]:
-    """Runs of echoes, as many commands as follow each other, matched over the batch's text in
-    one call each (the header matched once a line, each alternative a message), `among` (`|`
-    and a message, or nothing) taken anywhere in them. Outside a command: framing lines,
-    refused connections, and read-only commands each with its answer, closed by a framing
-    line, but the last (group `open`: the run ends inside it); a server's shutdown deferred
-    and retried. Inside a command: the rest of
-    its answer, then, where a framing line closes it (group `closed`), a run as outside."""
+    """Runs of echoes, matched over the batch's text in one call each (the header matched once
+    a line, each alternative a message), `among` (`|` and a message, or nothing) taken anywhere
+    in them. Inside a command: the rest of its answer, then framing lines (group 1). Outside:
+    framing lines, then one read-only command (group 1: its verb) with its answer and the
+    framing after it (group 2). Refused connections are taken after framing lines; a server's
+    shutdown deferred and retried, outside commands."""
     answer = f"{_HEAD}(?:{_ANSWER}{among})"
-    command = f"{_HEAD}{_READ_COMMAND}(?:{answer})*"
-    framing = f"{_HEAD}{_FRAMING}"
-    outside = (f"(?:{_HEAD}(?:{_FRAMING}|{_REFUSED}|{_DEFERRED}|{_RETRY}{among})|{command}(?={framing}))*"
-               f"(?P<open>{command})?")
-    return (cast(_Run, re.compile(f"(?:{answer})*(?:(?={framing})(?P<closed>){outside})?").match),
-            cast(_Run, re.compile(outside).match))
+    after = f"(?:{_HEAD}(?:{_FRAMING}|{_REFUSED}|{_SHUTDOWN}{among}))*"
+    framed = f"({_HEAD}{_FRAMING}{after})?"
+    return (cast(_Run, re.compile(f"(?:{answer})*{framed}").match),
+            cast(_Run, re.compile(f"(?:{_HEAD}(?:{_FRAMING}|{_SHUTDOWN}{among}){after})?"
+                                  f"(?:{_HEAD}{_READ_COMMAND}(?:{answer})*{framed})?").match))
 
 
 _RUN_IN_COMMAND, _RUN_OUTSIDE = _runs("")
 _QUIET_RUN_IN_COMMAND, _QUIET_RUN_OUTSIDE = _runs("|" + _ACCEPTED)
+
+
+def _lines_of(text: str, pos: int, end: int, needle: str, line: Callable[[str, int], object]) -> int:
+    """How many of the lines of a run in text[pos:end] are `line`'s, found by `needle` in them
+    (where their text shows: not inside another line, an answer's)."""
+    n = 0
+    at = text.find(needle, pos, end)
+    while at >= 0:
+        start = text.rfind("\n", pos, at) + 1 or pos
+        if line(text, start):
+            n += 1
+        at = text.find(needle, text.find("\n", at, end) + 1 or end, end)
+    return n
 
 
 def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], ParseResult],
@@ -99,7 +105,7 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
     """Apply control.log lines in order: echoes counted, the rest parsed and applied.
     `on_error(line)`: applying that line raised (a bug; the line still counts)."""
     text = "\n".join(lines) + "\n"
-    count, find = text.count, text.find
+    count = text.count
     in_command = state.in_command
     pos = i = echoes = 0
     newest = -1  # index of the last echo
@@ -109,27 +115,35 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
         # Every pattern can match nothing, so none returns None.
         if in_command:
             m = (_QUIET_RUN_IN_COMMAND if quiet else _RUN_IN_COMMAND)(text, pos)
-            if m.start("closed") >= 0:  # the command's block ended: the run went on outside
-                in_command = m.start("open") >= 0
+            framed = m.end(1) > m.start(1)
+            if framed:  # the command's block ended
+                in_command = False
+                state.end_command()
         else:
             m = (_QUIET_RUN_OUTSIDE if quiet else _RUN_OUTSIDE)(text, pos)
-            in_command = m.start("open") >= 0
+            verb = m.group(1)
+            framed = False
+            if verb is not None:
+                state.count_command(verb)
+                framed = m.end(2) > m.start(2)
+                in_command = not framed  # no framing after it: its answer goes on
+                if framed:
+                    state.end_command()
         end = m.end()
         if end > pos:
-            if find("] Cmd:", pos, end) >= 0:
-                state.count_commands(_VERBS_IN(text, pos, end))
-            if find(_DEFERRED_TEXT, pos, end) >= 0:
-                state.count_shutdown_deferrals(len(_DEFERRALS_IN(text, pos, end)))
-            if quiet:
-                accepted = count(_ACCEPTED_IN, pos, end)
-                if accepted:
-                    state.count_accepted(accepted)
+            if quiet and text.find(_ACCEPTED_TEXT, pos, end) >= 0:
+                state.count_accepted(_lines_of(text, pos, end, _ACCEPTED_TEXT, _ACCEPTED_LINE))
+            if text.find(_DEFERRED_TEXT, pos, end) >= 0:
+                deferred = _lines_of(text, pos, end, _DEFERRED_TEXT, _DEFERRED_LINE)
+                if deferred:
+                    state.count_shutdown_deferrals(deferred)
             run = count("\n", pos, end)
             i, pos, echoes = i + run, end, echoes + run
             newest = i - 1
-            state.set_in_command(in_command)
-            if i == n:
-                break
+            # A run stops at a line that is no echo, but after framing lines a read-only
+            # command may start the next run; anywhere else the parser takes the line.
+            if framed or i == n:
+                continue
         line = lines[i]  # no echo here: the parser's
         try:
             state.apply(parse(line), "control")

@@ -49,8 +49,8 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter, OrderedDict, deque
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, NamedTuple, Optional, Protocol, Set, Tuple
+from collections import OrderedDict, deque
+from typing import Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optional, Protocol, Set, Tuple
 
 from ..codec import expect
 from ..contract import OTHER, QUEUE_WAIT_BUCKETS, command_verb, exit_status
@@ -296,18 +296,12 @@ class LogState:
     def end_command(self) -> None:
         self._in_command = False
 
-    def set_in_command(self, in_command: bool) -> None:
-        """Whether control.log's reader is inside a command's block after a run of echoes
-        (logs/echoes.py)."""
-        self._in_command = in_command
-
-    def count_commands(self, verbs: Iterable[str]) -> None:
-        """Read-only commands' `Cmd:` lines in order, recognised without the parser
-        (logs/echoes.py): their verbs, as Command's handler counts them."""
+    def count_command(self, verb: str) -> None:
+        """A read-only command's `Cmd:` line, recognised without the parser (logs/echoes.py)."""
         commands = self.s.commands
-        for verb, k in Counter(verbs).items():  # first seen first: the label a verb gets
-            verb = command_verb(verb, commands)
-            commands[verb] = commands.get(verb, 0) + k
+        verb = command_verb(verb, commands)
+        commands[verb] = commands.get(verb, 0) + 1
+        self._in_command = True
 
     def count_echoes(self, lines: int, newest: Optional[float]) -> None:
         """control.log command echoes (logs/echoes.py): counted as lines, their time kept."""

@@ -115,14 +115,16 @@ def test_refused_connections_not_found_and_unknown_commands_are_echoes(tmp_path)
     assert state.snapshot().lines["control"] == len(lines) and not state.in_command
 
 
-def test_answers_holding_what_a_header_ends_with_are_parsed(tmp_path):
-    """Runs count commands and admitted contexts by `] Cmd:` and `] NEW CLIENT ` in their
-    text: an answer line holding either (a `]` in it) is parsed, never counted as one."""
+def test_answers_holding_what_a_header_ends_with_are_not_counted(tmp_path):
+    """Runs count commands, admitted contexts and deferred shutdowns by `] Cmd:`, `] NEW CLIENT `
+    and `] Server S has ` in their text: an answer line holding one (a `]` in a `ps` row, an
+    unknown command, an admitted context's tail) is an echo, never counted as one."""
     from mps_exporter.logs.echoes import apply_control
 
     rows = [
         "Accepting connection...", "NEW UI", "Cmd:ps", "PID       ID        SERVER         DEVICE",
         "713       8         654      GPU-0   python x] Cmd:ps", "714       8         654      GPU-0   y] NEW CLIENT 5 ",
+        "715       8         654      GPU-0   z] Server 654 has 2 active worker threads. Server will not shutdown.",
         "NEW CLIENT 900 from user 0: Server already exists", "UI closed", "Accepting connection...", "NEW UI",
         'Cmd:get_server_status 654', 'Unknown command "] Cmd:get_server_list"', "UI closed",
         "NEW CLIENT 901 from user 0: Server already exists ] Cmd:ps", "Accepting connection...", "NEW UI",
@@ -133,6 +135,7 @@ def test_answers_holding_what_a_header_ends_with_are_parsed(tmp_path):
     snap = through_the_pipeline(tmp_path)
     assert snap == parsed_line_by_line(tmp_path)
     assert snap.commands == {"ps": 1, "get_server_status": 1, "get_server_list": 1}
+    assert snap.count("mps_server_shutdown_deferrals_total") == 0
     parsed: List[str] = []
 
     def parse(line: str):
@@ -141,7 +144,7 @@ def test_answers_holding_what_a_header_ends_with_are_parsed(tmp_path):
 
     state = LogState()
     apply_control(state, lines, parse, lambda line: None)
-    assert parsed == [lines[4], lines[5], lines[11], lines[13], lines[-1]]
+    assert parsed == [lines[-1]]  # all echoes: only the newest one's time
     assert state.s.control_changes == 2 and state.snapshot() == parsed_line_by_line(tmp_path)
 
 
