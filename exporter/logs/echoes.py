@@ -37,8 +37,8 @@ from .state import LogState
 
 # The daemon's own lines, as driver 580 writes them: a narrower header than the parser's
 # (HEADER_PATTERN), so that every line it matches the parser would take apart the same way,
-# and cheaper to match (no backtracking over the role). Any other line is parsed.
-_HEAD = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} Control +\d{1,10}\] "
+# and cheaper to match (no backtracking over the role, ASCII digits). Any other line is parsed.
+_HEAD = r"\[[0-9]{4}-[0-9][0-9]-[0-9][0-9] [0-9][0-9]:[0-9][0-9]:[0-9][0-9]\.[0-9]{3} Control +[0-9]{1,10}\] "
 _END = r"[^\S\n]*\n"  # what the parser strips from a message's end, then the line's end
 # A line of a command's answer: a PID, a `ps` row, a percentage (they start with a digit),
 # a server's status, the `ps` heading, driver 580's "no limit" sentence, a server not

@@ -206,3 +206,24 @@ def test_shutdowns_deferred_and_retried_among_echoes_are_counted(tmp_path):
     state = LogState()
     apply_control(state, lines, parse, lambda line: None)
     assert parsed == [lines[k] for k in (0, 1, 2, 9, 12, 14, 15, 13)]  # then the newest echo's time
+
+
+def test_echoes_dated_in_other_digits_are_parsed(tmp_path):
+    """The runs' header takes ASCII digits only: an echo dated in Arabic-Indic digits (the
+    parser reads them) is parsed, to the same state."""
+    from mps_exporter.logs.echoes import apply_control
+
+    arabic = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")
+    rows = ["Accepting connection...", "NEW UI", "Cmd:get_server_list", "654", "UI closed"]
+    lines = [H + r for r in rows] + [H.translate(arabic) + r for r in rows] + [H + rows[0]]
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    assert through_the_pipeline(tmp_path) == parsed_line_by_line(tmp_path)
+    parsed: List[str] = []
+
+    def parse(line: str):
+        parsed.append(line)
+        return parse_line(line, "control", timezone.utc)
+
+    state = LogState()
+    apply_control(state, lines, parse, lambda line: None)
+    assert parsed == lines[5:10] + [lines[-1]] and state.snapshot().commands == {"get_server_list": 2}
