@@ -44,25 +44,25 @@ _END = r"[^\S\n]*\n"  # what the parser strips from a message's end, then the li
 # a server's status, the `ps` heading, driver 580's "no limit" sentence, a server not
 # found, an unknown command (parse_line: CommandOutput, which changes nothing). `.*`, not
 # `[^\n]*` (the same without DOTALL): the regex engine's fastest loop, on `ps` rows too.
-_ANSWER = (r"\d.*\n|(?:ACTIVE|INITIALIZING|FAULT)" + _END
+_ANSWER = (r"[0-9].*\n|(?:ACTIVE|INITIALIZING|FAULT)" + _END
            + r"|PID[^\S\n]+ID[^\S\n]+SERVER\b.*\n|No default pinned memory limit set for the device!" + _END
-           + r"|Server (?:-?\d+ )?not found" + _END + r'|Unknown command ".*\n')
+           + r"|Server (?:-?[0-9]+ )?not found" + _END + r'|Unknown command ".*\n')
 # A framing line, and a refused connection (`User did not send valid credentials`: a client
 # that could not say who it is; a Noise line that ends no command), taken after framing lines.
 _FRAMING = r"(?:Accepting connection\.\.\.|NEW UI|UI closed)" + _END
 _REFUSED = "User did not send valid credentials" + _END
 # Outside commands, the daemon waiting on a server it would shut down (ShutdownDeferred,
 # only counted) and saying when it tries again (Noise): they start a run, or follow in it.
-_DEFERRED = r"Server \d{1,10} has \d{1,10} active worker threads?\. Server will not shutdown\.?" + _END
+_DEFERRED = r"Server [0-9]{1,10} has [0-9]{1,10} active worker threads?\. Server will not shutdown\.?" + _END
 _DEFERRED_TEXT = " active worker thread"
 _DEFERRED_LINE = re.compile(_HEAD + _DEFERRED).match
 _SHUTDOWN = f"{_DEFERRED}|Control will try shutting down server .*\n"
 # A read-only command (what monitoring sends; `set_*` and the rest are parsed): group 1 its verb.
-_READ_COMMAND = r"Cmd:(get_[a-z_]{1,40}|ps)(?: \d{1,10}){0,2}" + _END
+_READ_COMMAND = r"Cmd:(get_[a-z_]{1,40}|ps)(?: [0-9]{1,10}){0,2}" + _END
 # A client's context admitted (`NEW CLIENT P from user U: Server already exists`, parse_line:
 # ClientAccepted): while nobody is queued it changes nothing but control_changes, so then the
 # runs take it too, anywhere (it neither starts nor ends a command), and count it.
-_ACCEPTED = r"NEW CLIENT -?\d{1,10} from user \d{1,10}: Server already exists.*\n"
+_ACCEPTED = r"NEW CLIENT -?[0-9]{1,10} from user [0-9]{1,10}: Server already exists.*\n"
 _ACCEPTED_TEXT = "Server already exists"
 _ACCEPTED_LINE = re.compile(_HEAD + _ACCEPTED).match
 _Run = Callable[[str, int], "re.Match[str]"]

@@ -483,7 +483,10 @@ def _parse_message(ts: float, pid: int, msg: str, file: str) -> ParseResult:
 # The header in ASCII digits (a range is cheaper to match than \d, any Unicode digit): a line
 # dated in other digits is scanned as a line without the header, and applied as parse_line says.
 _SCAN_HEADER = HEADER_PATTERN.replace(r"\d", "[0-9]")
-_SERVER_SCAN = re.compile(_SCAN_HEADER + rf"(?:(?:{_SERVER_VERBS})[^\S\n]*\n|(.*)\n)|(.*)\n").findall
+# The verbs too: one numbered in other digits is scanned as a message, which server_row_event
+# takes apart by the rules (the same event: each verb is the first rule its first word tries).
+_SCAN_VERBS = _SERVER_VERBS.replace(r"\d", "[0-9]")
+_SERVER_SCAN = re.compile(_SCAN_HEADER + rf"(?:(?:{_SCAN_VERBS})[^\S\n]*\n|(.*)\n)|(.*)\n").findall
 
 
 def scan_server(lines: Sequence[str]) -> Optional[List[Tuple[str, ...]]]:

@@ -191,6 +191,10 @@ def generated(seed: int, n: int) -> List[str]:
                 # the header in Arabic-Indic digits: parse_line reads it, the scan leaves it to it
                 f"[{_stamp(t).translate(_ARABIC)} Server   {s}] Client {{PID: {next_client}, Context ID: 3}} connected",
                 f"[{_stamp(t).translate(_ARABIC)} Server   {s}] Creating worker thread for client",
+                # a verb numbered in those digits: taken apart by the rules, to the same event
+                f"[{_stamp(t)} Server   {s}] Client {{PID: {str(next_client).translate(_ARABIC)}, Context ID: 1}} connected",
+                f"[{_stamp(t)} Server   {s}] Client process {str(next_client).translate(_ARABIC)} disconnected",
+                f"[{_stamp(t)} Server   {s}] Client {{PID: 5, Context ID: \u0661}} exiting. Number of active client contexts",
                 f"[{_stamp(t)} Server   {s}]Client process {next_client} disconnected",  # no space
                 f"[{_stamp(t)} Legacy Server   {s}] Client {{PID: {next_client}, Context ID: 2}} connected",
                 f"[{_stamp(t)} Server   {s}] Client process {next_client} disconnected\r",
