@@ -240,7 +240,7 @@ class LogState:
             ServerStartFailed: self._start_failed, ClientRejected: self._client_rejected,
             ServerPriority: self._server_priority, ClientTerminated: self._client_terminated,
             # Events that are only counted: one line each, the metric's name (logs/render.py declares it).
-            ShutdownDeferred: self._counter(_SHUTDOWN_DEFERRALS),
+            ShutdownDeferred: self._counter("mps_server_shutdown_deferrals_total"),
             AcceptFailed: self._counter("mps_control_accept_failures_total"),
         }
 
@@ -321,9 +321,11 @@ class LogState:
         self.s.control_changes += lines
 
     def count_shutdown_deferrals(self, n: int) -> None:
-        """Servers' shutdowns deferred, counted among the command echoes (logs/echoes.py)."""
-        counts = self.s.counts
-        counts[_SHUTDOWN_DEFERRALS] = counts.get(_SHUTDOWN_DEFERRALS, 0) + n
+        """Servers' shutdowns deferred, counted among the command echoes (logs/echoes.py) by
+        ShutdownDeferred's handler (it reads no field)."""
+        count = self._handlers[ShutdownDeferred]
+        for _ in range(n):
+            count(None)
 
     def count_truncated(self, file: str) -> None:
         self.s.truncated[file] = self.s.truncated.get(file, 0) + 1
@@ -896,7 +898,6 @@ def _upgrade(d: Dict[str, Any]) -> Dict[str, Any]:
 
 
 _REPORT_EVENTS = (FatalGpuError, ReportHeading, ReportItem)
-_SHUTDOWN_DEFERRALS = "mps_server_shutdown_deferrals_total"  # ShutdownDeferred's count
 # The events that change who the daemon lists (`get_server_list`, `ps`) or a server's status.
 _CONTROL_CHANGES = frozenset({
     DaemonStarted, DaemonExited, ClientPushed, ClientAccepted, ServerStarting, ServerReady, ServerExited,
