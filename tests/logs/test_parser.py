@@ -264,3 +264,18 @@ def _read_each_second(tz) -> None:
     for s in ("59", "60", "99", "59"):
         ts = parse_line(f"[2026-11-01 01:30:{s}.000 Server 7] Startup", "server", tz).ts
         assert (ts is None) == (s != "59")
+
+
+@pytest.mark.parametrize("file, message", [
+    ("server", "Client {PID: 586, Context ID: 0} connected"), ("server", "Received new client request for x"),
+    ("server", "Server Priority set to 3"), ("control", "NEW CLIENT 586 from user 0: Server already exists"),
+    ("control", "Cmd:get_server_list"), ("control", "713       8         654      GPU-0"), ("control", "NEW UI"),
+])
+def test_a_header_in_other_digits_reads_as_in_ascii(file, message):
+    """The line regexes try the header in ASCII digits first; one dated in Arabic-Indic digits
+    (as `\\d` and int() read them) gives the same event."""
+    arabic = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")
+    head = "[2026-11-21 04:19:42.120 Control   546] "
+    ascii_event = parse_line(head + message, file, UTC)
+    assert type(ascii_event) is not ev.Unrecognized
+    assert parse_line(head.translate(arabic) + message, file, UTC) == ascii_event
