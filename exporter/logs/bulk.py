@@ -21,6 +21,8 @@ from .parser import parse_line, scan_server, second_epoch, server_row_event
 from .state import LogState
 
 FILE = "server"
+# A header's milliseconds (three ASCII digits: parser._SCAN_HEADER) as parse_line adds them.
+_MILLIS = {f"{k:03d}": int(f"{k:03d}") * 0.001 for k in range(1000)}
 # The events handed to their handler here; any other goes through apply.
 _SHORT = frozenset((ClientContextConnected, ClientContextActive, ClientProcessDisconnected))
 
@@ -57,7 +59,7 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
                 epoch, last_second = _epoch(second, tz), second
             event = None
             if second and epoch is not None:
-                ts = epoch + int(millis) * 0.001
+                ts = epoch + _MILLIS[millis]
                 if not (request or context_exit):  # else a Noise verb: nothing to build
                     event = server_row_event(ts, pid, connected, active, disconnected, msg)
                 if ts <= believed and (event is None or type(event) in _SHORT):

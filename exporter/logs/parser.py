@@ -52,18 +52,29 @@ from .events import (
 
 # ------------------------------------------------------------------ time
 # Consecutive lines mostly share their second: one cached conversion saves nearly
-# all datetime work (parse_line checks the cache inline).
+# all datetime work (parse_line checks the cache inline). The seconds of one minute share
+# its conversion (its second 0 plus theirs): the same value where the zone's offset changes
+# only on a whole minute, as every change in the time zone database since 1972 does.
 _cached_second = ""
 _cached_tz: Optional[tzinfo] = None
 _cached_epoch = 0.0
+_cached_minute = ""
+_cached_minute_tz: Optional[tzinfo] = None
+_cached_minute_epoch = 0.0
 
 
 def _second_epoch(text: str, tz: Optional[tzinfo]) -> float:
     """'2026-11-21 04:19:21' -> unix seconds, read in tz (None: local time, DST included)."""
-    global _cached_second, _cached_tz, _cached_epoch
-    dt = datetime(int(text[0:4]), int(text[5:7]), int(text[8:10]),
-                  int(text[11:13]), int(text[14:16]), int(text[17:19]), tzinfo=tz)
-    value = dt.timestamp()
+    global _cached_second, _cached_tz, _cached_epoch, _cached_minute, _cached_minute_tz, _cached_minute_epoch
+    second = int(text[17:19])
+    if not 0 <= second <= 59:
+        raise ValueError(f"second {second} out of range")
+    minute = text[:17]
+    if minute != _cached_minute or tz is not _cached_minute_tz:
+        dt = datetime(int(text[0:4]), int(text[5:7]), int(text[8:10]), int(text[11:13]), int(text[14:16]),
+                      tzinfo=tz)
+        _cached_minute, _cached_minute_tz, _cached_minute_epoch = minute, tz, dt.timestamp()
+    value = _cached_minute_epoch + second
     _cached_second, _cached_tz, _cached_epoch = text, tz, value
     return value
 
@@ -131,7 +142,7 @@ _CONTROL_EXACT: Dict[str, Union[str, Callable[[float, int], ParseResult]]] = {
 
 
 def _new_client(ts: float, pid: int, m: "re.Match[str]") -> ParseResult:
-    """`NEW CLIENT`'s event from its rule's match, or from the line's (_CONTROL_LINE: the
+    """`NEW CLIENT`'s event from its rule's match, or from the line's (_LINE["control"]: the
     same three groups, last)."""
     last = m.lastindex or 0
     client, uid, tail = int(m.group(last - 2)), int(m.group(last - 1)), m.group(last)
@@ -386,12 +397,17 @@ _SERVER_VERBS = (r"Client \{PID: (?P<connected>-?\d{1,10}), Context ID: \d+\} co
                  r"|Client process (?P<disconnected>-?\d{1,10}) disconnected"
                  r"|(?P<client_request>Received new client request|Creating worker thread).*"
                  r"|(?P<client_context_exit>Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting).*")
-_SERVER_LINE = re.compile(HEADER_PATTERN + f"(?:(?:{_SERVER_VERBS}))?").match
-_CONTROL_LINE = re.compile(HEADER_PATTERN + r"(?:(?:"
-                           r"NEW CLIENT (-?\d{1,10}) from user (\d{1,10}): (?P<new_client>.*)"
-                           r"|Cmd:\s*(?P<command_verb>\S*)\s*(?P<command>.*)"
-                           r"|(?P<output>\d+\s+\d+\s+\d+\s+\S+.*|-?\d+(?:\.\d+)?[KMGTP]?)"  # a ps row, a PID
-                           r"))?").match
+_CONTROL_VERBS = (r"NEW CLIENT (-?\d{1,10}) from user (\d{1,10}): (?P<new_client>.*)"
+                  r"|Cmd:\s*(?P<command_verb>\S*)\s*(?P<command>.*)"
+                  r"|(?P<output>\d+\s+\d+\s+\d+\s+\S+.*|-?\d+(?:\.\d+)?[KMGTP]?)")  # a ps row, a PID
+# The header in ASCII digits: a range is cheaper to match than \d (any Unicode digit, each
+# asked of the Unicode database). Each line regex is tried with it first: where it matches,
+# the header's \d matches the same characters the same way; where not (no header, a header
+# in other digits), the regex with HEADER_PATTERN decides.
+_ASCII_HEADER = HEADER_PATTERN.replace(r"\d", "[0-9]")
+_LINE: Dict[str, Tuple[Callable[[str], Optional["re.Match[str]"]], ...]] = {
+    file: tuple(re.compile(header + f"(?:(?:{verbs}))?").match for header in (_ASCII_HEADER, HEADER_PATTERN))
+    for file, verbs in (("server", _SERVER_VERBS), ("control", _CONTROL_VERBS))}
 
 # Most other messages recur word for word (`Accepting connection...`, `Volta MPS Server:
 # Received new client request`), and each is taken apart once. _MESSAGES: per file, a
@@ -411,7 +427,8 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
     Never raises: anything unexpected is Unrecognized. Every number a rule converts is
     matched with a bounded digit count (int() refuses more than 4300 digits), so no
     line can make a rule raise; the last resort is Unrecognized(reason=PARSER_ERROR)."""
-    m = (_CONTROL_LINE if file == "control" else _SERVER_LINE)(line)
+    ascii_match, match = _LINE["control" if file == "control" else "server"]
+    m = ascii_match(line) or match(line)
     if m is None:
         return Unrecognized(None, None, "no header")
     second, millis, pid_text = m.group(1, 2, 3)
@@ -466,10 +483,16 @@ def _parse_message(ts: float, pid: int, msg: str, file: str) -> ParseResult:
 # ------------------------------------------------------------- catch-up
 # A batch of server.log lines (a backlog: many at once) taken apart by one findall over
 # their text instead of a regex call per line: per line, the header's groups, then those of
-# _SERVER_LINE's verbs (the verb followed by what rstrip() removes), or else the message; a
+# _SERVER_VERBS (the verb followed by what rstrip() removes), or else the message; a
 # line without the header, its whole text. Each line is one match (the last alternative
 # takes any line), none crosses a newline (`.` takes none).
-_SERVER_SCAN = re.compile(HEADER_PATTERN + rf"(?:(?:{_SERVER_VERBS})[^\S\n]*\n|(.*)\n)|(.*)\n").findall
+# The header in ASCII digits (a range is cheaper to match than \d, any Unicode digit): a line
+# dated in other digits is scanned as a line without the header, and applied as parse_line says.
+_SCAN_HEADER = _ASCII_HEADER
+# The verbs too: one numbered in other digits is scanned as a message, which server_row_event
+# takes apart by the rules (the same event: each verb is the first rule its first word tries).
+_SCAN_VERBS = _SERVER_VERBS.replace(r"\d", "[0-9]")
+_SERVER_SCAN = re.compile(_SCAN_HEADER + rf"(?:(?:{_SCAN_VERBS})[^\S\n]*\n|(.*)\n)|(.*)\n").findall
 
 
 def scan_server(lines: Sequence[str]) -> Optional[List[Tuple[str, ...]]]:

@@ -320,6 +320,13 @@ class LogState:
         (logs/echoes.py): what _client_accepted and apply then change."""
         self.s.control_changes += lines
 
+    def count_shutdown_deferrals(self, n: int) -> None:
+        """Servers' shutdowns deferred, counted among the command echoes (logs/echoes.py) by
+        ShutdownDeferred's handler (it reads no field)."""
+        count = self._handlers[ShutdownDeferred]
+        for _ in range(n):
+            count(None)
+
     def count_truncated(self, file: str) -> None:
         self.s.truncated[file] = self.s.truncated.get(file, 0) + 1
 

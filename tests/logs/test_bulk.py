@@ -111,6 +111,9 @@ def _stamp(t: float) -> str:
     return datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%d %H:%M:%S") + f".{int((t - whole) * 1000):03d}"
 
 
+_ARABIC = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")
+
+
 def generated(seed: int, n: int) -> List[str]:
     """server.log lines: servers whose clients connect (several contexts), turn ACTIVE and
     leave, between Noise of every kind, and the odd lines the short cut must leave to apply:
@@ -185,6 +188,13 @@ def generated(seed: int, n: int) -> List[str]:
                 f"[2026-02-30 00:00:00.000 Server   {s}] Client process 7 disconnected",
                 f"[0000-01-01 00:00:00.000 Server   {s}] Received new client request",
                 f"[{_stamp(t)} Server   {s}] \u0661\u0662 Client process 5 disconnected",
+                # the header in Arabic-Indic digits: parse_line reads it, the scan leaves it to it
+                f"[{_stamp(t).translate(_ARABIC)} Server   {s}] Client {{PID: {next_client}, Context ID: 3}} connected",
+                f"[{_stamp(t).translate(_ARABIC)} Server   {s}] Creating worker thread for client",
+                # a verb numbered in those digits: taken apart by the rules, to the same event
+                f"[{_stamp(t)} Server   {s}] Client {{PID: {str(next_client).translate(_ARABIC)}, Context ID: 1}} connected",
+                f"[{_stamp(t)} Server   {s}] Client process {str(next_client).translate(_ARABIC)} disconnected",
+                f"[{_stamp(t)} Server   {s}] Client {{PID: 5, Context ID: \u0661}} exiting. Number of active client contexts",
                 f"[{_stamp(t)} Server   {s}]Client process {next_client} disconnected",  # no space
                 f"[{_stamp(t)} Legacy Server   {s}] Client {{PID: {next_client}, Context ID: 2}} connected",
                 f"[{_stamp(t)} Server   {s}] Client process {next_client} disconnected\r",

@@ -113,3 +113,117 @@ def test_refused_connections_not_found_and_unknown_commands_are_echoes(tmp_path)
     # the one refused connection after no framing line, then the echoes' newest time
     assert parsed == [lines[17], lines[-1]]
     assert state.snapshot().lines["control"] == len(lines) and not state.in_command
+
+
+def test_answers_holding_what_a_header_ends_with_are_not_counted(tmp_path):
+    """Runs count commands, admitted contexts and deferred shutdowns by `] Cmd:`, `] NEW CLIENT `
+    and `] Server S has ` in their text: an answer line holding one (a `]` in a `ps` row, an
+    unknown command, an admitted context's tail) is an echo, never counted as one."""
+    from mps_exporter.logs.echoes import apply_control
+
+    rows = [
+        "Accepting connection...", "NEW UI", "Cmd:ps", "PID       ID        SERVER         DEVICE",
+        "713       8         654      GPU-0   python x] Cmd:ps", "714       8         654      GPU-0   y] NEW CLIENT 5 ",
+        "715       8         654      GPU-0   z] Server 654 has 2 active worker threads. Server will not shutdown.",
+        "NEW CLIENT 900 from user 0: Server already exists", "UI closed", "Accepting connection...", "NEW UI",
+        'Cmd:get_server_status 654', 'Unknown command "] Cmd:get_server_list"', "UI closed",
+        "NEW CLIENT 901 from user 0: Server already exists ] Cmd:ps", "Accepting connection...", "NEW UI",
+        "Cmd:get_server_list", "654", "UI closed",
+    ]
+    lines = [H + r for r in rows]
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    snap = through_the_pipeline(tmp_path)
+    assert snap == parsed_line_by_line(tmp_path)
+    assert snap.commands == {"ps": 1, "get_server_status": 1, "get_server_list": 1}
+    assert snap.count("mps_server_shutdown_deferrals_total") == 0
+    parsed: List[str] = []
+
+    def parse(line: str):
+        parsed.append(line)
+        return parse_line(line, "control", timezone.utc)
+
+    state = LogState()
+    apply_control(state, lines, parse, lambda line: None)
+    assert parsed == [lines[-1]]  # all echoes: only the newest one's time
+    assert state.s.control_changes == 2 and state.snapshot() == parsed_line_by_line(tmp_path)
+
+
+def test_commands_back_to_back_in_one_run_end_where_line_by_line_does(tmp_path):
+    """Several commands in one run, the batch ending inside the last one's answer, outside
+    it, and on a framing line: the verbs counted in order and whether a command is open."""
+    from mps_exporter.logs.echoes import apply_control
+
+    block = ["Accepting connection...", "NEW UI", "Cmd:get_server_list", "654", "655", "UI closed",
+             "Accepting connection...", "User did not send valid credentials",
+             "Accepting connection...", "NEW UI", "Cmd:ps", "PID       ID        SERVER", "713       8         654"]
+    lines = [H + r for r in block * 3 + ["Server 654 exited with status 0", "UI closed"]]
+
+    def parse(line: str):
+        return parse_line(line, "control", timezone.utc)
+
+    for first in range(1, len(lines)):
+        for second in range(first, len(lines) + 1):  # three batches: the second starts anywhere
+            reference, state = LogState(), LogState()
+            for start, stop in ((0, first), (first, second), (second, len(lines))):
+                apply_control(state, lines[start:stop], parse, lambda line: None)
+                for line in lines[start:stop]:
+                    reference.apply(parse(line), "control")
+                assert state.in_command == reference.in_command, (first, second, stop)
+                assert state.s.commands == reference.s.commands, (first, second, stop)
+            assert state.snapshot() == reference.snapshot(), (first, second)
+
+
+def test_shutdowns_deferred_and_retried_among_echoes_are_counted(tmp_path):
+    """`Server S has N active worker threads. Server will not shutdown.` (counted) and `Control
+    will try shutting down server S again ...` (Noise) are taken in runs outside commands,
+    parsed inside one; near misses are parsed."""
+    from mps_exporter.logs.echoes import apply_control
+
+    rows = [
+        "Starting new server 654 for user 0", "NEW SERVER 654: Ready",
+        "Try shutting down server 654, backoff is disabled",
+        "Server 654 has 2 active worker threads. Server will not shutdown.",
+        "Control will try shutting down server 654 again in at most 200ms",
+        "Accepting connection...", "NEW UI", "Cmd:get_server_list", "654",
+        "Server 654 has 1 active worker thread. Server will not shutdown   ",  # in a command: parsed
+        "UI closed", "Server 654 has 1 active worker thread. Server will not shutdown",
+        "Server 654 has 2 active worker threads. Server will shutdown.",  # no deferral: parsed
+        "Control will try shutting down server 654 again in at most 400ms",
+        "Server 654 has 3 active worker threads. Server will not shutdown. and more",  # parsed
+        "Server 654 exited with status 0",
+    ]
+    lines = [H + r for r in rows]
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    snap = through_the_pipeline(tmp_path)
+    assert snap == parsed_line_by_line(tmp_path)
+    assert snap.count("mps_server_shutdown_deferrals_total") == 3
+    parsed: List[str] = []
+
+    def parse(line: str):
+        parsed.append(line)
+        return parse_line(line, "control", timezone.utc)
+
+    state = LogState()
+    apply_control(state, lines, parse, lambda line: None)
+    assert parsed == [lines[k] for k in (0, 1, 2, 9, 12, 14, 15, 13)]  # then the newest echo's time
+
+
+def test_echoes_dated_in_other_digits_are_parsed(tmp_path):
+    """The runs' header takes ASCII digits only: an echo dated in Arabic-Indic digits (the
+    parser reads them) is parsed, to the same state."""
+    from mps_exporter.logs.echoes import apply_control
+
+    arabic = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")
+    rows = ["Accepting connection...", "NEW UI", "Cmd:get_server_list", "654", "UI closed"]
+    lines = [H + r for r in rows] + [H.translate(arabic) + r for r in rows] + [H + rows[0]]
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    assert through_the_pipeline(tmp_path) == parsed_line_by_line(tmp_path)
+    parsed: List[str] = []
+
+    def parse(line: str):
+        parsed.append(line)
+        return parse_line(line, "control", timezone.utc)
+
+    state = LogState()
+    apply_control(state, lines, parse, lambda line: None)
+    assert parsed == lines[5:10] + [lines[-1]] and state.snapshot().commands == {"get_server_list": 2}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from datetime import datetime, timezone
 
 import pytest
@@ -228,3 +229,53 @@ def test_fatal_error_report_of_11x_and_12x():
     assert parse_line(other + "Client {PID: 4121, Context: 1} encountered a fatal GPU error.", "server").client_pid \
         == 4121
     assert type(parse_line(other + "Something new", "server")) is ev.Unrecognized
+
+
+@pytest.mark.parametrize("zone", ["UTC", "local", "local:America/New_York", "America/New_York", "Australia/Lord_Howe",
+                                  "Asia/Kolkata"])
+def test_each_second_reads_as_datetime_does_across_zone_changes(zone, monkeypatch):
+    """The seconds of a minute share its conversion: every second around the changes of a zone
+    with DST (repeated and skipped hours, Lord Howe's half hour), read in order and out of it,
+    gives datetime's own value; a 60th second is no time even in a minute already read."""
+    if zone.startswith("local:"):  # the machine's zone, set to one with DST
+        monkeypatch.setenv("TZ", zone[len("local:"):])
+        time.tzset()
+        zone = "local"
+    try:
+        _read_each_second(resolve_timezone(zone))
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def _read_each_second(tz) -> None:
+    seconds = []
+    for day, hour in ((8, 1), (8, 2), (1, 0), (1, 1), (5, 1), (5, 2), (4, 1), (4, 2)):
+        for minute in (28, 29, 30, 31, 58, 59):
+            for month in (3, 11, 4, 10):
+                seconds += [(2026, month, day, hour, minute, s) for s in range(0, 60, 7)]
+    for order in (seconds, sorted(seconds, key=lambda t: (t[5], t))):
+        for y, mo, d, h, mi, s in order:
+            line = f"[{y:04d}-{mo:02d}-{d:02d} {h:02d}:{mi:02d}:{s:02d}.250 Server 7] Startup"
+            want = datetime(y, mo, d, h, mi, s, 250000, tzinfo=tz).timestamp()
+            utc = datetime(y, mo, d, h, mi, s, 250000, tzinfo=timezone.utc).timestamp()
+            assert parse_line(line, "server", timezone.utc).ts == utc, line  # the same minute in UTC first
+            assert parse_line(line, "server", tz).ts == want, line
+    for s in ("59", "60", "99", "59"):
+        ts = parse_line(f"[2026-11-01 01:30:{s}.000 Server 7] Startup", "server", tz).ts
+        assert (ts is None) == (s != "59")
+
+
+@pytest.mark.parametrize("file, message", [
+    ("server", "Client {PID: 586, Context ID: 0} connected"), ("server", "Received new client request for x"),
+    ("server", "Server Priority set to 3"), ("control", "NEW CLIENT 586 from user 0: Server already exists"),
+    ("control", "Cmd:get_server_list"), ("control", "713       8         654      GPU-0"), ("control", "NEW UI"),
+])
+def test_a_header_in_other_digits_reads_as_in_ascii(file, message):
+    """The line regexes try the header in ASCII digits first; one dated in Arabic-Indic digits
+    (as `\\d` and int() read them) gives the same event."""
+    arabic = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")
+    head = "[2026-11-21 04:19:42.120 Control   546] "
+    ascii_event = parse_line(head + message, file, UTC)
+    assert type(ascii_event) is not ev.Unrecognized
+    assert parse_line(head.translate(arabic) + message, file, UTC) == ascii_event
