@@ -156,9 +156,8 @@ class Exits:
         return self.clock == mark
 
 
-def test_a_process_the_kernel_vouches_has_not_exited_is_not_looked_at_again(tmp_path, monkeypatch):
-    root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0), FakeProcess(11, uid=0)])
-    src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK, exits=Exits())
+def stats_of_processes(monkeypatch, root) -> list:
+    """The /proc/PID directories stat()ed from now on, in order (a list the test may clear)."""
     looked = []
     real_stat = procfs.os.stat
 
@@ -168,6 +167,13 @@ def test_a_process_the_kernel_vouches_has_not_exited_is_not_looked_at_again(tmp_
         return real_stat(path, *args, **kwargs)
 
     monkeypatch.setattr(procfs.os, "stat", stat)
+    return looked
+
+
+def test_a_process_the_kernel_vouches_has_not_exited_is_not_looked_at_again(tmp_path, monkeypatch):
+    root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0), FakeProcess(11, uid=0)])
+    src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK, exits=Exits())
+    looked = stats_of_processes(monkeypatch, root)
     first = src.read([10, 11])
     assert sorted(looked) == [f"{root}/10", f"{root}/11"]  # new: looked at
     looked.clear()
@@ -188,15 +194,7 @@ def test_the_same_pids_again_while_the_kernel_is_quiet_look_only_at_those_it_did
     root = write_proc(tmp_path / "proc", [FakeProcess(10, uid=0), FakeProcess(11, uid=0), FakeProcess(12, uid=0)])
     exits = Exits(watched={10, 11})
     src = procfs.ProcClient(root=str(root), clock_ticks=CLK_TCK, exits=exits)
-    looked = []
-    real_stat = procfs.os.stat
-
-    def stat(path, *args, **kwargs):
-        if str(path).count("/") == str(root).count("/") + 1:  # a process's directory
-            looked.append(str(path))
-        return real_stat(path, *args, **kwargs)
-
-    monkeypatch.setattr(procfs.os, "stat", stat)
+    looked = stats_of_processes(monkeypatch, root)
     pids = {10, 11, 12}
     first = src.read(pids)
     assert src.read(pids) == first  # 10 and 11 vouched for from here

@@ -33,6 +33,21 @@ def parsed_line_by_line(directory: Path):
     return state.snapshot()
 
 
+def applied_in_runs(lines: List[str]):
+    """The lines through echoes.apply_control on a fresh state: the lines it parsed, and the state."""
+    from mps_exporter.logs.echoes import apply_control
+
+    parsed: List[str] = []
+
+    def parse(line: str):
+        parsed.append(line)
+        return parse_line(line, "control", timezone.utc)
+
+    state = LogState()
+    apply_control(state, lines, parse, lambda line: None)
+    return parsed, state
+
+
 def through_the_pipeline(directory: Path):
     snap = LogPipeline("default", str(directory), timezone="UTC").read_once()
     snap.read_errors, snap.caught_up, snap.backlog_bytes = {}, True, 0
@@ -88,7 +103,6 @@ def test_batches_cut_anywhere_end_in_the_same_state(tmp_path, monkeypatch):
 
 
 def test_refused_connections_not_found_and_unknown_commands_are_echoes(tmp_path):
-    from mps_exporter.logs.echoes import apply_control
 
     rows = [
         "Accepting connection...", "User did not send valid credentials", "Accepting connection...",
@@ -102,14 +116,7 @@ def test_refused_connections_not_found_and_unknown_commands_are_echoes(tmp_path)
     lines = [H + r for r in rows]
     (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
     assert through_the_pipeline(tmp_path) == parsed_line_by_line(tmp_path)
-    parsed: List[str] = []
-
-    def parse(line: str):
-        parsed.append(line)
-        return parse_line(line, "control", timezone.utc)
-
-    state = LogState()
-    apply_control(state, lines, parse, lambda line: None)
+    parsed, state = applied_in_runs(lines)
     # the one refused connection after no framing line, then the echoes' newest time
     assert parsed == [lines[17], lines[-1]]
     assert state.snapshot().lines["control"] == len(lines) and not state.in_command
@@ -119,7 +126,6 @@ def test_answers_holding_what_a_header_ends_with_are_not_counted(tmp_path):
     """Runs count commands, admitted contexts and deferred shutdowns by `] Cmd:`, `] NEW CLIENT `
     and `] Server S has ` in their text: an answer line holding one (a `]` in a `ps` row, an
     unknown command, an admitted context's tail) is an echo, never counted as one."""
-    from mps_exporter.logs.echoes import apply_control
 
     rows = [
         "Accepting connection...", "NEW UI", "Cmd:ps", "PID       ID        SERVER         DEVICE",
@@ -136,14 +142,7 @@ def test_answers_holding_what_a_header_ends_with_are_not_counted(tmp_path):
     assert snap == parsed_line_by_line(tmp_path)
     assert snap.commands == {"ps": 1, "get_server_status": 1, "get_server_list": 1}
     assert snap.count("mps_server_shutdown_deferrals_total") == 0
-    parsed: List[str] = []
-
-    def parse(line: str):
-        parsed.append(line)
-        return parse_line(line, "control", timezone.utc)
-
-    state = LogState()
-    apply_control(state, lines, parse, lambda line: None)
+    parsed, state = applied_in_runs(lines)
     assert parsed == [lines[-1]]  # all echoes: only the newest one's time
     assert state.s.control_changes == 2 and state.snapshot() == parsed_line_by_line(tmp_path)
 
@@ -177,7 +176,6 @@ def test_shutdowns_deferred_and_retried_among_echoes_are_counted(tmp_path):
     """`Server S has N active worker threads. Server will not shutdown.` (counted) and `Control
     will try shutting down server S again ...` (Noise) are taken in runs outside commands,
     parsed inside one; near misses are parsed."""
-    from mps_exporter.logs.echoes import apply_control
 
     rows = [
         "Starting new server 654 for user 0", "NEW SERVER 654: Ready",
@@ -197,33 +195,18 @@ def test_shutdowns_deferred_and_retried_among_echoes_are_counted(tmp_path):
     snap = through_the_pipeline(tmp_path)
     assert snap == parsed_line_by_line(tmp_path)
     assert snap.count("mps_server_shutdown_deferrals_total") == 3
-    parsed: List[str] = []
-
-    def parse(line: str):
-        parsed.append(line)
-        return parse_line(line, "control", timezone.utc)
-
-    state = LogState()
-    apply_control(state, lines, parse, lambda line: None)
+    parsed, state = applied_in_runs(lines)
     assert parsed == [lines[k] for k in (0, 1, 2, 9, 12, 14, 15, 13)]  # then the newest echo's time
 
 
 def test_echoes_dated_in_other_digits_are_parsed(tmp_path):
     """The runs' header takes ASCII digits only: an echo dated in Arabic-Indic digits (the
     parser reads them) is parsed, to the same state."""
-    from mps_exporter.logs.echoes import apply_control
 
     arabic = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")
     rows = ["Accepting connection...", "NEW UI", "Cmd:get_server_list", "654", "UI closed"]
     lines = [H + r for r in rows] + [H.translate(arabic) + r for r in rows] + [H + rows[0]]
     (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
     assert through_the_pipeline(tmp_path) == parsed_line_by_line(tmp_path)
-    parsed: List[str] = []
-
-    def parse(line: str):
-        parsed.append(line)
-        return parse_line(line, "control", timezone.utc)
-
-    state = LogState()
-    apply_control(state, lines, parse, lambda line: None)
+    parsed, state = applied_in_runs(lines)
     assert parsed == lines[5:10] + [lines[-1]] and state.snapshot().commands == {"get_server_list": 2}
