@@ -253,16 +253,14 @@ def join(snap: Snapshot, reuse: bool = True) -> Rows:
     joined = _GpuJoin.of(gpus, reuse)
     listed, clients, unclaimed = _client_pid_sets(snap.daemons, joined.mps_memory, reuse)
     driver = snap.nvml.driver_version if snap.nvml else ""
-    gpu_rows = tuple(gpu_row(gpu, driver, snap.dcgm, server_pids, clients, snap.processes, reuse) for gpu in gpus)
-    daemons = []
     kept = _KeptClients(_kept_clients if reuse else _Kept())
+    gpu_rows = tuple(gpu_row(gpu, driver, snap.dcgm, server_pids, clients, snap.processes, kept) for gpu in gpus)
+    daemons = []
     for d in snap.daemons:
         unlisted = [pid for pid in unclaimed if _claims(d, snap.processes.get(pid), len(snap.daemons) == 1)]
-        daemons.append(daemon_row(d, snap.logs.get(d.name), snap.processes, joined, unlisted, kept, reuse))
+        daemons.append(daemon_row(d, snap.logs.get(d.name), snap.processes, joined, unlisted, kept))
     if reuse:
-        _kept_clients = kept.now  # clients gone are forgotten
-    for gone in _clients_per_server.keys() - {d.name for d in snap.daemons}:
-        _clients_per_server.pop(gone, None)  # a DRA node's daemons come and go
+        _kept_clients = kept.now  # clients and GPUs gone are forgotten
     return Rows(gpu_rows, tuple(daemons))
 
 
@@ -347,18 +345,22 @@ ACTIVITY = ("sm_active", "sm_occupancy", "tensor_active", "dram_active")
 
 
 def gpu_row(gpu: GpuReading, driver: str, dcgm: DcgmReading, server_pids: Set[int], clients: AbstractSet[int],
-            processes: Mapping[int, ProcessFacts], reuse: bool = True) -> GpuRow:
+            processes: Mapping[int, ProcessFacts], kept: Optional["_KeptClients"] = None) -> GpuRow:
     if not gpu.up:
         return GpuRow(gpu.index, gpu.uuid, False)
     profiled = dcgm.get(gpu.index, {})
     activity = {**gpu.activity, **profiled}  # DCGM's profiling fields win over GPM
     sources = {key: FROM_NVML if key in gpu.activity else UNKNOWN for key in ACTIVITY}
     sources.update({key: "dcgm" for key in profiled})
-    mode, outside = _kept(
-        _sharing.setdefault(gpu.index, Derived()), reuse, [gpu.compute_processes, gpu.mps_clients, clients, processes], (gpu.mig_enabled, frozenset(server_pids)),
-        lambda: (sharing_mode(gpu, server_pids, processes, clients),
-                 tuple(_outside_row(p, processes.get(p.pid) or ProcessFacts(p.pid))
-                       for p in outside_mps(gpu, server_pids, clients, processes))))
+    def sharing() -> Tuple[str, Tuple[OutsideProcessRow, ...]]:
+        return (sharing_mode(gpu, server_pids, processes, clients),
+                tuple(_outside_row(p, processes.get(p.pid) or ProcessFacts(p.pid))
+                      for p in outside_mps(gpu, server_pids, clients, processes)))
+
+    # kept while its process lists, the clients, /proc's reading, its MIG mode and the servers stay
+    mode, outside = sharing() if kept is None else kept.derived(
+        ("sharing", gpu.index), [gpu.compute_processes, gpu.mps_clients, clients, processes],
+        (gpu.mig_enabled, frozenset(server_pids)), sharing)
     return GpuRow(
         gpu.index, gpu.uuid, True, gpu.name, driver, gpu.compute_mode, "enabled" if gpu.mig_enabled else "disabled",
         gpu.memory_total_bytes, gpu.memory_used_bytes, gpu.utilization_ratio, gpu.memory_utilization_ratio,
@@ -367,11 +369,6 @@ def gpu_row(gpu: GpuReading, driver: str, dcgm: DcgmReading, server_pids: Set[in
         len(gpu.mps_clients), outside,
         # under MPS NVML gives all SM time to the server: no per-client number
         {} if mode in ("mps", "mixed") else sm_utilization(gpu))
-
-
-# Per GPU index: its sharing mode and processes outside MPS, derived again only where its
-# process lists, the clients, /proc's reading, its MIG mode or the servers changed.
-_sharing: Dict[int, Derived[Tuple[str, Tuple[OutsideProcessRow, ...]]]] = {}
 
 
 def _outside_row(p: ProcessMemory, proc: ProcessFacts) -> OutsideProcessRow:
@@ -440,12 +437,12 @@ def _claims(d: DaemonReading, proc: Optional[ProcessFacts], only: bool) -> bool:
 
 
 def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
-               joined: _GpuJoin, unlisted: Sequence[int], kept: "_KeptClients", reuse: bool = True) -> DaemonRow:
+               joined: _GpuJoin, unlisted: Sequence[int], kept: "_KeptClients") -> DaemonRow:
     """The daemon, its servers and its clients: the rows of its `ps` and the NVML MPS
     clients in `unlisted` (`kept`: the last join's, reused where their inputs stay). A
     client whose row cannot be joined is left out (logged)."""
     devices = joined.daemon_devices(d)
-    joined_servers = server_rows(d, log_snap, processes, joined, devices, reuse)
+    joined_servers = server_rows(d, log_snap, processes, joined, devices, kept)
     server_limits = {s.pid: limits for s, limits in joined_servers}
     daemon = _DaemonJoin(d, devices, tuple((dev.index, dev.uuid) for dev in devices if dev.index is not None),
                          Limits(d.default_active_thread_percentage, d.default_pinned_limits), server_limits, log_snap)
@@ -470,7 +467,8 @@ def daemon_row(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Map
 
 # ---------------------------------------------------------------- servers
 def server_rows(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
-                joined: _GpuJoin, devices: Sequence[VisibleDevice], reuse: bool = True) -> List[Tuple[ServerRow, Limits]]:
+                joined: _GpuJoin, devices: Sequence[VisibleDevice], kept: Optional["_KeptClients"] = None
+                ) -> List[Tuple[ServerRow, Limits]]:
     """The server rows, each with its limits now (what its clients inherit where the logs
     do not show them connecting)."""
     log_servers: Mapping[int, LogServer] = log_snap.servers if log_snap else {}
@@ -483,15 +481,14 @@ def server_rows(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Ma
             if running.running and pid not in servers and (
                     pid in processes or any(pid in memory for memory in joined.compute_memory.values())):
                 servers[pid] = ServerFacts(pid=pid, status=None)
-    clients_per_server = _kept(_clients_per_server.setdefault(d.name, Derived()), reuse,
-                               [d.clients], None, lambda: collections.Counter(c.server_pid for c in d.clients))
+    def count() -> Mapping[int, int]:
+        return collections.Counter(c.server_pid for c in d.clients)
+
+    clients_per_server = count() if kept is None else kept.derived(("clients per server", d.name), [d.clients], None,
+                                                                   count)
     return [_server_row(d.name, s, log_servers.get(pid), processes.get(pid), clients_per_server.get(pid, 0),
                         joined, devices)
             for pid, s in sorted(servers.items())]
-
-
-# Per daemon: how many clients each server has in its `ps`, while the list stays.
-_clients_per_server: Dict[str, Derived[Mapping[int, int]]] = {}
 
 
 def _first(*candidates: Tuple[Optional[T], str]) -> Tuple[Optional[T], str]:
@@ -599,11 +596,13 @@ def _memory_used(memory: Sequence[Tuple[int, Optional[int]]]) -> Dict[int, int]:
 @dataclass
 class _Kept:
     """One join's clients: daemon -> client pid -> (_client_inputs, its row); each
-    daemon's _daemon_inputs; and each daemon's client rows with _clients_inputs."""
+    daemon's _daemon_inputs; each daemon's client rows with _clients_inputs; and the
+    values _KeptClients.derived kept, by name."""
 
     rows: Dict[str, Dict[int, Tuple[Tuple[object, ...], ClientRow]]] = field(default_factory=dict)
     daemons: Dict[str, Tuple[object, ...]] = field(default_factory=dict)
     clients: Dict[str, Tuple[Tuple[object, ...], Tuple[ClientRow, ...]]] = field(default_factory=dict)
+    derived: Dict[Tuple[object, ...], Derived[Any]] = field(default_factory=dict)
 
 
 def _clients_inputs(d: DaemonReading, log_snap: Optional[LogSnapshot], processes: Mapping[int, ProcessFacts],
@@ -656,6 +655,13 @@ class _KeptClients:
         self.now.rows[d.name] = self.before.rows.get(d.name, {})  # never changed once kept
         self.now.clients[d.name] = last
         return last[1]
+
+    def derived(self, name: Tuple[object, ...], readings: Sequence[object], key: object, derive: Callable[[], T]) -> T:
+        """Derived.get of the last join's value by this name (a GPU's, a daemon's): kept for
+        the next join where asked now, forgotten where not."""
+        memo: Derived[T] = self.before.derived.get(name) or Derived()
+        self.now.derived[name] = memo
+        return memo.get(readings, key, derive)
 
     def keep_clients(self, daemon: str, clients: Tuple[ClientRow, ...]) -> Tuple[ClientRow, ...]:
         """The rows `clients` derived after `clients` found none, kept for the next join."""
