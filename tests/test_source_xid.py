@@ -8,6 +8,8 @@ a test that would otherwise hang.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client.exposition import generate_latest
 
@@ -48,6 +50,14 @@ def started():
 def _wait_registered(watcher: XidWatcher, setups: int = 1) -> None:
     """The thread has registered its GPUs: an event injected now is received."""
     assert watcher.wait_until(lambda: watcher.setups >= setups, BOUND), "the watcher did not register its GPUs"
+
+
+def _wait_waiting(fake: FakeNvml, waits: int) -> None:
+    """The thread has begun its `waits`-th wait: with no event queued it stays in it."""
+    deadline = time.monotonic() + BOUND
+    while fake.calls["nvmlEventSetWait_v2"] < waits:
+        assert time.monotonic() < deadline, "the watcher did not wait"
+        time.sleep(0.001)
 
 
 def _by_gpu(reading: XidReading):
@@ -162,6 +172,30 @@ def test_close_stops_the_thread_frees_the_set_and_shuts_nvml_down(started):
     assert fake.calls["nvmlShutdown"] == 1
 
 
+def test_close_does_not_wait_out_a_long_wait_the_thread_ends_it_itself():
+    fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=0)
+    watcher = XidWatcher(fake, clock=Clock(), wait_ms=600_000)  # the test ends it with an event
+    watcher.start()
+    _wait_registered(watcher)
+    _wait_waiting(fake, 1)
+    thread = watcher._thread
+    watcher.close(timeout=0.01)  # returns: the thread stays in its wait
+    assert thread.is_alive() and not watcher.running
+    assert not fake.event_sets[0].freed and fake._init_count == 1
+    watcher.close()  # again: still no wait
+    fake.inject_xid(0, 79)  # ends the wait: the thread sees close, frees the set
+    thread.join(BOUND)
+    assert not thread.is_alive()
+    assert fake.event_sets[0].freed and fake._init_count == 0
+    watcher.start()  # a new thread, a new set
+    _wait_registered(watcher, setups=2)
+    assert watcher.running and not fake.event_sets[1].freed
+    watcher.close(timeout=0.01)
+    fake.inject_xid(0, 79)
+    watcher._leaving.join(BOUND)
+    assert fake.event_sets[1].freed and fake._init_count == 0
+
+
 def test_catch_up_takes_in_what_waits_without_blocking():
     fake = FakeNvml.synthetic(gpus=1, clients_per_gpu=0)
     watcher = XidWatcher(fake, clock=Clock(), wait_ms=60_000)  # a blocking wait would hang the test
@@ -230,8 +264,12 @@ def test_the_source_is_registered_and_its_reader_runs_the_watcher():
         names = {s.name for f in out.families() for s in f.samples}
         assert names == {"mps_gpu_xid_errors_total", "mps_gpu_xid_last_seen_timestamp_seconds",
                          "mps_gpu_xid_events_registered"}
+        _wait_waiting(fake, 2)  # in the wait after the event's
     finally:
-        reader.close()
+        reader.close()  # the thread is in a wait of WAIT_MS: close leaves it to end it
+    assert reader.source.wait_ms == xid_source.WAIT_MS
+    fake.inject_xid(0, 119)  # ends that wait
+    reader.source._leaving.join(BOUND)
     assert fake._init_count == 0
 
 

@@ -1,9 +1,10 @@
 """Xid source: the GPUs' Xid errors, from NVML's event API, per GPU and code.
 
 A thread of its own (`XidWatcher`) creates an NVML event set, registers every GPU for
-`nvmlEventTypeXidCriticalError` and waits on the set (`nvmlEventSetWait_v2`, a bounded
-timeout so that `close` is seen within it); each event counts under (GPU, Xid code)
-with the time it was seen. A scrape only copies those counters: it never asks NVML
+`nvmlEventTypeXidCriticalError` and waits on the set (`nvmlEventSetWait_v2`); each event
+counts under (GPU, Xid code) with the time it was seen. An event ends a wait at once, so
+the wait's timeout only says how often the thread looks at `close`: long, since each
+wake-up costs CPU (issue 44), and `close` does not wait for it. A scrape only copies those counters: it never asks NVML
 anything, and an Xid between two scrapes is counted, not sampled away.
 
 A module of its own, not a part of the NVML source: that source reads every GPU
@@ -42,8 +43,13 @@ from .nvml import import_pynvml
 
 log = logging.getLogger(__name__)
 
-# How long one nvmlEventSetWait_v2 waits for an event: how late `close` may be heard.
-WAIT_MS = 1000
+# How long one nvmlEventSetWait_v2 waits when no event comes: how late the thread hears
+# `close` (NVIDIA's device plugin waits 5000 ms). At 1000 ms the wake-ups were a fifth
+# of the exporter's CPU at 15 s scrapes on the synthetic 8 x 48 node (issue 44).
+WAIT_MS = 10_000
+# How long `close` waits for the thread to end; past it the thread frees the set and
+# shuts NVML down itself when its wait ends (or the process exits first).
+CLOSE_WAIT_SECONDS = 1.0
 # After NVML could not be initialised, or a wait failed otherwise than by its timeout:
 # seconds before the next try (no busy loop on a driver that went away).
 RETRY_SECONDS = 30.0
@@ -130,6 +136,7 @@ class XidWatcher:
         self._nvml_lock = threading.Lock()  # set-up, waits and tear-down: one at a time
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._leaving: Optional[threading.Thread] = None  # closed, still in its last wait
         self._initialised = False
         self._event_set: Any = None
         self._gpus: Dict[int, XidGpu] = {}
@@ -281,6 +288,9 @@ class XidWatcher:
 
     def start(self) -> None:
         if self._thread is None:
+            leaving, self._leaving = self._leaving, None
+            if leaving is not None:  # one thread on the set at a time
+                leaving.join()
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="mps-xid-events", daemon=True)
             self._thread.start()
@@ -300,14 +310,18 @@ class XidWatcher:
                 log.warning("reading Xid events failed: %s", e)
                 self._teardown()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread (within one wait), free the set, shut NVML down. Safe twice."""
+    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
+        """Stop the thread, free the set, shut NVML down. Safe twice. A thread still in
+        its wait after `timeout` does the rest itself when the wait ends."""
         self._stop.set()
         thread, self._thread = self._thread, None
+        if thread is None and self._leaving is not None and self._leaving.is_alive():
+            return  # closed already: the set is the leaving thread's to free
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
-                log.warning("the Xid event thread did not stop within %.0f s", timeout)
+                log.debug("the Xid event thread ends after its wait (at most %d ms)", self.wait_ms)
+                self._leaving = thread
                 return  # it still holds the set: freeing it under a wait would be worse
         with self._nvml_lock:
             self._teardown()
