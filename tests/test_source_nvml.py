@@ -266,6 +266,22 @@ def test_error_on_one_gpu_of_several_marks_only_that_gpu_down(failing):
         assert gpus[i].uuid == fake.gpus[i].uuid and len(gpus[i].mps_clients) == 2
 
 
+def test_a_handle_is_asked_once_per_gpu_and_again_after_the_gpu_failed():
+    fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
+    source = NvmlClient(fake)
+    for _ in range(3):
+        assert all(g.up for g in source.read().gpus)
+    assert fake.calls["nvmlDeviceGetHandleByIndex"] == 2
+    fake.gpus[1].errors["nvmlDeviceGetMemoryInfo"] = fp.NVML_ERROR_GPU_IS_LOST
+    assert [g.up for g in source.read().gpus] == [True, False]
+    del fake.gpus[1].errors["nvmlDeviceGetMemoryInfo"]
+    assert [g.up for g in source.read().gpus] == [True, True]
+    assert fake.calls["nvmlDeviceGetHandleByIndex"] == 3  # GPU 1's asked anew
+    source.close()
+    source.read()  # NVML initialised again: handles of before are stale
+    assert fake.calls["nvmlDeviceGetHandleByIndex"] == 5
+
+
 def test_gpu_down_after_a_good_scrape_keeps_its_identity():
     fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=1)
     source = NvmlClient(fake)

@@ -390,6 +390,9 @@ class NvmlClient:
         self._waits = (None, None) if wait_for_every_answer else (GPU_WAIT_SECONDS, GPM_WAIT_SECONDS)
         self._initialised = False
         self._identity: Dict[int, Tuple[str, str]] = {}  # index -> (name, uuid)
+        # index -> its device handle, valid until nvmlShutdown; asked again after an error
+        # (one NVML call fewer per GPU and round, issue 44)
+        self._handles: Dict[int, Any] = {}
         self._last_seen_us: Dict[int, int] = {}  # index -> newest process-utilization sample
         self._gpm_prev: Dict[int, Any] = {}  # index -> previous GPM sample (to free later)
         # index -> the sample before it, its interval taken: the next sample is taken into it
@@ -435,6 +438,7 @@ class NvmlClient:
         self._gpm_supported.clear()
         self._last_seen_us.clear()
         self._identity.clear()
+        self._handles.clear()
         self._modes.clear()
         self._lists.clear()
         self._direct = None
@@ -473,11 +477,14 @@ class NvmlClient:
     def _read_gpu(self, nvml: Any, index: int) -> GpuReading:
         uuid = self._identity.get(index, ("", ""))[1]
         try:
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            handle = self._handles.get(index)
+            if handle is None:
+                handle = self._handles[index] = nvml.nvmlDeviceGetHandleByIndex(index)
             name, uuid = self._identify(nvml, index, handle)
             gpu = GpuReading(index=index, uuid=uuid, up=True, name=name)
             self._read_required(nvml, handle, gpu)
         except nvml.NVMLError as e:
+            self._handles.pop(index, None)
             # Warn when a GPU goes down, not at every scrape while it stays down.
             (log.debug if index in self._down else log.warning)("NVML error on GPU %d: %s", index, e)
             self._down.add(index)
