@@ -10,10 +10,13 @@ from `apt-get download prometheus-node-exporter && dpkg -x ...deb DIR`).
 
 Both are scraped side by side as Prometheus scrapes them (its Accept header, gzip,
 `X-Prometheus-Scrape-Timeout-Seconds`: 10 at a 15 s interval, 1 at 1 s; one keep-alive
-connection), at each interval for `--seconds`; CPU is each process's utime + stime from
-/proc over that time (for mps-exporter less the CPU of the thread that moves the simulated
-node's readings, printed beside it), after a warm-up of three scrapes and WARM_UP_SECONDS. Prints one Markdown row per interval: CPU ms per
-second of each, their ratio, mps-exporter's background rounds and the load average.
+connection), at each interval for `--seconds`, after a warm-up of three scrapes and
+WARM_UP_SECONDS. CPU is the sum over each process's threads of their schedstat (ns) over
+that time; the ratio by utime + stime from /proc is printed beside it (10 ms ticks: at
+15 s scrapes node_exporter counts a few dozen in 120 s). For mps-exporter, less the CPU
+of the thread that moves the simulated node's readings, printed beside it. Prints one
+Markdown row per interval: CPU ms per second of each, their ratio, mps-exporter's
+background rounds and the load average.
 
     python3 bench/cost_bench.py [--intervals 15,1] [--seconds 60] [--readings still,moving] [--pacing fixed,paced] [--node-exporter PATH]
 """
@@ -31,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,6 +48,29 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_ns(pid: int) -> Optional[Dict[str, int]]:
+    """Each live thread's CPU time in ns (schedstat: exact, where utime + stime count 10 ms
+    ticks); None where the kernel keeps no schedstat."""
+    if not os.path.exists(f"/proc/{pid}/schedstat"):
+        return None
+    out: Dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f:
+                out[tid] = int(f.read().split()[0])
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
+
+
+def thread_cpu_seconds_between(before: Optional[Dict[str, int]], after: Optional[Dict[str, int]]) -> Optional[float]:
+    """CPU of the threads alive at the end since `before` (a thread that began meanwhile from
+    0; one that ended meanwhile is not counted: the ticks' figure is printed beside)."""
+    if before is None or after is None:
+        return None
+    return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
 
 
 def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool, exit_status: bool) -> None:
@@ -206,7 +232,10 @@ def measure(interval: float, seconds: float, node_exporter: str, readings: str, 
             time.sleep(WARM_UP_SECONDS + 3 * interval)  # the refresher knows the spacing after three scrapes
             c_mps, c_node, (r0, h0), t0 = (cpu_seconds(mps.pid), cpu_seconds(node.pid), rounds(mps, rounds_file),
                                            time.monotonic())
+            n_mps, n_node = thread_cpu_ns(mps.pid), thread_cpu_ns(node.pid)
             time.sleep(seconds)
+            n_mps_s = thread_cpu_seconds_between(n_mps, thread_cpu_ns(mps.pid))
+            n_node_s = thread_cpu_seconds_between(n_node, thread_cpu_ns(node.pid))
             c_mps, c_node = cpu_seconds(mps.pid) - c_mps, cpu_seconds(node.pid) - c_node
             elapsed = time.monotonic() - t0
             r1, h1 = rounds(mps, rounds_file)
@@ -218,9 +247,13 @@ def measure(interval: float, seconds: float, node_exporter: str, readings: str, 
     # The simulated node's thread (NVML's clock, the clients' memory) runs in the exporter's
     # process: its CPU is the simulation's, left out of the exporter's.
     harness_ms = (h1 - h0) / elapsed * 1000
-    mps_ms, node_ms = c_mps / elapsed * 1000 - harness_ms, c_node / elapsed * 1000
+    tick_mps_ms, tick_node_ms = c_mps / elapsed * 1000 - harness_ms, c_node / elapsed * 1000
+    exact = n_mps_s is not None and n_node_s is not None
+    mps_ms = n_mps_s / elapsed * 1000 - harness_ms if n_mps_s is not None else tick_mps_ms
+    node_ms = n_node_s / elapsed * 1000 if n_node_s is not None else tick_node_ms
     lat = sorted(scrapers[0].latencies)
     return {"mps": mps_ms, "harness": harness_ms, "node": node_ms, "ratio": mps_ms / node_ms if node_ms else float("inf"),
+            "tick_ratio": tick_mps_ms / tick_node_ms if tick_node_ms else float("inf"), "exact": exact,
             "rounds": r1 - r0, "scrapes": len(scrapers[0].latencies),
             "p50": lat[len(lat) // 2] * 1000 if lat else float("nan"),
             "failures": scrapers[0].failures + scrapers[1].failures, "elapsed": elapsed}
@@ -251,14 +284,14 @@ def main() -> None:
     print(f"CPU of mps-exporter (synthetic 8 GPU x 48 clients{', --no-mps.exit-status' if args.no_exit_status else ''}) and node_exporter (default "
           f"collectors), scraped side by side, {args.seconds:g} s each after three scrapes and {WARM_UP_SECONDS:g} s ({os.cpu_count()} CPUs)\n")
     print("| readings | scrape interval | background rounds | mps-exporter CPU ms/s | simulated node ms/s (left out) | "
-          "node_exporter CPU ms/s | ratio | mps rounds | scrapes | mps scrape p50 ms | failures | load |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "node_exporter CPU ms/s | ratio | ratio by ticks | mps rounds | scrapes | mps scrape p50 ms | failures | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for readings in args.readings.split(","):
         for interval in [float(x) for x in args.intervals.split(",")]:
             for pacing in args.pacing.split(","):
                 r = measure(interval, args.seconds, args.node_exporter, readings, pacing, not args.no_exit_status)
                 print(f"| {readings} | {interval:g} s | {pacing} | {r['mps']:.2f} | {r['harness']:.2f} | {r['node']:.2f} | "
-                      f"{r['ratio']:.2f} | "
+                      f"{r['ratio']:.2f}{'' if r['exact'] else ' (ticks)'} | {r['tick_ratio']:.2f} | "
                       f"{r['rounds']} | {r['scrapes']} | {r['p50']:.1f} | {r['failures']} | "
                       "load average %.2f %.2f %.2f |" % os.getloadavg(), flush=True)
 
