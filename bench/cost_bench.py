@@ -272,6 +272,8 @@ def main() -> None:
     ap.add_argument("--no-exit-status", action="store_true",
                     help="serve with --no-mps.exit-status: without the proc connector's listener, whose cost "
                          "follows how many processes the whole machine starts and ends")
+    ap.add_argument("--record", action="store_true",
+                    help="write the 15 s and 1 s rows (still, paced) as issue 44's figures (bench/figures.py)")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rounds-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -294,6 +296,11 @@ def main() -> None:
                       f"{r['ratio']:.2f}{'' if r['exact'] else ' (ticks)'} | {r['tick_ratio']:.2f} | "
                       f"{r['rounds']} | {r['scrapes']} | {r['p50']:.1f} | {r['failures']} | "
                       "load average %.2f %.2f %.2f |" % os.getloadavg(), flush=True)
+                if args.record and readings == "still" and pacing == "paced" and interval in (15, 1):
+                    from bench.figures import record
+
+                    record(f"cpu-{interval:g}s", r["mps"], r["node"], seconds=args.seconds, scrapes=r["scrapes"],
+                           ratio_by_ticks=round(r["tick_ratio"], 3), exact=r["exact"])
 
 
 if __name__ == "__main__":

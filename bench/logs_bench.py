@@ -223,7 +223,7 @@ def catch_up_child(directory: str) -> Dict[str, float]:
     return {"lines": len(held), **best}
 
 
-def run_catch_up(sizes: List[int], capture: Path) -> None:
+def run_catch_up(sizes: List[int], capture: Path, record_figure: bool = False) -> None:
     print(f"{'lines':>10} {'catch-up s':>10} {'one regex/line s':>16} {'ratio':>6} {'parse_line s':>12} "
           f"{'one regex/line s':>16} {'ratio':>6}")
     for size in sizes:
@@ -235,6 +235,11 @@ def run_catch_up(sizes: List[int], capture: Path) -> None:
         print(f"{r['lines']:>10,} {r['catch_up_s']:>10.2f} {r['file_regex_s']:>16.2f} "
               f"{r['file_regex_s'] / r['catch_up_s']:>6.2f} {r['parse_s']:>12.2f} {r['held_regex_s']:>16.2f} "
               f"{r['held_regex_s'] / r['parse_s']:>6.2f}")
+        if record_figure and size == 1_000_000:
+            sys.path.insert(0, str(REPO))
+            from bench.figures import record
+
+            record("catch-up", r["catch_up_s"], r["file_regex_s"], lines=r["lines"])
     print(f"python {sys.version.split()[0]}, one thread, fresh process per row, best of 3 interleaved runs. catch-up: "
           "LogPipeline.read_once() without a state file, against reading the same files and matching one compiled "
           "regex (the parser's header and the message) per line; parse_line: over the lines held in memory, against "
@@ -252,6 +257,8 @@ def main() -> None:
     ap.add_argument("--catch-up", action="store_true",
                     help="catch-up and parse_line beside one compiled regex per line, same run (issue 44)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--record", action="store_true",
+                    help="with --catch-up: write the 1 M-line row as issue 44's figure (bench/figures.py)")
     ap.add_argument("--catch-up-child", help=argparse.SUPPRESS)
     ap.add_argument("--pids-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -272,7 +279,7 @@ def main() -> None:
     if not (capture / "control.log").is_file():
         sys.exit(f"capture not found: {capture}")
     if args.catch_up:
-        run_catch_up([int(s) for s in args.sizes.split(",")], capture)
+        run_catch_up([int(s) for s in args.sizes.split(",")], capture, args.record)
         return
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):

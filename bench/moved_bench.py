@@ -121,8 +121,12 @@ def main() -> None:
     ap.add_argument("--scrapes", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--against", default="", help="a git revision measured beside this tree (e.g. main)")
+    ap.add_argument("--record", action="store_true",
+                    help="write the medians as issue 44's figure (bench/figures.py; needs --against c5fc7fc)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.record and not args.against.startswith("c5fc7fc"):
+        ap.error("--record: the figure's reference is c5fc7fc (--against c5fc7fc)")
     if args.child:
         print(json.dumps(measure(args.gpus, args.clients, args.scrapes)))
         return
@@ -146,6 +150,16 @@ def main() -> None:
     if rows.get(args.against) and args.against:
         ratio = min(r["moved"] for r in rows["this tree"]) / min(r["moved"] for r in rows[args.against])
         print(f"\nmoved readings, this tree / {args.against} (best rounds): {ratio:.2f}")
+    if args.record:
+        from bench.figures import record
+
+        def median(name: str) -> float:
+            moved = sorted(r["moved"] for r in rows[name])
+            return moved[len(moved) // 2]
+
+        record("moved-scrape", median("this tree"), median(args.against), rounds=args.rounds, scrapes=args.scrapes,
+               this_tree=[round(r["moved"], 2) for r in rows["this tree"]],
+               against=[round(r["moved"], 2) for r in rows[args.against]])
 
 
 if __name__ == "__main__":

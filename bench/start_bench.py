@@ -83,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--node-exporter", default=shutil.which("prometheus-node-exporter") or shutil.which("node_exporter"))
+    ap.add_argument("--record", action="store_true", help="write the medians as issue 44's figure (bench/figures.py)")
     args = ap.parse_args()
     import mps_exporter
     import prometheus_client
@@ -102,6 +103,16 @@ def main() -> None:
         print(f"| {kind} | {walls[len(walls) // 2]:.2f} | {cpus[len(cpus) // 2]:.2f} | "
               + ", ".join(f"{w:.2f}" for w, _ in runs[kind]) + " |")
     print("\nload average %.2f %.2f %.2f" % os.getloadavg())
+    if args.record:
+        sys.path.insert(0, str(ROOT))
+        from bench.figures import record
+
+        def median(kind: str) -> float:
+            walls = sorted(w for w, _ in runs[kind])
+            return walls[len(walls) // 2]
+
+        record("first-scrape", median("mps-exporter replay"), median("client_python anchor"), runs=args.runs,
+               every_run=[round(w, 3) for w, _ in runs["mps-exporter replay"]])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ table (`labels`), both from mps_exporter.catalog (every declared metric and
 label), README's table of the collectors and their flags (`collector-flags`, from
 the sources), of the global flags (`flags`, from the parser of `serve` and the
 `Config` defaults it reads) and README's useful queries (`useful-queries`, from
-dashboards/useful_queries.py). Edit the declarations, not the blocks. `make generate`
+dashboards/useful_queries.py), and docs/performance.md's table of issue 44's figures
+(`figures`, from the records the benches write: bench/figures.py). Edit the declarations, not the blocks. `make generate`
 runs this.
 """
 
@@ -29,6 +30,7 @@ def blocks() -> Dict[str, Tuple[str, Callable[[], str]]]:
     """Block name -> (file relative to the repository, the block's text)."""
     if str(ROOT) not in sys.path:  # run as a script: dashboards/ (the useful queries) beside docs/
         sys.path.insert(0, str(ROOT))
+    from bench import figures
     from dashboards import useful_queries
     from mps_exporter import catalog
 
@@ -38,6 +40,7 @@ def blocks() -> Dict[str, Tuple[str, Callable[[], str]]]:
         "collector-flags": ("README.md", catalog.collector_flags_markdown),
         "flags": ("README.md", global_flags_markdown),
         "useful-queries": ("README.md", useful_queries.markdown),
+        "figures": ("docs/performance.md", figures.markdown),
     }
 
 
