@@ -90,6 +90,7 @@ REPEATS = 15
 SLOWEST_RULES = 6  # listed per granularity in the report
 NON_MPS_PODS = 30  # per node, listed by kube-state-metrics: the cluster's pods are not all MPS clients
 QUIET_REPEATS = 10
+HEAVY = "mps-exporter.heavy"  # the rule group issue 44's done-when 3 measures
 BASELINE = "baseline_"  # prefix of the first --baseline-rules file's records and groups
 OURS = '__name__=~".+:.+", __name__!~"baseline[0-9]*_.+"'  # the current rules' records, not baseline ones
 RULE_SETS_SHOWN = (".heavy / ", ".oom / ")  # groups whose rules the report lists one by one
@@ -547,7 +548,12 @@ def main() -> int:
                              "baseline2_, ... in this order)")
     parser.add_argument("--out", help="also write the report here")
     parser.add_argument("--raw", help="append each run's measurements to this JSON Lines file")
+    parser.add_argument("--record", action="store_true",
+                        help="write the heavy group's quiet time per node at 100 exporters beside the first "
+                             "--baseline-rules file's (c5fc7fc's rules) as issue 44's figure (bench/figures.py)")
     args = parser.parse_args()
+    if args.record and (100 not in args.nodes or not args.baseline_rules):
+        parser.error("--record: the figure is 100 exporters (--nodes 100) beside c5fc7fc's rules (--baseline-rules)")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs: Dict[str, List[dict]] = {mode: [] for mode in GRANULARITIES}
     for mode, nodes in (("client", args.nodes), ("pod", args.pod_nodes), ("server", args.server_nodes)):
@@ -576,6 +582,13 @@ def main() -> int:
         for layout, per_pod in LAYOUTS:
             with tempfile.TemporaryDirectory() as tmp:
                 one_node[f"{mode} {layout}"] = granularity_series(Path(tmp), mode, per_pod)
+    if args.record:
+        from bench.figures import record
+
+        [big] = [r for r in runs["client"] if r["n"] == 100]
+        groups = big["quiet_groups"]
+        record("heavy-group", groups[HEAVY] / 100 * 1000, groups[BASELINE + HEAVY] / 100 * 1000,
+               baseline_rules=str(args.baseline_rules[0]))
     text = report(runs["client"], {m: runs[m] for m in GRANULARITIES[1:]}, one_node, started, " ".join(sys.argv[1:]))
     print(text)
     if args.out:
