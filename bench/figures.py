@@ -122,7 +122,9 @@ def markdown(root: Optional[Path] = None) -> str:
         lines.append(f"| {fig.what} | {_number(value)} {fig.unit} | {fig.reference}: {_number(reference)} {fig.unit} | "
                      f"{fig.ratio(value, reference):.2f}x | {fig.goal} | {'yes' if fig.met(value, reference) else 'no'} | "
                      f"{r['commit']}, {r['date']}, {r['cpus']} CPUs, load {r['load']} |")
-    lines.append("")
-    lines.append("Each row's bench, with `--record` writing its record: "
-                 + "; ".join(f"{key}: `{fig.bench}`" for key, fig in FIGURES.items()) + ".")
+    benches: Dict[str, List[str]] = {}  # command -> the figures it records, in table order
+    for key, fig in FIGURES.items():
+        benches.setdefault(fig.bench, []).append(key)
+    lines += ["", "The benches that record them:", ""]
+    lines += [f"- {', '.join(keys)}: `{command}`" for command, keys in benches.items()]
     return "\n".join(lines) + "\n"
