@@ -1,8 +1,9 @@
 """What a real MPS node pays (issue 44): this tree's exporter and another revision's
 (--old-package, e.g. the tree issue 44 was filed on) side by side on one MPS daemon with
 --clients clients, beside node_exporter, each scraped alike: not at all, every 15 s,
-every second. CPU is utime + stime from /proc (the control processes each exporter starts
-apart, as reaped children); RSS from /proc/PID/status.
+every second. CPU is the sum of the threads' schedstat (exact; utime + stime in 10 ms ticks beside
+in the JSON, and per thread: the exporters' threads name themselves), the control
+processes each exporter starts apart (reaped children, in ticks); RSS from /proc/PID/status.
 
     python3 tests/gpu/node_cost.py --work /tmp/mps-cost --out DIR --old-package DIR \
         --node-exporter PATH [--clients 8] [--busy 4]
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
@@ -48,12 +49,43 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+# `mps-exporter serve` with each thread naming itself (its Python name, cut to 15 characters,
+# as the kernel keeps it) for the per-thread schedstat: CPython names no OS thread.
+NAMED_THREADS = ("import ctypes, sys, threading\nlibc = ctypes.CDLL(None)\nboot = threading.Thread._bootstrap_inner\n"
+                 "def named(self):\n    libc.prctl(15, self.name.encode()[:15], 0, 0, 0)\n    boot(self)\n"
+                 "threading.Thread._bootstrap_inner = named\nfrom mps_exporter.cli import main\n"
+                 "sys.exit(main(sys.argv[1:]))\n")
+
+
 def exporter(package: Path, port: int, pipe: Path, logs: Path, out: Path, name: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{package}:/tmp/site"}
     return subprocess.Popen(
-        [sys.executable, "-m", "mps_exporter.cli", "serve", "--mps.pipe-directory", str(pipe),
+        [sys.executable, "-c", NAMED_THREADS, "serve", "--mps.pipe-directory", str(pipe),
          "--mps.log-directory", str(logs), "--no-collector.dcgm", "--web.listen-address", f"127.0.0.1:{port}"],
         env=env, stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+
+def threads_ns(pid: int) -> Dict[str, Tuple[str, int]]:
+    """tid -> (the thread's name, its CPU in ns from schedstat)."""
+    out: Dict[str, Tuple[str, int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm", encoding="utf-8") as f:
+                comm = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f:
+                out[tid] = (comm, int(f.read().split()[0]))
+        except OSError:
+            pass
+    return out
+
+
+def by_thread(before: Dict[str, Tuple[str, int]], after: Dict[str, Tuple[str, int]], seconds: float) -> Dict[str, float]:
+    """CPU ms/s per thread name (the per-GPU NVML reads as one) of the threads alive at the end."""
+    out: Dict[str, float] = {}
+    for tid, (comm, ns) in after.items():
+        name = "mps-read-nvml-N" if comm.startswith("mps-read-nvml-") and comm[14:].isdigit() else comm
+        out[name] = out.get(name, 0.0) + (ns - before.get(tid, (comm, 0))[1]) / 1e6 / seconds
+    return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
 def main() -> int:
@@ -111,15 +143,19 @@ def main() -> int:
                          for name, port in targets.items()} if interval else {})
             time.sleep(before * args.scale)
             c0, t0 = {name: cpu(pid) for name, pid in pids.items()}, time.monotonic()
+            th0 = {name: threads_ns(pid) for name, pid in pids.items()}
             n0 = {name: len(s.latencies) for name, s in scrapers.items()}
             time.sleep(seconds * args.scale)
             c1, elapsed = {name: cpu(pid) for name, pid in pids.items()}, time.monotonic() - t0
+            th1 = {name: threads_ns(pid) for name, pid in pids.items()}
             for s in scrapers.values():
                 s.stop()
             row: Dict[str, Any] = {"phase": phase, "seconds": round(elapsed, 1), "load": os.getloadavg()}
             for name, pid in pids.items():
                 lat = sorted(scrapers[name].latencies[n0[name]:]) if scrapers else []
+                threads = by_thread(th0[name], th1[name], elapsed)
                 row[name] = {"cpu_ms_per_s": round((c1[name]["own"] - c0[name]["own"]) / elapsed * 1000, 3),
+                             "exact_cpu_ms_per_s": round(sum(threads.values()), 3), "threads": threads,
                              "children_cpu_ms_per_s": round((c1[name]["children"] - c0[name]["children"]) / elapsed
                                                             * 1000, 3),
                              "rss_mib": round(rss_mib(pid), 1), "scrapes": len(lat),
@@ -154,8 +190,14 @@ def markdown(report: Dict[str, Any]) -> str:
         cells = []
         for n in names:
             r: Dict[str, Optional[float]] = row[n]
-            cells.append(f"{r['cpu_ms_per_s']} ({r['children_cpu_ms_per_s']}) | {r['rss_mib']} | {r['p50_ms']}")
+            cells.append(f"{r.get('exact_cpu_ms_per_s', r['cpu_ms_per_s'])} ({r['children_cpu_ms_per_s']}) | "
+                         f"{r['rss_mib']} | {r['p50_ms']}")
         lines.append(f"| {row['phase']} | " + " | ".join(cells) + " |")
+    for n in names:
+        lines += ["", f"{n}, CPU ms/s per thread:", ""]
+        for row in report["phases"]:
+            threads = row[n].get("threads") or {}
+            lines.append(f"- {row['phase']}: " + ", ".join(f"{t} {v:.3f}" for t, v in threads.items() if v >= 0.005))
     return "\n".join(lines) + "\n"
 
 
