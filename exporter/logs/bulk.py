@@ -3,8 +3,9 @@
 The lines of a batch are taken apart by one findall over their text (parser.scan_server),
 and the commonest lines are applied without an event each: the verbs that are Noise
 (a client's request, a context's exit) and every message the parser makes Noise, only
-counted, their time kept; a client's connection, ACTIVE and disconnection built as
-events straight from the row and handed to their handler. What apply() does before a
+counted, their time kept; a client's connection, ACTIVE and disconnection handed
+straight from the row to their handler's method (LogState.context_connected, ...), no
+event built. What apply() does before a
 handler (the line counted, its time kept and checked against the clock, the exits
 decided that it comes after, a fatal error report closed) is done here in line: the
 same state as parse_line + LogState.apply line by line (tests/logs/test_bulk.py).
@@ -16,15 +17,13 @@ from __future__ import annotations
 from datetime import tzinfo
 from typing import Callable, Optional, Sequence
 
-from .events import ClientContextActive, ClientContextConnected, ClientProcessDisconnected
+from . import parser
 from .parser import parse_line, scan_server, second_epoch, server_row_event
 from .state import LogState
 
 FILE = "server"
 # A header's milliseconds (three ASCII digits: parser._SCAN_HEADER) as parse_line adds them.
 _MILLIS = {f"{k:03d}": int(f"{k:03d}") * 0.001 for k in range(1000)}
-# The events handed to their handler here; any other goes through apply.
-_SHORT = frozenset((ClientContextConnected, ClientContextActive, ClientProcessDisconnected))
 
 
 def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
@@ -34,18 +33,15 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
     apply = state.apply
     rows = scan_server(lines)
     if rows is None:
-        for line in lines:
-            try:
-                apply(parse_line(line, FILE, tz), FILE)
-            except Exception:
-                on_error(line)
+        _line_by_line(state, lines, tz, on_error)
         return
     s = state.s
     counted = s.lines
     last_ts = state._last_ts
     pending = state._pending_exits
     reports = state._open_reports
-    handlers = state._handlers
+    connect, activate, disconnect = state.context_connected, state.context_active, state.process_disconnected
+    quiet = parser._QUIET  # messages that are Noise (server_row_event's cache)
     believed = state._believed_until
     last = last_ts.get(FILE, 0.0)
     last_second: Optional[str] = None
@@ -55,30 +51,45 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
     try:
         for second, millis, pid, connected, active, disconnected, request, context_exit, msg, _ in rows:
             i += 1
-            if second and second != last_second:
-                epoch, last_second = _epoch(second, tz), second
+            if second != last_second:
+                epoch, last_second = (_epoch(second, tz) if second else None), second
             event = None
-            if second and epoch is not None:
+            if epoch is not None:  # a header (with one, second is never empty)
                 ts = epoch + _MILLIS[millis]
-                if not (request or context_exit):  # else a Noise verb: nothing to build
-                    event = server_row_event(ts, pid, connected, active, disconnected, msg)
-                if ts <= believed and (event is None or type(event) in _SHORT):
-                    n += 1
-                    if ts > last:
-                        last = last_ts[FILE] = ts
-                    if pending and ts > pending[0][0]:
-                        state._decide_exits(before=ts)
-                    if reports:
-                        reports.pop(int(pid), None)
-                    if event is None:
+                if connected or active or disconnected:  # a client's connection, ACTIVE or disconnection
+                    if ts <= believed:
+                        n += 1
+                        if ts > last:
+                            last = last_ts[FILE] = ts
+                        if pending and ts > pending[0][0]:
+                            state._decide_exits(before=ts)
+                        p = int(pid)
+                        if reports:
+                            reports.pop(p, None)
+                        try:
+                            if connected:
+                                connect(ts, p, int(connected))
+                            elif active:
+                                activate(ts, p, int(active))
+                            else:
+                                disconnect(ts, p, int(disconnected))
+                        except Exception:  # a bug costs this line's meaning, never the batch or the count
+                            on_error(lines[i])
+                        if not active:  # both change what the daemon lists
+                            s.control_changes += 1
                         continue
-                    try:
-                        handlers[type(event)](event)
-                    except Exception:  # a bug costs this line's meaning, never the batch or the count
-                        on_error(lines[i])
-                    if type(event) is not ClientContextActive:  # both change what the daemon lists
-                        s.control_changes += 1
-                    continue
+                    event = server_row_event(ts, pid, connected, active, disconnected, msg)
+                elif request or context_exit or msg in quiet or (
+                        (event := server_row_event(ts, pid, connected, active, disconnected, msg)) is None):
+                    if ts <= believed:  # Noise: counted, its time kept
+                        n += 1
+                        if ts > last:
+                            last = last_ts[FILE] = ts
+                        if pending and ts > pending[0][0]:
+                            state._decide_exits(before=ts)
+                        if reports:
+                            reports.pop(int(pid), None)
+                        continue
             try:  # anything else, as line by line
                 apply(event if event is not None else parse_line(lines[i], FILE, tz), FILE)
             except Exception:
@@ -87,6 +98,15 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
             last = last_ts.get(FILE, 0.0)
     finally:
         counted[FILE] = counted.get(FILE, 0) + n
+
+
+def _line_by_line(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
+                  on_error: Callable[[str], None]) -> None:
+    for line in lines:
+        try:
+            state.apply(parse_line(line, FILE, tz), FILE)
+        except Exception:
+            on_error(line)
 
 
 def _epoch(second: str, tz: Optional[tzinfo]) -> Optional[float]:
