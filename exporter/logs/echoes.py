@@ -30,7 +30,7 @@ the batch).
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence, Tuple, cast
+from typing import Callable, Dict, Sequence, Tuple, cast
 
 from .events import ParseResult
 from .state import LogState
@@ -105,12 +105,19 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
     """Apply control.log lines in order: echoes counted, the rest parsed and applied.
     `on_error(line)`: applying that line raised (a bug; the line still counts)."""
     text = "\n".join(lines) + "\n"
-    count = text.count
+    count, find = text.count, text.find
     in_command = state.in_command
     pos = i = echoes = 0
     newest = -1  # index of the last echo
     quiet = not state.queued()
     n = len(lines)
+    size = len(text)
+    # The next place each needle shows at or after pos (size: nowhere): one search each over
+    # the batch, not one per run.
+    accepted_at, deferred_at = find(_ACCEPTED_TEXT), find(_DEFERRED_TEXT)
+    accepted_at = size if accepted_at < 0 else accepted_at
+    deferred_at = size if deferred_at < 0 else deferred_at
+    verbs: Dict[str, int] = {}  # read-only commands' verbs counted in runs, not yet in the state
     while i < n:
         # Every pattern can match nothing, so none returns None.
         if in_command:
@@ -118,25 +125,29 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
             framed = m.end(1) > m.start(1)
             if framed:  # the command's block ended
                 in_command = False
-                state.end_command()
         else:
             m = (_QUIET_RUN_OUTSIDE if quiet else _RUN_OUTSIDE)(text, pos)
             verb = m.group(1)
             framed = False
             if verb is not None:
-                state.count_command(verb)
+                verbs[verb] = verbs.get(verb, 0) + 1
                 framed = m.end(2) > m.start(2)
                 in_command = not framed  # no framing after it: its answer goes on
-                if framed:
-                    state.end_command()
         end = m.end()
         if end > pos:
-            if quiet and text.find(_ACCEPTED_TEXT, pos, end) >= 0:
-                state.count_accepted(_lines_of(text, pos, end, _ACCEPTED_TEXT, _ACCEPTED_LINE))
-            if text.find(_DEFERRED_TEXT, pos, end) >= 0:
+            if accepted_at < pos:  # in a line parsed since
+                accepted_at = _next(find, _ACCEPTED_TEXT, pos, size)
+            if accepted_at < end:
+                if quiet:
+                    state.count_accepted(_lines_of(text, pos, end, _ACCEPTED_TEXT, _ACCEPTED_LINE))
+                accepted_at = _next(find, _ACCEPTED_TEXT, end, size)
+            if deferred_at < pos:
+                deferred_at = _next(find, _DEFERRED_TEXT, pos, size)
+            if deferred_at < end:
                 deferred = _lines_of(text, pos, end, _DEFERRED_TEXT, _DEFERRED_LINE)
                 if deferred:
                     state.count_shutdown_deferrals(deferred)
+                deferred_at = _next(find, _DEFERRED_TEXT, end, size)
             run = count("\n", pos, end)
             i, pos, echoes = i + run, end, echoes + run
             newest = i - 1
@@ -145,6 +156,10 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
             if framed or i == n:
                 continue
         line = lines[i]  # no echo here: the parser's
+        if verbs:  # the commands before it first, as line by line
+            state.count_commands(verbs)
+            verbs.clear()
+        state.in_command = in_command
         try:
             state.apply(parse(line), "control")
         except Exception:  # a bug costs this line's meaning, never the batch or the count
@@ -153,5 +168,13 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
         quiet = not state.queued()
         pos += len(line) + 1
         i += 1
+    if verbs:
+        state.count_commands(verbs)
+    state.in_command = in_command
     if echoes:
         state.count_echoes(echoes, parse(lines[newest])[0])
+
+
+def _next(find: Callable[[str, int], int], needle: str, start: int, size: int) -> int:
+    at = find(needle, start)
+    return size if at < 0 else at

@@ -290,18 +290,23 @@ class LogState:
 
     @property
     def in_command(self) -> bool:
-        """Between a `Cmd:` line and the end of its block (logs/echoes.py)."""
+        """Between a `Cmd:` line and the end of its block (logs/echoes.py sets it where its
+        runs of echoes start or end one)."""
         return self._in_command
 
-    def end_command(self) -> None:
-        self._in_command = False
+    @in_command.setter
+    def in_command(self, value: bool) -> None:
+        self._in_command = value
 
-    def count_command(self, verb: str) -> None:
-        """A read-only command's `Cmd:` line, recognised without the parser (logs/echoes.py)."""
+    def count_commands(self, verbs: Dict[str, int]) -> None:
+        """Read-only commands' `Cmd:` lines, recognised without the parser (logs/echoes.py):
+        verb -> how many, the verbs in the order they first came. The same counts as one
+        Command each (their verbs' labels: the first of a verb decides them all), but
+        in_command, which the caller keeps."""
         commands = self.s.commands
-        verb = command_verb(verb, commands)
-        commands[verb] = commands.get(verb, 0) + 1
-        self._in_command = True
+        for verb, n in verbs.items():
+            verb = command_verb(verb, commands)
+            commands[verb] = commands.get(verb, 0) + n
 
     def count_echoes(self, lines: int, newest: Optional[float]) -> None:
         """control.log command echoes (logs/echoes.py): counted as lines, their time kept."""
