@@ -399,7 +399,23 @@ _SERVER_VERBS = (r"Client \{PID: (?P<connected>-?\d{1,10}), Context ID: \d+\} co
                  r"|(?P<client_context_exit>Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting).*")
 _CONTROL_VERBS = (r"NEW CLIENT (-?\d{1,10}) from user (\d{1,10}): (?P<new_client>.*)"
                   r"|Cmd:\s*(?P<command_verb>\S*)\s*(?P<command>.*)"
-                  r"|(?P<output>\d+\s+\d+\s+\d+\s+\S+.*|-?\d+(?:\.\d+)?[KMGTP]?)")  # a ps row, a PID
+                  r"|(?P<output>\d+\s+\d+\s+\d+\s+\S+.*|-?\d+(?:\.\d+)?[KMGTP]?)"  # a ps row, a PID
+                  # A server's life (_CONTROL_RULES' first rule of `Try`, `Starting` and `Server`;
+                  # `NEW SERVER` follows `NEW CLIENT`, which no such line matches): the named
+                  # group last, the server's PID the group before it where there are two.
+                  r"|Try shutting down server (?P<shutdown_attempt>\d{1,10})(?!\d).*"
+                  r"|Starting new server (\d{1,10}) for user (?P<server_starting>\d{1,10})"
+                  r"|NEW SERVER (?P<server_ready>\d{1,10}): Ready"
+                  r"|Server (\d{1,10}) exited with status (?P<server_exited>-?\d{1,10})")
+# Those verbs' events, from the line's match: the same as their rules build.
+_CONTROL_BUILDS: Dict[str, Callable[[float, int, "re.Match[str]"], ParseResult]] = {
+    "shutdown_attempt": lambda ts, pid, m: _new(ShutdownAttempt, (ts, pid, int(m.group("shutdown_attempt")))),
+    "server_ready": lambda ts, pid, m: _new(ServerReady, (ts, pid, int(m.group("server_ready")))),
+    "server_starting": lambda ts, pid, m: _new(ServerStarting, (
+        ts, pid, int(m.group((m.lastindex or 0) - 1)), int(m.group("server_starting")))),
+    "server_exited": lambda ts, pid, m: _new(ServerExited, (
+        ts, pid, int(m.group((m.lastindex or 0) - 1)), int(m.group("server_exited")))),
+}
 # The header in ASCII digits: a range is cheaper to match than \d (any Unicode digit, each
 # asked of the Unicode database). Each line regex is tried with it first: where it matches,
 # the header's \d matches the same characters the same way; where not (no header, a header
@@ -453,6 +469,9 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
                 return _new_client(ts, pid, m)
             if verb == "command":
                 return _new(Command, (ts, pid, m.group("command_verb"), m.group("command").rstrip()))
+            build = _CONTROL_BUILDS.get(verb)
+            if build is not None:
+                return build(ts, pid, m)
             # output: no first word keys a rule: the output shapes, as _parse_control tries them
             return _new(CommandOutput, (ts, pid, m.group(verb).rstrip()))
     end = m.end(3) + 1  # the header's: `]` and the space after it, where there is one
