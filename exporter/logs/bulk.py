@@ -15,10 +15,10 @@ Any other line goes through LogState.apply as before.
 from __future__ import annotations
 
 from datetime import tzinfo
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from . import parser
-from .parser import parse_line, scan_server, second_epoch, server_row_event
+from .parser import BAD_HEADER, parse_line, scan_server_text, second_epoch, server_row_event, server_row_noise
 from .state import LogState
 
 FILE = "server"
@@ -30,11 +30,21 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
                  on_error: Callable[[str], None]) -> None:
     """Apply server.log lines in order. `on_error(line)`: applying that line raised (a bug;
     the line still counts)."""
-    apply = state.apply
-    rows = scan_server(lines)
-    if rows is None:
+    if not lines:
+        return
+    text = "\n".join(lines) + "\n"
+    if text.count("\n") != len(lines):  # a line holds a newline (never from the follower)
         _line_by_line(state, lines, tz, on_error)
         return
+    apply_server_text(state, text, tz, on_error)
+
+
+def apply_server_text(state: LogState, text: str, tz: Optional[tzinfo],
+                      on_error: Callable[[str], None]) -> None:
+    """apply_server of the lines of `text`, each ended by a newline (FileFollower.poll_text):
+    no string is made for a line but where it is parsed whole (no header) or raised."""
+    apply = state.apply
+    rows = scan_server_text(text)
     s = state.s
     counted = s.lines
     last_ts = state._last_ts
@@ -46,10 +56,11 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
     last = last_ts.get(FILE, 0.0)
     last_second: Optional[str] = None
     epoch: Optional[float] = None
+    lines: List[List[str]] = []  # the text split, where a line must be named (on_error)
     n = 0  # lines counted here
     i = -1
     try:
-        for second, millis, pid, connected, active, disconnected, request, context_exit, msg, _ in rows:
+        for second, millis, pid, connected, active, disconnected, request, context_exit, msg, whole in rows:
             i += 1
             if second != last_second:
                 epoch, last_second = (_epoch(second, tz) if second else None), second
@@ -74,7 +85,7 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
                             else:
                                 disconnect(ts, p, int(disconnected))
                         except Exception:  # a bug costs this line's meaning, never the batch or the count
-                            on_error(lines[i])
+                            on_error(_line(text, lines, i))
                         if not active:  # both change what the daemon lists
                             s.control_changes += 1
                         continue
@@ -90,14 +101,22 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
                         if reports:
                             reports.pop(int(pid), None)
                         continue
+                    event = server_row_noise(ts, pid, request, context_exit, msg)  # past the clock
             try:  # anything else, as line by line
-                apply(event if event is not None else parse_line(lines[i], FILE, tz), FILE)
+                apply(event if event is not None else BAD_HEADER if second else parse_line(whole, FILE, tz), FILE)
             except Exception:
-                on_error(lines[i])
+                on_error(_line(text, lines, i))
             believed = state._believed_until
             last = last_ts.get(FILE, 0.0)
     finally:
         counted[FILE] = counted.get(FILE, 0) + n
+
+
+def _line(text: str, lines: List[List[str]], i: int) -> str:
+    """The i-th line of text (split once, and only where asked)."""
+    if not lines:
+        lines.append(text.split("\n"))
+    return lines[0][i]
 
 
 def _line_by_line(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],

@@ -104,13 +104,18 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
                   on_error: Callable[[str], None]) -> None:
     """Apply control.log lines in order: echoes counted, the rest parsed and applied.
     `on_error(line)`: applying that line raised (a bug; the line still counts)."""
-    text = "\n".join(lines) + "\n"
+    if lines:
+        apply_control_text(state, "\n".join(lines) + "\n", parse, on_error)
+
+
+def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseResult],
+                       on_error: Callable[[str], None]) -> None:
+    """apply_control of the lines of `text`, each ended by a newline (FileFollower.poll_text)."""
     count, find = text.count, text.find
     in_command = state.in_command
-    pos = i = echoes = 0
-    newest = -1  # index of the last echo
+    pos = echoes = 0
+    newest = -1  # where the last echo ends (after its newline)
     quiet = not state.queued()
-    n = len(lines)
     size = len(text)
     # The next place each needle shows at or after pos (size: nowhere): one search each over
     # the batch, not one per run.
@@ -118,7 +123,7 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
     accepted_at = size if accepted_at < 0 else accepted_at
     deferred_at = size if deferred_at < 0 else deferred_at
     verbs: Dict[str, int] = {}  # read-only commands' verbs counted in runs, not yet in the state
-    while i < n:
+    while pos < size:
         # Every pattern can match nothing, so none returns None.
         if in_command:
             m = (_QUIET_RUN_IN_COMMAND if quiet else _RUN_IN_COMMAND)(text, pos)
@@ -148,14 +153,14 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
                 if deferred:
                     state.count_shutdown_deferrals(deferred)
                 deferred_at = _next(find, _DEFERRED_TEXT, end, size)
-            run = count("\n", pos, end)
-            i, pos, echoes = i + run, end, echoes + run
-            newest = i - 1
+            echoes += count("\n", pos, end)
+            pos = newest = end
             # A run stops at a line that is no echo, but after framing lines a read-only
             # command may start the next run; anywhere else the parser takes the line.
-            if framed or i == n:
+            if framed or pos == size:
                 continue
-        line = lines[i]  # no echo here: the parser's
+        stop = find("\n", pos)
+        line = text[pos:stop]  # no echo here: the parser's
         if verbs:  # the commands before it first, as line by line
             state.count_commands(verbs)
             verbs.clear()
@@ -166,13 +171,12 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
             on_error(line)
         in_command = state.in_command
         quiet = not state.queued()
-        pos += len(line) + 1
-        i += 1
+        pos = stop + 1
     if verbs:
         state.count_commands(verbs)
     state.in_command = in_command
     if echoes:
-        state.count_echoes(echoes, parse(lines[newest])[0])
+        state.count_echoes(echoes, parse(text[text.rfind("\n", 0, newest - 1) + 1:newest - 1])[0])
 
 
 def _next(find: Callable[[str, int], int], needle: str, start: int, size: int) -> int:

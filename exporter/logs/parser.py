@@ -376,6 +376,7 @@ def _parse_server(ts: float, pid: int, msg: str) -> ParseResult:
 
 # ------------------------------------------------------------ the entry
 PARSER_ERROR = "parser error"  # the reason of an Unrecognized line that made a rule raise
+BAD_HEADER = Unrecognized(None, None, "bad header")  # a header whose date or time does not exist
 # `[2026-11-21 04:19:24.641 Control   546] message`: second, milliseconds and PID; the
 # role (`Control`, `Server`, `Other`, `Legacy Server`) only has to be there.
 HEADER_PATTERN = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) +[A-Za-z ]*[A-Za-z] +(-?\d{1,10})\] ?"
@@ -455,7 +456,7 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
         else:
             ts = _second_epoch(second, tz) + int(millis) * 0.001
     except (ValueError, OverflowError, OSError):  # odd digits, year 0, out-of-range dates
-        return Unrecognized(None, None, "bad header")
+        return BAD_HEADER
     verb = m.lastgroup
     if verb is not None:  # a common verb, with the header: the commonest first
         end = m.end()
@@ -523,6 +524,11 @@ def scan_server(lines: Sequence[str]) -> Optional[List[Tuple[str, ...]]]:
     return rows if len(rows) == len(lines) else None
 
 
+def scan_server_text(text: str) -> List[Tuple[str, ...]]:
+    """scan_server of lines given as one text, each line ended by a newline: one row a line."""
+    return _SERVER_SCAN(text)
+
+
 second_epoch = _second_epoch
 # Messages (as scanned: before rstrip) that parse as Noise other than a fatal error report's:
 # rules read a message alone, so each is taken apart once. Bounded like _MESSAGES.
@@ -548,3 +554,12 @@ def server_row_event(ts: float, pid: str, connected: str, active: str, disconnec
     if len(_QUIET) < _MESSAGES_MAX:
         _QUIET[msg] = None
     return None
+
+
+def server_row_noise(ts: float, pid: str, request: str, context_exit: str, msg: str) -> ParseResult:
+    """The Noise event of a scan_server row of a line with a header, its time ts, that is a
+    Noise verb (request, context_exit: its group) or a message server_row_event found Noise:
+    parse_line's event of that line."""
+    if request or context_exit:
+        return _new(Noise, (ts, int(pid), "client_request" if request else "client_context_exit"))
+    return _parse_message(ts, int(pid), msg.rstrip(), "server")

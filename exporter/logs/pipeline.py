@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .bulk import apply_server
-from .echoes import apply_control
+from .bulk import apply_server_text
+from .echoes import apply_control_text
 from .events import FILES
 from .follower import DEFAULT_MAX_LINE_BYTES, INTERNAL_ERROR, FileFollower, ReadError, end_position
 from .liveness import ProcLiveness
@@ -220,7 +220,7 @@ class LogPipeline:
         follower, state, tz = self._followers[file], self._state, self._tz
         total = 0
         while not self._stop.is_set():
-            lines, truncated = follower.poll()
+            text, lines, truncated = follower.poll_text()  # the batch's lines, one text
             if follower.error != self._published_errors[file]:
                 self._dirty = True  # the snapshot says whether a file cannot be read
                 log.debug("log pipeline %s: %s: %s", self.daemon, file, follower.error)
@@ -229,11 +229,11 @@ class LogPipeline:
             for _ in range(truncated):
                 state.count_truncated(file)
             if file == "control":  # mostly command echoes: counted without the parser
-                apply_control(state, lines, lambda line: parse_line(line, "control", tz),
-                              lambda line: self._internal_error("control", line))
+                apply_control_text(state, text, lambda line: parse_line(line, "control", tz),
+                                   lambda line: self._internal_error("control", line))
             else:  # in bulk: bulk.py
-                apply_server(state, lines, tz, lambda line: self._internal_error("server", line))
-            total += len(lines)
+                apply_server_text(state, text, tz, lambda line: self._internal_error("server", line))
+            total += lines
             self._dirty = self._unsaved = self._read_lines = True
             if total >= PUBLISH_LINES:
                 self._publish()
