@@ -111,9 +111,9 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
 def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseResult],
                        on_error: Callable[[str], None]) -> None:
     """apply_control of the lines of `text`, each ended by a newline (FileFollower.poll_text)."""
-    count, find = text.count, text.find
+    find = text.find
     in_command = state.in_command
-    pos = echoes = 0
+    pos = parsed = 0  # parsed: lines through the parser; the others are echoes
     newest = -1  # where the last echo ends (after its newline)
     quiet = not state.queued()
     size = len(text)
@@ -153,7 +153,6 @@ def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseR
                 if deferred:
                     state.count_shutdown_deferrals(deferred)
                 deferred_at = _next(find, _DEFERRED_TEXT, end, size)
-            echoes += count("\n", pos, end)
             pos = newest = end
             # A run stops at a line that is no echo, but after framing lines a read-only
             # command may start the next run; anywhere else the parser takes the line.
@@ -172,9 +171,11 @@ def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseR
         in_command = state.in_command
         quiet = not state.queued()
         pos = stop + 1
+        parsed += 1
     if verbs:
         state.count_commands(verbs)
     state.in_command = in_command
+    echoes = text.count("\n") - parsed
     if echoes:
         state.count_echoes(echoes, parse(text[text.rfind("\n", 0, newest - 1) + 1:newest - 1])[0])
 
