@@ -24,6 +24,7 @@ from .state import LogState
 FILE = "server"
 # A header's milliseconds (three ASCII digits: parser._SCAN_HEADER) as parse_line adds them.
 _MILLIS = {f"{k:03d}": int(f"{k:03d}") * 0.001 for k in range(1000)}
+_NEVER = float("inf")
 
 
 def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
@@ -46,22 +47,22 @@ def apply_server_text(state: LogState, text: str, tz: Optional[tzinfo],
     apply = state.apply
     rows = scan_server_text(text)
     s = state.s
-    counted = s.lines
     last_ts = state._last_ts
     pending = state._pending_exits
     reports = state._open_reports
+    decide = state._decide_exits
     connect, activate, disconnect = state.context_connected, state.context_active, state.process_disconnected
     quiet = parser._QUIET  # messages that are Noise (server_row_event's cache)
     believed = state._believed_until
     last = last_ts.get(FILE, 0.0)
+    due = pending[0][0] if pending else _NEVER  # the first exit not decided yet: lines after it decide it
     last_second: Optional[str] = None
     epoch: Optional[float] = None
     lines: List[List[str]] = []  # the text split, where a line must be named (on_error)
-    n = 0  # lines counted here
+    applied = 0  # lines through apply (it counts them); the others are counted at the end
     i = -1
     try:
-        for second, millis, pid, connected, active, disconnected, request, context_exit, msg, whole in rows:
-            i += 1
+        for i, (second, millis, pid, connected, active, disconnected, request, context_exit, msg, whole) in enumerate(rows):
             if second != last_second:
                 epoch, last_second = (_epoch(second, tz) if second else None), second
             event = None
@@ -69,11 +70,11 @@ def apply_server_text(state: LogState, text: str, tz: Optional[tzinfo],
                 ts = epoch + _MILLIS[millis]
                 if connected or active or disconnected:  # a client's connection, ACTIVE or disconnection
                     if ts <= believed:
-                        n += 1
                         if ts > last:
                             last = last_ts[FILE] = ts
-                        if pending and ts > pending[0][0]:
-                            state._decide_exits(before=ts)
+                        if ts > due:
+                            decide(before=ts)
+                            due = pending[0][0] if pending else _NEVER
                         p = int(pid)
                         if reports:
                             reports.pop(p, None)
@@ -93,23 +94,26 @@ def apply_server_text(state: LogState, text: str, tz: Optional[tzinfo],
                 elif request or context_exit or msg in quiet or (
                         (event := server_row_event(ts, pid, connected, active, disconnected, msg)) is None):
                     if ts <= believed:  # Noise: counted, its time kept
-                        n += 1
                         if ts > last:
                             last = last_ts[FILE] = ts
-                        if pending and ts > pending[0][0]:
-                            state._decide_exits(before=ts)
+                        if ts > due:
+                            decide(before=ts)
+                            due = pending[0][0] if pending else _NEVER
                         if reports:
                             reports.pop(int(pid), None)
                         continue
                     event = server_row_noise(ts, pid, request, context_exit, msg)  # past the clock
+            applied += 1
             try:  # anything else, as line by line
                 apply(event if event is not None else BAD_HEADER if second else parse_line(whole, FILE, tz), FILE)
             except Exception:
                 on_error(_line(text, lines, i))
             believed = state._believed_until
             last = last_ts.get(FILE, 0.0)
+            due = pending[0][0] if pending else _NEVER
     finally:
-        counted[FILE] = counted.get(FILE, 0) + n
+        counted = s.lines
+        counted[FILE] = counted.get(FILE, 0) + i + 1 - applied
 
 
 def _line(text: str, lines: List[List[str]], i: int) -> str:
