@@ -9,8 +9,10 @@ node's lines), and none of them changes the state but "in a command or not" and 
 counts. So the batch's lines are joined
 and runs of echoes matched in one regex call each (the daemon's header, then an
 answer's line or a framing line); they are counted, their newest time kept, and never
-parsed into events. Every other line (`Cmd:` lines, whose verbs are counted, and
-everything that happens) goes through `parse_line` and `LogState.apply` as before, but
+parsed into events; nor are the `Cmd:` lines that change nothing but the counts (every
+command but the two that set a running server's limit), whose verbs are counted. Every
+other line (those two, and everything that happens) goes through `parse_line` and
+`LogState.apply` as before, but
 for one: while nobody is queued, a client's context admitted (`NEW CLIENT P from user U:
 Server already exists`, the commonest line that is no echo on a busy node) changes
 nothing but a count, and the runs take it too (issue 44: control.log's lines through the
@@ -46,7 +48,11 @@ _END = r"[^\S\n]*\n"  # what the parser strips from a message's end, then the li
 # `[^\n]*` (the same without DOTALL): the regex engine's fastest loop, on `ps` rows too.
 _ANSWER = (r"[0-9].*\n|(?:ACTIVE|INITIALIZING|FAULT)" + _END
            + r"|PID[^\S\n]+ID[^\S\n]+SERVER\b.*\n|No default pinned memory limit set for the device!" + _END
-           + r"|Server (?:-?[0-9]+ )?not found" + _END + r'|Unknown command ".*\n')
+           + r"|Server (?:-?[0-9]+ )?not found" + _END + r'|Unknown command ".*\n'
+           # get_device_client_list's heading, and a `set_*` command's echo (`set_default_... 0 2G.`):
+           # no message that starts so has a rule (they start with capitals), so the parser's
+           # output shapes take them (parser._CONTROL_OUTPUT).
+           + r"|\[[0-9]+\] .*\n|[a-z_]+ .*\." + _END)
 # A framing line, and a refused connection (`User did not send valid credentials`: a client
 # that could not say who it is; a Noise line that ends no command), taken after framing lines.
 _FRAMING = r"(?:Accepting connection\.\.\.|NEW UI|UI closed)" + _END
@@ -57,8 +63,11 @@ _DEFERRED = r"Server [0-9]{1,10} has [0-9]{1,10} active worker threads?\. Server
 _DEFERRED_TEXT = " active worker thread"
 _DEFERRED_LINE = re.compile(_HEAD + _DEFERRED).match
 _SHUTDOWN = f"{_DEFERRED}|Control will try shutting down server .*\n"
-# A read-only command (what monitoring sends; `set_*` and the rest are parsed): group 1 its verb.
-_READ_COMMAND = r"Cmd:(get_[a-z_]{1,40}|ps)(?: [0-9]{1,10}){0,2}" + _END
+# A command that changes nothing but the counts and "in a command" (LogState._command): any
+# but the two that set a running server's limit, which are parsed. Group 1: its verb, as the
+# parser takes it (what follows is a space or the line's end).
+_READ_COMMAND = (r"Cmd:(?!(?:set_device_pinned_mem_limit|set_active_thread_percentage)(?![a-z_]))"
+                 r"([a-z_]{1,40})(?: .*)?" + _END)
 # A client's context admitted (`NEW CLIENT P from user U: Server already exists`, parse_line:
 # ClientAccepted): while nobody is queued it changes nothing but control_changes, so then the
 # runs take it too, anywhere (it neither starts nor ends a command), and count it.
@@ -72,7 +81,7 @@ def _runs(among: str) -> Tuple[_Run, _Run]:
     """Runs of echoes, matched over the batch's text in one call each (the header matched once
     a line, each alternative a message), `among` (`|` and a message, or nothing) taken anywhere
     in them. Inside a command: the rest of its answer, then framing lines (group 1). Outside:
-    framing lines, then one read-only command (group 1: its verb) with its answer and the
+    framing lines, then one command _READ_COMMAND takes (group 1: its verb), its answer and the
     framing after it (group 2). Refused connections are taken after framing lines; a server's
     shutdown deferred and retried, outside commands."""
     answer = f"{_HEAD}(?:{_ANSWER}{among})"
@@ -122,7 +131,7 @@ def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseR
     accepted_at, deferred_at = find(_ACCEPTED_TEXT), find(_DEFERRED_TEXT)
     accepted_at = size if accepted_at < 0 else accepted_at
     deferred_at = size if deferred_at < 0 else deferred_at
-    verbs: Dict[str, int] = {}  # read-only commands' verbs counted in runs, not yet in the state
+    verbs: Dict[str, int] = {}  # counted commands' verbs counted in runs, not yet in the state
     while pos < size:
         # Every pattern can match nothing, so none returns None.
         if in_command:
@@ -154,7 +163,7 @@ def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseR
                     state.count_shutdown_deferrals(deferred)
                 deferred_at = _next(find, _DEFERRED_TEXT, end, size)
             pos = newest = end
-            # A run stops at a line that is no echo, but after framing lines a read-only
+            # A run stops at a line that is no echo, but after framing lines a counted
             # command may start the next run; anywhere else the parser takes the line.
             if framed or pos == size:
                 continue

@@ -299,12 +299,15 @@ class LogState:
         self._in_command = value
 
     def count_commands(self, verbs: Dict[str, int]) -> None:
-        """Read-only commands' `Cmd:` lines, recognised without the parser (logs/echoes.py):
-        verb -> how many, the verbs in the order they first came. The same counts as one
-        Command each (their verbs' labels: the first of a verb decides them all), but
-        in_command, which the caller keeps."""
-        commands = self.s.commands
+        """`Cmd:` lines recognised without the parser (logs/echoes.py: none that sets a running
+        server's limit): verb -> how many, the verbs in the order they first came. The same
+        counts as one Command each (their verbs' labels: the first of a verb decides them
+        all), but in_command, which the caller keeps."""
+        s = self.s
+        commands = s.commands
         for verb, n in verbs.items():
+            if verb.startswith("set_"):
+                s.limit_commands += n
             verb = command_verb(verb, commands)
             commands[verb] = commands.get(verb, 0) + n
 
