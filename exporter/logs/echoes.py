@@ -32,9 +32,9 @@ the batch).
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, Sequence, Tuple, cast
+from typing import Callable, Dict, Optional, Sequence, Tuple, cast
 
-from .events import ParseResult
+from .events import ParseResult, ShutdownAttempt
 from .state import LogState
 
 # The daemon's own lines, as driver 580 writes them: a narrower header than the parser's
@@ -96,6 +96,20 @@ _RUN_IN_COMMAND, _RUN_OUTSIDE = _runs("")
 _QUIET_RUN_IN_COMMAND, _QUIET_RUN_OUTSIDE = _runs("|" + _ACCEPTED)
 
 
+def _attempts(among: str) -> _Run:
+    """From a server's shutdown attempt outside commands (`Try shutting down server S`, just
+    parsed), the run after it: its deferrals and retries, framing lines, refused connections
+    (outside commands, Noise) and the daemon's next attempts on the same server (`\\1`), which
+    change nothing once the first is applied (LogState._shutdown_attempt: S's record and the
+    pending list are as it left them, since no line in between is parsed)."""
+    again = r"Try shutting down server \1(?![0-9]).*\n"
+    return cast(_Run, re.compile(f"{_HEAD}Try shutting down server ([0-9]{{1,10}})(?![0-9]).*\n"
+                                 f"(?:{_HEAD}(?:{_FRAMING}|{_REFUSED}|{_SHUTDOWN}|{again}{among}))*").match)
+
+
+_ATTEMPTS, _QUIET_ATTEMPTS = _attempts(""), _attempts("|" + _ACCEPTED)
+
+
 def _lines_of(text: str, pos: int, end: int, needle: str, line: Callable[[str, int], object]) -> int:
     """How many of the lines of a run in text[pos:end] are `line`'s, found by `needle` in them
     (where their text shows: not inside another line, an answer's)."""
@@ -132,9 +146,19 @@ def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseR
     accepted_at = size if accepted_at < 0 else accepted_at
     deferred_at = size if deferred_at < 0 else deferred_at
     verbs: Dict[str, int] = {}  # counted commands' verbs counted in runs, not yet in the state
+    attempt = -1  # where a shutdown attempt just applied starts (outside commands)
     while pos < size:
-        # Every pattern can match nothing, so none returns None.
-        if in_command:
+        # Every run pattern can match nothing, so none returns None (_ATTEMPTS can).
+        m: Optional["re.Match[str]"] = None
+        if attempt >= 0:  # the attempts that repeat it, and what comes between
+            m = (_QUIET_ATTEMPTS if quiet else _ATTEMPTS)(text, attempt)
+            attempt = -1
+            if m is not None and m.end() <= pos:  # nothing after it (or its header is not the daemon's)
+                m = None
+            framed = True  # a run may follow: a command after framing lines
+        if m is not None:
+            pass
+        elif in_command:
             m = (_QUIET_RUN_IN_COMMAND if quiet else _RUN_IN_COMMAND)(text, pos)
             framed = m.end(1) > m.start(1)
             if framed:  # the command's block ended
@@ -173,12 +197,11 @@ def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseR
             state.count_commands(verbs)
             verbs.clear()
         state.in_command = in_command
-        try:
-            state.apply(parse(line), "control")
-        except Exception:  # a bug costs this line's meaning, never the batch or the count
-            on_error(line)
+        event = _apply(state, line, parse, on_error)
         in_command = state.in_command
         quiet = not state.queued()
+        if type(event) is ShutdownAttempt and not in_command:
+            attempt = pos
         pos = stop + 1
         parsed += 1
     if verbs:
@@ -187,6 +210,18 @@ def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseR
     echoes = text.count("\n") - parsed
     if echoes:
         state.count_echoes(echoes, parse(text[text.rfind("\n", 0, newest - 1) + 1:newest - 1])[0])
+
+
+def _apply(state: LogState, line: str, parse: Callable[[str], ParseResult],
+           on_error: Callable[[str], None]) -> Optional[ParseResult]:
+    """The line parsed and applied: its event (None where that raised)."""
+    try:
+        event = parse(line)
+        state.apply(event, "control")
+        return event
+    except Exception:  # a bug costs this line's meaning, never the batch or the count
+        on_error(line)
+        return None
 
 
 def _next(find: Callable[[str, int], int], needle: str, start: int, size: int) -> int:

@@ -259,3 +259,48 @@ def _applied_line_by_line(lines: List[str]) -> LogState:
     for line in lines:
         state.apply(parse_line(line, "control", timezone.utc), "control")
     return state
+
+
+def test_a_shutdown_attempt_repeated_is_an_echo(tmp_path):
+    """After a server's shutdown attempt outside commands, the daemon's next attempts on the
+    same server (among deferrals, retries, framing and refused connections) change nothing and
+    are counted in a run; an attempt on another server, one inside a command, one after a
+    parsed line (a push: the waiting client's reason may switch again) and near misses are
+    parsed: the same state as line by line, queued or not."""
+    rows = [
+        "Starting new server 654 for user 0", "NEW SERVER 654: Ready",
+        "NEW CLIENT 900 from user 1500: Server is not ready, push client to pending list",
+        "Try shutting down server 654, backoff is disabled",
+        "Server 654 has 2 active worker threads. Server will not shutdown.",
+        "Control will try shutting down server 654 again in at most 200ms",
+        "Try shutting down server 654, backoff is enabled",  # again: an echo
+        "Accepting connection...", "User did not send valid credentials",
+        "Try shutting down server 654, backoff is enabled",  # again: an echo
+        "Try shutting down server 6541, backoff is enabled",  # another server: parsed
+        "Try shutting down server 654, backoff is enabled",  # parsed (after another one)
+        "NEW CLIENT 901 from user 1600: Server is not ready, push client to pending list",
+        "Try shutting down server 654, backoff is enabled",  # after a push: parsed, switches 901
+        "Try shutting down server 654 ",
+        "Try shutting down server 654",
+        "Accepting connection...", "NEW UI", "Cmd:quit",
+        "Try shutting down server 654, backoff is disabled",  # in a command: parsed
+        "Try shutting down server 654, backoff is disabled",
+        "Server 654 exited with status 0", "Exit with status 0",
+        "Starting control daemon using socket /tmp/mps/pipe/control",
+        "Starting new server 700 for user 0", "NEW SERVER 700: Ready",
+        "Try shutting down server 700, backoff is disabled",  # nobody queued
+        "NEW CLIENT 5 from user 0: Server already exists",
+        "Try shutting down server 700, backoff is enabled",
+        "Try shutting down server \u0667\u0660\u0660, backoff is enabled",  # other digits: parsed
+        "Try shutting down server 700, backoff is enabled",
+    ]
+    lines = [H + r for r in rows]
+    lines[9] = lines[9].replace("Control   546", "Other   546")  # not the daemon's header: parsed
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    snap = through_the_pipeline(tmp_path)
+    assert snap == parsed_line_by_line(tmp_path)
+    assert snap.pushes == {"server_starting": 0, "user_switch": 2}
+    parsed, state = applied_in_runs(lines)
+    assert state.snapshot() == _applied_line_by_line(lines).snapshot()
+    tries = [line for line in parsed[:-1] if "Try shutting" in line]
+    assert tries == [lines[k] for k in (3, 9, 10, 11, 13, 19, 20, 26, 29, 30)]
