@@ -55,9 +55,11 @@ def pipeline(directory: Path) -> int:
 
 
 def parse_every_line(directory: Path) -> int:
-    def apply_each(state, text, parse, on_error) -> None:  # type: ignore[no-untyped-def]
-        for line in text.split("\n")[:-1]:
+    def apply_each(state, text, parse, on_error) -> int:  # type: ignore[no-untyped-def]
+        lines = text.split("\n")[:-1]
+        for line in lines:
             state.apply(parse(line), "control")
+        return len(lines)
 
     saved = pipeline_mod.apply_control_text
     pipeline_mod.apply_control_text = apply_each

@@ -41,9 +41,10 @@ def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
 
 
 def apply_server_text(state: LogState, text: str, tz: Optional[tzinfo],
-                      on_error: Callable[[str], None]) -> None:
+                      on_error: Callable[[str], None]) -> int:
     """apply_server of the lines of `text`, each ended by a newline (FileFollower.poll_text):
-    no string is made for a line but where it is parsed whole (no header) or raised."""
+    no string is made for a line but where it is parsed whole (no header) or raised. How
+    many lines it held."""
     apply = state.apply
     rows = scan_server_text(text)
     s = state.s
@@ -114,6 +115,7 @@ def apply_server_text(state: LogState, text: str, tz: Optional[tzinfo],
     finally:
         counted = s.lines
         counted[FILE] = counted.get(FILE, 0) + i + 1 - applied
+    return len(rows)
 
 
 def _line(text: str, lines: List[List[str]], i: int) -> str:

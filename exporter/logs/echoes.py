@@ -132,8 +132,9 @@ def apply_control(state: LogState, lines: Sequence[str], parse: Callable[[str], 
 
 
 def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseResult],
-                       on_error: Callable[[str], None]) -> None:
-    """apply_control of the lines of `text`, each ended by a newline (FileFollower.poll_text)."""
+                       on_error: Callable[[str], None]) -> int:
+    """apply_control of the lines of `text`, each ended by a newline (FileFollower.poll_text):
+    how many lines it held."""
     find = text.find
     in_command = state.in_command
     pos = parsed = 0  # parsed: lines through the parser; the others are echoes
@@ -207,9 +208,11 @@ def apply_control_text(state: LogState, text: str, parse: Callable[[str], ParseR
     if verbs:
         state.count_commands(verbs)
     state.in_command = in_command
-    echoes = text.count("\n") - parsed
+    lines = text.count("\n")
+    echoes = lines - parsed
     if echoes:
         state.count_echoes(echoes, parse(text[text.rfind("\n", 0, newest - 1) + 1:newest - 1])[0])
+    return lines
 
 
 def _apply(state: LogState, line: str, parse: Callable[[str], ParseResult],

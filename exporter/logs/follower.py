@@ -793,19 +793,16 @@ class FileFollower:
         self._head = head
         return False
 
-    def poll_text(self) -> Tuple[str, int, int]:
-        """poll()'s lines as one text, each line ended by a newline ("" for none), with how
-        many lines and how many of them were cut to the cap: the same lines, without a
-        string made for each (logs/bulk.py and logs/echoes.py scan a batch's text whole)."""
+    def poll_text(self) -> Tuple[str, int]:
+        """poll()'s lines as one text, each line ended by a newline ("" for none), and how
+        many of them were cut to the cap: the same lines, without a string made for each
+        (logs/bulk.py and logs/echoes.py scan a batch's text whole, and count its lines)."""
         self._chunked = True
         try:
             chunks, truncated = self.poll()
         finally:
             self._chunked = False
-        if not chunks:
-            return "", 0, truncated
-        text = "\n".join(chunks) + "\n"
-        return text, text.count("\n"), truncated
+        return ("\n".join(chunks) + "\n" if chunks else ""), truncated
 
     def _restart_file(self) -> None:
         self._offset = self._line_start = 0

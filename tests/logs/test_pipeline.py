@@ -333,7 +333,7 @@ def render(out) -> str:
 
 
 def test_a_backlogs_batches_are_applied_with_the_collector_paused(tmp_path, monkeypatch):
-    """A batch of PAUSE_GC_LINES lines or more is applied with the cyclic GC off, a small one
+    """A batch of PAUSE_GC_CHARACTERS or more is applied with the cyclic GC off, a small one
     with it on; it is on again after each, also where applying raised, and left off where
     it was off before."""
     import gc
@@ -341,21 +341,22 @@ def test_a_backlogs_batches_are_applied_with_the_collector_paused(tmp_path, monk
     from mps_exporter.logs import pipeline as pipeline_mod
 
     line = "[2026-11-21 04:19:24.640 Server   654] Server has started"
-    (tmp_path / "server.log").write_text((line + "\n") * (pipeline_mod.PAUSE_GC_LINES + 5))
+    many = pipeline_mod.PAUSE_GC_CHARACTERS // len(line) + 5
+    (tmp_path / "server.log").write_text((line + "\n") * many)
     seen: List[Tuple[int, bool]] = []
     apply = pipeline_mod.apply_server_text
 
     def spy(state, text, tz, on_error):  # type: ignore[no-untyped-def]
         seen.append((text.count("\n"), gc.isenabled()))
-        apply(state, text, tz, on_error)
+        return apply(state, text, tz, on_error)
 
     monkeypatch.setattr(pipeline_mod, "apply_server_text", spy)
     assert gc.isenabled()
     pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
-    assert pipe.read_once().lines["server"] == pipeline_mod.PAUSE_GC_LINES + 5
-    assert seen == [(pipeline_mod.PAUSE_GC_LINES + 5, False)] and gc.isenabled()
+    assert pipe.read_once().lines["server"] == many
+    assert seen == [(many, False)] and gc.isenabled()
     append(tmp_path / "server.log", [line])
-    assert pipe.read_once().lines["server"] == pipeline_mod.PAUSE_GC_LINES + 6
+    assert pipe.read_once().lines["server"] == many + 1
     assert seen[-1] == (1, True) and gc.isenabled()
 
     def broken(state, text, tz, on_error):  # type: ignore[no-untyped-def]
@@ -365,7 +366,7 @@ def test_a_backlogs_batches_are_applied_with_the_collector_paused(tmp_path, monk
     monkeypatch.setattr(pipeline_mod, "apply_server_text", broken)
     with pytest.raises(RuntimeError):
         LogPipeline("default", str(tmp_path), timezone="UTC").read_once()
-    assert seen[-1] == (pipeline_mod.PAUSE_GC_LINES + 6, False) and gc.isenabled()
+    assert seen[-1] == (many + 1, False) and gc.isenabled()
     gc.disable()
     try:
         monkeypatch.setattr(pipeline_mod, "apply_server_text", spy)
