@@ -1,6 +1,7 @@
 """server.log's backlog applied in bulk (issue 44: catch-up of a long log).
 
-The lines of a batch are taken apart by one findall over their text (parser.scan_server),
+The lines of a batch are taken apart by one findall over their text (parser.scan_server_text;
+the follower hands the batch over as one text: FileFollower.poll_text),
 and the commonest lines are applied without an event each: the verbs that are Noise
 (a client's request, a context's exit) and every message the parser makes Noise, only
 counted, their time kept; a client's connection, ACTIVE and disconnection handed

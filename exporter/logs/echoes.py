@@ -6,13 +6,13 @@ row per client, PIDs, percentages, a status, `Server N not found`), and refused
 connections (`User did not send valid credentials`) follow `Accepting connection...`.
 On a monitored node they are most of the file (bench/steady_log.py: 95 % of a busy
 node's lines), and none of them changes the state but "in a command or not" and the
-counts. So the batch's lines are joined
-and runs of echoes matched in one regex call each (the daemon's header, then an
-answer's line or a framing line); they are counted, their newest time kept, and never
-parsed into events; nor are the `Cmd:` lines that change nothing but the counts (every
-command but the two that set a running server's limit), whose verbs are counted. Every
-other line (those two, and everything that happens) goes through `parse_line` and
-`LogState.apply` as before, but
+counts. So runs of echoes are matched in the batch's text (FileFollower.poll_text), in
+one regex call each (the daemon's header, then an answer's line or a framing line); they
+are counted, their newest time kept, and never parsed into events; nor are the `Cmd:`
+lines that change nothing but the counts (every command but the two that set a running
+server's limit), whose verbs are counted, nor the daemon's attempts to shut a server down
+that repeat the one just applied (_attempts). Every other line (those two commands, and
+everything that happens) goes through `parse_line` and `LogState.apply` as before, but
 for one: while nobody is queued, a client's context admitted (`NEW CLIENT P from user U:
 Server already exists`, the commonest line that is no echo on a busy node) changes
 nothing but a count, and the runs take it too (issue 44: control.log's lines through the
