@@ -55,16 +55,18 @@ def pipeline(directory: Path) -> int:
 
 
 def parse_every_line(directory: Path) -> int:
-    def apply_each(state, lines, parse, on_error) -> None:  # type: ignore[no-untyped-def]
+    def apply_each(state, text, parse, on_error) -> int:  # type: ignore[no-untyped-def]
+        lines = text.split("\n")[:-1]
         for line in lines:
             state.apply(parse(line), "control")
+        return len(lines)
 
-    saved = pipeline_mod.apply_control
-    pipeline_mod.apply_control = apply_each
+    saved = pipeline_mod.apply_control_text
+    pipeline_mod.apply_control_text = apply_each
     try:
         n = pipeline(directory)
     finally:
-        pipeline_mod.apply_control = saved
+        pipeline_mod.apply_control_text = saved
     parse_every_line.seconds = pipeline.seconds  # type: ignore[attr-defined]
     return n
 

@@ -1,10 +1,12 @@
 """server.log's backlog applied in bulk (issue 44: catch-up of a long log).
 
-The lines of a batch are taken apart by one findall over their text (parser.scan_server),
+The lines of a batch are taken apart by one findall over their text (parser.scan_server_text;
+the follower hands the batch over as one text: FileFollower.poll_text),
 and the commonest lines are applied without an event each: the verbs that are Noise
 (a client's request, a context's exit) and every message the parser makes Noise, only
-counted, their time kept; a client's connection, ACTIVE and disconnection built as
-events straight from the row and handed to their handler. What apply() does before a
+counted, their time kept; a client's connection, ACTIVE and disconnection handed
+straight from the row to their handler's method (LogState.context_connected, ...), no
+event built. What apply() does before a
 handler (the line counted, its time kept and checked against the clock, the exits
 decided that it comes after, a fatal error report closed) is done here in line: the
 same state as parse_line + LogState.apply line by line (tests/logs/test_bulk.py).
@@ -14,79 +16,123 @@ Any other line goes through LogState.apply as before.
 from __future__ import annotations
 
 from datetime import tzinfo
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
-from .events import ClientContextActive, ClientContextConnected, ClientProcessDisconnected
-from .parser import parse_line, scan_server, second_epoch, server_row_event
+from . import parser
+from .parser import BAD_HEADER, parse_line, scan_server_text, second_epoch, server_row_event, server_row_noise
 from .state import LogState
 
 FILE = "server"
 # A header's milliseconds (three ASCII digits: parser._SCAN_HEADER) as parse_line adds them.
 _MILLIS = {f"{k:03d}": int(f"{k:03d}") * 0.001 for k in range(1000)}
-# The events handed to their handler here; any other goes through apply.
-_SHORT = frozenset((ClientContextConnected, ClientContextActive, ClientProcessDisconnected))
+_NEVER = float("inf")
 
 
 def apply_server(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
                  on_error: Callable[[str], None]) -> None:
     """Apply server.log lines in order. `on_error(line)`: applying that line raised (a bug;
     the line still counts)."""
-    apply = state.apply
-    rows = scan_server(lines)
-    if rows is None:
-        for line in lines:
-            try:
-                apply(parse_line(line, FILE, tz), FILE)
-            except Exception:
-                on_error(line)
+    if not lines:
         return
+    text = "\n".join(lines) + "\n"
+    if text.count("\n") != len(lines):  # a line holds a newline (never from the follower)
+        _line_by_line(state, lines, tz, on_error)
+        return
+    apply_server_text(state, text, tz, on_error)
+
+
+def apply_server_text(state: LogState, text: str, tz: Optional[tzinfo],
+                      on_error: Callable[[str], None]) -> int:
+    """apply_server of the lines of `text`, each ended by a newline (FileFollower.poll_text):
+    no string is made for a line but where it is parsed whole (no header) or raised. How
+    many lines it held."""
+    apply = state.apply
+    rows = scan_server_text(text)
     s = state.s
-    counted = s.lines
     last_ts = state._last_ts
     pending = state._pending_exits
     reports = state._open_reports
-    handlers = state._handlers
+    decide = state._decide_exits
+    connect, activate, disconnect = state.context_connected, state.context_active, state.process_disconnected
+    quiet = parser._QUIET  # messages that are Noise (server_row_event's cache)
     believed = state._believed_until
     last = last_ts.get(FILE, 0.0)
+    due = pending[0][0] if pending else _NEVER  # the first exit not decided yet: lines after it decide it
     last_second: Optional[str] = None
     epoch: Optional[float] = None
-    n = 0  # lines counted here
+    lines: List[List[str]] = []  # the text split, where a line must be named (on_error)
+    applied = 0  # lines through apply (it counts them); the others are counted at the end
     i = -1
     try:
-        for second, millis, pid, connected, active, disconnected, request, context_exit, msg, _ in rows:
-            i += 1
-            if second and second != last_second:
-                epoch, last_second = _epoch(second, tz), second
+        for i, (second, millis, pid, connected, active, disconnected, request, context_exit, msg, whole) in enumerate(rows):
+            if second != last_second:
+                epoch, last_second = (_epoch(second, tz) if second else None), second
             event = None
-            if second and epoch is not None:
+            if epoch is not None:  # a header (with one, second is never empty)
                 ts = epoch + _MILLIS[millis]
-                if not (request or context_exit):  # else a Noise verb: nothing to build
-                    event = server_row_event(ts, pid, connected, active, disconnected, msg)
-                if ts <= believed and (event is None or type(event) in _SHORT):
-                    n += 1
-                    if ts > last:
-                        last = last_ts[FILE] = ts
-                    if pending and ts > pending[0][0]:
-                        state._decide_exits(before=ts)
-                    if reports:
-                        reports.pop(int(pid), None)
-                    if event is None:
+                if connected or active or disconnected:  # a client's connection, ACTIVE or disconnection
+                    if ts <= believed:
+                        if ts > last:
+                            last = last_ts[FILE] = ts
+                        if ts > due:
+                            decide(before=ts)
+                            due = pending[0][0] if pending else _NEVER
+                        p = int(pid)
+                        if reports:
+                            reports.pop(p, None)
+                        try:
+                            if connected:
+                                connect(ts, p, int(connected))
+                            elif active:
+                                activate(ts, p, int(active))
+                            else:
+                                disconnect(ts, p, int(disconnected))
+                        except Exception:  # a bug costs this line's meaning, never the batch or the count
+                            on_error(_line(text, lines, i))
+                        if not active:  # both change what the daemon lists
+                            s.control_changes += 1
                         continue
-                    try:
-                        handlers[type(event)](event)
-                    except Exception:  # a bug costs this line's meaning, never the batch or the count
-                        on_error(lines[i])
-                    if type(event) is not ClientContextActive:  # both change what the daemon lists
-                        s.control_changes += 1
-                    continue
+                    event = server_row_event(ts, pid, connected, active, disconnected, msg)
+                elif request or context_exit or msg in quiet or (
+                        (event := server_row_event(ts, pid, connected, active, disconnected, msg)) is None):
+                    if ts <= believed:  # Noise: counted, its time kept
+                        if ts > last:
+                            last = last_ts[FILE] = ts
+                        if ts > due:
+                            decide(before=ts)
+                            due = pending[0][0] if pending else _NEVER
+                        if reports:
+                            reports.pop(int(pid), None)
+                        continue
+                    event = server_row_noise(ts, pid, request, context_exit, msg)  # past the clock
+            applied += 1
             try:  # anything else, as line by line
-                apply(event if event is not None else parse_line(lines[i], FILE, tz), FILE)
+                apply(event if event is not None else BAD_HEADER if second else parse_line(whole, FILE, tz), FILE)
             except Exception:
-                on_error(lines[i])
+                on_error(_line(text, lines, i))
             believed = state._believed_until
             last = last_ts.get(FILE, 0.0)
+            due = pending[0][0] if pending else _NEVER
     finally:
-        counted[FILE] = counted.get(FILE, 0) + n
+        counted = s.lines
+        counted[FILE] = counted.get(FILE, 0) + i + 1 - applied
+    return len(rows)
+
+
+def _line(text: str, lines: List[List[str]], i: int) -> str:
+    """The i-th line of text (split once, and only where asked)."""
+    if not lines:
+        lines.append(text.split("\n"))
+    return lines[0][i]
+
+
+def _line_by_line(state: LogState, lines: Sequence[str], tz: Optional[tzinfo],
+                  on_error: Callable[[str], None]) -> None:
+    for line in lines:
+        try:
+            state.apply(parse_line(line, FILE, tz), FILE)
+        except Exception:
+            on_error(line)
 
 
 def _epoch(second: str, tz: Optional[tzinfo]) -> Optional[float]:

@@ -219,6 +219,7 @@ class FileFollower:
         self.error: Optional[ReadError] = None  # why the file cannot be read now; None: fine or absent
         self.errors: Dict[str, int] = {}  # reason -> times a failure of that reason began
         self.more = False  # the last poll stopped before the end of the file: poll again
+        self._chunked = False  # poll_text: _split hands a read's whole lines as one text
 
     # ------------------------------------------------------------ state
     def position(self) -> Dict[str, Any]:
@@ -792,6 +793,17 @@ class FileFollower:
         self._head = head
         return False
 
+    def poll_text(self) -> Tuple[str, int]:
+        """poll()'s lines as one text, each line ended by a newline ("" for none), and how
+        many of them were cut to the cap: the same lines, without a string made for each
+        (logs/bulk.py and logs/echoes.py scan a batch's text whole, and count its lines)."""
+        self._chunked = True
+        try:
+            chunks, truncated = self.poll()
+        finally:
+            self._chunked = False
+        return ("\n".join(chunks) + "\n" if chunks else ""), truncated
+
     def _restart_file(self) -> None:
         self._offset = self._line_start = 0
         self._partial, self._dropping, self._recent = b"", False, bytearray()
@@ -852,12 +864,16 @@ class FileFollower:
             first, truncated = first[:cap], truncated + 1
         lines.append(first.decode("utf-8", "replace"))
         if last_nl > first_nl:
-            middle = data[first_nl + 1:last_nl].decode("utf-8", "replace").split("\n")
-            if max(map(len, middle)) > cap:  # rare: only then line by line
-                for i, line in enumerate(middle):
-                    if len(line) > cap:
-                        middle[i], truncated = line[:cap], truncated + 1
-            lines.extend(middle)
+            text = data[first_nl + 1:last_nl].decode("utf-8", "replace")
+            if self._chunked and _within_cap(text, cap):  # poll_text: the lines as they are, joined
+                lines.append(text)
+            else:
+                middle = text.split("\n")
+                if max(map(len, middle)) > cap:  # rare: only then line by line
+                    for i, line in enumerate(middle):
+                        if len(line) > cap:
+                            middle[i], truncated = line[:cap], truncated + 1
+                lines.extend(middle)
         self._grow_partial(data[last_nl + 1:])
         return truncated
 
@@ -873,6 +889,25 @@ class FileFollower:
     @staticmethod
     def _decode(data: bytes) -> str:
         return data.replace(b"\x00", b"").decode("utf-8", "replace")
+
+
+# _within_cap looks at blocks no shorter than this; a smaller cap (tests) is checked line by line.
+MIN_CAP_BLOCK = 1024
+
+
+def _within_cap(text: str, cap: int) -> bool:
+    """True where no line of text is longer than cap, found without splitting it: a line of
+    cap + 1 characters or more holds a whole one of the blocks of `block` characters the
+    text is cut into (2 * block - 1 <= cap + 1), so a block without a newline is the only
+    sign of one. False: maybe (a block without a newline, or a cap too small to look so)."""
+    block = (cap + 2) // 2
+    if block < MIN_CAP_BLOCK:
+        return False
+    find = text.find
+    for start in range(0, len(text) - block + 1, block):
+        if find("\n", start, start + block) < 0:
+            return False
+    return True
 
 
 def _block_size(fd: int) -> int:

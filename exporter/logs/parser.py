@@ -376,6 +376,7 @@ def _parse_server(ts: float, pid: int, msg: str) -> ParseResult:
 
 # ------------------------------------------------------------ the entry
 PARSER_ERROR = "parser error"  # the reason of an Unrecognized line that made a rule raise
+BAD_HEADER = Unrecognized(None, None, "bad header")  # a header whose date or time does not exist
 # `[2026-11-21 04:19:24.641 Control   546] message`: second, milliseconds and PID; the
 # role (`Control`, `Server`, `Other`, `Legacy Server`) only has to be there.
 HEADER_PATTERN = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) +[A-Za-z ]*[A-Za-z] +(-?\d{1,10})\] ?"
@@ -399,7 +400,23 @@ _SERVER_VERBS = (r"Client \{PID: (?P<connected>-?\d{1,10}), Context ID: \d+\} co
                  r"|(?P<client_context_exit>Server failed to rece|Client \{PID: -?\d+, Context ID: \d+\} exiting).*")
 _CONTROL_VERBS = (r"NEW CLIENT (-?\d{1,10}) from user (\d{1,10}): (?P<new_client>.*)"
                   r"|Cmd:\s*(?P<command_verb>\S*)\s*(?P<command>.*)"
-                  r"|(?P<output>\d+\s+\d+\s+\d+\s+\S+.*|-?\d+(?:\.\d+)?[KMGTP]?)")  # a ps row, a PID
+                  r"|(?P<output>\d+\s+\d+\s+\d+\s+\S+.*|-?\d+(?:\.\d+)?[KMGTP]?)"  # a ps row, a PID
+                  # A server's life (_CONTROL_RULES' first rule of `Try`, `Starting` and `Server`;
+                  # `NEW SERVER` follows `NEW CLIENT`, which no such line matches): the named
+                  # group last, the server's PID the group before it where there are two.
+                  r"|Try shutting down server (?P<shutdown_attempt>\d{1,10})(?!\d).*"
+                  r"|Starting new server (\d{1,10}) for user (?P<server_starting>\d{1,10})"
+                  r"|NEW SERVER (?P<server_ready>\d{1,10}): Ready"
+                  r"|Server (\d{1,10}) exited with status (?P<server_exited>-?\d{1,10})")
+# Those verbs' events, from the line's match: the same as their rules build.
+_CONTROL_BUILDS: Dict[str, Callable[[float, int, "re.Match[str]"], ParseResult]] = {
+    "shutdown_attempt": lambda ts, pid, m: _new(ShutdownAttempt, (ts, pid, int(m.group("shutdown_attempt")))),
+    "server_ready": lambda ts, pid, m: _new(ServerReady, (ts, pid, int(m.group("server_ready")))),
+    "server_starting": lambda ts, pid, m: _new(ServerStarting, (
+        ts, pid, int(m.group((m.lastindex or 0) - 1)), int(m.group("server_starting")))),
+    "server_exited": lambda ts, pid, m: _new(ServerExited, (
+        ts, pid, int(m.group((m.lastindex or 0) - 1)), int(m.group("server_exited")))),
+}
 # The header in ASCII digits: a range is cheaper to match than \d (any Unicode digit, each
 # asked of the Unicode database). Each line regex is tried with it first: where it matches,
 # the header's \d matches the same characters the same way; where not (no header, a header
@@ -439,7 +456,7 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
         else:
             ts = _second_epoch(second, tz) + int(millis) * 0.001
     except (ValueError, OverflowError, OSError):  # odd digits, year 0, out-of-range dates
-        return Unrecognized(None, None, "bad header")
+        return BAD_HEADER
     verb = m.lastgroup
     if verb is not None:  # a common verb, with the header: the commonest first
         end = m.end()
@@ -453,6 +470,9 @@ def parse_line(line: str, file: str, tz: Optional[tzinfo] = None) -> ParseResult
                 return _new_client(ts, pid, m)
             if verb == "command":
                 return _new(Command, (ts, pid, m.group("command_verb"), m.group("command").rstrip()))
+            build = _CONTROL_BUILDS.get(verb)
+            if build is not None:
+                return build(ts, pid, m)
             # output: no first word keys a rule: the output shapes, as _parse_control tries them
             return _new(CommandOutput, (ts, pid, m.group(verb).rstrip()))
     end = m.end(3) + 1  # the header's: `]` and the space after it, where there is one
@@ -504,6 +524,11 @@ def scan_server(lines: Sequence[str]) -> Optional[List[Tuple[str, ...]]]:
     return rows if len(rows) == len(lines) else None
 
 
+def scan_server_text(text: str) -> List[Tuple[str, ...]]:
+    """scan_server of lines given as one text, each line ended by a newline: one row a line."""
+    return _SERVER_SCAN(text)
+
+
 second_epoch = _second_epoch
 # Messages (as scanned: before rstrip) that parse as Noise other than a fatal error report's:
 # rules read a message alone, so each is taken apart once. Bounded like _MESSAGES.
@@ -529,3 +554,12 @@ def server_row_event(ts: float, pid: str, connected: str, active: str, disconnec
     if len(_QUIET) < _MESSAGES_MAX:
         _QUIET[msg] = None
     return None
+
+
+def server_row_noise(ts: float, pid: str, request: str, context_exit: str, msg: str) -> ParseResult:
+    """The Noise event of a scan_server row of a line with a header, its time ts, that is a
+    Noise verb (request, context_exit: its group) or a message server_row_event found Noise:
+    parse_line's event of that line."""
+    if request or context_exit:
+        return _new(Noise, (ts, int(pid), "client_request" if request else "client_context_exit"))
+    return _parse_message(ts, int(pid), msg.rstrip(), "server")

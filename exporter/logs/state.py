@@ -290,18 +290,26 @@ class LogState:
 
     @property
     def in_command(self) -> bool:
-        """Between a `Cmd:` line and the end of its block (logs/echoes.py)."""
+        """Between a `Cmd:` line and the end of its block (logs/echoes.py sets it where its
+        runs of echoes start or end one)."""
         return self._in_command
 
-    def end_command(self) -> None:
-        self._in_command = False
+    @in_command.setter
+    def in_command(self, value: bool) -> None:
+        self._in_command = value
 
-    def count_command(self, verb: str) -> None:
-        """A read-only command's `Cmd:` line, recognised without the parser (logs/echoes.py)."""
-        commands = self.s.commands
-        verb = command_verb(verb, commands)
-        commands[verb] = commands.get(verb, 0) + 1
-        self._in_command = True
+    def count_commands(self, verbs: Dict[str, int]) -> None:
+        """`Cmd:` lines recognised without the parser (logs/echoes.py: none that sets a running
+        server's limit): verb -> how many, the verbs in the order they first came. The same
+        counts as one Command each (their verbs' labels: the first of a verb decides them
+        all), but in_command, which the caller keeps."""
+        s = self.s
+        commands = s.commands
+        for verb, n in verbs.items():
+            if verb.startswith("set_"):
+                s.limit_commands += n
+            verb = command_verb(verb, commands)
+            commands[verb] = commands.get(verb, 0) + n
 
     def count_echoes(self, lines: int, newest: Optional[float]) -> None:
         """control.log command echoes (logs/echoes.py): counted as lines, their time kept."""
@@ -577,26 +585,37 @@ class LogState:
         if len(clients) < MAX_ATTACHED:
             clients.add(client)
 
+    # The handlers of server.log's commonest events take their fields: logs/bulk.py calls
+    # them straight from a scanned row, without building the event.
     def _context_connected(self, ev: ClientContextConnected) -> None:
-        self._last_connected[ev.pid] = ev.client_pid  # a refusal that follows names no PID: this is it
-        self._last_connected.move_to_end(ev.pid)
-        if len(self._last_connected) > MAX_SERVERS:
-            self._last_connected.popitem(last=False)
-        known = self._clients.get(ev.client_pid)
-        if known is not None and known[0] == ev.pid:
+        self.context_connected(ev.ts, ev.pid, ev.client_pid)
+
+    def context_connected(self, ts: float, pid: int, client_pid: int) -> None:
+        """ClientContextConnected's handler."""
+        last_connected = self._last_connected
+        last_connected[pid] = client_pid  # a refusal that follows names no PID: this is it
+        last_connected.move_to_end(pid)
+        if len(last_connected) > MAX_SERVERS:
+            last_connected.popitem(last=False)
+        known = self._clients.get(client_pid)
+        if known is not None and known[0] == pid:
             return  # another context of a process already counted
         self._count("mps_client_connections_total")
-        self._attach(ev.pid, ev.client_pid)
-        self._set_client(ev.client_pid, ev.pid, ev.ts)
+        self._attach(pid, client_pid)
+        self._set_client(client_pid, pid, ts)
 
     def _context_active(self, ev: ClientContextActive) -> None:
-        active = self._active.get(ev.pid)
+        self.context_active(ev.ts, ev.pid, ev.client_pid)
+
+    def context_active(self, ts: float, pid: int, client_pid: int) -> None:
+        """ClientContextActive's handler."""
+        active = self._active.get(pid)
         if active is None:
-            active = self._active[ev.pid] = set()
+            active = self._active[pid] = set()
             if len(self._active) > MAX_SERVERS:
                 self._active.pop(next(iter(self._active)))
         if len(active) < MAX_ATTACHED:
-            active.add(ev.client_pid)
+            active.add(client_pid)
 
     def _process_connected(self, ev: ClientProcessConnected) -> None:
         self._count("mps_client_connections_total")
@@ -604,13 +623,19 @@ class LogState:
         self._attach(ev.pid, self._unnamed)
 
     def _process_disconnected(self, ev: ClientProcessDisconnected) -> None:
-        attached = self._attached.get(ev.pid)
-        if ev.client_pid is not None:
-            self._pop_client(ev.client_pid)
-            self._active.get(ev.pid, set()).discard(ev.client_pid)
-            if attached is None or ev.client_pid not in attached:
+        self.process_disconnected(ev.ts, ev.pid, ev.client_pid)
+
+    def process_disconnected(self, ts: float, pid: int, client_pid: Optional[int]) -> None:
+        """ClientProcessDisconnected's handler."""
+        attached = self._attached.get(pid)
+        if client_pid is not None:
+            self._pop_client(client_pid)
+            active = self._active.get(pid)
+            if active is not None:
+                active.discard(client_pid)
+            if attached is None or client_pid not in attached:
                 return  # not connected (any more): a refused client logs `disconnected` twice
-            attached.discard(ev.client_pid)
+            attached.discard(client_pid)
         elif attached:  # 11.x names no PID: one of its unnamed clients left
             attached.discard(min(attached))
         self._count("mps_client_disconnections_total")

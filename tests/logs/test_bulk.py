@@ -384,3 +384,26 @@ def test_clients_admitted_among_echoes_end_in_the_same_state(tmp_path, seed, rea
     pipe = _pipeline(tmp_path, read_bytes)
     pipe.read_once()
     assert pipe.state_entry()["state"] == expected.to_dict()
+
+
+def test_a_line_whose_handling_raises_is_named_and_counted():
+    """From a batch's text no string is made per line: the line named to on_error is still the
+    one that raised, and it still counts."""
+    from mps_exporter.logs.bulk import apply_server_text
+
+    server = generated(5, 400)
+    bad = next(i for i, line in enumerate(server) if line.endswith("} connected") and i > 100)
+    client = int(server[bad].split("PID: ")[1].split(",")[0])
+    state = LogState(_clock)
+    handler = state.context_connected
+
+    def connected(ts: float, pid: int, client_pid: int) -> None:
+        if client_pid == client:
+            raise RuntimeError("a bug")
+        handler(ts, pid, client_pid)
+
+    state.context_connected = connected  # type: ignore[method-assign]
+    named: List[str] = []
+    apply_server_text(state, "".join(line + "\n" for line in server), UTC, named.append)
+    assert named and set(named) == {line for line in server if line.endswith("} connected") and f"PID: {client}," in line}
+    assert state.s.lines["server"] == line_by_line([], server).s.lines["server"]

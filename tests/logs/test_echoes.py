@@ -210,3 +210,97 @@ def test_echoes_dated_in_other_digits_are_parsed(tmp_path):
     assert through_the_pipeline(tmp_path) == parsed_line_by_line(tmp_path)
     parsed, state = applied_in_runs(lines)
     assert parsed == lines[5:10] + [lines[-1]] and state.snapshot().commands == {"get_server_list": 2}
+
+
+def test_commands_that_change_nothing_but_counts_are_echoes(tmp_path):
+    """Every command but the two that set a running server's limit is counted in runs, with
+    its answer (a set_* command's echo, get_device_client_list's heading): the same counts,
+    limit commands and in_command as parsing; the two, odd verbs and near misses are parsed."""
+    from mps_exporter.contract import MAX_COMMAND_VERBS
+
+    rows = ["Starting new server 654 for user 0", "NEW SERVER 654: Ready"]
+    for cmd, answer in (("Cmd:set_default_device_pinned_mem_limit 0 2G", ["set_default_device_pinned_mem_limit 0 2G."]),
+                        ("Cmd:set_default_active_thread_percentage 25", ["25.0"]),
+                        ("Cmd:help", ['Unknown command "help"']),
+                        ("Cmd:get_device_client_list 0", ["[0] 00:00.0, NVIDIA H200", "713"]),
+                        ("Cmd:set_device_pinned_mem_limit 654 0 3G", []),  # parsed: the server's limit
+                        ("Cmd:set_active_thread_percentage 654 30", ["30.0"]),
+                        ("Cmd:set_active_thread_percentage2 654 30", []),
+                        ("Cmd:shutdown_server 999", ["Server 999 not found"]),
+                        ("Cmd: set_default_active_thread_percentage 50", ["50.0"]),  # a space: parsed
+                        ("Cmd:set_default_active_thread_percentage\t50", ["50.0"]),
+                        ("Cmd:" + "x" * 41, []),
+                        ("Cmd:Get_server_list", []),
+                        ("Cmd:set_default_x 1 2 3 4 5 six", ["set_x 1 ."]),
+                        ("Cmd:quit", ["Try shutting down server 654, backoff is disabled", "Server 654 exited with status 0",
+                                      "Exit with status 0"])):
+        rows += ["Accepting connection...", "NEW UI", cmd, *answer, "UI closed   "]
+    rows += ["Accepting connection...", "NEW UI", "Cmd:set_default_active_thread_percentage 10"]  # no framing after it
+    lines = [H + r for r in rows]
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    snap = through_the_pipeline(tmp_path)
+    assert snap == parsed_line_by_line(tmp_path)
+    assert snap.limit_commands == 9 and snap.commands["help"] == 1 and snap.commands["quit"] == 1
+    parsed, state = applied_in_runs(lines)
+    assert state.in_command and state.snapshot() == _applied_line_by_line(lines).snapshot()
+    parsed = parsed[:-1]  # the last: the echoes' newest time
+    assert not [line for line in parsed if "Cmd:set_default_" in line and "Cmd:set_default_active_thread_percentage" + "\t" not in line]
+    # the two (and one with a digit after), a space, a tab, 41 letters, a capital
+    assert len([line for line in parsed if "] Cmd:" in line]) == 7
+    # With the verbs' labels full, a new verb is `other` either way.
+    filler = [H + f"Cmd:get_v{k}" for k in range(MAX_COMMAND_VERBS + 2)]
+    many = filler + lines
+    parsed, state = applied_in_runs(many)
+    assert state.snapshot() == _applied_line_by_line(many).snapshot()
+
+
+def _applied_line_by_line(lines: List[str]) -> LogState:
+    state = LogState()
+    for line in lines:
+        state.apply(parse_line(line, "control", timezone.utc), "control")
+    return state
+
+
+def test_a_shutdown_attempt_repeated_is_an_echo(tmp_path):
+    """After a server's shutdown attempt outside commands, the daemon's next attempts on the
+    same server (among deferrals, retries, framing and refused connections) change nothing and
+    are counted in a run; an attempt on another server, one inside a command, one after a
+    parsed line (a push: the waiting client's reason may switch again) and near misses are
+    parsed: the same state as line by line, queued or not."""
+    rows = [
+        "Starting new server 654 for user 0", "NEW SERVER 654: Ready",
+        "NEW CLIENT 900 from user 1500: Server is not ready, push client to pending list",
+        "Try shutting down server 654, backoff is disabled",
+        "Server 654 has 2 active worker threads. Server will not shutdown.",
+        "Control will try shutting down server 654 again in at most 200ms",
+        "Try shutting down server 654, backoff is enabled",  # again: an echo
+        "Accepting connection...", "User did not send valid credentials",
+        "Try shutting down server 654, backoff is enabled",  # again: an echo
+        "Try shutting down server 6541, backoff is enabled",  # another server: parsed
+        "Try shutting down server 654, backoff is enabled",  # parsed (after another one)
+        "NEW CLIENT 901 from user 1600: Server is not ready, push client to pending list",
+        "Try shutting down server 654, backoff is enabled",  # after a push: parsed, switches 901
+        "Try shutting down server 654 ",
+        "Try shutting down server 654",
+        "Accepting connection...", "NEW UI", "Cmd:quit",
+        "Try shutting down server 654, backoff is disabled",  # in a command: parsed
+        "Try shutting down server 654, backoff is disabled",
+        "Server 654 exited with status 0", "Exit with status 0",
+        "Starting control daemon using socket /tmp/mps/pipe/control",
+        "Starting new server 700 for user 0", "NEW SERVER 700: Ready",
+        "Try shutting down server 700, backoff is disabled",  # nobody queued
+        "NEW CLIENT 5 from user 0: Server already exists",
+        "Try shutting down server 700, backoff is enabled",
+        "Try shutting down server \u0667\u0660\u0660, backoff is enabled",  # other digits: parsed
+        "Try shutting down server 700, backoff is enabled",
+    ]
+    lines = [H + r for r in rows]
+    lines[9] = lines[9].replace("Control   546", "Other   546")  # not the daemon's header: parsed
+    (tmp_path / "control.log").write_text("\n".join(lines) + "\n")
+    snap = through_the_pipeline(tmp_path)
+    assert snap == parsed_line_by_line(tmp_path)
+    assert snap.pushes == {"server_starting": 0, "user_switch": 2}
+    parsed, state = applied_in_runs(lines)
+    assert state.snapshot() == _applied_line_by_line(lines).snapshot()
+    tries = [line for line in parsed[:-1] if "Try shutting" in line]
+    assert tries == [lines[k] for k in (3, 9, 10, 11, 13, 19, 20, 26, 29, 30)]

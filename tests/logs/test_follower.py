@@ -487,3 +487,55 @@ def test_a_log_seen_longer_then_shorter_before_its_first_read_counts_a_gap(tmp_p
     write(path, "new\n")
     assert drain(f) == ["new"]
     assert f.truncations == 1 and f.rotation_gaps == 1
+
+
+# ------------------------------------------------------------ poll_text
+@pytest.mark.parametrize("cap", [2048, 4096, 4097, 10_000])
+def test_poll_text_holds_the_lines_poll_gives(tmp_path, cap):
+    """poll_text: poll()'s lines and cut count, as one text; lines at the cap, one past it and
+    far past it (in the middle of a read, where a read's lines are handed over whole)."""
+    import random
+
+    rng = random.Random(cap)
+    body: List[str] = []
+    for i in range(3000):
+        r = rng.random()
+        length = (cap - 1, cap, cap + 1, cap + 2, 3 * cap, 2 * cap + 1)[i % 6] if r < 0.03 else rng.randint(0, 120)
+        body.append(("é" if r < 0.5 else "x") * length)
+    written = text(body)
+    want, got = FileFollower(str(tmp_path / "a.log"), cap), FileFollower(str(tmp_path / "a.log"), cap)
+    out, texts = [], []
+    for part in (written[: len(written) // 3], written[len(written) // 3: len(written) // 2], written[len(written) // 2:]):
+        write(tmp_path / "a.log", part)  # reads end where the writes did: partial lines between them
+        while True:
+            lines, cut = want.poll()
+            whole, cut_too = got.poll_text()
+            n = whole.count("\n")
+            if not lines and not whole:
+                break
+            out.append((lines, cut))
+            texts.append((whole, n, cut_too))
+    flat = [line for lines, _ in out for line in lines]
+    joined = "".join(t for t, _, _ in texts)
+    assert joined == "".join(line + "\n" for line in flat)
+    assert sum(n for _, n, _ in texts) == len(flat) == len(body)
+    assert sum(c for _, _, c in texts) == sum(c for _, c in out) > 0
+    assert len(texts) >= 3
+
+
+def test_a_read_within_the_cap_is_found_so_without_splitting():
+    from mps_exporter.logs.follower import _within_cap
+
+    rng = __import__("random").Random(7)
+    for _ in range(400):
+        cap = rng.choice((2046, 2047, 2048, 3000))
+        lengths = (0, 5, cap // 2 - 2, cap - 1, cap, cap + 1, 2 * cap) if rng.random() < 0.5 else (0, 5, 90, cap // 2 - 2)
+        lines = ["x" * rng.choice(lengths) for _ in range(rng.randint(1, 30))]
+        body = "\n".join(lines)
+        if max(map(len, lines)) > cap:  # never missed: such a text is split and cut
+            assert not _within_cap(body, cap)
+        elif max(map(len, lines)) < cap // 2:  # lines shorter than a block: never split for nothing
+            assert _within_cap(body, cap)
+    assert _within_cap("x" * 100 + ("\n" + "y" * 1000) * 50, 2048)
+    assert not _within_cap("x" * 100 + "\n" + "y" * 2049, 2048)
+    assert not _within_cap("short\nlines", 100)  # a cap too small to look at in blocks

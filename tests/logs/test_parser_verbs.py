@@ -46,3 +46,32 @@ def test_a_long_line_that_fails_a_verb_is_parsed_by_the_rules():
     assert c("Cmd: x y" + spaces + "z\nw") == ev.Unrecognized(*c("Cmd: x")[:2], "bad Cmd line")
     assert type(c("NEW CLIENT 1 from user 2: a" + spaces + "y\nq")) is ev.Unrecognized
     assert type(s("Client {PID: 1, Context ID: 0} exiting a" + spaces + "y\nq")) is ev.Noise
+
+
+def test_a_servers_life_in_control_log_is_what_the_rules_say():
+    """`Try shutting down`, `Starting new server`, `NEW SERVER ... Ready`, `Server ... exited`:
+    matched with the header, the same event as the rules build from the message alone, for
+    the verb, near misses, trailing blanks, more text, too many digits and other digits."""
+    from mps_exporter.logs import parser
+
+    ts, pid = c("Start")[:2]
+    arabic = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")
+    messages = []
+    for msg in ("Try shutting down server 654, backoff is disabled", "Try shutting down server 654",
+                "Try shutting down server 12345678901, backoff", "Try shutting down server x",
+                "Starting new server 654 for user 0", "Starting new server 654 for user 1500 now",
+                "Starting new server 654 for user 12345678901", "Starting control daemon using socket /tmp",
+                "NEW SERVER 654: Ready", "NEW SERVER 654: Ready or not", "NEW SERVER 654: ready",
+                "NEW CLIENT 7 from user 0: Server is not ready, push client to pending list",
+                "Server 654 exited with status 0", "Server 654 exited with status -9",
+                "Server 654 exited with status 12345678901", "Server 654 exited with status 0 twice",
+                "Server 654 has 2 active worker threads. Server will not shutdown.", "Server 654 not found"):
+        messages += [msg, msg + " \t", msg + "\nmore", msg.translate(arabic)]
+    for msg in messages:
+        want = parser._parse_control(ts, pid, msg.rstrip())
+        got = c(msg)
+        assert got == want and type(got) is type(want), msg
+    assert type(c("NEW SERVER 654: Ready")) is ev.ServerReady
+    assert c("Server 654 exited with status -9")[2:] == (654, -9)
+    assert c("Starting new server 654 for user 1500")[2:] == (654, 1500)
+    assert c("Try shutting down server 654, backoff is enabled")[2:] == (654,)

@@ -330,3 +330,47 @@ def render(out) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(One())
     return generate_latest(registry).decode()
+
+
+def test_a_backlogs_batches_are_applied_with_the_collector_paused(tmp_path, monkeypatch):
+    """A batch of PAUSE_GC_CHARACTERS or more is applied with the cyclic GC off, a small one
+    with it on; it is on again after each, also where applying raised, and left off where
+    it was off before."""
+    import gc
+
+    from mps_exporter.logs import pipeline as pipeline_mod
+
+    line = "[2026-11-21 04:19:24.640 Server   654] Server has started"
+    many = pipeline_mod.PAUSE_GC_CHARACTERS // len(line) + 5
+    (tmp_path / "server.log").write_text((line + "\n") * many)
+    seen: List[Tuple[int, bool]] = []
+    apply = pipeline_mod.apply_server_text
+
+    def spy(state, text, tz, on_error):  # type: ignore[no-untyped-def]
+        seen.append((text.count("\n"), gc.isenabled()))
+        return apply(state, text, tz, on_error)
+
+    monkeypatch.setattr(pipeline_mod, "apply_server_text", spy)
+    assert gc.isenabled()
+    pipe = LogPipeline("default", str(tmp_path), timezone="UTC")
+    assert pipe.read_once().lines["server"] == many
+    assert seen == [(many, False)] and gc.isenabled()
+    append(tmp_path / "server.log", [line])
+    assert pipe.read_once().lines["server"] == many + 1
+    assert seen[-1] == (1, True) and gc.isenabled()
+
+    def broken(state, text, tz, on_error):  # type: ignore[no-untyped-def]
+        seen.append((text.count("\n"), gc.isenabled()))
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(pipeline_mod, "apply_server_text", broken)
+    with pytest.raises(RuntimeError):
+        LogPipeline("default", str(tmp_path), timezone="UTC").read_once()
+    assert seen[-1] == (many + 1, False) and gc.isenabled()
+    gc.disable()
+    try:
+        monkeypatch.setattr(pipeline_mod, "apply_server_text", spy)
+        LogPipeline("default", str(tmp_path), timezone="UTC").read_once()
+        assert seen[-1][1] is False and not gc.isenabled()
+    finally:
+        gc.enable()

@@ -238,7 +238,8 @@ def test_a_line_whose_handling_raises_costs_only_that_line(tmp_path):
     from mps_exporter.logs.events import Command
 
     (tmp_path / "control.log").write_text("\n".join([
-        LINE, "[2026-11-21 04:19:24.391 Control   546] Cmd:set_default_active_thread_percentage 50", LINE]) + "\n")
+        # a command the parser takes (logs/echoes.py counts most others without it)
+        LINE, "[2026-11-21 04:19:24.391 Control   546] Cmd:set_active_thread_percentage 654 50", LINE]) + "\n")
 
     def broken(ev: object) -> None:
         raise RuntimeError("a bug in a handler")
