@@ -214,7 +214,9 @@ class RecordingFollower(FileFollower):
     def poll(self, max_bytes: int = 1 << 20) -> Tuple[List[str], int]:
         lines, truncated = super().poll(max_bytes)
         now = time.monotonic_ns()
-        for line in lines:
+        # The pipeline reads through poll_text, where an item of `lines` may be a run of
+        # whole lines joined by newlines (FileFollower._split): each is a line of its own.
+        for line in (one for item in lines for one in item.split("\n")):
             m = LINE.search(line) if WHOLE.match(line) else None
             if m:
                 self.seen.append(int(m.group(1)))
