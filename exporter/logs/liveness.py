@@ -39,9 +39,12 @@ class ProcLiveness:
         if self._daemon is None or self._daemon[0] != pid:
             try:
                 with open(os.path.join(self.root, str(pid), "cmdline"), "rb") as f:
-                    self._daemon = (pid, b"nvidia-cuda-mps-control" in f.read())
+                    cmdline = f.read()
             except OSError:
                 return False  # not (yet) visible: asked again next time
+            if not cmdline:  # in exec() (its arguments not yet set up), or a zombie: ask again
+                return False
+            self._daemon = (pid, b"nvidia-cuda-mps-control" in cmdline)
         return self._daemon[1]
 
     def gone(self, pid: int) -> bool:

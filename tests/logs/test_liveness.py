@@ -107,12 +107,37 @@ def processes(tmp_path: Path) -> Iterator[Tuple[subprocess.Popen, subprocess.Pop
     shutil.copy(shutil.which("sleep") or "/bin/sleep", daemon_binary)
     daemon = subprocess.Popen([str(daemon_binary), "120"])
     client = subprocess.Popen(["sleep", "120"])
+    _wait_for_arguments(daemon.pid)
     try:
         yield daemon, client
     finally:
         for p in (daemon, client):
             p.kill()
             p.wait()
+
+
+def _wait_for_arguments(pid: int, timeout: float = 5.0) -> None:
+    """Popen returns once exec() has begun, before the kernel has set up the new program's
+    arguments: until then /proc/PID/cmdline reads empty (CI saw the daemon so)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if f.read():
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} never showed its arguments")
+
+
+def test_a_daemon_pid_read_while_its_arguments_are_empty_is_asked_again(tmp_path: Path):
+    proc = tmp_path / "proc"
+    (proc / "42").mkdir(parents=True)
+    (proc / "42" / "cmdline").write_bytes(b"")  # in exec(), or a zombie
+    live = ProcLiveness(str(proc))
+    assert not live.sees_daemon(42)
+    (proc / "42" / "cmdline").write_bytes(b"nvidia-cuda-mps-control\x00-d\x00")
+    assert live.sees_daemon(42)
+    (proc / "42" / "cmdline").write_bytes(b"")  # an answer once given is kept for that PID
+    assert live.sees_daemon(42)
 
 
 def _wait_for_state(pid: int, state: str, timeout: float = 5.0) -> None:
