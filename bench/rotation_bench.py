@@ -211,19 +211,17 @@ class RecordingFollower(FileFollower):
         self.read_at: List[int] = []  # time.monotonic_ns() when each line of `seen` was handed out
         self.cut: List[str] = []  # lines handed out that are not a whole line the writer wrote
 
-    def poll(self, max_bytes: int = 1 << 20) -> Tuple[List[str], int]:
-        lines, truncated = super().poll(max_bytes)
+    def poll_text(self) -> Tuple[str, int]:
+        text, truncated = super().poll_text()  # what the pipeline reads: the batch, one text
         now = time.monotonic_ns()
-        # The pipeline reads through poll_text, where an item of `lines` may be a run of
-        # whole lines joined by newlines (FileFollower._split): each is a line of its own.
-        for line in (one for item in lines for one in item.split("\n")):
+        for line in text.split("\n")[:-1]:  # each line ends with a newline
             m = LINE.search(line) if WHOLE.match(line) else None
             if m:
                 self.seen.append(int(m.group(1)))
                 self.read_at.append(now)
             else:
                 self.cut.append(line)
-        return lines, truncated
+        return text, truncated
 
 
 def run(mode: str, period: float, seconds: float, rate: int, scrape_probe: bool = False,
