@@ -23,6 +23,7 @@ import copy
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -153,9 +154,8 @@ def main() -> None:
     if args.record:
         from bench.figures import record
 
-        def median(name: str) -> float:
-            moved = sorted(r["moved"] for r in rows[name])
-            return moved[len(moved) // 2]
+        def median(name: str) -> float:  # the upper one of an even count of rounds
+            return statistics.median_high(r["moved"] for r in rows[name])
 
         record("moved-scrape", median("this tree"), median(args.against), rounds=args.rounds, scrapes=args.scrapes,
                this_tree=[round(r["moved"], 2) for r in rows["this tree"]],

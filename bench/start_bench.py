@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -107,9 +108,8 @@ def main() -> None:
         sys.path.insert(0, str(ROOT))
         from bench.figures import record
 
-        def median(kind: str) -> float:
-            walls = sorted(w for w, _ in runs[kind])
-            return walls[len(walls) // 2]
+        def median(kind: str) -> float:  # the printed median: the upper one of an even count
+            return statistics.median_high(w for w, _ in runs[kind])
 
         record("first-scrape", median("mps-exporter replay"), median("client_python anchor"), runs=args.runs,
                every_run=[round(w, 3) for w, _ in runs["mps-exporter replay"]])

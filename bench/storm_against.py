@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,8 +83,7 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     medians = {}
     for name, results in rows.items():
-        p99s = sorted(r["p99"] for r in results)
-        medians[name] = p99s[len(p99s) // 2]
+        medians[name] = statistics.median_high(r["p99"] for r in results)
         p50s = " / ".join(f"{r['p50']:.0f}" for r in results)
         print(f"| {name} | {p50s} | {' / '.join(f'{r:.0f}' for r in (x['p99'] for x in results))} | "
               f"{medians[name]:.0f} |")
