@@ -90,7 +90,7 @@ def measure(gpus: int, per_gpu: int, scrapes: int) -> Dict[str, float]:
     return {k: sorted(v)[len(v) // 2] * 1000 for k, v in cpus.items()}
 
 
-def _tree(rev: str, into: Path) -> Path:
+def revision_tree(rev: str, into: Path) -> Path:
     """REV's exporter/, tests/ and bench/ under `into`, exporter/ importable as mps_exporter."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, "exporter", "tests", "bench"],
                              check=True, capture_output=True).stdout
@@ -133,7 +133,7 @@ def main() -> None:
         return
     rows: Dict[str, List[Dict[str, float]]] = {"this tree": [], args.against: []}
     with tempfile.TemporaryDirectory() as tmp:
-        tree = _tree(args.against, Path(tmp)) if args.against else None
+        tree = revision_tree(args.against, Path(tmp)) if args.against else None
         for _ in range(args.rounds):
             if tree is not None:
                 rows[args.against].append(_child(tree, args))

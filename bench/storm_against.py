@@ -68,11 +68,11 @@ def main() -> None:
     if args.record and not args.against.startswith("c5fc7fc"):
         ap.error("--record: the figure's reference is c5fc7fc (--against c5fc7fc)")
     sys.path.insert(0, str(ROOT))
-    from bench.moved_bench import _tree
+    from bench.moved_bench import revision_tree
 
     rows: Dict[str, List[Dict[str, float]]] = {"this tree": [], args.against: []}
     with tempfile.TemporaryDirectory() as tmp:
-        tree = _tree(args.against, Path(tmp))
+        tree = revision_tree(args.against, Path(tmp))
         for _ in range(args.rounds):
             rows[args.against].append(run_round(tree, args.seconds))
             rows["this tree"].append(run_round(None, args.seconds))
