@@ -50,27 +50,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu_ns(pid: int) -> Optional[Dict[str, int]]:
-    """Each live thread's CPU time in ns (schedstat: exact, where utime + stime count 10 ms
-    ticks); None where the kernel keeps no schedstat."""
+Threads = Dict[str, Tuple[str, int]]  # thread id -> (its name as the kernel keeps it, its CPU in ns)
+
+
+def threads_cpu(pid: int) -> Optional[Threads]:
+    """Each live thread's name and CPU time in ns (schedstat: exact, where utime + stime
+    count 10 ms ticks); None where the kernel keeps no schedstat."""
     if not os.path.exists(f"/proc/{pid}/schedstat"):
         return None
-    out: Dict[str, int] = {}
+    out: Threads = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
+            with open(f"/proc/{pid}/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                name = f.read().strip()
             with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f:
-                out[tid] = int(f.read().split()[0])
+                out[tid] = (name, int(f.read().split()[0]))
         except OSError:  # the thread ended meanwhile
             pass
     return out
 
 
-def thread_cpu_seconds_between(before: Optional[Dict[str, int]], after: Optional[Dict[str, int]]) -> Optional[float]:
+def thread_cpu_seconds_between(before: Optional[Threads], after: Optional[Threads]) -> Optional[float]:
     """CPU of the threads alive at the end since `before` (a thread that began meanwhile from
     0; one that ended meanwhile is not counted: the ticks' figure is printed beside)."""
     if before is None or after is None:
         return None
-    return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
+    return sum(ns - before.get(tid, (name, 0))[1] for tid, (name, ns) in after.items()) / 1e9
 
 
 def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool, exit_status: bool) -> None:
@@ -232,10 +237,10 @@ def measure(interval: float, seconds: float, node_exporter: str, readings: str, 
             time.sleep(WARM_UP_SECONDS + 3 * interval)  # the refresher knows the spacing after three scrapes
             c_mps, c_node, (r0, h0), t0 = (cpu_seconds(mps.pid), cpu_seconds(node.pid), rounds(mps, rounds_file),
                                            time.monotonic())
-            n_mps, n_node = thread_cpu_ns(mps.pid), thread_cpu_ns(node.pid)
+            n_mps, n_node = threads_cpu(mps.pid), threads_cpu(node.pid)
             time.sleep(seconds)
-            n_mps_s = thread_cpu_seconds_between(n_mps, thread_cpu_ns(mps.pid))
-            n_node_s = thread_cpu_seconds_between(n_node, thread_cpu_ns(node.pid))
+            n_mps_s = thread_cpu_seconds_between(n_mps, threads_cpu(mps.pid))
+            n_node_s = thread_cpu_seconds_between(n_node, threads_cpu(node.pid))
             c_mps, c_node = cpu_seconds(mps.pid) - c_mps, cpu_seconds(node.pid) - c_node
             elapsed = time.monotonic() - t0
             r1, h1 = rounds(mps, rounds_file)

@@ -21,12 +21,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from bench.cost_bench import Scraper, scrape_timeout, serves_metrics  # noqa: E402 (Prometheus' scrapes, as cost_bench makes them)
+from bench.cost_bench import Scraper, Threads, scrape_timeout, serves_metrics, threads_cpu  # noqa: E402 (Prometheus' scrapes, as cost_bench makes them)
 
 TICK = os.sysconf("SC_CLK_TCK")
 # (phase, scrape interval in s or None, seconds measured, seconds before: the pacing learns
@@ -65,21 +65,7 @@ def exporter(package: Path, port: int, pipe: Path, logs: Path, out: Path, name: 
         env=env, stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT)
 
 
-def threads_ns(pid: int) -> Dict[str, Tuple[str, int]]:
-    """tid -> (the thread's name, its CPU in ns from schedstat)."""
-    out: Dict[str, Tuple[str, int]] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm", encoding="utf-8") as f:
-                comm = f.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f:
-                out[tid] = (comm, int(f.read().split()[0]))
-        except OSError:
-            pass
-    return out
-
-
-def by_thread(before: Dict[str, Tuple[str, int]], after: Dict[str, Tuple[str, int]], seconds: float) -> Dict[str, float]:
+def by_thread(before: Threads, after: Threads, seconds: float) -> Dict[str, float]:
     """CPU ms/s per thread name (the per-GPU NVML reads as one) of the threads alive at the end."""
     out: Dict[str, float] = {}
     for tid, (comm, ns) in after.items():
@@ -143,11 +129,11 @@ def main() -> int:
                          for name, port in targets.items()} if interval else {})
             time.sleep(before * args.scale)
             c0, t0 = {name: cpu(pid) for name, pid in pids.items()}, time.monotonic()
-            th0 = {name: threads_ns(pid) for name, pid in pids.items()}
+            th0 = {name: threads_cpu(pid) or {} for name, pid in pids.items()}
             n0 = {name: len(s.latencies) for name, s in scrapers.items()}
             time.sleep(seconds * args.scale)
             c1, elapsed = {name: cpu(pid) for name, pid in pids.items()}, time.monotonic() - t0
-            th1 = {name: threads_ns(pid) for name, pid in pids.items()}
+            th1 = {name: threads_cpu(pid) or {} for name, pid in pids.items()}
             for s in scrapers.values():
                 s.stop()
             row: Dict[str, Any] = {"phase": phase, "seconds": round(elapsed, 1), "load": os.getloadavg()}

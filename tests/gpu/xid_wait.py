@@ -14,43 +14,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Dict, Optional
 
-# The watcher's default wait (bound when XidWatcher was defined) replaced before serve builds it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cost_bench import threads_cpu  # noqa: E402
+from tests.gpu.node_cost import NAMED_THREADS  # noqa: E402
+from tests.support.prometheus import free_port  # noqa: E402
+
+# The watcher's default wait (bound when XidWatcher was defined) replaced before serve builds
+# it; then serve as node_cost starts it, each thread named for its schedstat.
 SERVE = ("import sys\nfrom mps_exporter.sources import xid\n"
-         "d = list(xid.XidWatcher.__init__.__defaults__); d[2] = int(sys.argv[1])\n"
-         "xid.XidWatcher.__init__.__defaults__ = tuple(d)\n"
-         # Python names no OS thread: the Xid thread names itself, for its schedstat
-         "import ctypes\nlibc = ctypes.CDLL(None)\nrun = xid.XidWatcher._run\n"
-         "xid.XidWatcher._run = lambda self: (libc.prctl(15, b'mps-xid-events', 0, 0, 0), run(self))[1]\n"
-         "from mps_exporter.cli import main\nsys.exit(main(['serve', '--web.listen-address', '127.0.0.1:' + sys.argv[2]]))\n")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+         "d = list(xid.XidWatcher.__init__.__defaults__); d[2] = int(sys.argv.pop(1))\n"
+         "xid.XidWatcher.__init__.__defaults__ = tuple(d)\n") + NAMED_THREADS
 
 
 def xid_thread_ns(pid: int) -> Optional[int]:
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                if f.read().strip() != "mps-xid-events":
-                    continue
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                return int(f.read().split()[0])
-        except OSError:
-            continue
-    return None
+    return next((ns for name, ns in (threads_cpu(pid) or {}).values() if name == "mps-xid-events"), None)
 
 
 def metrics(port: int) -> Optional[str]:
@@ -63,7 +50,8 @@ def metrics(port: int) -> Optional[str]:
 
 def one(wait_ms: int, seconds: float) -> Dict[str, object]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(wait_ms), str(port)],
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(wait_ms), "serve", "--web.listen-address",
+                             f"127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     out: Dict[str, object] = {"wait_ms": wait_ms}
     try:
