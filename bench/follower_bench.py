@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The log reader's CPU while the exporter's own control command writes its lines into
 control.log once per scrape, the only lines of a quiet node (issue 44): the reader's
-thread CPU (schedstat) at QUIET_ROUNDS as it is, beside the 8 rounds before it (the
+thread CPU (its CPU-time clock) at QUIET_ROUNDS as it is, beside the 8 rounds before it (the
 reference), in turns, each in a fresh process.
 
 Each command writes 6 lines at once (a connection, the UI, `Cmd:get_server_list`, as a
@@ -44,20 +44,15 @@ def child(rounds: int, interval: float, seconds: float) -> float:
 
         reader = pipeline.LogPipeline("bench", directory, timezone="UTC")
         reader.start()
-        assert reader._thread is not None
-        stat = f"/proc/self/task/{reader._thread.native_id}/schedstat"
+        assert reader._thread is not None and reader._thread.ident is not None
+        clock = time.pthread_getcpuclockid(reader._thread.ident)  # the reader thread's CPU, as rotation_bench
         command()
         time.sleep(3)  # read, published, quiet
-
-        def cpu_ns() -> int:
-            with open(stat, encoding="ascii") as f:
-                return int(f.read().split()[0])
-
-        before, started = cpu_ns(), time.monotonic()
+        before, started = time.clock_gettime(clock), time.monotonic()
         while time.monotonic() - started < seconds:
             command()
             time.sleep(interval)
-        used = (cpu_ns() - before) / 1e6 / (time.monotonic() - started)
+        used = (time.clock_gettime(clock) - before) * 1000 / (time.monotonic() - started)
         reader.stop()
     return used
 
