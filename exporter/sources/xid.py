@@ -4,8 +4,9 @@ A thread of its own (`XidWatcher`) creates an NVML event set, registers every GP
 `nvmlEventTypeXidCriticalError` and waits on the set (`nvmlEventSetWait_v2`); each event
 counts under (GPU, Xid code) with the time it was seen. An event ends a wait at once, so
 the wait's timeout only says how often the thread looks at `close`: long, since each
-wake-up costs CPU (issue 44), and `close` does not wait for it. A scrape only copies those counters: it never asks NVML
-anything, and an Xid between two scrapes is counted, not sampled away.
+wake-up costs CPU (issue 44), and `close` does not wait for it. A scrape only copies
+those counters: it never asks NVML anything, and an Xid between two scrapes is counted,
+not sampled away.
 
 A module of its own, not a part of the NVML source: that source reads every GPU
 once per refresh in a pool of threads and re-initialises NVML when it stops
