@@ -24,7 +24,7 @@ from mps_exporter.sources.xid import MAX_XID_CODES, XidReading, XidUnavailable, 
 from tests.fakes import fake_pynvml as fp
 from tests.fakes.fake_pynvml import FakeNvml
 
-BOUND = 10.0  # seconds a test may wait for the thread before it fails
+BOUND = 10.0  # seconds a test may wait for the thread (its close too) before it fails
 
 
 class Clock:
@@ -44,7 +44,7 @@ def started():
     watcher.start()
     _wait_registered(watcher)
     yield fake, watcher, clock
-    watcher.close()
+    watcher.close(timeout=BOUND)
 
 
 def _wait_registered(watcher: XidWatcher, setups: int = 1) -> None:
@@ -129,7 +129,7 @@ def test_a_gpu_without_xid_events_says_so_in_one_series():
         assert f'mps_gpu_xid_events_registered{{gpu="0",uuid="{fake.gpus[0].uuid}"}} 1.0' in text
         assert fake.inject_xid(1, 79) == 0  # nobody listens on GPU 1
     finally:
-        watcher.close()
+        watcher.close(timeout=BOUND)
 
 
 def test_no_gpu_registered_stops_the_thread_and_says_so():
@@ -142,7 +142,7 @@ def test_no_gpu_registered_stops_the_thread_and_says_so():
     assert [(g.registered, g.error) for g in watcher.read().gpus] == [
         (False, "cannot register its Xid events: Insufficient Permissions")]
     assert fake.event_sets[0].freed
-    watcher.close()
+    watcher.close(timeout=BOUND)
     assert fake._init_count == 0
 
 
@@ -151,7 +151,7 @@ def test_nvml_that_cannot_initialise_fails_the_read():
     watcher.catch_up()
     with pytest.raises(XidUnavailable, match="NVML cannot initialise"):
         watcher.read()
-    watcher.close()
+    watcher.close(timeout=BOUND)
 
 
 def test_not_started_reads_as_no_gpu():
@@ -165,10 +165,10 @@ def test_close_stops_the_thread_frees_the_set_and_shuts_nvml_down(started):
     fake, watcher, _clock = started
     thread = watcher._thread
     assert thread.is_alive() and fake._init_count == 1
-    watcher.close()
+    watcher.close(timeout=BOUND)
     assert not thread.is_alive()
     assert fake.event_sets[0].freed and fake._init_count == 0
-    watcher.close()  # twice is fine
+    watcher.close(timeout=BOUND)  # twice is fine
     assert fake.calls["nvmlShutdown"] == 1
 
 
@@ -205,7 +205,7 @@ def test_catch_up_takes_in_what_waits_without_blocking():
     watcher.catch_up()
     assert _by_gpu(watcher.read()) == {0: {"94": (2, 1_800_000_000.0)}}
     assert fake.calls["nvmlEventSetCreate"] == 1  # registered once
-    watcher.close()
+    watcher.close(timeout=BOUND)
     assert fake.event_sets[0].freed and fake._init_count == 0
 
 
@@ -223,7 +223,7 @@ def test_a_failed_wait_registers_again():
         assert watcher.wait_for_events(1, BOUND)
         assert watcher.read().gpus[0].xids["79"].count == 1
     finally:
-        watcher.close()
+        watcher.close(timeout=BOUND)
     assert all(s.freed for s in fake.event_sets) and fake._init_count == 0
 
 
