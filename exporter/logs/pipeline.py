@@ -47,18 +47,44 @@ PAUSE_GC_CHARACTERS = 100_000  # a batch this long or more (~1000 lines) is appl
 # A reader that read nothing for QUIET_ROUNDS rounds, with everything published and saved
 # and no client queued, sleeps until a log is written (inotify) or QUIET_SECONDS pass
 # instead of looking 4 times a second: ~0.3 ms of CPU a look was an idle exporter's whole
-# cost, 1.0-1.3 ms/s (issue 29 asks under 1); 0.5 now. QUIET_SECONDS bounds how late lines
-# are where inotify misses writes (network file systems). Without a watch it polls as before.
+# cost, 1.0-1.3 ms/s (issue 29 asks under 1); 0.5 now. Where inotify misses writes (network
+# file systems) lines are late by QUIET_MAX_SECONDS at most until the first such miss is
+# seen, QUIET_SECONDS after it (QuietWait). Without a watch it polls as before.
 # 2 rounds (0.5 s), not 8: the exporter's own command each scrape writes a few lines at
 # once, and 8 rounds looked 6 times more after each for nothing: at 15 s scrapes 0.31 ms/s
 # of a real H200 node's 1.09 went to this thread (issue 44). Lines coming more often than
 # every 0.5 s keep it looking every 250 ms, as before.
 QUIET_ROUNDS = 2
 QUIET_SECONDS = 2.0
+# Each quiet wait that runs out with nothing new to read doubles the next, up to
+# QUIET_MAX_SECONDS (QuietWait): where the watch has seen every write, a look every 2 s
+# finds nothing, and at 15 s scrapes those looks were most of this thread's CPU.
+QUIET_MAX_SECONDS = 16.0
 LIVENESS_SECONDS = 2.0  # how often /proc is asked about queued clients (a stat per client)
 # --mps.log-start: where a log the state file does not know is read from.
 LOG_START_BEGINNING, LOG_START_END = "beginning", "end"
 LOG_STARTS = (LOG_START_BEGINNING, LOG_START_END)
+
+
+class QuietWait:
+    """How long a quiet reader sleeps on inotify before it looks anyway: QUIET_SECONDS,
+    doubled after each wait that ran out and found nothing to read, up to QUIET_MAX_SECONDS.
+    A wait that ran out and then found lines shows that the watch misses writes here (a
+    network file system): from then on every quiet wait is QUIET_SECONDS, as before, so
+    lines are at most that late once the first such miss was found."""
+
+    def __init__(self) -> None:
+        self.seconds = QUIET_SECONDS
+        self.misses_writes = False
+
+    def ran_out(self, found_lines: bool) -> bool:
+        """After a quiet wait that ran out: whether this one showed the watch missing writes."""
+        if found_lines and not self.misses_writes:
+            self.misses_writes, self.seconds = True, QUIET_SECONDS
+            return True
+        if not self.misses_writes:
+            self.seconds = min(self.seconds * 2, QUIET_MAX_SECONDS)
+        return False
 
 
 class LogPipeline:
@@ -157,6 +183,8 @@ class LogPipeline:
     def _run(self) -> None:
         watch = self._watch
         idle_rounds = 0
+        quiet_wait = QuietWait()
+        ran_out = False  # the last pause was a quiet wait that ran out
         while not self._stop.is_set():
             busy = urgent = False
             self._read_lines = False
@@ -180,6 +208,10 @@ class LogPipeline:
                 self.errors += 1
                 if self.errors == 1:  # with its traceback once, not every 250 ms
                     log.exception("log pipeline %s: reading %s failed", self.daemon, self.log_directory)
+            if ran_out and quiet_wait.ran_out(self._read_lines):
+                log.info("log pipeline %s: lines in %s came without a write seen by inotify; while idle, "
+                         "looking every %g s from now on", self.daemon, self.log_directory, QUIET_SECONDS)
+            ran_out = False
             idle_rounds = 0 if self._read_lines else idle_rounds + 1
             if not busy:  # until the files change; with lines not yet published, no longer than that is due
                 due = self._published_at + PUBLISH_SECONDS - time.monotonic() if self._dirty else POLL_SECONDS
@@ -187,7 +219,8 @@ class LogPipeline:
                 try:
                     if watch is not None:
                         quiet = idle_rounds >= QUIET_ROUNDS and watch.watching and self._settled()
-                        watch.wait(QUIET_SECONDS if quiet else pause, writes=quiet)
+                        changed = watch.wait(quiet_wait.seconds if quiet else pause, writes=quiet)
+                        ran_out = quiet and not changed
                         continue
                 except Exception:  # a bug in the watch costs the wake-ups, never the reader
                     self.errors += 1

@@ -145,6 +145,57 @@ def test_an_idle_reader_sleeps_until_a_write_and_reads_it_at_once(tmp_path, capt
     assert pipe.errors == 0
 
 
+def test_quiet_waits_double_while_nothing_is_missed_and_stay_short_after_a_miss():
+    from mps_exporter.logs.pipeline import QUIET_MAX_SECONDS, QUIET_SECONDS, QuietWait
+
+    wait = QuietWait()
+    seen = [wait.seconds]
+    for _ in range(6):
+        assert wait.ran_out(found_lines=False) is False
+        seen.append(wait.seconds)
+    assert seen[0] == QUIET_SECONDS and seen[-1] == QUIET_MAX_SECONDS
+    assert all(b == min(2 * a, QUIET_MAX_SECONDS) for a, b in zip(seen, seen[1:]))
+    assert wait.ran_out(found_lines=True) is True  # lines the watch never reported
+    assert (wait.seconds, wait.misses_writes) == (QUIET_SECONDS, True)
+    assert wait.ran_out(found_lines=False) is False and wait.seconds == QUIET_SECONDS  # for good
+    assert wait.ran_out(found_lines=True) is False  # said once
+
+
+def test_a_reader_whose_watch_misses_writes_goes_back_to_short_quiet_waits(tmp_path, capture_lines, monkeypatch,
+                                                                          caplog):
+    """Every wait runs out at once as if inotify saw nothing: the quiet waits grow while
+    nothing is found, and once lines turn up after one of them, stay QUIET_SECONDS."""
+    from mps_exporter.logs import pipeline as pipeline_module
+    from mps_exporter.logs.wake import DirectoryWatch
+
+    waits = []  # the timeout of each quiet wait
+
+    def ran_out(self, timeout, writes=False):
+        if writes:
+            waits.append(timeout)
+        time.sleep(0.005)  # no write is ever reported
+        return False
+
+    monkeypatch.setattr(DirectoryWatch, "wait", ran_out)
+    monkeypatch.setattr(DirectoryWatch, "watching", property(lambda self: True))
+    control = capture_lines["control"]
+    caplog.set_level("INFO", logger=pipeline_module.__name__)
+    with following(tmp_path, control[:5]) as (pipe, log):
+        assert wait_until(lambda: waits.count(pipeline_module.QUIET_MAX_SECONDS) >= 2)
+        growing = list(waits)
+        append(log, control[5:8])
+        assert wait_until(lambda: pipe.snapshot().lines["control"] == 8)
+        missed = len(waits)
+        assert wait_until(lambda: len(waits) >= missed + 3)
+    doubling = [pipeline_module.QUIET_SECONDS]
+    while doubling[-1] < pipeline_module.QUIET_MAX_SECONDS:
+        doubling.append(min(2 * doubling[-1], pipeline_module.QUIET_MAX_SECONDS))
+    assert growing[:len(doubling) + 1] == doubling + [pipeline_module.QUIET_MAX_SECONDS]
+    assert set(waits[missed:]) == {pipeline_module.QUIET_SECONDS}
+    assert "came without a write seen by inotify" in caplog.text
+    assert pipe.errors == 0
+
+
 def test_restart_with_state_file_neither_loses_nor_double_counts(tmp_path, capture_lines):
     logs, store_path = tmp_path / "logs", tmp_path / "state.json"
     logs.mkdir()
