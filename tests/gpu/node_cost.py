@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,10 +58,28 @@ NAMED_THREADS = ("import ctypes, sys, threading\nlibc = ctypes.CDLL(None)\nboot 
                  "sys.exit(main(sys.argv[1:]))\n")
 
 
-def exporter(package: Path, port: int, pipe: Path, logs: Path, out: Path, name: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": f"{package}:/tmp/site"}
+# NAMED_THREADS with every thread profiled by yappi (carried in .whl/: CPython 3.12's
+# cProfile is one profiler for all threads), CPU clock: on SIGUSR2 each thread's counts so
+# far go to $MPS_PROFILE_OUT.<n> (marshal: (thread, function) -> (own s, with callees s,
+# calls)); two of them bound the window (--profile).
+PROFILED_THREADS = NAMED_THREADS.replace("from mps_exporter.cli import main\n", (
+    "import marshal, os, signal, yappi\n"
+    "def dump(*_):\n    names = {t.ident: t.name for t in threading.enumerate()}\n    out = {}\n"
+    "    for t in yappi.get_thread_stats():\n"
+    "        for f in yappi.get_func_stats(filter={'ctx_id': t.id}):\n"
+    "            key = (names.get(t.tid, t.name), f.full_name)\n            o = out.get(key, (0.0, 0.0, 0))\n"
+    "            out[key] = (o[0] + f.tsub, o[1] + f.ttot, o[2] + f.ncall)\n"
+    "    with open(os.environ['MPS_PROFILE_OUT'] + f'.{dump.n}', 'wb') as f:\n        marshal.dump(out, f)\n"
+    "    dump.n += 1\ndump.n = 0\nsignal.signal(signal.SIGUSR2, dump)\n"
+    "yappi.set_clock_type('cpu')\nyappi.start(builtins=True, profile_threads=True)\n"
+    "from mps_exporter.cli import main\n"))
+
+
+def exporter(package: Path, port: int, pipe: Path, logs: Path, out: Path, name: str,
+             bootstrap: str = NAMED_THREADS) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{package}:/tmp/site", "MPS_PROFILE_OUT": str(out / f"{name}.profile")}
     return subprocess.Popen(
-        [sys.executable, "-c", NAMED_THREADS, "serve", "--mps.pipe-directory", str(pipe),
+        [sys.executable, "-c", bootstrap, "serve", "--mps.pipe-directory", str(pipe),
          "--mps.log-directory", str(logs), "--no-collector.dcgm", "--web.listen-address", f"127.0.0.1:{port}"],
         env=env, stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT)
 
@@ -85,7 +104,11 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--busy", type=int, default=4)
     ap.add_argument("--scale", type=float, default=1.0, help="the phases' seconds times this (a dry run off the GPU)")
+    ap.add_argument("--profile", type=float, metavar="SECONDS",
+                    help="instead: this tree alone, every thread profiled (yappi, from .whl/), scraped every 15 s for "
+                         "SECONDS; writes DIR/profile.md, where each function's time goes per scrape")
     args = ap.parse_args()
+    phases = (("15 s profiled", 15.0, args.profile, 46.0),) if args.profile else PHASES
     pipe, logs, clients_dir = args.work / "pipe", args.work / "log", args.work / "clients"
     for d in (pipe, logs, clients_dir, args.out):
         d.mkdir(parents=True, exist_ok=True)
@@ -110,6 +133,8 @@ def main() -> int:
             time.sleep(0.5)
         report["clients_ready"] = sum((clients_dir / f"ready-{i}").exists() for i in range(args.clients))
         targets = {"mps-exporter (this tree)": 10138, f"mps-exporter ({args.old_name})": 10148, "node_exporter": 9100}
+        if args.profile:
+            targets = {"mps-exporter (this tree)": 10138}
         pids: Dict[str, int] = {}
         for name, port in targets.items():
             if name == "node_exporter":
@@ -117,22 +142,28 @@ def main() -> int:
                                      stdout=open(args.out / "node_exporter.log", "w"), stderr=subprocess.STDOUT)
             else:
                 package = args.new_package if "this tree" in name else args.old_package
-                p = exporter(package, port, pipe, logs, args.out, f"exporter-{port}")
+                p = exporter(package, port, pipe, logs, args.out, f"exporter-{port}",
+                             PROFILED_THREADS if args.profile else NAMED_THREADS)
             procs.append(p)
             pids[name] = p.pid
         for port in targets.values():
             if not serves_metrics(port, 90):
                 raise RuntimeError(f"nothing serves /metrics on port {port}")
         time.sleep(10 * args.scale)  # start-up done: the first scrape above read everything once
-        for phase, interval, seconds, before in PHASES:
+        for phase, interval, seconds, before in phases:
             scrapers = ({name: Scraper(port, interval, scrape_timeout(interval)).start()
                          for name, port in targets.items()} if interval else {})
             time.sleep(before * args.scale)
+            if args.profile:
+                os.kill(pids["mps-exporter (this tree)"], signal.SIGUSR2)
             c0, t0 = {name: cpu(pid) for name, pid in pids.items()}, time.monotonic()
             th0 = {name: threads_cpu(pid) or {} for name, pid in pids.items()}
             n0 = {name: len(s.latencies) for name, s in scrapers.items()}
             time.sleep(seconds * args.scale)
             c1, elapsed = {name: cpu(pid) for name, pid in pids.items()}, time.monotonic() - t0
+            if args.profile:
+                os.kill(pids["mps-exporter (this tree)"], signal.SIGUSR2)
+                time.sleep(2)  # the profile written
             th1 = {name: threads_cpu(pid) or {} for name, pid in pids.items()}
             for s in scrapers.values():
                 s.stop()
@@ -163,7 +194,37 @@ def main() -> int:
                        capture_output=True)
         (args.out / "node_cost.json").write_text(json.dumps(report, indent=1))
         (args.out / "node_cost.md").write_text(markdown(report))
+        if args.profile and report["phases"]:
+            (args.out / "profile.md").write_text(profile_markdown(
+                args.out / "exporter-10138.profile", report["phases"][0]["mps-exporter (this tree)"]["scrapes"]))
     return 0
+
+
+def profile_markdown(stem: Path, scrapes: int, top: int = 60) -> str:
+    """Where the window's CPU went (profiled: each call costs more than unprofiled, the
+    shares are the point), per thread and per function, per scrape."""
+    import marshal
+
+    before, after = (marshal.loads(Path(f"{stem}.{n}").read_bytes()) for n in (0, 1))
+    per = max(1, scrapes)
+    threads: Dict[str, float] = {}
+    functions: Dict[str, List[float]] = {}
+    for (thread, function), (own, total, calls) in after.items():
+        if function.endswith(" dump") or "yappi" in function:  # the first dump, inside the window
+            continue
+        o0, t0, n0 = before.get((thread, function), (0.0, 0.0, 0))
+        name = "mps-read-nvml-N" if thread.startswith("mps-read-nvml-") and thread[14:].isdigit() else thread
+        threads[name] = threads.get(name, 0.0) + own - o0
+        row = functions.setdefault(f"{name} {function}", [0.0, 0.0, 0.0])
+        row[0] += own - o0
+        row[1] += total - t0
+        row[2] += calls - n0
+    lines = [f"Profiled, {scrapes} scrapes: ms per scrape", "", "| thread | own ms |", "| --- | --- |"]
+    lines += [f"| {t} | {v * 1000 / per:.3f} |" for t, v in sorted(threads.items(), key=lambda kv: -kv[1])]
+    lines += ["", "| thread, function | own ms | with callees ms | calls |", "| --- | --- | --- | --- |"]
+    lines += [f"| {f} | {v[0] * 1000 / per:.3f} | {v[1] * 1000 / per:.3f} | {v[2] / per:.1f} |"
+              for f, v in sorted(functions.items(), key=lambda kv: -kv[1][0])[:top]]
+    return "\n".join(lines) + "\n"
 
 
 def markdown(report: Dict[str, Any]) -> str:

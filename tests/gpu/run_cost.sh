@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the lent GPU machine, from the repository root (issue 44):
-#   [CLIENTS=8 BUSY=4] bash tests/gpu/run_cost.sh [OLD_NAME]
-# node_cost.py: this tree's exporter and .old/exporter (OLD_NAME's tree, from
+#   [CLIENTS=8 BUSY=4] [OLD=.old] bash tests/gpu/run_cost.sh [OLD_NAME]
+# node_cost.py: this tree's exporter and $OLD/exporter (OLD_NAME's tree, from
 # `git archive OLD_NAME exporter | tar x -C .old`) side by side on one MPS daemon, beside
 # .bin/node_exporter. Packs $OUT/cost.tgz. The MPS daemon is told to quit whatever happens.
 set -u
@@ -14,7 +14,7 @@ pack() {
 }
 trap pack EXIT
 . $REPO/tests/gpu/device_env.sh
-mkdir -p /tmp/pkgold && ln -sfn $REPO/.old/exporter /tmp/pkgold/mps_exporter
+mkdir -p /tmp/pkgold && ln -sfn $REPO/${OLD:-.old}/exporter /tmp/pkgold/mps_exporter
 { nproc; uptime; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > $C/env.txt 2>&1
 timeout -s INT 520 python3 $REPO/tests/gpu/node_cost.py --work /tmp/mps-cost --out $C --old-package /tmp/pkgold \
   --old-name "${1:-c5fc7fc}" --node-exporter $REPO/.bin/node_exporter --clients ${CLIENTS:-8} --busy ${BUSY:-4} \
