@@ -62,9 +62,11 @@ NAMED_THREADS = ("import ctypes, sys, threading\nlibc = ctypes.CDLL(None)\nboot 
 # cProfile is one profiler for all threads), CPU clock: on SIGUSR2 each thread's counts so
 # far go to $MPS_PROFILE_OUT.<n> (marshal: (thread, function) -> (own s, with callees s,
 # calls)); two of them bound the window (--profile).
-PROFILED_THREADS = NAMED_THREADS.replace("from mps_exporter.cli import main\n", (
-    "import marshal, os, signal, yappi\n"
-    "def dump(*_):\n    names = {t.ident: t.name for t in threading.enumerate()}\n    out = {}\n"
+PROFILED_THREADS = NAMED_THREADS.replace("    boot(self)\n", (
+    "    thread_names[threading.get_ident()] = self.name\n    boot(self)\n")).replace(
+    "from mps_exporter.cli import main\n", (
+    "import marshal, os, signal, yappi\nthread_names = {}  # ident -> name, the ended threads' too\n"
+    "def dump(*_):\n    names = {**thread_names, threading.main_thread().ident: 'MainThread'}\n    out = {}\n"
     "    for t in yappi.get_thread_stats():\n"
     "        for f in yappi.get_func_stats(filter={'ctx_id': t.id}):\n"
     "            key = (names.get(t.tid, t.name), f.full_name)\n            o = out.get(key, (0.0, 0.0, 0))\n"
