@@ -181,6 +181,26 @@ def test_a_process_list_that_stays_equal_is_given_again_as_the_very_same_list():
     assert moved.gpus[1].mps_clients[0].used_bytes == first.gpus[1].mps_clients[0].used_bytes + (1 << 20)
 
 
+def test_newer_utilization_samples_at_the_same_ratios_are_the_last_list_again():
+    # The readings then compare equal and a scrape reuses their encoding (render.readings_key).
+    nvml = FakeNvml.synthetic(gpus=2, clients_per_gpu=3)
+    client = NvmlClient(nvml, wait_for_every_answer=True)
+    first = client.read()
+    assert all(g.process_utilization for g in first.gpus)
+    nvml.advance(15.0)  # newer samples, same processes, same ratios
+    again = client.read()
+    for a, b in zip(first.gpus, again.gpus):
+        assert b.process_utilization is a.process_utilization
+    server = again.gpus[1].process_utilization[0].pid
+    nvml.gpus[1].sm_util_by_pid[server] = (41, 3)  # GPU 1's server now at 41 %
+    nvml.advance(15.0)
+    moved = client.read()
+    assert moved.gpus[0].process_utilization is first.gpus[0].process_utilization
+    assert moved.gpus[1].process_utilization is not first.gpus[1].process_utilization
+    assert [u.sm_ratio for u in moved.gpus[1].process_utilization] == [0.41]
+    assert moved.gpus[1].process_utilization[0].timestamp_us > first.gpus[1].process_utilization[0].timestamp_us
+
+
 @pytest.mark.parametrize("name", ["c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t"])
 def test_process_rows_are_unpacked_by_the_real_structs_layout(name):
     struct = getattr(pynvml, name)  # nvidia-ml-py's own: the layout the driver fills
@@ -388,10 +408,14 @@ def test_last_seen_timestamp_advances_between_scrapes():
     assert second.up and second.process_utilization == []
     fake.advance(5)
     third = source.read().gpus[0].process_utilization
-    assert [u.timestamp_us for u in third] == [t1 + 5_000_000]
+    # A newer sample at the same ratio serves the same series: the list served before, its
+    # sample time and all; the next ask starts after the newer sample all the same.
+    assert third is first
+    fake.advance(5)
+    source.read()
     # Each GPU keeps its own last-seen (the first read asks twice: the count, then the samples).
-    assert [ts for i, ts in asked if i == 0] == [0, 0, t1, t1]
-    assert [ts for i, ts in asked if i == 1] == [0, 0, t1, t1]
+    assert [ts for i, ts in asked if i == 0] == [0, 0, t1, t1, t1 + 5_000_000]
+    assert [ts for i, ts in asked if i == 1] == [0, 0, t1, t1, t1 + 5_000_000]
 
 
 def test_newest_sample_per_pid_wins():

@@ -394,6 +394,7 @@ class NvmlClient:
         # (one NVML call fewer per GPU and round, issue 44)
         self._handles: Dict[int, Any] = {}
         self._last_seen_us: Dict[int, int] = {}  # index -> newest process-utilization sample
+        self._utilization: Dict[int, List[ProcessUtilization]] = {}  # index -> the samples served last
         self._gpm_prev: Dict[int, Any] = {}  # index -> previous GPM sample (to free later)
         # index -> the sample before it, its interval taken: the next sample is taken into it
         # (an alloc and a free fewer per GPU and round)
@@ -437,6 +438,7 @@ class NvmlClient:
         self._gpm_spare.clear()
         self._gpm_supported.clear()
         self._last_seen_us.clear()
+        self._utilization.clear()
         self._identity.clear()
         self._handles.clear()
         self._modes.clear()
@@ -613,7 +615,16 @@ class NvmlClient:
         if newest:
             self._last_seen_us[index] = max(
                 self._last_seen_us.get(index, 0), max(u.timestamp_us for u in newest.values()))
-        return sorted(newest.values(), key=lambda u: u.pid)
+        now = sorted(newest.values(), key=lambda u: u.pid)
+        # Newer samples of the same processes at the same ratios serve the same series: the
+        # list of the last round again, so that the readings compare equal and a scrape
+        # reuses their encoding (render.readings_key) instead of rendering every family for
+        # a sample time nobody is shown (issue 44).
+        last = self._utilization.get(index)
+        if last is not None and [(u.pid, u.sm_ratio) for u in last] == [(u.pid, u.sm_ratio) for u in now]:
+            return last
+        self._utilization[index] = now
+        return now
 
     # ------------------------------------------------------------------ GPM
     def _gpm_activity(self, nvml: Any, handle: Any, index: int) -> Dict[str, float]:
