@@ -27,7 +27,7 @@ from .logs.render import render_log_metrics
 from .runtime_metadata import CONTAINER, NAMES_SOURCE as _NAMES_SOURCE, NAMESPACE, OWNER, POD
 from .join import (ClientMemory, ClientRow, DaemonRow, GpuRow, Rows, ServerRow, client_left_out, client_memory,
                    reading_fields, rows_of, sharing_mode, sm_utilization)
-from .model import EDGE_REASONS, EdgeReport, Outcome, Snapshot
+from .model import EDGE_REASONS, EdgeReport, LogSnapshot, Outcome, Snapshot
 
 __all__ = ["ClientMemory", "FamilyBuilder", "Outcome", "Snapshot", "client_memory", "readings_key", "render",
            "render_readings", "sharing_mode", "sm_utilization"]
@@ -265,7 +265,12 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
     if snap.edges is not None:
         render_edges(out, snap.edges, rows.uuids, granularity, memo)
     for name, log_snap in snap.logs.items():
-        render_log_metrics(out, name, log_snap, snap.now)
+        if memo is None:
+            render_log_metrics(out, name, log_snap, snap.now)
+        else:
+            memo.render_log(out, name, log_snap, snap.now)
+    if memo is not None:
+        memo.logs = {name: kept for name, kept in memo.logs.items() if name in snap.logs}
     for render_own in own_renders:
         render_own(out, snap)
 
@@ -475,6 +480,21 @@ class ClientTableMemo:
         self.edge_parts: ClientParts = []
         # Each GPU's (index, UUID) samples labelled by it alone, as emit_gpu last emitted them.
         self.gpus: Dict[Tuple[int, str], Dict[str, Sample]] = {}
+        # daemon -> its log pipeline's snapshot last rendered, and its families (render_log)
+        self.logs: Dict[str, Tuple[LogSnapshot, ClientParts]] = {}
+
+    def render_log(self, out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: float) -> None:
+        """The daemon's log families. The pipeline publishes a new snapshot when lines
+        change it, so the very same one with nobody queued (whose series alone follow the
+        clock) gives the samples of last time: a scrape whose GPU readings moved renders
+        them again, not the log counters that did not (issue 44)."""
+        kept = self.logs.get(daemon)
+        if kept is None or kept[0] is not snap or snap.pending:
+            part = FamilyBuilder()
+            render_log_metrics(part, daemon, snap, now)
+            kept = self.logs[daemon] = (snap, part.parts())
+        for name, samples in kept[1]:
+            out.extend(name, samples)
 
     def render_clients(self, out: FamilyBuilder, d: DaemonRow, uuids: Mapping[int, str]) -> None:
         """The daemon's client rows. A client whose series cannot be rendered is left out

@@ -381,3 +381,37 @@ def test_a_gpus_series_are_its_last_samples_where_their_value_stayed():
     plain = FamilyBuilder()
     emit_gpu(plain, gpu_row(busy_gpu(), "580.65.06", {}, {1589}, {1647, 1648, 1649}, {}))
     assert {name: samples[0] for name, samples in plain.parts() if len(samples) == 1} == emitted()
+
+
+def test_a_daemons_log_families_are_last_times_while_its_snapshot_stays_and_nobody_waits(monkeypatch):
+    # The pipeline publishes a new snapshot when lines change it; with a client queued the
+    # oldest wait follows the clock, so that snapshot is rendered at every scrape.
+    from mps_exporter import render as render_module
+    from mps_exporter.families import FamilyBuilder
+    from mps_exporter.model import LogSnapshot, PendingClient
+    from mps_exporter.render import ClientTableMemo
+
+    real = render_module.render_log_metrics
+    rendered_for = []
+    monkeypatch.setattr(render_module, "render_log_metrics",
+                        lambda out, daemon, snap, now: rendered_for.append(now) or real(out, daemon, snap, now))
+    memo = ClientTableMemo()
+
+    def families(snap, now, with_memo=True):
+        out = FamilyBuilder()
+        if with_memo:
+            memo.render_log(out, "default", snap, now)
+        else:
+            real(out, "default", snap, now)
+        return [(name, [(s.labels, s.value) for s in samples]) for name, samples in out.parts()]
+
+    quiet = LogSnapshot(counts={"mps_server_faults_total": 2}, commands={"ps": 7})
+    assert families(quiet, 100.0) == families(quiet, 100.0, with_memo=False)
+    assert families(quiet, 160.0) == families(quiet, 160.0, with_memo=False) and rendered_for == [100.0]
+    moved = LogSnapshot(counts={"mps_server_faults_total": 3}, commands={"ps": 7})  # a new line: a new snapshot
+    assert families(moved, 175.0) == families(moved, 175.0, with_memo=False) and rendered_for == [100.0, 175.0]
+    waiting = LogSnapshot(pending=[PendingClient(pid=4242, uid=1500, reason="user_switch", pushed_at=150.0)],
+                          queued={"user_switch": 1, "client_limit": 0})
+    at_160, at_190 = families(waiting, 160.0), families(waiting, 190.0)
+    assert at_160 == families(waiting, 160.0, with_memo=False) and at_190 == families(waiting, 190.0, with_memo=False)
+    assert at_160 != at_190 and rendered_for[-2:] == [160.0, 190.0]  # the oldest wait: 10 s, then 40 s
