@@ -51,7 +51,9 @@ class ProcessMemory:
 class ProcessUtilization:
     pid: int
     sm_ratio: float  # 0..1
-    timestamp_us: int  # NVML sample time, microseconds
+    # NVML sample time, microseconds: which sample is newest, never served, so not what a
+    # reading says (a newer sample at the same ratio is an equal reading; issue 44)
+    timestamp_us: int = field(compare=False)
 
 
 @dataclass

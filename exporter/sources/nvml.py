@@ -57,6 +57,7 @@ _VALUE_NOT_AVAILABLE_ULL = 2**64 - 1
 
 T = TypeVar("T")
 R = TypeVar("R")
+Listed = TypeVar("Listed", ProcessMemory, ProcessUtilization)  # a row of a list kept by _as_last
 
 
 # NVML's GPM calls are not thread-safe on driver 580, whatever its documentation says: two
@@ -394,7 +395,6 @@ class NvmlClient:
         # (one NVML call fewer per GPU and round, issue 44)
         self._handles: Dict[int, Any] = {}
         self._last_seen_us: Dict[int, int] = {}  # index -> newest process-utilization sample
-        self._utilization: Dict[int, List[ProcessUtilization]] = {}  # index -> the samples served last
         self._gpm_prev: Dict[int, Any] = {}  # index -> previous GPM sample (to free later)
         # index -> the sample before it, its interval taken: the next sample is taken into it
         # (an alloc and a free fewer per GPU and round)
@@ -405,7 +405,7 @@ class NvmlClient:
         self._modes: Dict[int, Tuple[float, str, bool]] = {}
         # (index, NVML function) -> the list it gave last: the same object again while equal,
         # so that what is joined from it is known unchanged by identity (join, issue 44)
-        self._lists: Dict[Tuple[int, str], List[ProcessMemory]] = {}
+        self._lists: Dict[Tuple[int, str], List[Any]] = {}
         self._direct: Optional[DirectLists] = None  # None: pynvml's public list functions
         self.gpm = GpmSampler(self._waits[1])  # the only caller of GPM while NVML is initialised
         self.gpus = PerGpuReads(self._waits[0])
@@ -438,7 +438,6 @@ class NvmlClient:
         self._gpm_spare.clear()
         self._gpm_supported.clear()
         self._last_seen_us.clear()
-        self._utilization.clear()
         self._identity.clear()
         self._handles.clear()
         self._modes.clear()
@@ -527,7 +526,7 @@ class NvmlClient:
         gpu.mps_clients = self._as_last(gpu.index, mps, [p for p in self._processes(nvml, mps, handle, gpu.index)
                                                          if p.pid in running or (p.used_bytes or 0) > 0])
 
-    def _as_last(self, index: int, function: str, processes: List[ProcessMemory]) -> List[ProcessMemory]:
+    def _as_last(self, index: int, function: str, processes: List[Listed]) -> List[Listed]:
         """`processes`, or the equal list this function gave on this GPU last time."""
         key = (index, function)
         last = self._lists.get(key)
@@ -615,16 +614,9 @@ class NvmlClient:
         if newest:
             self._last_seen_us[index] = max(
                 self._last_seen_us.get(index, 0), max(u.timestamp_us for u in newest.values()))
-        now = sorted(newest.values(), key=lambda u: u.pid)
-        # Newer samples of the same processes at the same ratios serve the same series: the
-        # list of the last round again, so that the readings compare equal and a scrape
-        # reuses their encoding (render.readings_key) instead of rendering every family for
-        # a sample time nobody is shown (issue 44).
-        last = self._utilization.get(index)
-        if last is not None and [(u.pid, u.sm_ratio) for u in last] == [(u.pid, u.sm_ratio) for u in now]:
-            return last
-        self._utilization[index] = now
-        return now
+        # Newer samples at the same ratios are an equal reading (the sample time is not compared):
+        # the last round's list, so that a scrape reuses the readings' encoding (issue 44).
+        return self._as_last(index, "nvmlDeviceGetProcessUtilization", sorted(newest.values(), key=lambda u: u.pid))
 
     # ------------------------------------------------------------------ GPM
     def _gpm_activity(self, nvml: Any, handle: Any, index: int) -> Dict[str, float]:
