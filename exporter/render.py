@@ -264,13 +264,11 @@ def render_readings(out: FamilyBuilder, snap: Snapshot, granularity: str = "clie
     render_rows(out, rows, granularity, memo)
     if snap.edges is not None:
         render_edges(out, snap.edges, rows.uuids, granularity, memo)
-    for name, log_snap in snap.logs.items():
-        if memo is None:
+    if memo is None:
+        for name, log_snap in snap.logs.items():
             render_log_metrics(out, name, log_snap, snap.now)
-        else:
-            memo.render_log(out, name, log_snap, snap.now)
-    if memo is not None:
-        memo.logs = {name: kept for name, kept in memo.logs.items() if name in snap.logs}
+    else:
+        memo.render_logs(out, snap.logs, snap.now)
     for render_own in own_renders:
         render_own(out, snap)
 
@@ -480,21 +478,25 @@ class ClientTableMemo:
         self.edge_parts: ClientParts = []
         # Each GPU's (index, UUID) samples labelled by it alone, as emit_gpu last emitted them.
         self.gpus: Dict[Tuple[int, str], Dict[str, Sample]] = {}
-        # daemon -> its log pipeline's snapshot last rendered, and its families (render_log)
+        # daemon -> its log pipeline's snapshot last rendered, and its families (render_logs)
         self.logs: Dict[str, Tuple[LogSnapshot, ClientParts]] = {}
 
-    def render_log(self, out: FamilyBuilder, daemon: str, snap: LogSnapshot, now: float) -> None:
-        """The daemon's log families. The pipeline publishes a new snapshot when lines
-        change it, so the very same one with nobody queued (whose series alone follow the
-        clock) gives the samples of last time: a scrape whose GPU readings moved renders
-        them again, not the log counters that did not (issue 44)."""
-        kept = self.logs.get(daemon)
-        if kept is None or kept[0] is not snap or snap.pending:
-            part = FamilyBuilder()
-            render_log_metrics(part, daemon, snap, now)
-            kept = self.logs[daemon] = (snap, part.parts())
-        for name, samples in kept[1]:
-            out.extend(name, samples)
+    def render_logs(self, out: FamilyBuilder, logs: Mapping[str, LogSnapshot], now: float) -> None:
+        """Each daemon's log families; daemons no longer read are forgotten. The pipeline
+        publishes a new snapshot when lines change it, so the very same one with nobody
+        queued (whose series alone follow the clock) gives the samples of last time: a
+        scrape whose GPU readings moved renders them again, not the log counters that did
+        not (issue 44)."""
+        before, self.logs = self.logs, {}
+        for daemon, snap in logs.items():
+            kept = before.get(daemon)
+            if kept is None or kept[0] is not snap or snap.pending:
+                part = FamilyBuilder()
+                render_log_metrics(part, daemon, snap, now)
+                kept = (snap, part.parts())
+            self.logs[daemon] = kept
+            for name, samples in kept[1]:
+                out.extend(name, samples)
 
     def render_clients(self, out: FamilyBuilder, d: DaemonRow, uuids: Mapping[int, str]) -> None:
         """The daemon's client rows. A client whose series cannot be rendered is left out

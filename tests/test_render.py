@@ -400,7 +400,7 @@ def test_a_daemons_log_families_are_last_times_while_its_snapshot_stays_and_nobo
     def families(snap, now, with_memo=True):
         out = FamilyBuilder()
         if with_memo:
-            memo.render_log(out, "default", snap, now)
+            memo.render_logs(out, {"default": snap}, now)
         else:
             real(out, "default", snap, now)
         return [(name, [(s.labels, s.value) for s in samples]) for name, samples in out.parts()]
