@@ -86,11 +86,19 @@ def exporter(package: Path, port: int, pipe: Path, logs: Path, out: Path, name: 
         env=env, stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT)
 
 
+PER_GPU_THREAD = "mps-read-nvml-"  # nvml.PerGpuReads names its threads this and the GPU's index
+
+
+def thread_group(name: str) -> str:
+    """A thread's name as reported: the per-GPU NVML reads as one."""
+    return PER_GPU_THREAD + "N" if name.startswith(PER_GPU_THREAD) and name[len(PER_GPU_THREAD):].isdigit() else name
+
+
 def by_thread(before: Threads, after: Threads, seconds: float) -> Dict[str, float]:
     """CPU ms/s per thread name (the per-GPU NVML reads as one) of the threads alive at the end."""
     out: Dict[str, float] = {}
     for tid, (comm, ns) in after.items():
-        name = "mps-read-nvml-N" if comm.startswith("mps-read-nvml-") and comm[14:].isdigit() else comm
+        name = thread_group(comm)
         out[name] = out.get(name, 0.0) + (ns - before.get(tid, (comm, 0))[1]) / 1e6 / seconds
     return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
@@ -215,7 +223,7 @@ def profile_markdown(stem: Path, scrapes: int, top: int = 100) -> str:
         if function.endswith(" dump") or "yappi" in function:  # the first dump, inside the window
             continue
         o0, t0, n0 = before.get((thread, function), (0.0, 0.0, 0))
-        name = "mps-read-nvml-N" if thread.startswith("mps-read-nvml-") and thread[14:].isdigit() else thread
+        name = thread_group(thread)
         threads[name] = threads.get(name, 0.0) + own - o0
         row = functions.setdefault(f"{name} {function}", [0.0, 0.0, 0.0])
         row[0] += own - o0
