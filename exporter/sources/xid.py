@@ -144,7 +144,7 @@ class XidWatcher:
         self._by_handle: Dict[Any, int] = {}  # handle key -> GPU index
         self._error: Optional[str] = None  # NVML cannot be used: why
         self._set_up = False  # registration was tried (a reading has GPUs to say)
-        self.events = 0  # Xid events taken in (tests wait on it)
+        self.events = 0  # Xid events taken in, counted and logged (tests wait on it)
         self.setups = 0  # registrations done (tests wait on it)
 
     # ---------------------------------------------------------- NVML
@@ -261,9 +261,10 @@ class XidWatcher:
             else:
                 seen.count += 1
                 seen.last_seen = max(seen.last_seen, now)
+        log.warning("GPU %d (%s): Xid %d", gpu.index, gpu.uuid, int(data.eventData))
+        with self._changed:  # taken in once logged too: who waits for it sees its line written
             self.events += 1
             self._changed.notify_all()
-        log.warning("GPU %d (%s): Xid %d", gpu.index, gpu.uuid, int(data.eventData))
 
     # ---------------------------------------------------------- the thread
     def _run(self) -> None:
