@@ -14,7 +14,10 @@ connection), at each interval for `--seconds`, after a warm-up of three scrapes 
 WARM_UP_SECONDS. CPU is the sum over each process's threads of their schedstat (ns) over
 that time; the ratio by utime + stime from /proc is printed beside it (10 ms ticks: at
 15 s scrapes node_exporter counts a few dozen in 120 s). For mps-exporter, less the CPU
-of the thread that moves the simulated node's readings, printed beside it. Prints one
+of the simulated node, printed beside it: the thread that moves its readings (the whole
+thread: its wake-ups too), and the calls into its fake NVML library and fake control
+daemon (SimulatedCpu: on a real node the driver's library and a daemon in a process of
+its own; their cost there is measured on a GPU, tests/gpu/node_cost.py). Prints one
 Markdown row per interval: CPU ms per second of each, their ratio, mps-exporter's
 background rounds and the load average.
 
@@ -24,7 +27,10 @@ background rounds and the load average.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import http.client
+import json
 import os
 import shutil
 import signal
@@ -34,7 +40,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -78,6 +84,51 @@ def thread_cpu_seconds_between(before: Optional[Threads], after: Optional[Thread
     return sum(ns - before.get(tid, (name, 0))[1] for tid, (name, ns) in after.items()) / 1e9
 
 
+class SimulatedCpu:
+    """CPU seconds spent inside the simulated node's calls, by the part of it called: each
+    outermost call of a wrapped function counted once, in the thread that made it (a fake
+    that calls itself is not counted twice). `clock` is the calling thread's CPU clock."""
+
+    def __init__(self, clock: Callable[[], float] = time.thread_time) -> None:
+        self.clock = clock
+        self.seconds: Dict[str, float] = {}
+        self._inside = threading.local()
+        self._lock = threading.Lock()
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        self.seconds.setdefault(part, 0.0)
+
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._inside, "now", False):
+                return fn(*args, **kwargs)
+            self._inside.now = True
+            started = self.clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = self.clock() - started
+                self._inside.now = False
+                with self._lock:
+                    self.seconds[part] += spent
+        return counted
+
+    def total(self) -> float:
+        with self._lock:
+            return sum(self.seconds.values())
+
+
+def count_fake_nvml(fake: Any, simulated: SimulatedCpu) -> None:
+    """Every pynvml function of `fake` (tests/fakes/fake_pynvml.FakeNvml) and every C entry
+    point it hands out, counted as the simulated node's "nvml"."""
+    for name in dir(type(fake)):
+        if name.startswith("nvml") and callable(getattr(fake, name)):
+            setattr(fake, name, simulated.wrap("nvml", getattr(fake, name)))
+    if fake.__dict__.get("entry_points", True):
+        entry_point = fake._function_pointer
+        fake._nvmlGetFunctionPointer = simulated.wrap("nvml", lambda name: simulated.wrap("nvml", entry_point(name)))
+
+
 def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool, exit_status: bool) -> None:
     """The child: the synthetic 8 x 48 node behind `serve`; NVML's clock (utilization
     samples, GPM) advancing each second, and with `moving` every client's memory too."""
@@ -111,12 +162,13 @@ def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool, exit
 
     MpsCollector.start = start  # type: ignore[method-assign]
 
-    harness = [0.0]  # the CPU seconds of move(): the simulated node's, not the exporter's
+    simulated = SimulatedCpu()
+    count_fake_nvml(scen.nvml, simulated)
+    backends = dataclasses.replace(scen.backends(), control_runner=simulated.wrap("control daemon", scen.daemon))
 
     def move() -> None:
         step = 0
         while not stop.wait(1.0):
-            started = time.thread_time()
             step += 1
             scen.nvml.advance(1.0)
             if moving:
@@ -124,15 +176,20 @@ def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool, exit
                     for k, (mps, compute) in enumerate(zip(gpu.mps_processes, gpu.compute_processes[1:])):
                         used = (k + 1) * (64 << 20) + ((step + k) % 16) * (1 << 20)
                         mps.usedGpuMemory = compute.usedGpuMemory = used
-            harness[0] += time.thread_time() - started
+
+    mover = threading.Thread(target=move, daemon=True)
 
     def report(*_: object) -> None:
+        assert mover.ident is not None
+        with simulated._lock:
+            parts = {"clock": time.clock_gettime(time.pthread_getcpuclockid(mover.ident)),  # the whole thread
+                     **simulated.seconds}
         with open(rounds_file, "w", encoding="ascii") as f:
-            f.write(f"{collectors[0].refreshes if collectors else -1} {harness[0]}")
+            json.dump({"rounds": collectors[0].refreshes if collectors else -1, "simulated": parts}, f)
 
     signal.signal(signal.SIGUSR1, report)
-    threading.Thread(target=move, daemon=True).start()
-    service.serve(cfg, stop=stop, readers=build_readers(cfg, scen.backends()))
+    mover.start()
+    service.serve(cfg, stop=stop, readers=build_readers(cfg, backends))
 
 
 def scrape_timeout(interval: float) -> str:
@@ -204,16 +261,17 @@ def wait_up(port: int, proc: subprocess.Popen, what: str) -> None:
         sys.exit(f"{what} did not start")
 
 
-def rounds(proc: subprocess.Popen, rounds_file: str) -> Tuple[int, float]:
-    """The child's background rounds so far, and the CPU seconds its simulated node took."""
+def rounds(proc: subprocess.Popen, rounds_file: str) -> Tuple[int, Dict[str, float]]:
+    """The child's background rounds so far, and the CPU seconds its simulated node took,
+    by part (SimulatedCpu's, and its clock's thread)."""
     os.unlink(rounds_file) if os.path.exists(rounds_file) else None
     proc.send_signal(signal.SIGUSR1)
     for _ in range(100):
         if os.path.exists(rounds_file) and os.path.getsize(rounds_file):
-            done, harness = Path(rounds_file).read_text().split()
-            return int(done), float(harness)
+            report = json.loads(Path(rounds_file).read_text())
+            return int(report["rounds"]), {k: float(v) for k, v in report["simulated"].items()}
         time.sleep(0.05)
-    return -1, 0.0
+    return -1, {}
 
 
 def measure(interval: float, seconds: float, node_exporter: str, readings: str, pacing: str,
@@ -249,15 +307,17 @@ def measure(interval: float, seconds: float, node_exporter: str, readings: str, 
         finally:
             stop_process(mps)
             stop_process(node)
-    # The simulated node's thread (NVML's clock, the clients' memory) runs in the exporter's
+    # The simulated node (NVML's clock and the clients' memory in a thread of their own, the
+    # fake NVML and control daemon in the threads calling them) runs in the exporter's
     # process: its CPU is the simulation's, left out of the exporter's.
-    harness_ms = (h1 - h0) / elapsed * 1000
+    simulated_ms = {part: (h1[part] - h0.get(part, 0.0)) / elapsed * 1000 for part in h1}
+    harness_ms = sum(simulated_ms.values())
     tick_mps_ms, tick_node_ms = c_mps / elapsed * 1000 - harness_ms, c_node / elapsed * 1000
     exact = n_mps_s is not None and n_node_s is not None
     mps_ms = n_mps_s / elapsed * 1000 - harness_ms if n_mps_s is not None else tick_mps_ms
     node_ms = n_node_s / elapsed * 1000 if n_node_s is not None else tick_node_ms
     lat = sorted(scrapers[0].latencies)
-    return {"mps": mps_ms, "harness": harness_ms, "node": node_ms, "ratio": mps_ms / node_ms if node_ms else float("inf"),
+    return {"mps": mps_ms, "harness": harness_ms, "simulated": simulated_ms, "node": node_ms, "ratio": mps_ms / node_ms if node_ms else float("inf"),
             "tick_ratio": tick_mps_ms / tick_node_ms if tick_node_ms else float("inf"), "exact": exact,
             "rounds": r1 - r0, "scrapes": len(scrapers[0].latencies),
             "p50": lat[len(lat) // 2] * 1000 if lat else float("nan"),
@@ -290,14 +350,15 @@ def main() -> None:
         sys.exit("node_exporter not found: apt-get download prometheus-node-exporter, dpkg -x it, --node-exporter PATH")
     print(f"CPU of mps-exporter (synthetic 8 GPU x 48 clients{', --no-mps.exit-status' if args.no_exit_status else ''}) and node_exporter (default "
           f"collectors), scraped side by side, {args.seconds:g} s each after three scrapes and {WARM_UP_SECONDS:g} s ({os.cpu_count()} CPUs)\n")
-    print("| readings | scrape interval | background rounds | mps-exporter CPU ms/s | simulated node ms/s (left out) | "
+    print("| readings | scrape interval | background rounds | mps-exporter CPU ms/s | simulated node ms/s (left out: its parts) | "
           "node_exporter CPU ms/s | ratio | ratio by ticks | mps rounds | scrapes | mps scrape p50 ms | failures | load |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for readings in args.readings.split(","):
         for interval in [float(x) for x in args.intervals.split(",")]:
             for pacing in args.pacing.split(","):
                 r = measure(interval, args.seconds, args.node_exporter, readings, pacing, not args.no_exit_status)
-                print(f"| {readings} | {interval:g} s | {pacing} | {r['mps']:.2f} | {r['harness']:.2f} | {r['node']:.2f} | "
+                parts = ", ".join(f"{part} {ms:.2f}" for part, ms in r["simulated"].items())
+                print(f"| {readings} | {interval:g} s | {pacing} | {r['mps']:.2f} | {r['harness']:.2f} ({parts}) | {r['node']:.2f} | "
                       f"{r['ratio']:.2f}{'' if r['exact'] else ' (ticks)'} | {r['tick_ratio']:.2f} | "
                       f"{r['rounds']} | {r['scrapes']} | {r['p50']:.1f} | {r['failures']} | "
                       "load average %.2f %.2f %.2f |" % os.getloadavg(), flush=True)
@@ -305,7 +366,8 @@ def main() -> None:
                     from bench.figures import record
 
                     record(f"cpu-{interval:g}s", r["mps"], r["node"], seconds=args.seconds, scrapes=r["scrapes"],
-                           ratio_by_ticks=round(r["tick_ratio"], 3), exact=r["exact"])
+                           ratio_by_ticks=round(r["tick_ratio"], 3), exact=r["exact"],
+                           simulated_node_ms_per_s={k: round(v, 3) for k, v in r["simulated"].items()})
 
 
 if __name__ == "__main__":
