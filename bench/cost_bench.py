@@ -11,8 +11,8 @@ from `apt-get download prometheus-node-exporter && dpkg -x ...deb DIR`).
 Both are scraped side by side as Prometheus scrapes them (its Accept header, gzip,
 `X-Prometheus-Scrape-Timeout-Seconds`: 10 at a 15 s interval, 1 at 1 s; one keep-alive
 connection), at each interval for `--seconds`, after a warm-up of three scrapes and
-WARM_UP_SECONDS. CPU is the sum over each process's threads of their schedstat (ns) over
-that time; the ratio by utime + stime from /proc is printed beside it (10 ms ticks: at
+WARM_UP_SECONDS. CPU is each process's CPU clock over that time (every thread's, those
+that ended too; ns); the ratio by utime + stime from /proc is printed beside it (10 ms ticks: at
 15 s scrapes node_exporter counts a few dozen in 120 s). For mps-exporter, less the CPU
 of the simulated node, printed beside it: the thread that moves its readings (the whole
 thread: its wake-ups too), and the calls into its fake NVML library and fake control
@@ -76,12 +76,16 @@ def threads_cpu(pid: int) -> Optional[Threads]:
     return out
 
 
-def thread_cpu_seconds_between(before: Optional[Threads], after: Optional[Threads]) -> Optional[float]:
-    """CPU of the threads alive at the end since `before` (a thread that began meanwhile from
-    0; one that ended meanwhile is not counted: the ticks' figure is printed beside)."""
-    if before is None or after is None:
+def process_cpu_seconds(pid: int) -> Optional[float]:
+    """The CPU time of every thread of process `pid`, those that ended too, exact (ns): its
+    process CPU clock, as clock_getcpuclockid(3) names it (the kernel's
+    MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED); Python has no wrapper). None where the
+    kernel refuses it. A sum over the live threads' schedstat would miss the CPU of a
+    thread that ended in the window (a read thread idle 60 s ends)."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
         return None
-    return sum(ns - before.get(tid, (name, 0))[1] for tid, (name, ns) in after.items()) / 1e9
 
 
 class SimulatedCpu:
@@ -274,6 +278,10 @@ def rounds(proc: subprocess.Popen, rounds_file: str) -> Tuple[int, Dict[str, flo
     return -1, {}
 
 
+def _between(before: Optional[float], after: Optional[float]) -> Optional[float]:
+    return None if before is None or after is None else after - before
+
+
 def measure(interval: float, seconds: float, node_exporter: str, readings: str, pacing: str,
             exit_status: bool) -> Dict[str, float]:
     from tests.support.prometheus import free_port, stop_process
@@ -295,10 +303,10 @@ def measure(interval: float, seconds: float, node_exporter: str, readings: str, 
             time.sleep(WARM_UP_SECONDS + 3 * interval)  # the refresher knows the spacing after three scrapes
             c_mps, c_node, (r0, h0), t0 = (cpu_seconds(mps.pid), cpu_seconds(node.pid), rounds(mps, rounds_file),
                                            time.monotonic())
-            n_mps, n_node = threads_cpu(mps.pid), threads_cpu(node.pid)
+            n_mps, n_node = process_cpu_seconds(mps.pid), process_cpu_seconds(node.pid)
             time.sleep(seconds)
-            n_mps_s = thread_cpu_seconds_between(n_mps, threads_cpu(mps.pid))
-            n_node_s = thread_cpu_seconds_between(n_node, threads_cpu(node.pid))
+            n_mps_s = _between(n_mps, process_cpu_seconds(mps.pid))
+            n_node_s = _between(n_node, process_cpu_seconds(node.pid))
             c_mps, c_node = cpu_seconds(mps.pid) - c_mps, cpu_seconds(node.pid) - c_node
             elapsed = time.monotonic() - t0
             r1, h1 = rounds(mps, rounds_file)

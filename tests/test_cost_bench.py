@@ -77,3 +77,33 @@ def test_the_fake_nvml_functions_and_entry_points_are_counted(tmp_path: Path):
     assert entry(handle, ctypes.byref(count), None) == NVML_ERROR_INSUFFICIENT_SIZE
     assert count.value == 3  # the fake's answer: three clients
     assert simulated.seconds["nvml"] == 4.0  # the lookup and the call, once each
+
+
+def test_the_cpu_of_a_thread_that_ended_is_still_counted():
+    """The process CPU clock keeps what a thread spent after it ended, as a sum over the
+    live threads' schedstat would not."""
+    import subprocess
+    import sys
+
+    from bench.cost_bench import process_cpu_seconds, threads_cpu
+
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, threading, time\n"
+        "spent = []\n"
+        "def work():\n"
+        "    n = 0\n"
+        "    while time.thread_time() < 0.3:\n"
+        "        n += 1\n"
+        "    spent.append(time.thread_time())\n"
+        "t = threading.Thread(target=work); t.start(); t.join()\n"
+        "print(spent[0], flush=True)\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        ended_thread = float(child.stdout.readline())  # it ended; the child waits on stdin
+        whole = process_cpu_seconds(child.pid)
+        live = threads_cpu(child.pid)
+        assert whole is not None and whole >= ended_thread >= 0.3
+        assert live is not None and sum(ns for _, ns in live.values()) / 1e9 < ended_thread
+    finally:
+        child.communicate("")
