@@ -223,13 +223,16 @@ class Rows:
 # The last join and the readings it joined, held (so their ids cannot be reused): a
 # collection's render, its exit tracking and its status view read one join, and a
 # collection served the same readings as the last (nothing read again) joins nothing.
-_last_join: Optional[Tuple[Tuple[object, ...], Rows]] = None
+_last_join: Optional[Tuple[Tuple[object, ...], List[DaemonReading], Rows]] = None
 
 
 def _join_inputs(snap: Snapshot) -> Tuple[object, ...]:
     """What `join` reads of a snapshot, by identity: a reading replaced is joined again.
-    (A reading changed in place is not seen: readings are never changed once read.)"""
-    return (snap.nvml, snap.dcgm, snap.processes, *snap.daemons, *snap.logs, *snap.logs.values())
+    (A reading changed in place is not seen: readings are never changed once read.) The
+    daemons' readings apart: each is new at every read (its command counts move, which
+    the join does not read), and compared by value, at a glance where the daemon's lists
+    are the very lists of its last reading (control.DaemonReader)."""
+    return (snap.nvml, snap.dcgm or None, snap.processes, *snap.logs, *snap.logs.values())  # no DCGM: a new {}
 
 
 def rows_of(snap: Snapshot) -> Rows:
@@ -237,10 +240,10 @@ def rows_of(snap: Snapshot) -> Rows:
     global _last_join
     inputs = _join_inputs(snap)
     last = _last_join
-    if last is not None and len(last[0]) == len(inputs) and all(a is b for a, b in zip(last[0], inputs)):
-        return last[1]
+    if last is not None and same_objects(last[0], inputs) and last[1] == snap.daemons:
+        return last[2]
     rows = join(snap)
-    _last_join = (inputs, rows)
+    _last_join = (inputs, list(snap.daemons), rows)
     return rows
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from mps_exporter import join
 from mps_exporter.model import ProcessMemory, Snapshot
+from tests.fakes.fake_control import FakeServer
 from tests.support import scenarios
 
 
@@ -138,3 +139,60 @@ def test_a_gpus_sharing_mode_and_a_servers_clients_follow_new_lists_and_stay_wit
                                                                    if c.pid != min(c.pid for c in snap.daemons[0].clients)])]
     after = {s.pid: s for s in join.join(fewer).daemons[0].servers}
     assert after[server.pid].clients == server.clients - 1
+
+
+def _warm(tmp_path: Path) -> Any:
+    """The synthetic node's scenario and collector after a first collection (GPM's activity
+    needs two samples) and a second of NVML's clock."""
+    scen = scenarios.synthetic(tmp_path, gpus=2, clients_per_gpu=3)
+    collector = scen.collector()
+    collector.snapshot()
+    scen.nvml.advance(1.0)
+    return scen, collector
+
+
+def test_a_steady_node_read_again_gives_the_same_readings_and_rows(tmp_path):
+    """NVML's and each daemon's lists come back as the very objects of the last read while
+    equal, so a second collection of a steady node is joined by identity: the same rows,
+    the same memory readings for the exit tracker (issue 44)."""
+    scen, collector = _warm(tmp_path)
+    first = collector.snapshot()
+    scen.nvml.advance(1.0)  # newer utilization samples, at the same ratios
+    second = collector.snapshot()
+    assert first.nvml is second.nvml and first.nvml is not None
+    [d1], [d2] = first.daemons, second.daemons
+    assert d1 is not d2 and d2.commands_sent != d1.commands_sent  # new: its command counts moved
+    assert d2.servers is d1.servers and d2.clients is d1.clients and d2.default_pinned_limits is d1.default_pinned_limits
+    assert join.rows_of(second) is join.rows_of(first)
+    assert join.client_memory(second) is join.client_memory(first)
+
+
+def test_a_gpu_that_moved_is_a_new_reading_and_the_others_stay(tmp_path):
+    scen, collector = _warm(tmp_path)
+    first = collector.snapshot()
+    client = scen.nvml.gpus[1].mps_processes[0]
+    client.usedGpuMemory += 1 << 20
+    scen.nvml.gpus[1].compute_processes[1].usedGpuMemory += 1 << 20
+    scen.nvml.advance(1.0)
+    second = collector.snapshot()
+    assert first.nvml is not None and second.nvml is not None and second.nvml is not first.nvml
+    assert second.nvml.gpus[0] is first.nvml.gpus[0]
+    assert second.nvml.gpus[1] is not first.nvml.gpus[1]
+    moved = {p.pid: p.used_bytes for p in second.nvml.gpus[1].mps_clients}
+    assert moved[client.pid] == {p.pid: p.used_bytes for p in first.nvml.gpus[1].mps_clients}[client.pid] + (1 << 20)
+    assert join.rows_of(second) is not join.rows_of(first)
+
+
+def test_a_daemon_whose_answer_changed_gives_its_new_lists(tmp_path):
+    scen, collector = _warm(tmp_path)
+    first = collector.snapshot()
+    scen.daemon.servers.append(FakeServer(4001))  # a second server: get_server_list moved
+    scen.nvml.advance(1.0)
+    second = collector.snapshot()
+    [d1], [d2] = first.daemons, second.daemons
+    assert [s.pid for s in d1.servers] == [4000] and [s.pid for s in d2.servers] == [4000, 4001]
+    assert d2.servers[0] == d1.servers[0]
+    assert join.rows_of(second) is not join.rows_of(first)
+    scen.nvml.advance(1.0)
+    third = collector.snapshot()
+    assert third.daemons[0].servers is d2.servers  # steady again: the new list kept

@@ -441,6 +441,11 @@ class _Listing:
     settled: bool  # this `ps` answered as the one before it did
 
 
+# A DaemonReading's parts that a steady daemon answers alike at every read (a reading
+# itself is new each time: its command counts move).
+_KEPT_PARTS = ("servers", "clients", "default_pinned_limits")
+
+
 @dataclass
 class DaemonReader:
     """Reads one control daemon into a `DaemonReading`.
@@ -480,6 +485,9 @@ class DaemonReader:
     _process: Optional["DaemonProcess"] = None
     _process_key: object = None
     _process_at: float = float("-inf")
+    # The last reading: its lists and limits are given again (the same objects) while equal,
+    # so that a reading of a steady daemon compares equal to the last at a glance (issue 44).
+    _last: Optional[DaemonReading] = field(default=None, repr=False, compare=False)
 
     def _run(self, verb: str, *args: object) -> str:
         self.sent[verb] = self.sent.get(verb, 0) + 1
@@ -690,6 +698,11 @@ class DaemonReader:
     def _counted(self, reading: DaemonReading) -> DaemonReading:
         reading.commands_sent = dict(self.sent)
         reading.commands_unknown = dict(self.unknown)
+        last, self._last = self._last, reading
+        if last is not None:
+            for part in _KEPT_PARTS:
+                if getattr(reading, part) == getattr(last, part):
+                    setattr(reading, part, getattr(last, part))
         return reading
 
     def _status(self, pid: int) -> Optional[str]:

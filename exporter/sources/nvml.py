@@ -34,7 +34,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 from ..config import Config
-from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot
+from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot, same_objects
 from .base import Backends, Reader, Source
 
 log = logging.getLogger(__name__)
@@ -406,6 +406,11 @@ class NvmlClient:
         # (index, NVML function) -> the list it gave last: the same object again while equal,
         # so that what is joined from it is known unchanged by identity (join, issue 44)
         self._lists: Dict[Tuple[int, str], List[Any]] = {}
+        # Each GPU's last reading, and the last reading of all: the same objects again while
+        # equal, so that a collection of a steady node is known unchanged by identity (the
+        # join, the exit tracker and the readings key then compare nothing; issue 44).
+        self._last_gpus: Dict[int, GpuReading] = {}
+        self._last_reading: Optional[NvmlReading] = None
         self._direct: Optional[DirectLists] = None  # None: pynvml's public list functions
         self.gpm = GpmSampler(self._waits[1])  # the only caller of GPM while NVML is initialised
         self.gpus = PerGpuReads(self._waits[0])
@@ -442,6 +447,7 @@ class NvmlClient:
         self._handles.clear()
         self._modes.clear()
         self._lists.clear()
+        self._last_gpus.clear()
         self._direct = None
 
     def close(self) -> None:
@@ -472,8 +478,20 @@ class NvmlClient:
             # The driver went away under us (unloaded, GPU lost): start over next time.
             self._initialised = False
             raise NvmlUnavailable(f"NVML stopped answering: {e}") from e
-        gpus = self.gpus.read(range(count), lambda index: self._read_gpu(nvml, index))
-        return NvmlReading(driver_version=driver, gpus=gpus)
+        gpus = self.gpus.read(range(count), lambda index: self._as_last_gpu(self._read_gpu(nvml, index)))
+        last = self._last_reading
+        if last is not None and last.driver_version == driver and same_objects(last.gpus, gpus):
+            return last
+        self._last_reading = NvmlReading(driver_version=driver, gpus=gpus)
+        return self._last_reading
+
+    def _as_last_gpu(self, gpu: GpuReading) -> GpuReading:
+        """`gpu`, or the equal reading this GPU gave last (in the GPU's own thread)."""
+        last = self._last_gpus.get(gpu.index)
+        if last is not None and last == gpu:
+            return last
+        self._last_gpus[gpu.index] = gpu
+        return gpu
 
     def _read_gpu(self, nvml: Any, index: int) -> GpuReading:
         uuid = self._identity.get(index, ("", ""))[1]
