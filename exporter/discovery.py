@@ -123,6 +123,10 @@ class CommReader:
         self._clock = clock
         self._next_full = float("-inf")
         self._comms: Dict[int, Tuple[bytes, bool]] = {}  # pid -> (comm, settled)
+        # The last listing, whether every comm in it was settled, and the daemons' PIDs in it
+        self._names: List[str] = []
+        self._all_settled = False
+        self._control: List[int] = []
 
     def read(self, proc_root: str, pids: Sequence[int]) -> Dict[int, bytes]:
         """The comm of each of `pids` (b"" where gone); the others are forgotten."""
@@ -140,6 +144,25 @@ class CommReader:
             self._comms[pid] = kept
             out[pid] = kept[0]
         return out
+
+
+    def control_pids(self, proc_root: str) -> Optional[List[int]]:
+        """The PIDs in `proc_root` whose comm is CONTROL_COMM, in order; None where it cannot
+        be listed. Where the listing is the last one, every comm in it settled and no full
+        pass is due, the last answer again: nothing read, nothing parsed (a steady node's
+        400 processes cost three passes over them per scan otherwise)."""
+        try:
+            names = os.listdir(proc_root)
+        except OSError:
+            return None
+        if names == self._names and self._all_settled and self._clock() < self._next_full:
+            return self._control
+        pids = sorted(int(p) for p in names if p.isdigit())
+        comm_of = self.read(proc_root, pids)
+        self._names = names
+        self._all_settled = all(settled for _, settled in self._comms.values())
+        self._control = [pid for pid in pids if comm_of[pid] == CONTROL_COMM]
+        return self._control
 
 
 def identity(path: str) -> Optional[Tuple[int, int]]:
@@ -160,19 +183,15 @@ def scan_processes(proc_root: str, limit: int = MAX_DISCOVERED,
                    comms: Optional[CommReader] = None) -> List[DaemonConfig]:
     """Every control daemon process in `proc_root` now, one per pipe directory, sorted by
     name (layout PROCESS). Lists `proc_root` once; reads the `comm` of each process (through
-    `comms`, where given, those it holds settled) and the cmdline and environ of the few
-    named nvidia-cuda-mps."""
-    try:
-        pids = sorted(int(p) for p in os.listdir(proc_root) if p.isdigit())
-    except OSError:
+    `comms`, where given, but those it holds settled: none where the listing is the last
+    one) and the cmdline and environ of the few named nvidia-cuda-mps."""
+    pids = (comms or CommReader()).control_pids(proc_root)
+    if pids is None:
         return []
     host = os.path.join(proc_root, "1", "root")  # the host's root where we share its PID namespace
     found: Dict[Tuple[int, int], DaemonConfig] = {}
-    comm_of = (comms or CommReader()).read(proc_root, pids)
     for pid in pids:
         proc_dir = f"{proc_root}/{pid}"
-        if comm_of[pid] != CONTROL_COMM:
-            continue
         argv = _control_argv(proc_dir)
         if argv is None:
             continue

@@ -300,3 +300,38 @@ def test_a_process_that_becomes_a_daemon_is_found_at_the_next_scan_or_within_the
         assert "/run/mps-later" not in [d.name for d in sets.current()]
     now[0] = 60.0
     assert "/run/mps-later" in [d.name for d in sets.current()]
+
+
+def test_a_steady_listing_is_not_read_again_until_the_full_pass(tmp_path, monkeypatch):
+    # CommReader.control_pids: the listing and every comm in it as at the last scan, and no
+    # full pass due: no comm is read, no pass over the processes made (CommReader.read not
+    # called), and the daemons found are the same.
+    from mps_exporter import discovery
+
+    h = fake_host(tmp_path, tmp_path / "srv-mps")
+    read: List[str] = []
+    real_comm = discovery._comm
+    monkeypatch.setattr(discovery, "_comm", lambda proc_dir: read.append(proc_dir) or real_comm(proc_dir))
+    now = [0.0]
+    comms = discovery.CommReader(recheck=60.0, clock=lambda: now[0])
+    processes = len([p for p in os.listdir(h.proc) if p.isdigit()])
+
+    passes = []
+    real_read = comms.read
+    monkeypatch.setattr(comms, "read", lambda *args: passes.append(args) or real_read(*args))
+
+    def scan_at(t: float) -> List[str]:
+        now[0] = t
+        read.clear()
+        passes.clear()
+        return [d.name for d in scan_processes(str(h.proc), comms=comms)]
+
+    first = scan_at(0.0)
+    assert len(read) == processes and first  # the first pass reads them all
+    assert scan_at(5.0) == first and len(read) == processes  # each read once: read again
+    assert scan_at(10.0) == first and read == [] and passes == []  # settled, the same listing
+    write_proc(h.proc, [FakeProcess(900, comm="bash")])
+    assert scan_at(15.0) == first and read == [f"{h.proc}/900"]  # a new process alone
+    assert scan_at(20.0) == first and read == [f"{h.proc}/900"]  # read once: read again
+    assert scan_at(25.0) == first and read == [] and passes == []
+    assert scan_at(60.0) == first and len(read) == processes + 1  # the full pass
