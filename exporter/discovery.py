@@ -145,7 +145,6 @@ class CommReader:
             out[pid] = kept[0]
         return out
 
-
     def control_pids(self, proc_root: str) -> Optional[List[int]]:
         """The PIDs in `proc_root` whose comm is CONTROL_COMM, in order; None where it cannot
         be listed. Where the listing is the last one, every comm in it settled and no full
