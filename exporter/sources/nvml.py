@@ -31,7 +31,7 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar, cast
 
 from ..config import Config
 from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot, same_objects
@@ -57,7 +57,7 @@ _VALUE_NOT_AVAILABLE_ULL = 2**64 - 1
 
 T = TypeVar("T")
 R = TypeVar("R")
-Listed = TypeVar("Listed", ProcessMemory, ProcessUtilization)  # a row of a list kept by _as_last
+Kept = TypeVar("Kept")  # a list or a GPU's reading kept by _as_last
 
 
 # NVML's GPM calls are not thread-safe on driver 580, whatever its documentation says: two
@@ -280,6 +280,10 @@ def _ratio(percent: float) -> float:
 MODES_SECONDS = 30.0
 
 
+# _as_last's key for a GPU's whole reading, beside the NVML functions' lists
+GPU_READING = "GpuReading"
+
+
 def _no_lookup(name: str) -> Any:
     raise RuntimeError(f"this pynvml has no C entry point lookup for {name}")
 
@@ -403,13 +407,11 @@ class NvmlClient:
         self._down: Set[int] = set()  # GPUs whose last read failed
         # index -> (time.monotonic() of the read, compute mode, MIG enabled): see MODES_SECONDS
         self._modes: Dict[int, Tuple[float, str, bool]] = {}
-        # (index, NVML function) -> the list it gave last: the same object again while equal,
-        # so that what is joined from it is known unchanged by identity (join, issue 44)
-        self._lists: Dict[Tuple[int, str], List[Any]] = {}
-        # Each GPU's last reading, and the last reading of all: the same objects again while
-        # equal, so that a collection of a steady node is known unchanged by identity (the
-        # join, the exit tracker and the readings key then compare nothing; issue 44).
-        self._last_gpus: Dict[int, GpuReading] = {}
+        # (index, NVML function or GPU_READING) -> the list or GPU reading it gave last, and
+        # the last reading of all: the same objects again while equal, so that a collection
+        # of a steady node is known unchanged by identity (the join, the exit tracker and the
+        # readings key then compare nothing; issue 44)
+        self._kept: Dict[Tuple[int, str], Any] = {}
         self._last_reading: Optional[NvmlReading] = None
         self._direct: Optional[DirectLists] = None  # None: pynvml's public list functions
         self.gpm = GpmSampler(self._waits[1])  # the only caller of GPM while NVML is initialised
@@ -446,8 +448,7 @@ class NvmlClient:
         self._identity.clear()
         self._handles.clear()
         self._modes.clear()
-        self._lists.clear()
-        self._last_gpus.clear()
+        self._kept.clear()
         self._direct = None
 
     def close(self) -> None:
@@ -478,20 +479,12 @@ class NvmlClient:
             # The driver went away under us (unloaded, GPU lost): start over next time.
             self._initialised = False
             raise NvmlUnavailable(f"NVML stopped answering: {e}") from e
-        gpus = self.gpus.read(range(count), lambda index: self._as_last_gpu(self._read_gpu(nvml, index)))
+        gpus = self.gpus.read(range(count), lambda index: self._as_last(index, GPU_READING, self._read_gpu(nvml, index)))
         last = self._last_reading
         if last is not None and last.driver_version == driver and same_objects(last.gpus, gpus):
             return last
         self._last_reading = NvmlReading(driver_version=driver, gpus=gpus)
         return self._last_reading
-
-    def _as_last_gpu(self, gpu: GpuReading) -> GpuReading:
-        """`gpu`, or the equal reading this GPU gave last (in the GPU's own thread)."""
-        last = self._last_gpus.get(gpu.index)
-        if last is not None and last == gpu:
-            return last
-        self._last_gpus[gpu.index] = gpu
-        return gpu
 
     def _read_gpu(self, nvml: Any, index: int) -> GpuReading:
         uuid = self._identity.get(index, ("", ""))[1]
@@ -544,14 +537,15 @@ class NvmlClient:
         gpu.mps_clients = self._as_last(gpu.index, mps, [p for p in self._processes(nvml, mps, handle, gpu.index)
                                                          if p.pid in running or (p.used_bytes or 0) > 0])
 
-    def _as_last(self, index: int, function: str, processes: List[Listed]) -> List[Listed]:
-        """`processes`, or the equal list this function gave on this GPU last time."""
-        key = (index, function)
-        last = self._lists.get(key)
-        if last is not None and last == processes:
-            return last
-        self._lists[key] = processes
-        return processes
+    def _as_last(self, index: int, what: str, value: Kept) -> Kept:
+        """`value`, or the equal one `what` (an NVML function, GPU_READING) gave on this GPU
+        last time (in the GPU's own thread)."""
+        key = (index, what)
+        last = self._kept.get(key)
+        if last is not None and last == value:
+            return cast(Kept, last)
+        self._kept[key] = value
+        return value
 
     @staticmethod
     def _memory_info(nvml: Any, handle: Any) -> Any:
