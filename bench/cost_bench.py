@@ -117,9 +117,13 @@ class SimulatedCpu:
                     self.seconds[part] += spent
         return counted
 
-    def total(self) -> float:
+    def parts(self) -> Dict[str, float]:
+        """The seconds so far by part, read at once."""
         with self._lock:
-            return sum(self.seconds.values())
+            return dict(self.seconds)
+
+    def total(self) -> float:
+        return sum(self.parts().values())
 
 
 def count_fake_nvml(fake: Any, simulated: SimulatedCpu) -> None:
@@ -185,9 +189,8 @@ def serve_synthetic(port: int, rounds_file: str, moving: bool, paced: bool, exit
 
     def report(*_: object) -> None:
         assert mover.ident is not None
-        with simulated._lock:
-            parts = {"clock": time.clock_gettime(time.pthread_getcpuclockid(mover.ident)),  # the whole thread
-                     **simulated.seconds}
+        parts = {"clock": time.clock_gettime(time.pthread_getcpuclockid(mover.ident)),  # the whole thread
+                 **simulated.parts()}
         with open(rounds_file, "w", encoding="ascii") as f:
             json.dump({"rounds": collectors[0].refreshes if collectors else -1, "simulated": parts}, f)
 
