@@ -105,18 +105,21 @@ def _comm(proc_dir: str) -> bytes:
         os.close(fd)
 
 
-# A comm read alike at two scans is read again only this often (CommReader).
-COMM_RECHECK_SECONDS = 60.0
+# A comm read alike at two scans is read again only this often (CommReader), or at once
+# where a new process is named nvidia-cuda-mps.
+COMM_RECHECK_SECONDS = 300.0
 
 
 class CommReader:
     """Each process's comm for scan_processes, read again only where it may have changed.
     A process's comm changes only when it exec()s: one read alike at two scans in a row is
-    settled, and read again only in a full pass every `recheck` seconds. So a process caught
-    between its fork and its exec (systemd starting a daemon with -f) is read again at the
-    next scan; one that exec()s the daemon long after it started, or a new process that
-    took a settled PID within a scan interval, is found within `recheck` seconds. A node's
-    scan read ~400 comm files every 5 s: a third of the control thread's CPU (issue 44)."""
+    settled, and read again only in a full pass. So a process caught between its fork and
+    its exec (systemd starting a daemon with -f) is read again at the next scan. One that
+    exec()s the daemon long after it started is found in a full pass: at the scan where a
+    new process is named nvidia-cuda-mps (the server its first client starts), else within
+    `recheck` seconds. A node's scan read ~400 comm files every 5 s: a third of the control
+    thread's CPU (issue 44); then the full pass every 60 s was a fifth of the exporter's at
+    15 s scrapes (6 ms a pass of 385 comms on the synthetic node)."""
 
     def __init__(self, recheck: float = COMM_RECHECK_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
         self.recheck = recheck
@@ -132,17 +135,28 @@ class CommReader:
         """The comm of each of `pids` (b"" where gone); the others are forgotten."""
         now = self._clock()
         full = now >= self._next_full
-        if full:
-            self._next_full = now + self.recheck
         before, self._comms = self._comms, {}
         out = {}
+        skipped = []  # settled, not read in this pass
+        mps_started = False  # a process not named nvidia-cuda-mps before is now
         for pid in pids:
             kept = before.get(pid)
             if kept is None or not kept[1] or full:
                 comm = _comm(f"{proc_root}/{pid}")
+                mps_started = mps_started or comm == CONTROL_COMM and (kept is None or kept[0] != comm)
                 kept = (comm, kept is not None and kept[0] == comm)
+            else:
+                skipped.append(pid)
             self._comms[pid] = kept
             out[pid] = kept[0]
+        if mps_started and not full:  # a daemon that exec()ed in place may have started it
+            full = True
+            for pid in skipped:
+                comm = _comm(f"{proc_root}/{pid}")
+                self._comms[pid] = (comm, comm == out[pid])
+                out[pid] = comm
+        if full:
+            self._next_full = now + self.recheck
         return out
 
     def control_pids(self, proc_root: str) -> Optional[List[int]]:

@@ -17,7 +17,7 @@ from prometheus_client.exposition import generate_latest
 from mps_exporter import cli
 from mps_exporter.collector import build_registry
 from mps_exporter.config import DEVICE_PLUGIN, DRA, PROCESS, Config, DaemonConfig, DiscoveryRoot
-from mps_exporter.discovery import DaemonSet, scan_processes
+from mps_exporter.discovery import COMM_RECHECK_SECONDS, DaemonSet, scan_processes
 from mps_exporter.sources.base import Backends
 from mps_exporter.wiring import build_collector, build_readers
 from tests.fakes.fake_control import FakeClient, FakeControlDaemon, FakeDaemons, FakeServer
@@ -296,10 +296,36 @@ def test_a_process_that_becomes_a_daemon_is_found_at_the_next_scan_or_within_the
     now[0] = 5.0
     assert "/run/mps-late" in [d.name for d in sets.current()]  # read once only: read again
     becomes_daemon(702, "/run/mps-later")  # python3 at both scans: settled
-    for now[0] in (10.0, 55.0):
+    # The last full pass was at 5 s, where 800 was first named nvidia-cuda-mps.
+    for now[0] in (10.0, COMM_RECHECK_SECONDS):
         assert "/run/mps-later" not in [d.name for d in sets.current()]
-    now[0] = 60.0
+    now[0] = 5.0 + COMM_RECHECK_SECONDS
     assert "/run/mps-later" in [d.name for d in sets.current()]
+
+
+def test_a_daemon_that_execs_in_place_is_found_when_its_first_server_starts(tmp_path):
+    # A settled python3 that exec()s the daemon (`exec nvidia-cuda-mps-control -f` after a
+    # long set-up) keeps its PID: no scan reads its comm again until the full pass. The
+    # server its first client starts is a new process named nvidia-cuda-mps: that scan
+    # reads every comm again, and finds the daemon.
+    h = fake_host(tmp_path, tmp_path / "srv-mps")
+    pipe_dir(h.host / "run" / "mps-late")
+    now = [0.0]
+    sets = DaemonSet([], interval=5.0, clock=lambda: now[0], processes=True, proc_root=str(h.proc))
+    (h.proc / "702" / "root").unlink()
+    (h.proc / "702" / "root").symlink_to(h.host)
+    before = [d.name for d in sets.current()]
+    now[0] = 5.0
+    assert [d.name for d in sets.current()] == before  # python3 at both scans: settled
+    (h.proc / "702" / "comm").write_text("nvidia-cuda-mps\n")
+    (h.proc / "702" / "cmdline").write_bytes(b"nvidia-cuda-mps-control\0-f\0")
+    (h.proc / "702" / "environ").write_bytes(b"CUDA_MPS_PIPE_DIRECTORY=/run/mps-late\0")
+    now[0] = 10.0
+    assert [d.name for d in sets.current()] == before  # no new process: not read again
+    write_proc(h.proc, [FakeProcess(950, comm="nvidia-cuda-mps")])
+    now[0] = 15.0
+    assert "/run/mps-late" in [d.name for d in sets.current()]
+    assert now[0] < COMM_RECHECK_SECONDS  # found by the server's start, not the recheck
 
 
 def test_a_steady_listing_is_not_read_again_until_the_full_pass(tmp_path, monkeypatch):
@@ -335,3 +361,6 @@ def test_a_steady_listing_is_not_read_again_until_the_full_pass(tmp_path, monkey
     assert scan_at(20.0) == first and read == [f"{h.proc}/900"]  # read once: read again
     assert scan_at(25.0) == first and read == [] and passes == []
     assert scan_at(60.0) == first and len(read) == processes + 1  # the full pass
+    write_proc(h.proc, [FakeProcess(901, comm="nvidia-cuda-mps")])
+    assert scan_at(65.0) == first and len(read) == processes + 2  # a new MPS process: a full pass
+    assert read.count(f"{h.proc}/901") == 1  # read once: not settled by it
