@@ -196,3 +196,23 @@ def test_a_daemon_whose_answer_changed_gives_its_new_lists(tmp_path):
     scen.nvml.advance(1.0)
     third = collector.snapshot()
     assert third.daemons[0].servers is d2.servers  # steady again: the new list kept
+
+
+def test_a_steady_daemons_reads_compare_no_client_by_value(tmp_path, monkeypatch):
+    """A `ps` that answered as the one before it is kept as the very list (DaemonReader
+    _clients): the reads after it, which send no `ps`, compare none of its 384 rows field by
+    field, nor check each against the live servers again (issue 44)."""
+    from mps_exporter.model import PsEntry
+
+    scen = scenarios.synthetic(tmp_path, gpus=8, clients_per_gpu=48)
+    collector = scen.collector()
+    for _ in range(3):  # `ps` twice alike: settled
+        scen.nvml.advance(1.0)
+        first = collector.snapshot()
+    compared = []
+    real_eq = PsEntry.__eq__
+    monkeypatch.setattr(PsEntry, "__eq__", lambda a, b: compared.append(a) or real_eq(a, b))
+    scen.nvml.advance(1.0)
+    second = collector.snapshot()
+    assert len(second.daemons[0].clients) == 384 and second.daemons[0].clients is first.daemons[0].clients
+    assert compared == []

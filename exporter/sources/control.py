@@ -488,6 +488,10 @@ class DaemonReader:
     # The last reading: its lists and limits are given again (the same objects) while equal,
     # so that a reading of a steady daemon compares equal to the last at a glance (issue 44).
     _last: Optional[DaemonReading] = field(default=None, repr=False, compare=False)
+    # The clients list last checked against its live servers, and their PIDs: the same list
+    # and servers are not checked again
+    _clients_of_live: Tuple[Optional[List[PsEntry]], Set[int]] = field(default=(None, set()), repr=False,
+                                                                       compare=False)
 
     def _run(self, verb: str, *args: object) -> str:
         self.sent[verb] = self.sent.get(verb, 0) + 1
@@ -574,16 +578,19 @@ class DaemonReader:
         asked the way it was set: after `set_default_device_pinned_mem_limit GPU-<uuid> 2G`
         (the DRA driver's form) `get_... 0` answered an empty line and `get_... GPU-<uuid>`
         answered 2G (2 x H100, issue 38). So the ordinal first, the UUID where it has none."""
-        limits: Dict[int, int] = {}
-        for ordinal, device in enumerate(devices):
-            if device.index is None:  # a MIG instance: no series of its own
-                continue
-            limit = self._cached(key + (ordinal,), self._pinned_limit(verb, *server, ordinal))
-            if limit is None and _GPU_UUID.match(device.uuid):
-                limit = self._cached(key + (device.uuid,), self._pinned_by_uuid(verb, *server, device.uuid))
-            if limit is not None:
-                limits[device.index] = limit
-        return limits
+        def read() -> Dict[int, int]:
+            limits: Dict[int, int] = {}
+            for ordinal, device in enumerate(devices):
+                if device.index is None:  # a MIG instance: no series of its own
+                    continue
+                limit = self._pinned_limit(verb, *server, ordinal)()
+                if limit is None and _GPU_UUID.match(device.uuid):
+                    limit = self._pinned_by_uuid(verb, *server, device.uuid)()
+                if limit is not None:
+                    limits[device.index] = limit
+            return limits
+        # Kept whole: a steady daemon's read neither walks its devices nor builds a new dict.
+        return self._cached(key + (tuple(devices),), read)
 
     def _default_priority(self) -> Optional[int]:
         return self._optional(parse_priority, "get_default_client_priority")
@@ -614,6 +621,9 @@ class DaemonReader:
         listed = self._optional(parse_ps, "ps")
         clients = self._listed_clients(servers, devices) if listed is None else listed
         settled = last is not None and last.clients == clients
+        if settled:
+            assert last is not None
+            clients = last.clients  # the very list: the reading then compares it by identity
         self._listing = _Listing(key, clients, settled)
         return clients
 
@@ -691,8 +701,10 @@ class DaemonReader:
             self._listing, self._statuses = None, {}  # asked again next time
             reading.error = str(e)
         live = {s.pid for s in reading.servers}
-        if not all(c.server_pid in live for c in reading.clients):  # else the very list: join knows it by identity
-            reading.clients = [c for c in reading.clients if c.server_pid in live]
+        if reading.clients is not self._clients_of_live[0] or live != self._clients_of_live[1]:
+            if not all(c.server_pid in live for c in reading.clients):  # else the very list: join knows it by identity
+                reading.clients = [c for c in reading.clients if c.server_pid in live]
+            self._clients_of_live = (reading.clients, live)
         return self._counted(reading)
 
     def _counted(self, reading: DaemonReading) -> DaemonReading:
