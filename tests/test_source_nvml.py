@@ -201,19 +201,32 @@ def test_newer_utilization_samples_at_the_same_ratios_are_the_last_list_again():
     assert moved.gpus[1].process_utilization[0].timestamp_us > first.gpus[1].process_utilization[0].timestamp_us
 
 
-@pytest.mark.parametrize("name", ["c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t"])
-def test_process_rows_are_unpacked_by_the_real_structs_layout(name):
+@pytest.mark.parametrize("name, fields, values", [
+    ("c_nvmlProcessInfo_v3_t", nvml_source.PID_AND_MEMORY, [(4242, 1 << 30), (7, 0), (2**32 - 1, 2**64 - 1)]),
+    ("c_nvmlProcessInfo_v2_t", nvml_source.PID_AND_MEMORY, [(4242, 1 << 30), (7, 0), (2**32 - 1, 2**64 - 1)]),
+    ("c_nvmlProcessUtilizationSample_t", nvml_source.PID_TIME_AND_SM,
+     [(4242, 1_700_000_000_000_000, 37), (7, 0, 0), (2**32 - 1, 2**64 - 1, 100)]),
+])
+def test_rows_are_unpacked_by_the_real_structs_layout(name, fields, values):
     struct = getattr(pynvml, name)  # nvidia-ml-py's own: the layout the driver fills
-    assert nvml_source._unpackable(struct)
+    assert nvml_source._unpackable(struct, fields)
     rows = (struct * 3)()
-    for row, (pid, used) in zip(rows, [(4242, 1 << 30), (7, 0), (2**32 - 1, 2**64 - 1)]):
-        row.pid, row.usedGpuMemory = pid, used
+    for row, row_values in zip(rows, values):
+        for field, value in zip(fields, row_values):
+            setattr(row, field, value)
         for other, _ in struct._fields_:
-            if other not in ("pid", "usedGpuMemory"):
+            if other not in fields:
                 setattr(row, other, 0xABCD)  # the other fields are skipped, whatever they hold
-    raw = ctypes.string_at(rows, ctypes.sizeof(rows))
-    assert list(nvml_source._pid_and_memory(struct).iter_unpack(raw)) == [
-        (4242, 1 << 30), (7, 0), (2**32 - 1, 2**64 - 1)]
+    assert nvml_source._rows(rows, 3, struct, fields) == values
+    assert nvml_source._rows(rows, 0, struct, fields) == []
+
+
+def test_a_struct_whose_fields_are_out_of_order_or_not_integers_is_not_unpacked():
+    assert not nvml_source._unpackable(pynvml.c_nvmlProcessUtilizationSample_t, ("timeStamp", "pid"))
+    assert not nvml_source._unpackable(pynvml.c_nvmlProcessInfo_v3_t, ("pid", "noSuchField"))
+    assert not nvml_source._unpackable(pynvml.c_nvmlMemory_t, ("total", "used", "free"))  # used lies after free
+    assert nvml_source._unpackable(pynvml.c_nvmlMemory_t, ("total", "free", "used"))
+    assert not nvml_source._unpackable(pynvml.c_nvmlGpmMetric_t, ("metricId", "value"))  # a double
 
 
 def test_time_sliced_gpu_has_per_process_utilization():

@@ -282,26 +282,51 @@ MODES_SECONDS = 30.0
 
 # _as_last's key for a GPU's whole reading, beside the NVML functions' lists
 GPU_READING = "GpuReading"
+# The kept process utilization's key: its (pid, smUtil) pairs and its list
+UTILIZATION_RATIOS = "nvmlDeviceGetProcessUtilization ratios"
 
 
 def _no_lookup(name: str) -> Any:
     raise RuntimeError(f"this pynvml has no C entry point lookup for {name}")
 
 
-def _unpackable(struct: Any) -> bool:
-    """Whether _pid_and_memory can read the struct: a 4-byte pid before an 8-byte usedGpuMemory."""
-    pid, used = getattr(struct, "pid", None), getattr(struct, "usedGpuMemory", None)
-    return pid is not None and used is not None and pid.size == 4 and used.size == 8 and \
-        pid.offset + 4 <= used.offset and used.offset + 8 <= ctypes.sizeof(struct)
+# The fields DirectLists reads of each row, in the order they lie in the struct
+PID_AND_MEMORY = ("pid", "usedGpuMemory")  # c_nvmlProcessInfo_v3_t, _v2_t
+PID_TIME_AND_SM = ("pid", "timeStamp", "smUtil")  # c_nvmlProcessUtilizationSample_t
+_UNSIGNED = {4: "I", 8: "Q"}  # a field's size -> its struct format
+
+
+def _unpackable(struct: Any, names: Tuple[str, ...]) -> bool:
+    """Whether _fields_of can read these fields of the struct: each an unsigned 4- or
+    8-byte integer, in this order, none overlapping the next."""
+    types = {field[0]: field[1] for field in getattr(struct, "_fields_", ())}
+    end = 0
+    for name in names:
+        field = getattr(struct, name, None)
+        unsigned = getattr(types.get(name), "_type_", None) in ("I", "L", "Q")
+        if field is None or not unsigned or field.size not in _UNSIGNED or field.offset < end:
+            return False
+        end = field.offset + field.size
+    return end <= ctypes.sizeof(struct)
 
 
 @functools.lru_cache(maxsize=None)
-def _pid_and_memory(struct: Any) -> "structlib.Struct":
-    """The (pid, usedGpuMemory) of one row of NVML's process info struct, by the fields'
-    offsets: the struct's own layout, whichever version."""
-    pid, used = struct.pid, struct.usedGpuMemory
-    layout = f"={pid.offset}xI{used.offset - pid.offset - 4}xQ{ctypes.sizeof(struct) - used.offset - 8}x"
-    return structlib.Struct(layout)
+def _fields_of(struct: Any, names: Tuple[str, ...]) -> "structlib.Struct":
+    """These fields of one row of an NVML struct, by their offsets: the struct's own
+    layout, whichever version."""
+    layout, end = "=", 0
+    for name in names:
+        field = getattr(struct, name)
+        layout += f"{field.offset - end}x{_UNSIGNED[field.size]}"
+        end = field.offset + field.size
+    return structlib.Struct(f"{layout}{ctypes.sizeof(struct) - end}x")
+
+
+def _rows(buffer: Any, count: int, struct: Any, names: Tuple[str, ...]) -> List[Tuple[int, ...]]:
+    """The first `count` rows of the buffer, these fields of each, unpacked in C (a ctypes
+    struct per row cost a microsecond or two, 97 a GPU at 48 clients)."""
+    raw = ctypes.string_at(buffer, count * ctypes.sizeof(struct)) if count else b""
+    return list(_fields_of(struct, names).iter_unpack(raw))
 
 
 class DirectLists:
@@ -321,13 +346,15 @@ class DirectLists:
         # (function, GPU index) -> ctypes array kept for the next call on that GPU
         self._buffers: Dict[Tuple[str, int], Any] = {}
         # (function, GPU index) -> the (pid, bytes) rows it answered last, and their list
-        self._rows: Dict[Tuple[str, int], Tuple[List[Tuple[int, int]], List[ProcessMemory]]] = {}
+        self._rows: Dict[Tuple[str, int], Tuple[List[Tuple[int, ...]], List[ProcessMemory]]] = {}
 
     @property
     def usable(self) -> bool:
-        return self._lookup is not _no_lookup and all(hasattr(self._nvml, struct) for struct in (
-            "c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t", "c_nvmlProcessUtilizationSample_t")) and all(
-            _unpackable(getattr(self._nvml, struct)) for struct in ("c_nvmlProcessInfo_v3_t", "c_nvmlProcessInfo_v2_t"))
+        structs = {"c_nvmlProcessInfo_v3_t": PID_AND_MEMORY, "c_nvmlProcessInfo_v2_t": PID_AND_MEMORY,
+                   "c_nvmlProcessUtilizationSample_t": PID_TIME_AND_SM}
+        return self._lookup is not _no_lookup and all(
+            hasattr(self._nvml, struct) and _unpackable(getattr(self._nvml, struct), names)
+            for struct, names in structs.items())
 
     def processes(self, function: str, handle: Any, index: int) -> List[ProcessMemory]:
         """Compute or MPS processes: `function` is pynvml's name; its _v3 entry point,
@@ -343,10 +370,8 @@ class DirectLists:
             entry = self._lookup(name)
         buffer, count = self._filled(name, index, struct,
                                      lambda buffer, count: entry(handle, ctypes.byref(count), buffer))
-        # The rows unpacked in C (a ctypes struct per row cost a microsecond or two, 97 a
-        # GPU at 48 clients); an answer equal to the last gives the last list, built once.
-        raw = ctypes.string_at(buffer, count * ctypes.sizeof(struct)) if count else b""
-        rows = list(_pid_and_memory(struct).iter_unpack(raw))
+        # An answer equal to the last gives the last list, built once.
+        rows = _rows(buffer, count, struct, PID_AND_MEMORY)
         key = (name, index)
         last = self._rows.get(key)
         if last is not None and last[0] == rows:
@@ -355,18 +380,15 @@ class DirectLists:
         self._rows[key] = (rows, processes)
         return processes
 
-    def utilization(self, handle: Any, index: int, since_us: int) -> List[Any]:
-        """Per-process utilization samples newer than `since_us` (NVMLError NOT_FOUND
-        where there is none, as pynvml)."""
+    def utilization(self, handle: Any, index: int, since_us: int) -> List[Tuple[int, ...]]:
+        """(pid, timeStamp, smUtil) of each per-process utilization sample newer than
+        `since_us` (NVMLError NOT_FOUND where there is none, as pynvml)."""
         entry = self._lookup("nvmlDeviceGetProcessUtilization")
         since = ctypes.c_ulonglong(since_us)
-        return self._fill("nvmlDeviceGetProcessUtilization", index, self._nvml.c_nvmlProcessUtilizationSample_t,
-                          lambda buffer, count: entry(handle, buffer, ctypes.byref(count), since))
-
-    def _fill(self, name: str, index: int, struct: Any, call: Callable[[Any, ctypes.c_uint], int]) -> List[Any]:
-        buffer, count = self._filled(name, index, struct, call)
-        # Rows share the kept buffer: read before the next call on this GPU overwrites them.
-        return [] if buffer is None else list(buffer[:count])
+        struct = self._nvml.c_nvmlProcessUtilizationSample_t
+        buffer, count = self._filled("nvmlDeviceGetProcessUtilization", index, struct,
+                                     lambda buffer, count: entry(handle, buffer, ctypes.byref(count), since))
+        return _rows(buffer, count, struct, PID_TIME_AND_SM)
 
     def _filled(self, name: str, index: int, struct: Any, call: Callable[[Any, ctypes.c_uint], int]) -> Tuple[Any, int]:
         """The kept buffer after the call, and how many rows of it the call filled."""
@@ -611,24 +633,32 @@ class NvmlClient:
             if self._direct is not None:
                 samples = self._direct.utilization(handle, index, since)
             else:
-                samples = nvml.nvmlDeviceGetProcessUtilization(handle, since)
+                samples = [(int(s.pid), int(s.timeStamp), s.smUtil)
+                           for s in nvml.nvmlDeviceGetProcessUtilization(handle, since)]
         except nvml.NVMLError as e:
             # NOT_FOUND: no sample since last_seen (an idle GPU always answers this).
             # pynvml raises NVMLError(SUCCESS) when the size query finds none at all.
             if e.value in (nvml.NVML_ERROR_NOT_FOUND, nvml.NVML_SUCCESS):
                 return []
             raise
-        newest: Dict[int, ProcessUtilization] = {}
-        for s in samples:
-            pid, ts = int(s.pid), int(s.timeStamp)
-            if pid not in newest or ts > newest[pid].timestamp_us:
-                newest[pid] = ProcessUtilization(pid, _ratio(s.smUtil), ts)
+        newest: Dict[int, Tuple[int, Any]] = {}  # pid -> (timeStamp, smUtil) of its newest sample
+        for pid, ts, sm in samples:
+            seen = newest.get(pid)
+            if seen is None or ts > seen[0]:
+                newest[pid] = (ts, sm)
         if newest:
-            self._last_seen_us[index] = max(
-                self._last_seen_us.get(index, 0), max(u.timestamp_us for u in newest.values()))
+            self._last_seen_us[index] = max(self._last_seen_us.get(index, 0), max(ts for ts, _ in newest.values()))
         # Newer samples at the same ratios are an equal reading (the sample time is not compared):
         # the last round's list, so that a scrape reuses the readings' encoding (issue 44).
-        return self._as_last(index, "nvmlDeviceGetProcessUtilization", sorted(newest.values(), key=lambda u: u.pid))
+        # Compared as (pid, smUtil) pairs, before a ProcessUtilization is made.
+        ratios = sorted((pid, sm) for pid, (_, sm) in newest.items())
+        key = (index, UTILIZATION_RATIOS)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] == ratios:
+            return cast(List[ProcessUtilization], kept[1])
+        utilization = [ProcessUtilization(pid, _ratio(sm), newest[pid][0]) for pid, sm in ratios]
+        self._kept[key] = (ratios, utilization)
+        return utilization
 
     # ------------------------------------------------------------------ GPM
     def _gpm_activity(self, nvml: Any, handle: Any, index: int) -> Dict[str, float]:
