@@ -21,7 +21,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, cast
+from typing import AbstractSet, Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
@@ -490,8 +490,8 @@ class DaemonReader:
     _last: Optional[DaemonReading] = field(default=None, repr=False, compare=False)
     # The clients list last checked against its live servers, and their PIDs: the same list
     # and servers are not checked again
-    _clients_of_live: Tuple[Optional[List[PsEntry]], Set[int]] = field(default=(None, set()), repr=False,
-                                                                       compare=False)
+    _clients_of_live: Tuple[Optional[List[PsEntry]], AbstractSet[int]] = field(default=(None, frozenset()),
+                                                                               repr=False, compare=False)
 
     def _run(self, verb: str, *args: object) -> str:
         self.sent[verb] = self.sent.get(verb, 0) + 1
