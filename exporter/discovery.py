@@ -116,7 +116,8 @@ class CommReader:
     settled, and read again only in a full pass. So a process caught between its fork and
     its exec (systemd starting a daemon with -f) is read again at the next scan. One that
     exec()s the daemon long after it started is found in a full pass: at the scan where a
-    new process is named nvidia-cuda-mps (the server its first client starts), else within
+    new process is named nvidia-cuda-mps (the server its first client starts; a command's
+    short-lived `nvidia-cuda-mps-control` caught by a scan costs a pass too), else within
     `recheck` seconds. A node's scan read ~400 comm files every 5 s: a third of the control
     thread's CPU (issue 44); then the full pass every 60 s was a fifth of the exporter's at
     15 s scrapes (6 ms a pass of 385 comms on the synthetic node)."""
