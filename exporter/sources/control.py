@@ -555,21 +555,16 @@ class DaemonReader:
     def _percentage(self, verb: str, *args: object) -> Callable[[], Optional[float]]:
         return lambda: self._optional(parse_percentage, verb, *args)
 
-    def _pinned_limit(self, verb: str, *args: object) -> Callable[[], Optional[int]]:
-        return lambda: self._optional(parse_pinned_limit, verb, *args)
-
-    def _pinned_by_uuid(self, verb: str, *args: object) -> Callable[[], Optional[int]]:
+    def _pinned_by_uuid(self, verb: str, *args: object) -> Optional[int]:
         """A limit asked for by GPU UUID: a daemon that does not take a UUID there (drivers
         before UUID keys) has none set that way, and that costs no reading."""
-        def read() -> Optional[int]:
-            try:
-                return self._optional(parse_pinned_limit, verb, *args)
-            except (CommandNotAllowed, DaemonNotRunning, ServerNotFound):
-                raise
-            except ControlError as e:
-                log.debug("daemon %s: %s %s: %s", self.daemon.name, verb, args, e)
-                return None
-        return read
+        try:
+            return self._optional(parse_pinned_limit, verb, *args)
+        except (CommandNotAllowed, DaemonNotRunning, ServerNotFound):
+            raise
+        except ControlError as e:
+            log.debug("daemon %s: %s %s: %s", self.daemon.name, verb, args, e)
+            return None
 
     def _pinned_limits(self, key: Tuple[object, ...], verb: str, server: Tuple[int, ...],
                        devices: Sequence[VisibleDevice]) -> Dict[int, int]:
@@ -583,9 +578,9 @@ class DaemonReader:
             for ordinal, device in enumerate(devices):
                 if device.index is None:  # a MIG instance: no series of its own
                     continue
-                limit = self._pinned_limit(verb, *server, ordinal)()
+                limit = self._optional(parse_pinned_limit, verb, *server, ordinal)
                 if limit is None and _GPU_UUID.match(device.uuid):
-                    limit = self._pinned_by_uuid(verb, *server, device.uuid)()
+                    limit = self._pinned_by_uuid(verb, *server, device.uuid)
                 if limit is not None:
                     limits[device.index] = limit
             return limits
