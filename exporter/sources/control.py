@@ -21,7 +21,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, cast
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 from ..codec import expect, recorded
 from ..config import Config, DaemonConfig
@@ -488,10 +488,8 @@ class DaemonReader:
     # The last reading: its lists and limits are given again (the same objects) while equal,
     # so that a reading of a steady daemon compares equal to the last at a glance (issue 44).
     _last: Optional[DaemonReading] = field(default=None, repr=False, compare=False)
-    # The clients list last checked against its live servers, and their PIDs: the same list
-    # and servers are not checked again
-    _clients_of_live: Tuple[Optional[List[PsEntry]], AbstractSet[int]] = field(default=(None, frozenset()),
-                                                                               repr=False, compare=False)
+    # The clients of live servers: checked again only for another list or other servers
+    _live_clients: Derived[List[PsEntry]] = field(default_factory=Derived, repr=False, compare=False)
 
     def _run(self, verb: str, *args: object) -> str:
         self.sent[verb] = self.sent.get(verb, 0) + 1
@@ -695,11 +693,11 @@ class DaemonReader:
         except ControlError as e:
             self._listing, self._statuses = None, {}  # asked again next time
             reading.error = str(e)
-        live = {s.pid for s in reading.servers}
-        if reading.clients is not self._clients_of_live[0] or live != self._clients_of_live[1]:
-            if not all(c.server_pid in live for c in reading.clients):  # else the very list: join knows it by identity
-                reading.clients = [c for c in reading.clients if c.server_pid in live]
-            self._clients_of_live = (reading.clients, live)
+        live = frozenset(s.pid for s in reading.servers)
+        listed = reading.clients
+        # The very list where every client's server is live: join knows it by identity.
+        reading.clients = self._live_clients.get([listed], live, lambda: listed if all(
+            c.server_pid in live for c in listed) else [c for c in listed if c.server_pid in live])
         return self._counted(reading)
 
     def _counted(self, reading: DaemonReading) -> DaemonReading:
