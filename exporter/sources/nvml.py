@@ -34,7 +34,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar, cast
 
 from ..config import Config
-from ..model import GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot, same_objects
+from ..model import Derived, GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot, same_objects
 from .base import Backends, Reader, Source
 
 log = logging.getLogger(__name__)
@@ -282,8 +282,6 @@ MODES_SECONDS = 30.0
 
 # _as_last's key for a GPU's whole reading, beside the NVML functions' lists
 GPU_READING = "GpuReading"
-# The kept process utilization's key: its (pid, smUtil) pairs and its list
-UTILIZATION_RATIOS = "nvmlDeviceGetProcessUtilization ratios"
 
 
 def _no_lookup(name: str) -> Any:
@@ -345,8 +343,8 @@ class DirectLists:
         self._lookup: Callable[[str], Any] = getattr(nvml, "_nvmlGetFunctionPointer", None) or _no_lookup
         # (function, GPU index) -> ctypes array kept for the next call on that GPU
         self._buffers: Dict[Tuple[str, int], Any] = {}
-        # (function, GPU index) -> the (pid, bytes) rows it answered last, and their list
-        self._rows: Dict[Tuple[str, int], Tuple[List[Tuple[int, ...]], List[ProcessMemory]]] = {}
+        # (function, GPU index) -> its list, built again only where the (pid, bytes) rows moved
+        self._lists: Dict[Tuple[str, int], Derived[List[ProcessMemory]]] = {}
 
     @property
     def usable(self) -> bool:
@@ -372,13 +370,8 @@ class DirectLists:
                                      lambda buffer, count: entry(handle, ctypes.byref(count), buffer))
         # An answer equal to the last gives the last list, built once.
         rows = _rows(buffer, count, struct, PID_AND_MEMORY)
-        key = (name, index)
-        last = self._rows.get(key)
-        if last is not None and last[0] == rows:
-            return last[1]
-        processes = [ProcessMemory(pid, _used_bytes(used)) for pid, used in rows]
-        self._rows[key] = (rows, processes)
-        return processes
+        return self._lists.setdefault((name, index), Derived()).get(
+            (), rows, lambda: [ProcessMemory(pid, _used_bytes(used)) for pid, used in rows])
 
     def utilization(self, handle: Any, index: int, since_us: int) -> List[Tuple[int, ...]]:
         """(pid, timeStamp, smUtil) of each per-process utilization sample newer than
@@ -434,6 +427,8 @@ class NvmlClient:
         # of a steady node is known unchanged by identity (the join, the exit tracker and the
         # readings key then compare nothing; issue 44)
         self._kept: Dict[Tuple[int, str], Any] = {}
+        # index -> its process utilization, built again only where its (pid, smUtil) pairs moved
+        self._utilization: Dict[int, Derived[List[ProcessUtilization]]] = {}
         self._last_reading: Optional[NvmlReading] = None
         self._direct: Optional[DirectLists] = None  # None: pynvml's public list functions
         self.gpm = GpmSampler(self._waits[1])  # the only caller of GPM while NVML is initialised
@@ -471,6 +466,7 @@ class NvmlClient:
         self._handles.clear()
         self._modes.clear()
         self._kept.clear()
+        self._utilization.clear()
         self._direct = None
 
     def close(self) -> None:
@@ -652,13 +648,8 @@ class NvmlClient:
         # the last round's list, so that a scrape reuses the readings' encoding (issue 44).
         # Compared as (pid, smUtil) pairs, before a ProcessUtilization is made.
         ratios = sorted((pid, sm) for pid, (_, sm) in newest.items())
-        key = (index, UTILIZATION_RATIOS)
-        kept = self._kept.get(key)
-        if kept is not None and kept[0] == ratios:
-            return cast(List[ProcessUtilization], kept[1])
-        utilization = [ProcessUtilization(pid, _ratio(sm), newest[pid][0]) for pid, sm in ratios]
-        self._kept[key] = (ratios, utilization)
-        return utilization
+        return self._utilization.setdefault(index, Derived()).get(
+            (), ratios, lambda: [ProcessUtilization(pid, _ratio(sm), newest[pid][0]) for pid, sm in ratios])
 
     # ------------------------------------------------------------------ GPM
     def _gpm_activity(self, nvml: Any, handle: Any, index: int) -> Dict[str, float]:
