@@ -48,7 +48,7 @@ from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar
+from typing import Any, Callable, Deque, Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
@@ -61,7 +61,7 @@ from .contract import READ_DURATION_BUCKETS
 from .model import Histogram, Outcome, Snapshot
 from .catalog import METRICS
 from .exits import ExitTracker
-from .families import FamilyBuilder, empty_family
+from .families import FamilyBuilder, SeriesRecorder, empty_family
 from . import scrape_timeout
 from .render import ClientTableMemo, readings_key, render, render_readings, render_self
 from .sources.base import PartialFailure, ReadContext, Reader, Source
@@ -783,6 +783,66 @@ def _same_header(a: Metric, b: Metric) -> bool:
     return a.name == b.name and a.type == b.type and a.documentation == b.documentation and a.unit == b.unit
 
 
+@dataclass(frozen=True)
+class _SeriesText:
+    """Series of one shape (SeriesRecorder.shape) as client_python encoded them, around
+    their values: `parts[i]` is the text before value i (its family's header lines where
+    it is the family's first series, then its line up to the value); None: this format
+    does not write one line per sample ending with its value (encoded whole each time)."""
+
+    shape: object
+    parts: Optional[Tuple[str, ...]]
+
+    def fill(self, values: Sequence[float]) -> bytes:
+        assert self.parts is not None
+        return "".join([part + _go_string(value) + "\n" for part, value in zip(self.parts, values)]).encode()
+
+
+class _OwnSeries:
+    """The exporter's own series in one format. Each scrape renders them into a
+    SeriesRecorder and writes its values into the text of the last scrape with the same
+    series; samples, families and client_python's encoder only where the series changed
+    (a source's first read, a command first sent). Each text is checked when made: written
+    with the values it was made from, it equals client_python's encoding byte for byte,
+    or it is not used."""
+
+    def __init__(self, encoder: _FamilyEncoder) -> None:
+        self.encoder = encoder
+        self._kept: Optional[_SeriesText] = None
+
+    def encode(self, snap: Snapshot) -> bytes:
+        recorded = SeriesRecorder()
+        render_self(recorded, snap)
+        shape, values = recorded.shape(), recorded.values()
+        kept = self._kept
+        if kept is None or kept.shape != shape:
+            kept = self._kept = self._made(snap, shape, values)
+        if kept.parts is None:
+            return self._encoded(snap)[0]
+        return kept.fill(values)
+
+    def _encoded(self, snap: Snapshot) -> Tuple[bytes, List[Metric]]:
+        out = FamilyBuilder()
+        render_self(out, snap)
+        families = out.families()
+        return b"".join(self.encoder._text([family]) for family in families), families
+
+    def _made(self, snap: Snapshot, shape: object, values: Sequence[float]) -> _SeriesText:
+        text, families = self._encoded(snap)
+        parts: List[str] = []
+        for family in families:
+            keys = [_series_key(sample) for sample in family.samples]
+            header = self.encoder._header(family)
+            found = None if None in keys else _prefixes(self.encoder._text([family]), header, cast(
+                List[_SeriesKey], keys), family.samples)
+            if found is None or not self.encoder.by_line:
+                return _SeriesText(shape, None)
+            parts += [((header if i == 0 else b"") + found[key]).decode() for i, key in enumerate(keys)
+                      if key is not None]
+        made = _SeriesText(shape, tuple(parts))
+        return made if len(parts) == len(values) and made.fill(values) == text else _SeriesText(shape, None)
+
+
 # The gzip member header (RFC 1952) before the parts: deflate, no name, no time, Unix.
 _GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03"
 
@@ -829,7 +889,8 @@ class Exposition(CollectorRegistry):
     background refreshes, and by a second Prometheus, scrapes cost the exporter's own
     series and a copy, not an encoding. Where the readings changed, each family equal to
     its last encoding is reused, and in the others each sample's line (_FamilyEncoder);
-    the own series too. `collect` gives every family, as a registry does."""
+    process_* too. The own series' values are written into the text of the last scrape
+    with the same series (_OwnSeries). `collect` gives every family, as a registry does."""
 
     def __init__(self, collector: MpsCollector, process: bool = True) -> None:
         super().__init__(auto_describe=False)
@@ -837,12 +898,13 @@ class Exposition(CollectorRegistry):
         self.register(collector)
         self._others: List[Collector] = [ProcessCollector(registry=self)] if process else []
         self._encoded: Dict[Tuple[str, bool], _Encoded] = {}
-        # content type -> the readings' families, and the exporter's own and process_*: where
-        # readings changed, most families did not (a storm moves memory and activity, not
-        # who the clients are), and in a family that did, most series are the same with new
-        # values; the own series' values move in every scrape, the series hardly ever.
+        # content type -> the readings' families, and process_*: where readings changed, most
+        # families did not (a storm moves memory and activity, not who the clients are), and
+        # in a family that did, most series are the same with new values.
         self._readings: Dict[str, _FamilyEncoder] = {}
         self._rest: Dict[str, _FamilyEncoder] = {}
+        # content type -> the own series: their values move in every scrape, the series hardly ever
+        self._own: Dict[str, _OwnSeries] = {}
         self._deflated: Dict[str, _DeflatedParts] = {}  # content type -> its readings' parts
         self._client_tables = ClientTableMemo()
         self._lock = threading.Lock()
@@ -876,13 +938,13 @@ class Exposition(CollectorRegistry):
                 part = _Encoded(key, b"".join(texts))
             with self._lock:
                 self._encoded[(content_type, gzip)] = part
-        own = FamilyBuilder()
-        render_self(own, snap)
-        families = own.families()
-        for other in self._others:
-            families.extend(other.collect())
         rest_encoder = self._family_encoder(self._rest, encoder, content_type)
-        rest = rest_encoder.encode(families) + rest_encoder.trailer
+        with self._lock:
+            own = self._own.get(content_type)
+            if own is None:
+                own = self._own[content_type] = _OwnSeries(rest_encoder)
+        others = [family for other in self._others for family in other.collect()]
+        rest = own.encode(snap) + rest_encoder.encode(others) + rest_encoder.trailer
         if not gzip:
             return part.body + rest
         compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -15)

@@ -14,7 +14,7 @@ values are skipped (the series is absent, never a made-up number).
 from __future__ import annotations
 
 import math
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple
 
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
@@ -50,6 +50,15 @@ def _label_values(labels: Dict[str, object], cut: FrozenSet[str] = frozenset()) 
         if len(out[k]) > MAX_LABEL_CHARS:
             out[k] = out[k][:MAX_LABEL_CHARS]
     return out
+
+
+class SeriesSink(Protocol):
+    """Where a render adds its series: a FamilyBuilder, or a SeriesRecorder."""
+
+    def add(self, name: str, value: Optional[float], /, **labels: object) -> None: ...
+
+    def add_histogram(self, name: str, bucket_counts: Sequence[Tuple[float, float]], total: float, /,
+                      **labels: object) -> None: ...
 
 
 class FamilyBuilder:
@@ -121,6 +130,56 @@ class FamilyBuilder:
     def extend(self, name: str, samples: Sequence[Sample]) -> None:
         """Samples built and checked by an earlier builder (`parts`), added as they are."""
         self._family(name)[1].extend(samples)
+
+
+# A recorded family's series: each one's labels (and a histogram's bounds) in the order added.
+_Shape = Tuple[Tuple[str, Tuple[object, ...]], ...]
+
+
+class SeriesRecorder:
+    """What a render adds to a FamilyBuilder, kept as its shape (each family's series, in
+    the order a FamilyBuilder gives them) and its values in that order, without samples,
+    label checks or families: the exporter's own series, whose values move in every scrape
+    and whose series hardly ever do (collector.Exposition writes them by shape). The
+    same values skipped: None and NaN."""
+
+    def __init__(self) -> None:
+        self._series: Dict[str, List[object]] = {}
+        self._values: Dict[str, List[float]] = {}
+
+    def _family(self, name: str) -> Tuple[List[object], List[float]]:
+        series = self._series.get(name)
+        if series is None:
+            series = self._series[name] = []
+            self._values[name] = []
+        return series, self._values[name]
+
+    def add(self, name: str, value: Optional[float], /, **labels: object) -> None:
+        if value is None:
+            return
+        value = float(value)
+        if value != value:
+            return
+        series, values = self._family(name)
+        series.append(tuple(labels.items()))
+        values.append(value)
+
+    def add_histogram(self, name: str, bucket_counts: Sequence[Tuple[float, float]], total: float, /,
+                      **labels: object) -> None:
+        series, values = self._family(name)
+        series.append((tuple(labels.items()), tuple(bound for bound, _ in bucket_counts)))
+        count = 0.0
+        for _, cumulative in bucket_counts:  # the buckets, _count, _sum: FamilyBuilder's order
+            count = float(cumulative)
+            values.append(count)
+        values.append(count)
+        values.append(float(total))
+
+    def shape(self) -> _Shape:
+        return tuple((name, tuple(series)) for name, series in self._series.items())
+
+    def values(self) -> List[float]:
+        return [value for values in self._values.values() for value in values]
 
 
 def _format_le(bound: float) -> str:

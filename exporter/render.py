@@ -19,7 +19,7 @@ from typing import AbstractSet, Callable, Dict, FrozenSet, Iterator, List, Mappi
 from . import __version__
 from .contract import (CLIENT_PID, CUT, DAEMON, DEVICE, FIXED, GPU, INPUT, SERVER_PID, UID, USER, UUID, Label,
                        counter, gauge, histogram, table)
-from .families import FamilyBuilder
+from .families import FamilyBuilder, SeriesSink
 from prometheus_client.samples import Sample
 from . import limits as lim
 from .exitstatus import OUTCOMES
@@ -302,9 +302,10 @@ def readings_key(snap: Snapshot, granularity: str) -> Tuple[object, ...]:
 
 
 # ---------------------------------------------------------------- the exporter
-def render_self(out: FamilyBuilder, snap: Snapshot) -> None:
+def render_self(out: SeriesSink, snap: Snapshot) -> None:
     """The exporter's own series: they change in every scrape, so the encoded readings
-    (collector.Exposition) leave them out and readings_key ignores them."""
+    (collector.Exposition) leave them out and readings_key ignores them; their values
+    are written into the last encoding of the same series (a SeriesRecorder's shape)."""
     out.add("mps_exporter_build_info", 1, version=__version__, python_version=platform.python_version())
     for name, outcome in sorted(snap.outcomes.items()):
         out.add("mps_exporter_collector_success", int(outcome.success), collector=name)

@@ -522,3 +522,73 @@ def test_a_client_whose_memory_moved_to_another_gpu_is_rendered_anew():
     elsewhere = dataclasses.replace(row, memory_used_bytes={1: 1 << 29})
     assert memory(elsewhere) == {("mps_client_memory_used_bytes", "1"): 1 << 29,
                                  ("mps_client_pinned_memory_usage_ratio", "1"): 0.25}
+
+
+def _own_families(snap: Any) -> List[Any]:
+    from mps_exporter.render import render_self
+
+    own = FamilyBuilder()
+    render_self(own, snap)
+    return own.families()
+
+
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_the_own_series_are_written_into_their_last_text_while_the_series_stay(tmp_path, monkeypatch, accept):
+    """Values moving every scrape, series hardly ever: samples and client_python's encoder
+    only where the series changed, and every scrape's own text client_python's bytes."""
+    scen = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1)
+    collector = scen.collector()
+    encoder, _ = choose_encoder(accept)
+    own = collector_module._OwnSeries(collector_module._FamilyEncoder(encoder))
+    built: List[int] = []
+    real = collector_module.FamilyBuilder
+
+    def counting() -> Any:
+        built.append(1)
+        return real()
+
+    monkeypatch.setattr(collector_module, "FamilyBuilder", counting)
+    snaps = [collector.snapshot() for _ in range(4)]
+    snaps[2].outcomes["nvml"].duration_seconds = 1234567.5  # a value client_python writes with an exponent
+    for snap in snaps:
+        assert own.encode(snap) == b"".join(_plain(encoder, [f]).replace(b"# EOF\n", b"") for f in _own_families(snap))
+    assert len(built) == 1  # the first scrape's series: rendered as samples once, checked against the encoder
+    snaps[3].outcomes["nvml"].duration_seconds = None  # a series goes: the series changed
+    assert own.encode(snaps[3]) == b"".join(
+        _plain(encoder, [f]).replace(b"# EOF\n", b"") for f in _own_families(snaps[3]))
+    assert len(built) == 2
+
+
+def test_own_series_in_a_format_whose_lines_are_not_prefix_and_value_are_encoded_whole(tmp_path):
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    def integers(registry: Any) -> bytes:  # a format that spells 1.0 as 1
+        return generate_latest(registry).replace(b".0\n", b"\n")
+
+    collector = scenarios.synthetic(tmp_path, gpus=1, clients_per_gpu=1).collector()
+    own = collector_module._OwnSeries(collector_module._FamilyEncoder(integers))
+    for _ in range(3):
+        snap = collector.snapshot()
+        assert own.encode(snap) == b"".join(_plain(integers, [f]).replace(b"# EOF\n", b"")
+                                            for f in _own_families(snap))
+    assert own._kept is not None and own._kept.parts is None
+
+
+def test_a_recorder_keeps_a_family_builders_series_in_its_order_and_skips_what_it_skips():
+    from mps_exporter.families import SeriesRecorder
+
+    def render(out: Any, value: Any) -> None:
+        out.add("mps_exporter_collector_success", 1, collector="nvml")
+        out.add("mps_exporter_collector_duration_seconds", value, collector="nvml")
+        out.add_histogram("mps_exporter_collector_read_duration_seconds", [(0.1, 2), (float("inf"), 3)], 0.75,
+                          collector="nvml")
+        out.add("mps_exporter_collector_success", 0, collector="proc")
+
+    shapes = []
+    for value in (0.5, None, float("nan"), 2):
+        recorded, built = SeriesRecorder(), FamilyBuilder()
+        render(recorded, value)
+        render(built, value)
+        assert recorded.values() == [s.value for f in built.families() for s in f.samples]
+        shapes.append(recorded.shape())
+    assert shapes[0] == shapes[3] and shapes[1] == shapes[2] and shapes[0] != shapes[1]
