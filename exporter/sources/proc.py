@@ -509,7 +509,9 @@ class ProcSourceSpec(Source[Dict[int, ProcessFacts]]):
                 if added is None:
                     return None
                 facts.update(added)
-            found = {pid: facts[pid] for pid in pids if pid in facts}
+            # Where no PID was added and none left while read, the facts are for these PIDs alone.
+            found = facts if pids is early and len(facts) == len(pids) else {
+                pid: facts[pid] for pid in pids if pid in facts}
             # The last reading again where equal and nothing was named in place since, so
             # that what is joined from it is known unchanged by identity (join, issue 44).
             last_found, renamed = last[0]
