@@ -570,10 +570,25 @@ def test_gpm_calls_of_several_gpus_never_overlap():
 
 
 class InlineGpm:
-    """GPM work in each GPU's own read thread, as before issue 38."""
+    """Each GPU's GPM work in a thread of its own, side by side, as before issue 38."""
 
-    def activity(self, index, work):
-        return work()
+    def activities(self, works):
+        import threading
+
+        out = {}
+
+        def run(index, work):
+            try:
+                out[index] = work()
+            except BaseException as e:  # handed back as GpmSampler does
+                out[index] = e
+
+        threads = [threading.Thread(target=run, args=item) for item in works.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
 
     def forget(self):
         pass
@@ -799,3 +814,26 @@ def test_an_error_from_a_direct_list_call_is_nvml_s_error():
     fake.gpus[1].errors["nvmlDeviceGetMPSComputeRunningProcesses"] = fp.NVML_ERROR_GPU_IS_LOST
     gpus = NvmlClient(fake).read().gpus
     assert [g.up for g in gpus] == [True, False]
+
+
+def test_a_rounds_gpm_work_is_one_job_after_every_gpus_other_readings():
+    """One hand-off to the GPM thread a round, not one per GPU, and a GPU's GPM calls never
+    beside another NVML call of the round (on the H200 that cost GPM several times the CPU)."""
+    nvml = FakeNvml.synthetic(gpus=4, clients_per_gpu=2)
+    source = NvmlClient(nvml)
+    order: List[str] = []
+    nvml.latency_of = lambda fn, gpu: order.append(fn) or 0.0
+    source.read()
+    submitted: List[int] = []
+    worker = source.gpm._workers[0]
+    real_submit = worker.submit
+    worker.submit = lambda fn: submitted.append(1) or real_submit(fn)  # type: ignore[method-assign]
+    for _ in range(3):
+        order.clear()
+        nvml.advance(1.0)
+        reading = source.read()
+        assert all(g.activity for g in reading.gpus)
+        gpm = [i for i, fn in enumerate(order) if fn.startswith("nvmlGpm")]
+        others = [i for i, fn in enumerate(order) if not fn.startswith("nvmlGpm")]
+        assert gpm and others and max(others) < min(gpm), order
+    assert len(submitted) == 3

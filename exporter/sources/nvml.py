@@ -29,9 +29,9 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, Sequence, Set, Tuple, Type, TypeVar, cast
+from typing import (Any, Callable, Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Type,
+                    TypeVar, Union, cast)
 
 from ..config import Config
 from ..model import Derived, GpuReading, NvmlReading, ProcessMemory, ProcessUtilization, Snapshot, same_objects
@@ -182,19 +182,25 @@ class PerGpuReads(_WorkInFlight[GpuReading]):
         super().__init__()  # a thread per GPU index
         self.wait_seconds = wait_seconds  # None: wait for every GPU (the benchmark's reference)
 
-    def read(self, indexes: Sequence[int], read_one: Callable[[int], GpuReading]) -> List[GpuReading]:
-        """One reading per index, in their order. An exception of `read_one` is raised here."""
+    def read(self, indexes: Sequence[int], read_one: Callable[[int], GpuReading]) -> List[Tuple[GpuReading, bool]]:
+        """One reading per index, in their order, each with whether it is new (False: the
+        stand-in). An exception of `read_one` is raised here."""
         futures = {i: self._pending.get(i) or self._pending.setdefault(i, self._worker(i).submit(
             functools.partial(read_one, i))) for i in indexes}
         _settle(futures.values(), self.wait_seconds)
         out = []
         for i in indexes:
             future = futures[i]
-            if future.done() or i not in self._last:
+            new = future.done() or i not in self._last
+            if new:
                 del self._pending[i]
                 self._last[i] = future.result()  # waits where there is no stand-in
-            out.append(self._last[i])
+            out.append((self._last[i], new))
         return out
+
+    def keep(self, index: int, reading: GpuReading) -> None:
+        """The GPU's stand-in from now on: its new reading as finished (an equal, older one)."""
+        self._last[index] = reading
 
     def _worker(self, index: int) -> DaemonWorker:
         worker = self._workers.get(index)
@@ -209,38 +215,53 @@ DEMO_HINT = "for a demo without a GPU: mps-exporter replay"
 
 
 class GpmSampler(_WorkInFlight[Dict[str, float]]):
-    """Every GPU's GPM work in one thread, in the order asked: never two GPM calls at once,
-    and no GPU waits for another's. A GPU's read asks for its activity and waits at most
-    `wait_seconds`; where the work is not done by then it gets the last activity it had
-    (one interval older) and the work's result is taken by its next read. So a slow GPU
-    delays the others' GPM figures, never their readings."""
+    """Every GPU's GPM work in one thread, in the order asked: never two GPM calls at once.
+    A round's GPUs are asked at once, once their other readings are in (GPM beside the
+    same GPU's other calls cost the H200 several times the CPU), as one job: one hand-off
+    and one wait of at most `wait_seconds` a round, not one per GPU (issue 44). A GPU
+    whose work is not done by then gets the last activity it had (one interval older),
+    and the work's result is taken by the next round. So a slow GPU delays the others'
+    GPM figures, never their readings."""
 
     def __init__(self, wait_seconds: Optional[float] = GPM_WAIT_SECONDS) -> None:
         super().__init__()  # 0 -> the one thread, started at the first GPM work
         self.wait_seconds = wait_seconds
-        self._start = threading.Lock()  # GPUs' reads ask at once: one thread, not one each
 
-    def activity(self, index: int, work: Callable[[], Dict[str, float]]) -> Dict[str, float]:
-        """`work`'s result for this GPU, or its last one while the work is still in line.
-        An NVMLError of the work is raised here, once."""
-        future = self._pending.get(index)
-        if future is None:
-            with self._start:
-                if 0 not in self._workers:
-                    self._workers[0] = DaemonWorker("mps-read-gpm")
-            future = self._pending[index] = self._workers[0].submit(work)
+    def activities(self, works: Mapping[int, Callable[[], Dict[str, float]]]
+                   ) -> Dict[int, Union[Dict[str, float], BaseException]]:
+        """Each GPU's activity: its work's result, or its last one while its work (this
+        round's or an earlier one's) is still in line; an exception of its work, once.
+        A GPU whose earlier work is still in line gets no new work."""
+        new: Dict[int, Future[Dict[str, float]]] = {index: Future() for index in works if index not in self._pending}
+        if new:
+            self._pending.update(new)
+            if 0 not in self._workers:
+                self._workers[0] = DaemonWorker("mps-read-gpm")
+            self._workers[0].submit(functools.partial(_run_each, [(works[i], future) for i, future in new.items()]))
+        futures = {index: self._pending[index] for index in works}
+        _settle(futures.values(), self.wait_seconds)
+        out: Dict[int, Union[Dict[str, float], BaseException]] = {}
+        for index, future in futures.items():
+            if not future.done():
+                out[index] = self._last.get(index, {})
+                continue
+            del self._pending[index]
+            error = future.exception()
+            if error is not None:
+                self._last.pop(index, None)
+                out[index] = error
+            else:
+                out[index] = self._last[index] = future.result()
+        return out
+
+
+def _run_each(works: Sequence[Tuple[Callable[[], T], "Future[T]"]]) -> None:
+    """Each call in turn, its result or exception in its own future."""
+    for work, future in works:
         try:
-            activity = future.result(timeout=self.wait_seconds)
-        except FutureTimeout:
-            return self._last.get(index, {})
-        except BaseException:
-            self._last.pop(index, None)
-            raise
-        finally:
-            if future.done():
-                self._pending.pop(index, None)
-        self._last[index] = activity
-        return activity
+            future.set_result(work())
+        except BaseException as e:  # raised to whoever takes the result
+            future.set_exception(e)
 
 
 class NvmlUnavailable(RuntimeError):
@@ -497,12 +518,34 @@ class NvmlClient:
             # The driver went away under us (unloaded, GPU lost): start over next time.
             self._initialised = False
             raise NvmlUnavailable(f"NVML stopped answering: {e}") from e
-        gpus = self.gpus.read(range(count), lambda index: self._as_last(index, GPU_READING, self._read_gpu(nvml, index)))
+        readings = self.gpus.read(range(count), lambda index: self._read_gpu(nvml, index))
+        gpus = self._with_activity(nvml, readings)
         last = self._last_reading
         if last is not None and last.driver_version == driver and same_objects(last.gpus, gpus):
             return last
         self._last_reading = NvmlReading(driver_version=driver, gpus=gpus)
         return self._last_reading
+
+    def _with_activity(self, nvml: Any, readings: List[Tuple[GpuReading, bool]]) -> List[GpuReading]:
+        """The GPUs' readings, each new one with its GPM activity and then kept by _as_last
+        (a stand-in already was)."""
+        works = {g.index: functools.partial(self._gpm_activity, nvml, self._handles[g.index], g.index)
+                 for g, new in readings if new and g.up and g.index in self._handles}
+        activities = self.gpm.activities(works) if works else {}
+        gpus = []
+        for g, new in readings:
+            if new:
+                activity = activities.get(g.index)
+                if isinstance(activity, nvml.NVMLError):
+                    log.debug("GPU %d: no GPM activity: %s", g.index, activity)
+                elif isinstance(activity, BaseException):
+                    raise activity
+                elif activity is not None:
+                    g.activity = activity
+                g = self._as_last(g.index, GPU_READING, g)
+                self.gpus.keep(g.index, g)
+            gpus.append(g)
+        return gpus
 
     def _read_gpu(self, nvml: Any, index: int) -> GpuReading:
         uuid = self._identity.get(index, ("", ""))[1]
@@ -616,10 +659,7 @@ class NvmlClient:
             gpu.process_utilization = self._process_utilization(nvml, handle, i)
         except nvml.NVMLError as e:
             log.debug("GPU %d: no process utilization: %s", i, e)
-        try:  # last, and bounded: the GPU's other readings never wait for another GPU's GPM
-            gpu.activity = self.gpm.activity(i, lambda: self._gpm_activity(nvml, handle, i))
-        except nvml.NVMLError as e:
-            log.debug("GPU %d: no GPM activity: %s", i, e)
+        # GPM activity comes after every GPU's readings (_with_activity).
 
     # ------------------------------------------------ per-process utilization
     def _process_utilization(self, nvml: Any, handle: Any, index: int) -> List[ProcessUtilization]:
