@@ -144,7 +144,7 @@ class _WorkInFlight(Generic[R]):
     def __init__(self) -> None:
         self._workers: Dict[int, DaemonWorker] = {}
         weakref.finalize(self, _stop_all, self._workers)
-        self._pending: Dict[int, "Future[R]"] = {}  # GPU index -> its work in flight
+        self._pending: Dict[int, "Future[Any]"] = {}  # GPU index -> its work in flight (or its round's, GPM)
         self._last: Dict[int, R] = {}
 
     @property
@@ -232,36 +232,38 @@ class GpmSampler(_WorkInFlight[Dict[str, float]]):
         """Each GPU's activity: its work's result, or its last one while its work (this
         round's or an earlier one's) is still in line; an exception of its work, once.
         A GPU whose earlier work is still in line gets no new work."""
-        new: Dict[int, Future[Dict[str, float]]] = {index: Future() for index in works if index not in self._pending}
+        new = [index for index in works if index not in self._pending]
         if new:
-            self._pending.update(new)
             if 0 not in self._workers:
                 self._workers[0] = DaemonWorker("mps-read-gpm")
-            self._workers[0].submit(functools.partial(_run_each, [(works[i], future) for i, future in new.items()]))
-        futures = {index: self._pending[index] for index in works}
-        _settle(futures.values(), self.wait_seconds)
+            job = self._workers[0].submit(functools.partial(_each, [(index, works[index]) for index in new]))
+            self._pending.update(dict.fromkeys(new, job))
+        jobs = {index: self._pending[index] for index in works}
+        _settle(set(jobs.values()), self.wait_seconds)
         out: Dict[int, Union[Dict[str, float], BaseException]] = {}
-        for index, future in futures.items():
-            if not future.done():
+        for index, job in jobs.items():
+            if not job.done():
                 out[index] = self._last.get(index, {})
                 continue
             del self._pending[index]
-            error = future.exception()
-            if error is not None:
+            result = job.result()[index]
+            if isinstance(result, BaseException):
                 self._last.pop(index, None)
-                out[index] = error
             else:
-                out[index] = self._last[index] = future.result()
+                self._last[index] = result
+            out[index] = result
         return out
 
 
-def _run_each(works: Sequence[Tuple[Callable[[], T], "Future[T]"]]) -> None:
-    """Each call in turn, its result or exception in its own future."""
-    for work, future in works:
+def _each(works: Sequence[Tuple[int, Callable[[], T]]]) -> Dict[int, Union[T, BaseException]]:
+    """Each call in turn: its result or its exception, by index."""
+    out: Dict[int, Union[T, BaseException]] = {}
+    for index, work in works:
         try:
-            future.set_result(work())
+            out[index] = work()
         except BaseException as e:  # raised to whoever takes the result
-            future.set_exception(e)
+            out[index] = e
+    return out
 
 
 class NvmlUnavailable(RuntimeError):
