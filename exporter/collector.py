@@ -829,16 +829,19 @@ class _OwnSeries:
 
     def _made(self, snap: Snapshot, shape: object, values: Sequence[float]) -> _SeriesText:
         text, families = self._encoded(snap)
+        if not self.encoder.by_line:
+            return _SeriesText(shape, None)
         parts: List[str] = []
         for family in families:
             keys = [_series_key(sample) for sample in family.samples]
-            header = self.encoder._header(family)
-            found = None if None in keys else _prefixes(self.encoder._text([family]), header, cast(
-                List[_SeriesKey], keys), family.samples)
-            if found is None or not self.encoder.by_line:
+            if None in keys:
                 return _SeriesText(shape, None)
-            parts += [((header if i == 0 else b"") + found[key]).decode() for i, key in enumerate(keys)
-                      if key is not None]
+            series = cast(List[_SeriesKey], keys)
+            header = self.encoder._header(family)
+            found = _prefixes(self.encoder._text([family]), header, series, family.samples)
+            if found is None:
+                return _SeriesText(shape, None)
+            parts += [((header if i == 0 else b"") + found[key]).decode() for i, key in enumerate(series)]
         made = _SeriesText(shape, tuple(parts))
         return made if len(parts) == len(values) and made.fill(values) == text else _SeriesText(shape, None)
 
