@@ -88,7 +88,7 @@ def test_the_cpu_of_a_thread_that_ended_is_still_counted():
     from bench.cost_bench import process_cpu_seconds, threads_cpu
 
     child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, threading, time\n"
+        "import os, sys, threading, time\n"
         "spent = []\n"
         "def work():\n"
         "    n = 0\n"
@@ -96,6 +96,9 @@ def test_the_cpu_of_a_thread_that_ended_is_still_counted():
         "        n += 1\n"
         "    spent.append(time.thread_time())\n"
         "t = threading.Thread(target=work); t.start(); t.join()\n"
+        # join() returns before the kernel drops the thread's task: wait until it has
+        "while os.path.exists(f'/proc/self/task/{t.native_id}'):\n"
+        "    time.sleep(0.01)\n"
         "print(spent[0], flush=True)\n"
         "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
