@@ -821,6 +821,7 @@ def test_a_rounds_gpm_work_is_one_job_after_every_gpus_other_readings():
     beside another NVML call of the round (on the H200 that cost GPM several times the CPU)."""
     nvml = FakeNvml.synthetic(gpus=4, clients_per_gpu=2)
     source = NvmlClient(nvml)
+    source.gpus.wait_seconds = source.gpm.wait_seconds = None  # every answer waited for: no stand-ins
     order: List[str] = []
     nvml.latency_of = lambda fn, gpu: order.append(fn) or 0.0
     source.read()
