@@ -901,23 +901,23 @@ class Exposition(CollectorRegistry):
         self.register(collector)
         self._others: List[Collector] = [ProcessCollector(registry=self)] if process else []
         self._encoded: Dict[Tuple[str, bool], _Encoded] = {}
-        # content type -> the readings' families, and process_*: where readings changed, most
-        # families did not (a storm moves memory and activity, not who the clients are), and
-        # in a family that did, most series are the same with new values.
+        # content type -> the readings' families: where readings changed, most families did
+        # not (a storm moves memory and activity, not who the clients are), and in a family
+        # that did, most series are the same with new values.
         self._readings: Dict[str, _FamilyEncoder] = {}
-        self._rest: Dict[str, _FamilyEncoder] = {}
-        # content type -> the own series: their values move in every scrape, the series hardly ever
+        # content type -> the own series (their values move in every scrape, the series hardly
+        # ever), and through their encoder process_*
         self._own: Dict[str, _OwnSeries] = {}
         self._deflated: Dict[str, _DeflatedParts] = {}  # content type -> its readings' parts
         self._client_tables = ClientTableMemo()
         self._lock = threading.Lock()
 
-    def _family_encoder(self, kept: Dict[str, _FamilyEncoder], encoder: Callable[[Any], bytes],
-                        content_type: str) -> _FamilyEncoder:
+    def _per_format(self, kept: Dict[str, T], content_type: str, make: Callable[[], T]) -> T:
+        """This format's entry of `kept`, made at its first scrape."""
         with self._lock:
             found = kept.get(content_type)
             if found is None:
-                found = kept[content_type] = _FamilyEncoder(encoder)
+                found = kept[content_type] = make()
         return found
 
     def encode(self, encoder: Callable[[Any], bytes], content_type: str, gzip: bool) -> bytes:
@@ -929,10 +929,10 @@ class Exposition(CollectorRegistry):
         if part is None or part.key != key:
             out = FamilyBuilder()
             render_readings(out, snap, self.collector.granularity, own_renders(), self._client_tables)
-            texts = self._family_encoder(self._readings, encoder, content_type).encode_each(out.families())
+            texts = self._per_format(self._readings, content_type, lambda: _FamilyEncoder(encoder)).encode_each(
+                out.families())
             if gzip:
-                with self._lock:
-                    parts = self._deflated.setdefault(content_type, _DeflatedParts())
+                parts = self._per_format(self._deflated, content_type, _DeflatedParts)
                 crc = 0
                 for text in texts:
                     crc = zlib.crc32(text, crc)
@@ -941,13 +941,9 @@ class Exposition(CollectorRegistry):
                 part = _Encoded(key, b"".join(texts))
             with self._lock:
                 self._encoded[(content_type, gzip)] = part
-        rest_encoder = self._family_encoder(self._rest, encoder, content_type)
-        with self._lock:
-            own = self._own.get(content_type)
-            if own is None:
-                own = self._own[content_type] = _OwnSeries(rest_encoder)
+        own = self._per_format(self._own, content_type, lambda: _OwnSeries(_FamilyEncoder(encoder)))
         others = [family for other in self._others for family in other.collect()]
-        rest = own.encode(snap) + rest_encoder.encode(others) + rest_encoder.trailer
+        rest = own.encode(snap) + own.encoder.encode(others) + own.encoder.trailer
         if not gzip:
             return part.body + rest
         compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -15)
