@@ -4,6 +4,7 @@ call into the fake NVML library and control daemon counted once, by a clock inje
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 from typing import List
 
@@ -60,6 +61,25 @@ def test_a_call_that_raises_is_counted_and_the_next_call_counted_again():
     assert simulated.wrap("control daemon", answers)() == 7
     assert simulated.seconds == {"control daemon": 5.0}
     assert simulated.total() == 5.0
+
+
+def test_each_threads_calls_are_summed_with_a_part_wrapped_after_its_first_call():
+    spent = threading.local()  # each thread's own CPU clock
+    simulated = SimulatedCpu(clock=lambda: getattr(spent, "now", 0.0))
+
+    def work(seconds: float) -> None:
+        spent.now = getattr(spent, "now", 0.0) + seconds
+    nvml = simulated.wrap("nvml", work)
+    threads = [threading.Thread(target=nvml, args=(seconds,)) for seconds in (1.0, 2.0, 4.0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    nvml(8.0)
+    assert simulated.parts() == {"nvml": 15.0}
+    simulated.wrap("control daemon", work)(16.0)  # this thread's totals were made before the part
+    assert simulated.parts() == {"nvml": 15.0, "control daemon": 16.0}
+    assert simulated.total() == 31.0
 
 
 def test_the_fake_nvml_functions_and_entry_points_are_counted(tmp_path: Path):
