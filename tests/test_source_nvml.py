@@ -2,6 +2,7 @@
 scenarios and failure injection. Expected values are derived from the capture
 JSON or from the scenario's inputs, never copied from the source's output."""
 
+import collections
 import contextlib
 import copy
 import ctypes
@@ -775,6 +776,25 @@ def test_each_list_is_one_call_once_its_buffer_is_sized():
         fake.advance(1)
         source.read()
     assert [fake.entry_point_calls[f] for f in LISTS] == [10, 10, 10]  # then one call a GPU
+
+
+@pytest.mark.parametrize("before_r510", [False, True])
+def test_each_entry_point_is_looked_up_once_whatever_the_rounds_and_gpus(before_r510):
+    fake = FakeNvml.synthetic(gpus=2, clients_per_gpu=3)
+    fake.driver_before_r510 = before_r510  # its _v3 lookups fail: _v2, asked once too
+    looked_up = collections.Counter()
+
+    def lookup(name: str):
+        looked_up[name] += 1
+        return fake._function_pointer(name)
+    fake._nvmlGetFunctionPointer = lookup
+    source = NvmlClient(fake)
+    for _ in range(3):
+        fake.advance(1)
+        assert all(len(g.mps_clients) == 3 for g in source.read().gpus)
+    lists = [f[:-3] for f in LISTS[:2]]
+    versions = [f + "_v3" for f in lists] + ([f + "_v2" for f in lists] if before_r510 else [])
+    assert looked_up == dict.fromkeys([*versions, "nvmlDeviceGetProcessUtilization"], 1)
 
 
 def test_a_list_that_outgrows_its_buffer_is_read_whole():

@@ -368,6 +368,9 @@ class DirectLists:
         self._buffers: Dict[Tuple[str, int], Any] = {}
         # (function, GPU index) -> its list, built again only where the (pid, bytes) rows moved
         self._lists: Dict[Tuple[str, int], Derived[List[ProcessMemory]]] = {}
+        # pynvml's function -> its C entry point's name, struct and the entry point, looked up
+        # once (_entry): not a lookup per list, GPU and round, nor before R510 an NVMLError
+        self._entries: Dict[str, Tuple[str, Any, Any]] = {}
 
     @property
     def usable(self) -> bool:
@@ -380,15 +383,7 @@ class DirectLists:
     def processes(self, function: str, handle: Any, index: int) -> List[ProcessMemory]:
         """Compute or MPS processes: `function` is pynvml's name; its _v3 entry point,
         _v2 where the driver lacks _v3 (before R510)."""
-        nvml = self._nvml
-        try:
-            name, struct = function + "_v3", nvml.c_nvmlProcessInfo_v3_t
-            entry = self._lookup(name)
-        except nvml.NVMLError as e:
-            if e.value != nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-                raise
-            name, struct = function + "_v2", nvml.c_nvmlProcessInfo_v2_t
-            entry = self._lookup(name)
+        name, struct, entry = self._entry(function, (("_v3", "c_nvmlProcessInfo_v3_t"), ("_v2", "c_nvmlProcessInfo_v2_t")))
         buffer, count = self._filled(name, index, struct,
                                      lambda buffer, count: entry(handle, ctypes.byref(count), buffer))
         # An answer equal to the last gives the last list, built once.
@@ -399,12 +394,28 @@ class DirectLists:
     def utilization(self, handle: Any, index: int, since_us: int) -> List[Tuple[int, ...]]:
         """(pid, timeStamp, smUtil) of each per-process utilization sample newer than
         `since_us` (NVMLError NOT_FOUND where there is none, as pynvml)."""
-        entry = self._lookup("nvmlDeviceGetProcessUtilization")
+        name, struct, entry = self._entry("nvmlDeviceGetProcessUtilization", (("", "c_nvmlProcessUtilizationSample_t"),))
         since = ctypes.c_ulonglong(since_us)
-        struct = self._nvml.c_nvmlProcessUtilizationSample_t
-        buffer, count = self._filled("nvmlDeviceGetProcessUtilization", index, struct,
+        buffer, count = self._filled(name, index, struct,
                                      lambda buffer, count: entry(handle, buffer, ctypes.byref(count), since))
         return _rows(buffer, count, struct, PID_TIME_AND_SM)
+
+    def _entry(self, function: str, versions: Sequence[Tuple[str, str]]) -> Tuple[str, Any, Any]:
+        """pynvml's `function` as the first of `versions` (the entry point's suffix, its
+        struct's name in pynvml) the driver has: the entry point's name, struct and itself."""
+        found = self._entries.get(function)
+        if found is None:
+            nvml = self._nvml
+            for suffix, struct in versions:
+                try:
+                    found = (function + suffix, getattr(nvml, struct), self._lookup(function + suffix))
+                    break
+                except nvml.NVMLError as e:  # _v3 where the driver has only _v2 (before R510)
+                    if e.value != nvml.NVML_ERROR_FUNCTION_NOT_FOUND or suffix == versions[-1][0]:
+                        raise
+            assert found is not None
+            self._entries[function] = found
+        return found
 
     def _filled(self, name: str, index: int, struct: Any, call: Callable[[Any, ctypes.c_uint], int]) -> Tuple[Any, int]:
         """The kept buffer after the call, and how many rows of it the call filled."""
