@@ -788,7 +788,7 @@ def test_each_entry_point_is_looked_up_once_whatever_the_rounds_and_gpus(before_
         looked_up[name] += 1
         return fake._function_pointer(name)
     fake._nvmlGetFunctionPointer = lookup
-    source = NvmlClient(fake)
+    source = NvmlClient(fake, wait_for_every_answer=True)
     for _ in range(3):
         fake.advance(1)
         assert all(len(g.mps_clients) == 3 for g in source.read().gpus)

@@ -312,9 +312,12 @@ def _no_lookup(name: str) -> Any:
 
 
 # The fields DirectLists reads of each row, in the order they lie in the struct
-PID_AND_MEMORY = ("pid", "usedGpuMemory")  # c_nvmlProcessInfo_v3_t, _v2_t
-PID_TIME_AND_SM = ("pid", "timeStamp", "smUtil")  # c_nvmlProcessUtilizationSample_t
+PID_AND_MEMORY = ("pid", "usedGpuMemory")  # of PROCESS_LIST_VERSIONS' structs
+PID_TIME_AND_SM = ("pid", "timeStamp", "smUtil")  # of UTILIZATION_VERSIONS' struct
 _UNSIGNED = {4: "I", 8: "Q"}  # a field's size -> its struct format
+# A list's C entry points, newest first: (suffix, the struct's name in pynvml); DirectLists._entry
+PROCESS_LIST_VERSIONS = (("_v3", "c_nvmlProcessInfo_v3_t"), ("_v2", "c_nvmlProcessInfo_v2_t"))
+UTILIZATION_VERSIONS = (("", "c_nvmlProcessUtilizationSample_t"),)
 
 
 def _unpackable(struct: Any, names: Tuple[str, ...]) -> bool:
@@ -371,11 +374,12 @@ class DirectLists:
         # pynvml's function -> its C entry point's name, struct and the entry point, looked up
         # once (_entry): not a lookup per list, GPU and round, nor before R510 an NVMLError
         self._entries: Dict[str, Tuple[str, Any, Any]] = {}
+        self._looking_up = threading.Lock()
 
     @property
     def usable(self) -> bool:
-        structs = {"c_nvmlProcessInfo_v3_t": PID_AND_MEMORY, "c_nvmlProcessInfo_v2_t": PID_AND_MEMORY,
-                   "c_nvmlProcessUtilizationSample_t": PID_TIME_AND_SM}
+        structs = {**{struct: PID_AND_MEMORY for _, struct in PROCESS_LIST_VERSIONS},
+                   **{struct: PID_TIME_AND_SM for _, struct in UTILIZATION_VERSIONS}}
         return self._lookup is not _no_lookup and all(
             hasattr(self._nvml, struct) and _unpackable(getattr(self._nvml, struct), names)
             for struct, names in structs.items())
@@ -383,7 +387,7 @@ class DirectLists:
     def processes(self, function: str, handle: Any, index: int) -> List[ProcessMemory]:
         """Compute or MPS processes: `function` is pynvml's name; its _v3 entry point,
         _v2 where the driver lacks _v3 (before R510)."""
-        name, struct, entry = self._entry(function, (("_v3", "c_nvmlProcessInfo_v3_t"), ("_v2", "c_nvmlProcessInfo_v2_t")))
+        name, struct, entry = self._entry(function, PROCESS_LIST_VERSIONS)
         buffer, count = self._filled(name, index, struct,
                                      lambda buffer, count: entry(handle, ctypes.byref(count), buffer))
         # An answer equal to the last gives the last list, built once.
@@ -394,7 +398,7 @@ class DirectLists:
     def utilization(self, handle: Any, index: int, since_us: int) -> List[Tuple[int, ...]]:
         """(pid, timeStamp, smUtil) of each per-process utilization sample newer than
         `since_us` (NVMLError NOT_FOUND where there is none, as pynvml)."""
-        name, struct, entry = self._entry("nvmlDeviceGetProcessUtilization", (("", "c_nvmlProcessUtilizationSample_t"),))
+        name, struct, entry = self._entry("nvmlDeviceGetProcessUtilization", UTILIZATION_VERSIONS)
         since = ctypes.c_ulonglong(since_us)
         buffer, count = self._filled(name, index, struct,
                                      lambda buffer, count: entry(handle, buffer, ctypes.byref(count), since))
@@ -405,17 +409,22 @@ class DirectLists:
         struct's name in pynvml) the driver has: the entry point's name, struct and itself."""
         found = self._entries.get(function)
         if found is None:
-            nvml = self._nvml
-            for suffix, struct in versions:
-                try:
-                    found = (function + suffix, getattr(nvml, struct), self._lookup(function + suffix))
-                    break
-                except nvml.NVMLError as e:  # _v3 where the driver has only _v2 (before R510)
-                    if e.value != nvml.NVML_ERROR_FUNCTION_NOT_FOUND or suffix == versions[-1][0]:
-                        raise
-            assert found is not None
-            self._entries[function] = found
+            with self._looking_up:  # the GPU threads' first calls come at once: one lookup
+                found = self._entries.get(function)
+                if found is None:
+                    found = self._entries[function] = self._first_entry(function, versions)
         return found
+
+    def _first_entry(self, function: str, versions: Sequence[Tuple[str, str]]) -> Tuple[str, Any, Any]:
+        nvml = self._nvml
+        for suffix, struct in versions[:-1]:
+            try:
+                return function + suffix, getattr(nvml, struct), self._lookup(function + suffix)
+            except nvml.NVMLError as e:  # _v3 where the driver has only _v2 (before R510)
+                if e.value != nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                    raise
+        suffix, struct = versions[-1]
+        return function + suffix, getattr(nvml, struct), self._lookup(function + suffix)
 
     def _filled(self, name: str, index: int, struct: Any, call: Callable[[Any, ctypes.c_uint], int]) -> Tuple[Any, int]:
         """The kept buffer after the call, and how many rows of it the call filled."""
