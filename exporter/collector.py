@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 from prometheus_client.metrics_core import Metric
-from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
@@ -59,6 +58,7 @@ from prometheus_client.utils import floatToGoString
 from .config import DEFAULT_PAUSE_AFTER, GZIP_LEVEL, Config
 from .contract import READ_DURATION_BUCKETS
 from .model import Histogram, Outcome, Snapshot
+from .own_process import OwnProcess
 from .catalog import METRICS
 from .exits import ExitTracker
 from .families import FamilyBuilder, SeriesRecorder, empty_family
@@ -829,21 +829,60 @@ class _OwnSeries:
 
     def _made(self, snap: Snapshot, shape: object, values: Sequence[float]) -> _SeriesText:
         text, families = self._encoded(snap)
-        if not self.encoder.by_line:
+        made = _series_text(self.encoder, families, shape)
+        return made if made.parts is not None and len(made.parts) == len(values) and made.fill(values) == text \
+            else _SeriesText(shape, None)
+
+
+def _series_text(encoder: _FamilyEncoder, families: List[Metric], shape: object) -> _SeriesText:
+    """The text client_python encodes `families` to, around their values (parts None where
+    this format or a sample does not allow that)."""
+    if not encoder.by_line:
+        return _SeriesText(shape, None)
+    parts: List[str] = []
+    for family in families:
+        keys = [_series_key(sample) for sample in family.samples]
+        if None in keys:
             return _SeriesText(shape, None)
-        parts: List[str] = []
-        for family in families:
-            keys = [_series_key(sample) for sample in family.samples]
-            if None in keys:
-                return _SeriesText(shape, None)
-            series = cast(List[_SeriesKey], keys)
-            header = self.encoder._header(family)
-            found = _prefixes(self.encoder._text([family]), header, series, family.samples)
-            if found is None:
-                return _SeriesText(shape, None)
-            parts += [((header if i == 0 else b"") + found[key]).decode() for i, key in enumerate(series)]
-        made = _SeriesText(shape, tuple(parts))
-        return made if len(parts) == len(values) and made.fill(values) == text else _SeriesText(shape, None)
+        series = cast(List[_SeriesKey], keys)
+        header = encoder._header(family)
+        found = _prefixes(encoder._text([family]), header, series, family.samples)
+        if found is None:
+            return _SeriesText(shape, None)
+        parts += [((header if i == 0 else b"") + found[key]).decode() for i, key in enumerate(series)]
+    return _SeriesText(shape, tuple(parts))
+
+
+class _ProcessText:
+    """The exporter's process_* series in one format: client_python's encoding of
+    ProcessCollector's families, made once for the series OwnProcess reads, and each
+    scrape OwnProcess's values written into it. The text is checked when made: written
+    with the families' own values, it equals their encoding byte for byte, or the
+    families are encoded each scrape."""
+
+    def __init__(self, encoder: _FamilyEncoder, process: OwnProcess) -> None:
+        self.encoder = encoder
+        self.process = process
+        self._kept: Optional[_SeriesText] = None
+
+    def encode(self) -> bytes:
+        names, values = self.process.figures()
+        kept = self._kept
+        if kept is None or kept.shape != names:
+            kept = self._kept = self._made(names)
+        if kept.parts is None:
+            return self.encoder.encode(self.process.collect())
+        return kept.fill(values)
+
+    def _made(self, names: Tuple[str, ...]) -> _SeriesText:
+        families = self.process.collect()
+        samples = [sample for family in families for sample in family.samples]
+        if tuple(sample.name for sample in samples) != names:  # not the series OwnProcess reads
+            return _SeriesText(names, None)
+        made = _series_text(self.encoder, families, names)
+        text = b"".join(self.encoder._text([family]) for family in families)
+        return made if made.parts is not None and made.fill([s.value for s in samples]) == text \
+            else _SeriesText(names, None)
 
 
 # The gzip member header (RFC 1952) before the parts: deflate, no name, no time, Unix.
@@ -891,23 +930,27 @@ class Exposition(CollectorRegistry):
     while the readings stay the same (render.readings_key), and reused: between the
     background refreshes, and by a second Prometheus, scrapes cost the exporter's own
     series and a copy, not an encoding. Where the readings changed, each family equal to
-    its last encoding is reused, and in the others each sample's line (_FamilyEncoder);
-    process_* too. The own series' values are written into the text of the last scrape
-    with the same series (_OwnSeries). `collect` gives every family, as a registry does."""
+    its last encoding is reused, and in the others each sample's line (_FamilyEncoder).
+    The own series' values are written into the text of the last scrape with the same
+    series (_OwnSeries), process_*'s into client_python's text of theirs (_ProcessText). `collect` gives every family, as a registry does."""
 
     def __init__(self, collector: MpsCollector, process: bool = True) -> None:
         super().__init__(auto_describe=False)
         self.collector = collector
         self.register(collector)
-        self._others: List[Collector] = [ProcessCollector(registry=self)] if process else []
+        self._process: Optional[OwnProcess] = None
+        if process:
+            self._process = OwnProcess()
+            self.register(self._process)
         self._encoded: Dict[Tuple[str, bool], _Encoded] = {}
         # content type -> the readings' families: where readings changed, most families did
         # not (a storm moves memory and activity, not who the clients are), and in a family
         # that did, most series are the same with new values.
         self._readings: Dict[str, _FamilyEncoder] = {}
         # content type -> the own series (their values move in every scrape, the series hardly
-        # ever), and through their encoder process_*
+        # ever), and process_* alike
         self._own: Dict[str, _OwnSeries] = {}
+        self._process_text: Dict[str, _ProcessText] = {}
         self._deflated: Dict[str, _DeflatedParts] = {}  # content type -> its readings' parts
         self._client_tables = ClientTableMemo()
         self._lock = threading.Lock()
@@ -942,8 +985,12 @@ class Exposition(CollectorRegistry):
             with self._lock:
                 self._encoded[(content_type, gzip)] = part
         own = self._per_format(self._own, content_type, lambda: _OwnSeries(_FamilyEncoder(encoder)))
-        others = [family for other in self._others for family in other.collect()]
-        rest = own.encode(snap) + own.encoder.encode(others) + own.encoder.trailer
+        process = self._process
+        rest = own.encode(snap)
+        if process is not None:
+            rest += self._per_format(self._process_text, content_type,
+                                     lambda: _ProcessText(_FamilyEncoder(encoder), process)).encode()
+        rest += own.encoder.trailer
         if not gzip:
             return part.body + rest
         compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -15)
