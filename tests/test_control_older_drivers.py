@@ -55,11 +55,13 @@ def test_every_recorded_family_is_a_row():
     assert FAMILIES["R470"] == PS | STATUS | PINNED | PRIORITY
 
 def daemon(unknown: FrozenSet[str]) -> FakeControlDaemon:
+    """A daemon of a family that lacks `unknown`: R525 or older, whose program says no
+    binary version (docs/drivers.md)."""
     return FakeControlDaemon(
         servers=[FakeServer(500, active_thread_percentage=50.0, pinned_limits={0: "1G"})],
         clients=[FakeClient(501, 500, UUID, 1), FakeClient(502, 500, UUID, 2)],
         default_active_thread_percentage=80.0, default_pinned_limits={0: "2G"}, default_client_priority=1,
-        unknown_commands=unknown)
+        unknown_commands=unknown, version="")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

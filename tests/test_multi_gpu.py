@@ -283,11 +283,11 @@ def test_a_client_of_the_gpu_1_daemon_naming_device_1_binds_nothing(tmp_path):
 
 def test_a_default_set_by_uuid_as_the_dra_driver_sets_it(tmp_path):
     """`set_default_device_pinned_mem_limit GPU-<uuid> 2048M` (the DRA driver's template): MPS
-    answers it only asked by UUID, and its server logs `... for device GPU-<uuid> set to
+    answers it only asked by UUID (its server's limit both ways), and its server logs `... for device GPU-<uuid> set to
     0x80000000 bytes`. The default, the server's limit and the client's inherited limit
     (from the server's limits at its connection) are 2 GiB on the GPU of that UUID."""
     uuid1 = FakeNvml.synthetic(gpus=2, clients_per_gpu=0).gpus[1].uuid
-    daemons = {1: FakeControlDaemon(servers=[FakeServer(0, pinned_limits={uuid1: "2G"})],
+    daemons = {1: FakeControlDaemon(servers=[FakeServer(0, pinned_limits={0: "2G", uuid1: "2G"})],
                                     default_pinned_limits={uuid1: "2048M"})}
     log = server_log(4100, uuid1, [10003, 10004, 10005], []).splitlines(keepends=True)
     log[3:3] = ["[2026-11-25 10:00:02.000 Server  4100] activeThreadsPercentage set to 100.0\n",

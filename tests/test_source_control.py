@@ -147,6 +147,23 @@ def test_busy_reading_and_commands_per_scrape():
     assert daemon.received[first:] == ["get_server_list\n", "ps\n", "get_server_status 1589\n"]
 
 
+@pytest.mark.parametrize("version,asked_by_uuid", [("13000", False), ("13010", False), ("12080", True), ("", True)])
+def test_a_servers_limit_is_asked_by_uuid_only_where_the_binary_may_key_it_as_set(version, asked_by_uuid):
+    """From R580 (binary 13000) a server's limit answers alike by ordinal and by UUID
+    (tests/gpu/reports/2026-11-29-h200-pinned-limit-keys): an empty answer by ordinal is
+    the answer. An older binary, or one that says no version, is asked by UUID as well,
+    where a limit set by UUID answers; the daemon's defaults are asked both ways always."""
+    daemon = FakeControlDaemon.busy_capture()
+    daemon.version = version
+    daemon.servers[0].pinned_limits = {UUID: "3G"}  # answered only by UUID, as a daemon keying it as set would
+    daemon.default_pinned_limits = {UUID: "2G"}
+    r = make_source(daemon).read(devices=[0], uuids={0: UUID})
+    assert (f"get_device_pinned_mem_limit 1589 {UUID}\n" in daemon.received) == asked_by_uuid
+    assert f"get_default_device_pinned_mem_limit {UUID}\n" in daemon.received
+    assert r.default_pinned_limits == {0: 2 << 30}
+    assert r.servers[0].pinned_limits == ({0: 3 << 30} if asked_by_uuid else {})
+
+
 def test_facts_are_reread_after_refresh_interval_and_for_new_servers():
     now = [0.0]
     daemon = FakeControlDaemon.busy_capture()

@@ -429,6 +429,14 @@ class DaemonProcess:
     visible_devices: Optional[str]
 
 
+# From this binary version (R580's) on, a server's pinned limit answers alike asked by the
+# daemon's ordinal and by GPU UUID, however it was set or inherited (one H200,
+# tests/gpu/reports/2026-11-29-h200-pinned-limit-keys): after an empty answer by ordinal
+# the UUID is not asked. That was 8 of the 35 commands a minute that re-read a steady
+# 8-GPU daemon's facts where its logs are not read, 40 lines a minute in its control.log
+# (issue 44). Defaults stay keyed by how they were set, and are asked both ways.
+SERVER_LIMITS_ALIKE_FROM = 13000
+
 PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe directory: the daemon's PID in its own namespace
 
 
@@ -566,24 +574,31 @@ class DaemonReader:
 
     def _pinned_limits(self, key: Tuple[object, ...], verb: str, server: Tuple[int, ...],
                        devices: Sequence[VisibleDevice]) -> Dict[int, int]:
-        """Pinned limits by the node's GPU index. MPS keys a limit by the daemon's own device
-        ordinal (counted in its CUDA_VISIBLE_DEVICES) or by GPU UUID, and answers each only
-        asked the way it was set: after `set_default_device_pinned_mem_limit GPU-<uuid> 2G`
-        (the DRA driver's form) `get_... 0` answered an empty line and `get_... GPU-<uuid>`
-        answered 2G (2 x H100, issue 38). So the ordinal first, the UUID where it has none."""
+        """Pinned limits by the node's GPU index. MPS keys a default by the daemon's own
+        device ordinal (counted in its CUDA_VISIBLE_DEVICES) or by GPU UUID, and answers
+        each only asked the way it was set: after `set_default_device_pinned_mem_limit
+        GPU-<uuid> 2G` (the DRA driver's form) `get_... 0` answered an empty line and
+        `get_... GPU-<uuid>` answered 2G (2 x H100, issue 38). So the ordinal first, the
+        UUID where it has none; for a server's limit only before SERVER_LIMITS_ALIKE_FROM."""
         def read() -> Dict[int, int]:
+            by_uuid = not server or not self._server_limits_alike()
             limits: Dict[int, int] = {}
             for ordinal, device in enumerate(devices):
                 if device.index is None:  # a MIG instance: no series of its own
                     continue
                 limit = self._optional(parse_pinned_limit, verb, *server, ordinal)
-                if limit is None and _GPU_UUID.match(device.uuid):
+                if limit is None and by_uuid and _GPU_UUID.match(device.uuid):
                     limit = self._pinned_by_uuid(verb, *server, device.uuid)
                 if limit is not None:
                     limits[device.index] = limit
             return limits
         # Kept whole: a steady daemon's read neither walks its devices nor builds a new dict.
         return self._cached(key + (tuple(devices),), read)
+
+    def _server_limits_alike(self) -> bool:
+        """Whether the daemon answers a server's pinned limit alike by ordinal and by UUID."""
+        version = self._version or ""
+        return version.isdigit() and int(version) >= SERVER_LIMITS_ALIKE_FROM
 
     def _default_priority(self) -> Optional[int]:
         return self._optional(parse_priority, "get_default_client_priority")
