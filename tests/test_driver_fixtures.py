@@ -255,7 +255,7 @@ def test_a_470_daemon_names_its_clients_devices_without_ps(tmp_path):
     """R470 (no `ps`): each client's server from get_client_list, its device from
     get_device_client_list (the daemon's ordinal 0, named by the node's GPU of that
     ordinal); client ID, PID namespace and command unknown."""
-    recorded = Recorded(server_answers("470", tmp_path / "answers.txt"))
+    recorded = Recorded(server_answers("470", tmp_path / "answers.txt"), version=version_output("470"))
     reader = mc.DaemonReader(DaemonConfig("470", "/nonexistent", "/nonexistent"), mc.ControlClient("/nonexistent",
                              runner=recorded))
     reading = reader.read([0], uuids={0: UUID})
