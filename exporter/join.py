@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, dataclass_transform
 
 from . import limits as lim
-from .limits import Limits, OwnLimits, VisibleDevice, client_limits, on_gpus, own_limits, visible_devices
+from .limits import Limits, OwnLimits, VisibleDevice, client_limits, exact_pinned, on_gpus, own_limits, visible_devices
 from .model import DaemonReading, DcgmReading, Derived, GpuReading, LogServer, LogSnapshot, ProcessFacts, ProcessMemory, \
     PsEntry, ServerFacts, Snapshot, same_objects
 
@@ -506,11 +506,11 @@ def _server_row(daemon: str, s: ServerFacts, ls: Optional[LogServer], proc: Opti
     user = proc.user if proc and proc.user else ("" if uid is None else str(uid))
     atp, atp_source = _first((s.active_thread_percentage, FROM_CONTROL),
                              (ls.active_thread_percentage if ls else None, FROM_LOGS))
-    if s.pinned_limits:
-        pinned, pinned_source = s.pinned_limits, FROM_CONTROL
+    logged = on_gpus(ls.pinned_limits, devices) if ls else {}
+    if s.pinned_limits:  # the daemon's answer, as exact as server.log where it says more
+        pinned, pinned_source = exact_pinned(s.pinned_limits, logged) if logged else s.pinned_limits, FROM_CONTROL
     else:
-        pinned = on_gpus(ls.pinned_limits, devices) if ls else {}
-        pinned_source = FROM_LOGS if pinned else UNKNOWN
+        pinned, pinned_source = logged, FROM_LOGS if logged else UNKNOWN
     start, start_source = _first(((ls.start_time if ls else None) or None, FROM_LOGS),  # 0: not a time
                                  (proc.start_time_seconds if proc else None, FROM_PROC))
     memory = {gpu.index: used for gpu in joined.gpus

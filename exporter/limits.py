@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .logs.events import DeviceKey
-from .units import ascii_digits, parse_decimal, parse_size, parse_uint
+from .units import ascii_digits, parse_decimal, parse_size, parse_uint, printed_unit
 
 PINNED_MEMORY, ACTIVE_THREADS, PRIORITY = "pinned_memory", "active_threads", "priority"
 LIMITS = (PINNED_MEMORY, ACTIVE_THREADS, PRIORITY)
@@ -87,6 +87,16 @@ def visible_devices(value: Optional[str], gpus: Sequence[Tuple[int, str]]) -> Li
         if device not in seen:
             seen.append(device)
     return seen
+
+
+def exact_pinned(answered: Mapping[int, int], logged: Mapping[int, int]) -> Dict[int, int]:
+    """A server's pinned limits by GPU index as the control daemon answered them, each
+    replaced by the one its server.log wrote in bytes where the answer is that one
+    rounded down (units.printed_unit): a server under a default of 1536M logged
+    `0x60000000 bytes` and was answered `1G` (H200, driver 580). A logged limit the answer
+    does not round it to (set again since, as the log would also say) is not taken."""
+    return {gpu: logged[gpu] if gpu in logged and size <= logged[gpu] < size + printed_unit(size) else size
+            for gpu, size in answered.items()}
 
 
 def on_gpus(pinned: Mapping[DeviceKey, int], devices: Sequence[VisibleDevice]) -> Dict[int, int]:

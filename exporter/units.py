@@ -39,6 +39,18 @@ def parse_size(text: str) -> Optional[int]:
     return size if size <= MAX_SIZE_BYTES else None
 
 
+def printed_unit(size: int) -> int:
+    """The unit MPS's control program printed `size` in: the largest of _UNITS it reaches
+    that divides it. It prints a limit rounded down to whole units of the largest unit
+    the limit reaches: 1536M as `1G` (H200, driver 580;
+    tests/gpu/reports/2026-11-29-h200-pinned-1536M), so an answer of `size` stands for
+    any limit from `size` up to `size + printed_unit(size)`."""
+    for unit in sorted(set(_UNITS.values()), reverse=True):
+        if size >= unit and size % unit == 0:
+            return unit
+    return 1
+
+
 def ascii_digits(text: str, max_digits: int = MAX_DIGITS) -> bool:
     """Whether `text` is 1 to `max_digits` ASCII digits and nothing else: what `int(text)`
     may be called on. `str.isdigit()` is no such check ("²".isdigit(), int("²") fails)."""

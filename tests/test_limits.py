@@ -91,3 +91,23 @@ def test_in_force_and_where_it_came_from():
     # no server known: the daemon default; nothing anywhere: none
     assert client_limits(Limits(), None, default).sources[lim.PINNED_MEMORY] == lim.DAEMON_DEFAULT
     assert client_limits(Limits(), None, Limits()).sources == {lim.PINNED_MEMORY: lim.NONE, lim.ACTIVE_THREADS: lim.NONE}
+
+
+@pytest.mark.parametrize("answer,unit", [("1G", 1 << 30), ("2G", 1 << 30), ("1536M", 1 << 20), ("512M", 1 << 20),
+                                         ("3K", 1 << 10), ("1T", 1 << 40), ("1023", 1), ("0x60000000", 1 << 20)])
+def test_the_unit_an_answer_was_printed_in(answer, unit):
+    from mps_exporter.units import parse_size, printed_unit
+    assert printed_unit(parse_size(answer)) == unit
+
+
+@pytest.mark.parametrize("logged,served", [
+    (1536 << 20, 1536 << 20),  # 1536M answered `1G`: the log's bytes
+    ((2 << 30) - 1, (2 << 30) - 1),  # the last byte `1G` stands for
+    (1 << 30, 1 << 30),
+    (2 << 30, 1 << 30),  # `1G` is no rounding of 2G: the answer
+    (512 << 20, 1 << 30),
+    (None, 1 << 30),  # nothing logged for this GPU
+])
+def test_a_servers_answered_limit_takes_the_logged_bytes_it_is_the_rounding_of(logged, served):
+    logged_limits = {} if logged is None else {3: logged}
+    assert lim.exact_pinned({3: 1 << 30, 5: 2 << 30}, {**logged_limits, 5: 3 << 30}) == {3: served, 5: 2 << 30}

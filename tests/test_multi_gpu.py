@@ -304,6 +304,27 @@ def test_a_default_set_by_uuid_as_the_dra_driver_sets_it(tmp_path):
     assert value(text, "mps_log_unrecognized_lines_total", **d1, file="server") == 0
 
 
+def test_a_limit_the_daemon_answers_rounded_down_is_published_as_server_log_wrote_it(tmp_path):
+    """A default of 1536M binds 1.5 GiB; the daemon answers `1G` for it, its server's
+    server.log says `0x60000000 bytes` (H200, driver 580;
+    tests/gpu/reports/2026-11-29-h200-pinned-1536M). The server's limit and what its
+    clients inherit are 1.5 GiB; a logged limit the answer is not the rounding of (4G
+    under `1G`) is not taken. The daemon's default has no server.log: `1G` still."""
+    uuid1 = FakeNvml.synthetic(gpus=2, clients_per_gpu=0).gpus[1].uuid
+    log = server_log(4100, uuid1, [10003, 10004], []).splitlines(keepends=True)
+    for logged, served in ((0x60000000, 1536 << 20), (4 << 30, 1 << 30)):
+        limit_line = f"[2026-11-25 10:00:02.000 Server  4100] Device pinned memory limit for device 0 set to {logged:#x} bytes\n"
+        daemons = {1: FakeControlDaemon(servers=[FakeServer(0, pinned_limits={0: "1G", uuid1: "1G"})],
+                                        default_pinned_limits={0: "1G"})}
+        _, text = per_gpu_daemons(tmp_path / hex(logged), {1: "1"}, daemons, {},
+                                  server_logs={1: "".join(log[:3] + [limit_line] + log[3:])})
+        d1 = {"daemon": "nvidia.com/mps-gpu1"}
+        assert limits_by_gpu(text, "mps_server_pinned_memory_limit_bytes", **d1) == {"1": served}
+        assert limits_by_gpu(text, "mps_default_pinned_memory_limit_bytes", **d1) == {"1": 1 << 30}
+        for pid in ("10003", "10004"):
+            assert limits_by_gpu(text, "mps_client_pinned_memory_limit_bytes", **d1, pid=pid) == {"1": served}
+
+
 def test_a_killed_daemon_takes_its_servers_and_clients_with_it(tmp_path):
     """`kill -9` of a daemon and its server (what deleting a device-plugin daemon pod does):
     control.log says nothing, the directory stays, the control program finds no daemon. The
