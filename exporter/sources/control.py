@@ -431,9 +431,9 @@ class DaemonProcess:
 
 # From this binary version (R580's) on, a server's pinned limit answers alike asked by the
 # daemon's ordinal and by GPU UUID, however it was set or inherited: on one H200, and on
-# two under either CUDA_VISIBLE_DEVICES order (tests/gpu/reports/2026-11-29-h200-pinned-
-# limit-keys, 2026-11-29-h200x2-pinned-limit-keys). After an empty answer by ordinal the
-# UUID is not asked. That was 8 of the 35 commands a minute that re-read a steady
+# two under either CUDA_VISIBLE_DEVICES order (tests/gpu/reports:
+# 2026-11-29-h200-pinned-limit-keys, 2026-11-29-h200x2-pinned-limit-keys). After an
+# empty answer by ordinal the UUID is not asked. That was 8 of the 35 commands a minute that re-read a steady
 # 8-GPU daemon's facts where its logs are not read, 40 lines a minute in its control.log
 # (issue 44). Defaults stay keyed by how they were set, and are asked both ways.
 SERVER_LIMITS_ALIKE_FROM = 13000
