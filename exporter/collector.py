@@ -932,7 +932,8 @@ class Exposition(CollectorRegistry):
     series and a copy, not an encoding. Where the readings changed, each family equal to
     its last encoding is reused, and in the others each sample's line (_FamilyEncoder).
     The own series' values are written into the text of the last scrape with the same
-    series (_OwnSeries), process_*'s into client_python's text of theirs (_ProcessText). `collect` gives every family, as a registry does."""
+    series (_OwnSeries), process_*'s into client_python's text of theirs (_ProcessText).
+    `collect` gives every family, as a registry does."""
 
     def __init__(self, collector: MpsCollector, process: bool = True) -> None:
         super().__init__(auto_describe=False)

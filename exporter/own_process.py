@@ -26,6 +26,9 @@ STAT_SERIES = ("process_virtual_memory_bytes", "process_resident_memory_bytes", 
                "process_cpu_seconds_total")
 FD_SERIES = ("process_open_fds", "process_max_fds")
 
+# ProcessCollector's clock ticks per second, page size and boot time, as it names them
+COLLECTOR_CONSTANTS = ("_ticks", "_pagesize", "_btime")
+
 # Values are read again after this many seconds at most: a storm of scrapes (several
 # Prometheus servers, a client storm at 1 s) reads /proc once a second.
 MAX_AGE_SECONDS = 1.0
@@ -71,14 +74,18 @@ class OwnProcess(Collector):
         return self._figures
 
     def _read(self) -> Figures:
+        # ProcessCollector's own clock tick, page size and boot time: the values it computes.
+        # A client_python without them gives nothing here, and its families are then
+        # encoded whole each scrape (collector._ProcessText), never a failed scrape.
         collector = self.families_of
-        if not collector._btime:  # ProcessCollector found no /proc: it gives nothing
+        ticks, page_size, boot_time = (getattr(collector, name, None) for name in COLLECTOR_CONSTANTS)
+        if not (ticks and page_size and boot_time):  # no /proc: ProcessCollector gives nothing either
             return (), ()
         names: Tuple[str, ...] = ()
         values: Tuple[float, ...] = ()
         stat = _read_small(self._dir + "/stat")
         if stat is not None:
-            names, values = STAT_SERIES, stat_values(stat, collector._ticks, collector._pagesize, collector._btime)
+            names, values = STAT_SERIES, stat_values(stat, ticks, page_size, boot_time)
         open_fds = _count_entries(self._dir + "/fd")
         if open_fds is not None:
             names, values = names + FD_SERIES, values + (float(open_fds), self._file_limit())

@@ -126,3 +126,17 @@ def test_series_client_python_gives_otherwise_are_encoded_from_its_families(tmp_
         assert text.encode() == _theirs(encoder, tmp_path)
         assert b"process_open_fds" not in text.encode()
     assert text._kept is not None and text._kept.parts is None
+
+
+def test_a_client_python_without_the_collectors_constants_costs_its_speed_not_the_scrape(tmp_path, monkeypatch):
+    """Were ProcessCollector's tick, page size or boot time renamed, OwnProcess reads
+    nothing, and the scrape encodes client_python's families as they are."""
+    import mps_exporter.own_process as own_process
+
+    encoder, _ = choose_encoder("text/plain")
+    fake_proc(tmp_path)
+    own = OwnProcess(str(tmp_path), PID, file_limit=lambda: 1024.0)
+    monkeypatch.setattr(own_process, "COLLECTOR_CONSTANTS", ("_ticks", "_page_size", "_btime"))
+    text = collector_module._ProcessText(collector_module._FamilyEncoder(encoder), own)
+    assert own.figures() == ((), ())
+    assert text.encode() == _theirs(encoder, tmp_path) and b"process_open_fds" in text.encode()
