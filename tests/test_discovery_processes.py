@@ -9,7 +9,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 from prometheus_client.exposition import generate_latest
@@ -328,10 +328,9 @@ def test_a_daemon_that_execs_in_place_is_found_when_its_first_server_starts(tmp_
     assert now[0] < COMM_RECHECK_SECONDS  # found by the server's start, not the recheck
 
 
-def test_a_steady_listing_is_not_read_again_until_the_full_pass(tmp_path, monkeypatch):
-    # CommReader.control_pids: the listing and every comm in it as at the last scan, and no
-    # full pass due: no comm is read, no pass over the processes made (CommReader.read not
-    # called), and the daemons found are the same.
+def comm_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Tuple[FakeHost, List[str], List[float], Any]:
+    """The fake host, the comm files read (each path, in order), the clock, and a CommReader
+    on that clock with a full pass every 60 s."""
     from mps_exporter import discovery
 
     h = fake_host(tmp_path, tmp_path / "srv-mps")
@@ -339,7 +338,14 @@ def test_a_steady_listing_is_not_read_again_until_the_full_pass(tmp_path, monkey
     real_comm = discovery._comm
     monkeypatch.setattr(discovery, "_comm", lambda proc_dir: read.append(proc_dir) or real_comm(proc_dir))
     now = [0.0]
-    comms = discovery.CommReader(recheck=60.0, clock=lambda: now[0])
+    return h, read, now, discovery.CommReader(recheck=60.0, clock=lambda: now[0])
+
+
+def test_a_steady_listing_is_not_read_again_until_the_full_pass(tmp_path, monkeypatch):
+    # CommReader.control_pids: the listing and every comm in it as at the last scan, and no
+    # full pass due: no comm is read, no pass over the processes made (CommReader.read not
+    # called), and the daemons found are the same.
+    h, read, now, comms = comm_reader(tmp_path, monkeypatch)
     processes = len([p for p in os.listdir(h.proc) if p.isdigit()])
 
     passes = []
@@ -364,3 +370,23 @@ def test_a_steady_listing_is_not_read_again_until_the_full_pass(tmp_path, monkey
     write_proc(h.proc, [FakeProcess(901, comm="nvidia-cuda-mps")])
     assert scan_at(65.0) == first and len(read) == processes + 2  # a new MPS process: a full pass
     assert read.count(f"{h.proc}/901") == 1  # read once: not settled by it
+
+
+def test_a_changed_listing_reads_the_new_processes_alone_and_a_daemon_that_left_is_gone(tmp_path, monkeypatch):
+    # CommReader keeps the comms by PID as listed: a process that left costs no read, and
+    # the daemon's PID leaves the answer; a new one is read, the settled others are not.
+    h, read, now, comms = comm_reader(tmp_path, monkeypatch)
+    for now[0] in (0.0, 5.0):  # read, then read again and settled
+        before = comms.control_pids(str(h.proc))
+    assert before is not None and 101 in before
+    shutil.rmtree(h.proc / "101")  # the ECS daemon exits
+    write_proc(h.proc, [FakeProcess(910, comm="bash")])
+    passed: List[List[object]] = []  # the PIDs each pass in Python went over
+    real_read = comms.read
+    monkeypatch.setattr(comms, "read", lambda root, pids: passed.append(list(pids)) or real_read(root, pids))
+    read.clear()
+    now[0] = 10.0
+    after = comms.control_pids(str(h.proc))
+    assert read == [f"{h.proc}/910"]
+    assert passed == [["910"]]  # not every process, each looked up and skipped
+    assert after == [pid for pid in before if pid != 101]
