@@ -523,11 +523,12 @@ def test_quick_reads_run_in_the_scrape_and_a_control_read_not_waited_for_starts_
         events.append(("proc here" if answer is not None else "proc declined", threading.get_ident()))
         return answer
 
-    delay = [0.0]
+    answering = threading.Event()  # cleared: the daemon does not answer until it is set
+    answering.set()
 
     def control_read(ctx):
         events.append(("control", threading.get_ident()))
-        time.sleep(delay[0])
+        assert answering.wait(10)
         return control.read(ctx)
 
     readers["proc"] = dataclasses.replace(proc, quick=proc_quick)
@@ -541,9 +542,13 @@ def test_quick_reads_run_in_the_scrape_and_a_control_read_not_waited_for_starts_
     clock.now += 1.0
     text_of(collector)
     assert ("proc here", me) in events and all(who != me for what, who in events if what == "control")
-    delay[0] = 0.2  # the daemon slows down: this scrape serves the last answer ...
+    # That read starts once the scrape has its readings: ended before the next scrape, or
+    # on a busy machine the next one joined it and served the one before (CI, f39f25d).
+    assert control_read_ended(collector, 1001.0)
+    answering.clear()  # the daemon stops answering: this scrape serves the last answer ...
     clock.now += 1.0
     assert value(text_of(collector), CONTROL_TIME) == 1001.0
+    answering.set()  # answered after the scrape's wait: slower than the wait
     assert control_read_ended(collector, 1002.0)
     events.clear()
     clock.now += 1.0
