@@ -804,11 +804,12 @@ class _OwnSeries:
     series; samples, families and client_python's encoder only where the series changed
     (a source's first read, a command first sent). Each text is checked when made: written
     with the values it was made from, it equals client_python's encoding byte for byte,
-    or it is not used."""
+    or it is not used. `process`: the exporter's process_* too, through the same encoder."""
 
-    def __init__(self, encoder: _FamilyEncoder) -> None:
+    def __init__(self, encoder: _FamilyEncoder, process: Optional[OwnProcess] = None) -> None:
         self.encoder = encoder
         self._kept: Optional[_SeriesText] = None
+        self.process = None if process is None else _ProcessText(encoder, process)
 
     def encode(self, snap: Snapshot) -> bytes:
         recorded = SeriesRecorder()
@@ -951,7 +952,6 @@ class Exposition(CollectorRegistry):
         # content type -> the own series (their values move in every scrape, the series hardly
         # ever), and process_* alike
         self._own: Dict[str, _OwnSeries] = {}
-        self._process_text: Dict[str, _ProcessText] = {}
         self._deflated: Dict[str, _DeflatedParts] = {}  # content type -> its readings' parts
         self._client_tables = ClientTableMemo()
         self._lock = threading.Lock()
@@ -985,13 +985,8 @@ class Exposition(CollectorRegistry):
                 part = _Encoded(key, b"".join(texts))
             with self._lock:
                 self._encoded[(content_type, gzip)] = part
-        own = self._per_format(self._own, content_type, lambda: _OwnSeries(_FamilyEncoder(encoder)))
-        process = self._process
-        rest = own.encode(snap)
-        if process is not None:
-            rest += self._per_format(self._process_text, content_type,
-                                     lambda: _ProcessText(_FamilyEncoder(encoder), process)).encode()
-        rest += own.encoder.trailer
+        own = self._per_format(self._own, content_type, lambda: _OwnSeries(_FamilyEncoder(encoder), self._process))
+        rest = own.encode(snap) + (own.process.encode() if own.process is not None else b"") + own.encoder.trailer
         if not gzip:
             return part.body + rest
         compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -15)

@@ -126,11 +126,11 @@ class CommReader:
         self.recheck = recheck
         self._clock = clock
         self._next_full = float("-inf")
-        # By PID as /proc lists it: (comm, settled); those not settled; those named CONTROL_COMM.
+        # By PID as /proc lists it: its comm; those not settled; those named CONTROL_COMM.
         # Kept as sets, a scan of a listing that changed costs set operations in C and a read
         # of the new and unsettled PIDs, not a pass over every process in Python (a node's
         # 700 processes: 0.42 ms a scan, issue 44).
-        self._comms: Dict[str, Tuple[bytes, bool]] = {}
+        self._comms: Dict[str, bytes] = {}
         self._unsettled: Set[str] = set()
         self._control: Set[str] = set()
         self._names: List[str] = []  # the last listing
@@ -143,10 +143,9 @@ class CommReader:
         started = False
         for pid in pids:
             comm = _comm(f"{proc_root}/{pid}")
-            kept = self._comms.get(pid)
-            settled = kept is not None and kept[0] == comm
+            settled = self._comms.get(pid) == comm
             started = started or comm == CONTROL_COMM and not settled
-            self._comms[pid] = (comm, settled)
+            self._comms[pid] = comm
             (self._unsettled.discard if settled else self._unsettled.add)(pid)
             (self._control.add if comm == CONTROL_COMM else self._control.discard)(pid)
         return started

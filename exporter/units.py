@@ -15,6 +15,7 @@ from typing import Optional
 # MPS sizes are binary: "2G" is 2 GiB (the capture: `set_default_device_pinned_mem_limit
 # 0 2G` makes the next server log "0x80000000 bytes").
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_UNITS_LARGEST_FIRST = sorted(set(_UNITS.values()), reverse=True)
 # re.ASCII: \s is ASCII whitespace; the digits are spelled [0-9] (never \d). At most 20
 # digits before the point (2**64 has 20) and 20 after; at most 16 hex digits.
 _SIZE = re.compile(r"^\s*([0-9]{1,20})(?:\.([0-9]{1,20}))?\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE | re.ASCII)
@@ -45,7 +46,7 @@ def printed_unit(size: int) -> int:
     the limit reaches: 1536M as `1G` (H200, driver 580;
     tests/gpu/reports/2026-11-29-h200-pinned-1536M), so an answer of `size` stands for
     any limit from `size` up to `size + printed_unit(size)`."""
-    for unit in sorted(set(_UNITS.values()), reverse=True):
+    for unit in _UNITS_LARGEST_FIRST:
         if size >= unit and size % unit == 0:
             return unit
     return 1
